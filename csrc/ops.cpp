@@ -1,0 +1,40 @@
+// Operator schemas of ppo_kernels; the kernels register implementations per device
+// (csrc/cpu/*.cpp for CPU, csrc/cuda/*.cu for CUDA) and ppo_kernels/_ops.py registers the
+// fake (meta) and autograd formulas. Shapes and conventions, shared by every backend:
+//   logits [B, Tl, V] with stride(2) == 1 and Tl >= T (Tl = T + 1 for the model's raw
+//   output; the positions t >= T are ignored and get a zero gradient); tokens int64 [B, T];
+//   mask bool [B, T]; every other per-token tensor [B, T] of the accumulation dtype
+//   (float64 for float64 logits, else float32); per-token outputs of that dtype; dlogits
+//   the shape and dtype of logits, contiguous. kl_estimator: 0 k1, 1 k2, 2 k3, 3 abs.
+//   dual_clip_c <= 0 means no dual clip. weights are the loss_agg_mode weights w_i.
+#include <torch/library.h>
+
+TORCH_LIBRARY(ppo_kernels, m) {
+  m.def(
+      "token_logprobs_fwd(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
+      "bool return_entropy) -> (Tensor logprobs, Tensor entropy, Tensor lse)");
+  m.def(
+      "token_logprobs_bwd(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
+      "Tensor tokens, Tensor mask, Tensor lse, Tensor entropy, float temperature) -> Tensor");
+  m.def(
+      "ppo_loss_fwd(Tensor logits, Tensor tokens, Tensor mask, Tensor old_logprobs, "
+      "Tensor advantages, Tensor weights, Tensor? ref_logprobs, Tensor? rollout_is_weights, "
+      "float clip_eps_low, float clip_eps_high, float dual_clip_c, float kl_coef, "
+      "int kl_estimator, float entropy_coef, float temperature, bool compute_grad) "
+      "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy, Tensor dlogits)");
+  // Same as ppo_loss_fwd with compute_grad, but the gradient overwrites the logits.
+  m.def(
+      "ppo_loss_fwd_inplace(Tensor(a!) logits, Tensor tokens, Tensor mask, "
+      "Tensor old_logprobs, Tensor advantages, Tensor weights, Tensor? ref_logprobs, "
+      "Tensor? rollout_is_weights, float clip_eps_low, float clip_eps_high, "
+      "float dual_clip_c, float kl_coef, int kl_estimator, float entropy_coef, "
+      "float temperature) -> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)");
+  m.def(
+      "gae(Tensor rewards, Tensor values, Tensor mask, Tensor? bootstrap_values, "
+      "float gamma, float lam) -> (Tensor advantages, Tensor returns)");
+  m.def(
+      "score_rollout(Tensor logits, Tensor tokens, Tensor mask, Tensor ref_logprobs, "
+      "Tensor values, Tensor scores, float kl_coef, int kl_estimator, float gamma, "
+      "float lam, float temperature) "
+      "-> (Tensor logprobs, Tensor kl, Tensor rewards, Tensor advantages, Tensor returns)");
+}

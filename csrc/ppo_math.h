@@ -1,0 +1,150 @@
+// Scalar PPO math shared by the CPU and CUDA kernels: the one C++ place for each formula.
+//
+// Everything here is per token: a logprob of the sampled token in, the loss terms and their
+// derivative with respect to that logprob out. The vocabulary-wide parts (logsumexp,
+// entropy, dlogits) live in the kernels, which call row_grad_coef / dlogit below.
+//
+// Sources: clipped surrogate, Schulman et al. 2017 "Proximal Policy Optimization
+// Algorithms", eq. 7; dual clip, Ye et al. 2020 "Mastering Complex Control in MOBA Games
+// with Deep RL", eq. 5; KL estimators k1/k2/k3, J. Schulman, "Approximating KL
+// Divergence" (2020). The numpy float64 oracle is ppo_kernels/reference.py.
+#pragma once
+
+#include <cmath>
+
+#if defined(__CUDACC__) || defined(__HIPCC__)
+#define PPO_HD __host__ __device__ __forceinline__
+#else
+#define PPO_HD inline
+#endif
+
+namespace ppo {
+
+// Matches the integer passed from Python (ppo_kernels/_checks.py: KL_ESTIMATORS).
+enum KlEstimator : int { kK1 = 0, kK2 = 1, kK3 = 2, kAbs = 3 };
+
+// |log-ratio| beyond this is clamped: exp(20) ~ 4.9e8 still fits float32 comfortably,
+// and a token that moved that far carries no trustworthy gradient anyway.
+constexpr double kLogRatioClamp = 20.0;
+
+PPO_HD float ppo_exp(float x) { return expf(x); }
+PPO_HD double ppo_exp(double x) { return exp(x); }
+
+template <typename T>
+PPO_HD T clampv(T x, T lo, T hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// Options of the policy loss, as scalars the kernels receive once.
+struct PolicyParams {
+  double clip_eps_low;
+  double clip_eps_high;
+  double dual_clip_c;  // <= 0: no dual clip
+  double kl_coef;
+  int kl_estimator;    // KlEstimator
+  double entropy_coef;
+  bool has_ref;
+  bool has_is_weights;
+};
+
+// Clipped-surrogate policy-gradient term of one token and d pg / d logp.
+//   d   = clamp(logp - old_logp, -20, 20), rho = exp(d)
+//   pg  = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)
+//   pg  = min(pg, -c A) where A < 0 and c > 1 (dual clip)
+// The unclipped branch is the active one on ties (rho inside the band or on its edge).
+template <typename T>
+struct PgTerm {
+  T pg;         // the loss term (before rollout IS weights)
+  T dpg_dlogp;  // its derivative with respect to logp
+  T ratio;      // rho
+};
+
+template <typename T>
+PPO_HD PgTerm<T> pg_term(T logp, T old_logp, T adv, const PolicyParams& p) {
+  const T lim = T(kLogRatioClamp);
+  const T d_raw = logp - old_logp;
+  const bool clamped = d_raw < -lim || d_raw > lim;
+  const T rho = ppo_exp(clampv(d_raw, -lim, lim));
+  const T unclipped = -rho * adv;
+  const T clipped = -clampv(rho, T(1) - T(p.clip_eps_low), T(1) + T(p.clip_eps_high)) * adv;
+  const bool unclipped_active = unclipped >= clipped;
+  T pg = unclipped_active ? unclipped : clipped;
+  T grad = unclipped_active ? -rho * adv : T(0);
+  if (p.dual_clip_c > 0 && adv < T(0)) {
+    const T cap = -T(p.dual_clip_c) * adv;
+    if (pg > cap) {
+      pg = cap;
+      grad = T(0);
+    }
+  }
+  if (clamped) grad = T(0);
+  return {pg, grad, rho};
+}
+
+// KL estimator of pi_theta against pi_ref from one sample, delta = logp - ref_logp,
+// and its derivative with respect to delta.
+template <typename T>
+struct KlTerm {
+  T kl;
+  T dkl_ddelta;
+};
+
+template <typename T>
+PPO_HD KlTerm<T> kl_term(T delta, int estimator) {
+  switch (estimator) {
+    case kK1:
+      return {delta, T(1)};
+    case kK2:
+      return {T(0.5) * delta * delta, delta};
+    case kAbs:
+      return {delta < T(0) ? -delta : delta, delta > T(0) ? T(1) : (delta < T(0) ? T(-1) : T(0))};
+    default: {  // kK3: exp(-c) - 1 + c, c = clamp(delta); only k3 has an exp to guard
+      const T lim = T(kLogRatioClamp);
+      const bool clamped = delta < -lim || delta > lim;
+      const T c = clampv(delta, -lim, lim);
+      const T e = ppo_exp(-c);
+      return {e - T(1) + c, clamped ? T(0) : T(1) - e};
+    }
+  }
+}
+
+// Everything the fused loss needs from one token, given its logprob and entropy.
+template <typename T>
+struct TokenLoss {
+  T loss;  // is_w * pg + kl_coef * kl - entropy_coef * H
+  T dlogp; // w * (is_w * d pg / d logp + kl_coef * d kl / d delta): d loss_agg / d logp
+  T dent;  // -w * entropy_coef: d loss_agg / d H
+};
+
+// w is the token's weight under loss_agg_mode (0 on masked tokens), is_w its rollout
+// importance weight (1 when none), ref_logp ignored unless p.has_ref.
+template <typename T>
+PPO_HD TokenLoss<T> token_loss(T logp, T entropy, T old_logp, T adv, T ref_logp, T is_w, T w,
+                               const PolicyParams& p) {
+  const PgTerm<T> g = pg_term(logp, old_logp, adv, p);
+  T loss = is_w * g.pg - T(p.entropy_coef) * entropy;
+  T dlogp = is_w * g.dpg_dlogp;
+  if (p.has_ref) {
+    const KlTerm<T> k = kl_term(logp - ref_logp, p.kl_estimator);
+    loss += T(p.kl_coef) * k.kl;
+    dlogp += T(p.kl_coef) * k.dkl_ddelta;
+  }
+  return {loss, w * dlogp, -w * T(p.entropy_coef)};
+}
+
+// Row gradient. With z = logits / temperature, p_v = exp(z_v - lse), H the entropy:
+//   d logp / d z_v = 1[v = token] - p_v
+//   d H    / d z_v = -p_v (log p_v + H)
+// so dlogits_v = (dlogp (1[v = token] - p_v) - dH... ) / temperature, written below as
+//   dlogits_v = (onehot_v * dlogp - p_v * (dlogp + dent * (log p_v + H))) / temperature.
+// A banned entry (z_v = -inf) has p_v = 0 and gets exactly 0, never 0 * inf = NaN.
+template <typename T>
+PPO_HD T dlogit(T z, T lse, T entropy, T dlogp, T dent, T inv_temp, bool is_token) {
+  const T logp_v = z - lse;
+  const T pv = ppo_exp(logp_v);
+  T g = pv == T(0) ? T(0) : -pv * (dlogp + dent * (logp_v + entropy));
+  if (is_token) g += dlogp;
+  return g * inv_temp;
+}
+
+}  // namespace ppo

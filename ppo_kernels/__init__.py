@@ -1,0 +1,17 @@
+"""ppo-kernels: fused PPO / GRPO loss kernels for LLM RLHF, straight from token logits.
+
+    import ppo_kernels as pk
+    loss, metrics = pk.ppo_loss(logits, tokens, old_logprobs, advantages, response_mask)
+
+Backends: "cpu" (C++, at::vec + at::parallel_for), "cuda", "triton", "torch" (eager
+composite); "auto" picks the compiled kernel for the tensors' device. The numpy float64
+oracle is ppo_kernels.reference. See DESIGN.md for the math and semantics.
+"""
+
+from ._ops import build_info
+from .advantages import Rollout, gae, kl_penalized_rewards, score_rollout, whiten
+from .loss import ppo_loss, token_logprobs, value_loss
+
+__all__ = ["token_logprobs", "ppo_loss", "value_loss", "gae", "kl_penalized_rewards",
+           "whiten", "score_rollout", "Rollout", "build_info"]
+__version__ = "0.1.0"

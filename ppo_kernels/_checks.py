@@ -1,0 +1,132 @@
+"""Argument checks shared by the public ops: every bad input becomes a ValueError or
+TypeError that names the argument, what was expected and what was given (DESIGN.md,
+"Bad input"), before any kernel runs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")  # index = ppo::KlEstimator in csrc/ppo_math.h
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm", "none")
+BACKENDS = ("auto", "cpu", "cuda", "triton", "torch")
+LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def tensor(name, x, *, floating=False, integer=False, boolean_ok=False):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if floating and not x.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a floating-point tensor, got dtype {x.dtype}")
+    if integer and (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
+        raise TypeError(f"{name}: expected an integer tensor (token ids), got dtype {x.dtype}")
+    return x
+
+
+def same_device(name, x, ref_name, ref):
+    if x.device != ref.device:
+        raise ValueError(f"{name}: expected a tensor on {ref.device} (the device of {ref_name}),"
+                         f" got one on {x.device}")
+
+
+def choice(name, value, options):
+    if value not in options:
+        raise ValueError(f"{name}: expected one of {list(options)}, got {value!r}")
+    return value
+
+
+def number(name, value, *, lo=None, hi=None, lo_open=False, hi_open=False):
+    """A finite real number inside [lo, hi] (open ends where asked)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
+    v = float(value)
+    bad = not math.isfinite(v)
+    if lo is not None:
+        bad |= v <= lo if lo_open else v < lo
+    if hi is not None:
+        bad |= v >= hi if hi_open else v > hi
+    if bad:
+        lo_s = "-inf" if lo is None else f"{lo}"
+        hi_s = "inf" if hi is None else f"{hi}"
+        rng = f"{'(' if lo_open or lo is None else '['}{lo_s}, {hi_s}{')' if hi_open or hi is None else ']'}"
+        raise ValueError(f"{name}: expected a finite number in {rng}, got {value!r}")
+    return v
+
+
+def logits_and_tokens(logits, tokens):
+    """Validates logits/tokens and returns (logits3 [B, Tl, V], tokens2 [B, T] int64, flat).
+
+    logits may be [B, T, V] or [B, T + 1, V] with tokens [B, T], or [N, V] with tokens [N]
+    (flat=True: outputs are squeezed back). Batch/time strides are kept (no copy); only a
+    last dimension that is not contiguous is copied.
+    """
+    tensor("logits", logits)
+    if logits.dtype not in LOGITS_DTYPES:
+        raise TypeError(f"logits: expected float32, bfloat16, float16 or float64, got {logits.dtype}")
+    tensor("tokens", tokens, integer=True)
+    same_device("tokens", tokens, "logits", logits)
+    flat = logits.dim() == 2
+    if flat:
+        if tokens.dim() != 1 or tokens.shape[0] != logits.shape[0]:
+            raise ValueError(f"tokens: with logits [N, V] = {list(logits.shape)} expected tokens "
+                             f"[N] = [{logits.shape[0]}], got {list(tokens.shape)}")
+        logits, tokens = logits.unsqueeze(0), tokens.unsqueeze(0)
+    elif logits.dim() != 3:
+        raise ValueError(f"logits: expected [B, T, V], [B, T + 1, V] or [N, V], got shape "
+                         f"{list(logits.shape)}")
+    if tokens.dim() != 2 or tokens.shape[0] != logits.shape[0] or \
+            logits.shape[1] not in (tokens.shape[1], tokens.shape[1] + 1):
+        raise ValueError(f"tokens: expected [B, T] matching logits [B, T, V] or [B, T + 1, V] = "
+                         f"{list(logits.shape)}, got {list(tokens.shape)}")
+    if logits.shape[2] == 0:
+        raise ValueError("logits: empty vocabulary (V = 0)")
+    if logits.stride(2) != 1:
+        logits = logits.contiguous()  # the kernels read rows with unit stride
+    return logits, tokens.long(), flat
+
+
+def response_mask(mask, tokens, flat):
+    """bool [B, T]; None means every position is valid."""
+    if mask is None:
+        return torch.ones_like(tokens, dtype=torch.bool)
+    tensor("response_mask", mask)
+    same_device("response_mask", mask, "tokens", tokens)
+    if flat:
+        mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
+    if tuple(mask.shape) != tuple(tokens.shape):
+        raise ValueError(f"response_mask: expected shape {list(tokens.shape[1:] if flat else tokens.shape)},"
+                         f" got {list(mask.shape[1:] if flat else mask.shape)}")
+    return mask != 0
+
+
+def token_range(tokens, mask, vocab):
+    """Out-of-range ids on valid positions are an error (masked ones are never read)."""
+    bad = mask & ((tokens < 0) | (tokens >= vocab))
+    if bool(bad.any()):
+        idx = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"tokens: ids must lie in [0, {vocab}) on valid positions; got "
+                         f"{int(tokens[tuple(idx)])} at position {idx}")
+
+
+def per_token(name, x, tokens, flat, dtype, *, optional=False):
+    """A [B, T] float tensor aligned with tokens, converted to the accumulation dtype."""
+    if x is None:
+        if optional:
+            return None
+        raise TypeError(f"{name}: expected a tensor, got None")
+    tensor(name, x, floating=True)
+    same_device(name, x, "tokens", tokens)
+    if flat and x.dim() == 1:
+        x = x.unsqueeze(0)
+    if tuple(x.shape) != tuple(tokens.shape):
+        shown = tokens.shape[1:] if flat else tokens.shape
+        raise ValueError(f"{name}: expected shape {list(shown)}, got "
+                         f"{list(x.shape[1:] if flat and x.dim() == 2 else x.shape)}")
+    return x.to(dtype).contiguous()
+
+
+def acc_dtype(logits):
+    """float64 logits keep float64 (gradcheck); everything else accumulates in float32."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32

@@ -1,0 +1,279 @@
+"""Loads the compiled kernels and registers, for each kernel op of csrc/ops.cpp (and its
+Triton twin `triton_<name>`), the fake (shape) function and the autograd formula. Also
+holds the backend table the public ops dispatch through.
+
+CPU kernels are compiled once per SIMD capability (setup.py); the best module this
+processor runs is loaded, the same choice ATen makes for its own kernels (it honours
+ATEN_CPU_CAPABILITY, so a lower one can be forced for testing).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from . import _torch_impl
+
+_C = None
+CPU_CAPABILITY = None
+_LOAD_ERROR = None
+try:
+    from . import _C  # noqa: F811  (schemas, CUDA kernels, build_info)
+
+    _order = {"AVX512": ("avx512", "avx2", "default"), "AVX2": ("avx2", "default")}
+    for _cap in _order.get(torch.backends.cpu.get_cpu_capability(), ("default",)):
+        try:
+            importlib.import_module(f"ppo_kernels._cpu_{_cap}")
+            CPU_CAPABILITY = _cap
+            break
+        except ImportError as e:  # a capability not built on this platform
+            _LOAD_ERROR = e
+except ImportError as e:
+    _LOAD_ERROR = e
+
+HAS_CPU = CPU_CAPABILITY is not None
+HAS_CUDA = _C is not None and bool(_C.build_info()["cuda"])
+
+_KERNEL_OPS = ("token_logprobs_fwd", "token_logprobs_bwd", "ppo_loss_fwd",
+               "ppo_loss_fwd_inplace", "gae", "score_rollout")
+
+
+# ------------------------------------------------------------------ fake (shape) functions
+
+def _acc(logits):
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _fake_token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
+    acc = _acc(logits)
+    ent_shape = tokens.shape if return_entropy else (0,)
+    return (tokens.new_empty(tokens.shape, dtype=acc), tokens.new_empty(ent_shape, dtype=acc),
+            tokens.new_empty(tokens.shape, dtype=acc))
+
+
+def _fake_token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, lse, entropy,
+                             temperature):
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _fake_ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
+                       rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
+                       kl_estimator, entropy_coef, temperature, compute_grad):
+    acc = _acc(logits)
+    per_tok = [tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)]
+    dl = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype,
+                     device=logits.device)
+    return (tokens.new_empty((), dtype=acc), *per_tok, dl)
+
+
+def _fake_ppo_loss_fwd_inplace(logits, *args):
+    acc = _acc(logits)
+    tokens = args[0]
+    return (tokens.new_empty((), dtype=acc),
+            *[tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)])
+
+
+def _fake_gae(rewards, values, mask, bootstrap_values, gamma, lam):
+    return torch.empty_like(rewards), torch.empty_like(rewards)
+
+
+def _fake_score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
+                        kl_estimator, gamma, lam, temperature):
+    return tuple(tokens.new_empty(tokens.shape, dtype=torch.float32) for _ in range(5))
+
+
+# ------------------------------------------------------------------ autograd formulas
+
+def _scale(grad, dlogits):
+    """grad_output * dlogits; with the usual grad_output of 1 there is nothing to do (the
+    check reads one scalar; under torch.compile the product is left to the compiler)."""
+    if not torch.compiler.is_compiling() and grad.numel() == 1 and float(grad) == 1.0:
+        return dlogits
+    return dlogits * grad.to(dlogits.dtype)
+
+
+def _lp_setup(ctx, inputs, output):
+    logits, tokens, mask, temperature, return_entropy = inputs
+    _, ent, lse = output
+    ctx.save_for_backward(logits, tokens, mask, lse, ent)
+    ctx.temperature, ctx.return_entropy = temperature, return_entropy
+
+
+def _lp_backward_for(prefix):
+    def backward(ctx, grad_logp, grad_ent, _grad_lse):
+        logits, tokens, mask, lse, ent = ctx.saved_tensors
+        bwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_bwd")
+        acc = lse.dtype
+        g_ent = grad_ent.to(acc).contiguous() if ctx.return_entropy else None
+        dl = bwd(grad_logp.to(acc).contiguous(), g_ent, logits, tokens, mask, lse, ent,
+                 ctx.temperature)
+        return dl, None, None, None, None
+    return backward
+
+
+def _loss_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[4])
+
+
+def _loss_backward(ctx, grad_loss, *_):
+    (dlogits,) = ctx.saved_tensors
+    return (_scale(grad_loss, dlogits),) + (None,) * 15
+
+
+_registered = set()
+
+
+def _register(prefix):
+    """fake + autograd for the kernel ops named prefix + name (once per prefix)."""
+    if prefix in _registered:
+        return
+    lib = "ppo_kernels::" + prefix
+    fakes = {"token_logprobs_fwd": _fake_token_logprobs_fwd,
+             "token_logprobs_bwd": _fake_token_logprobs_bwd,
+             "ppo_loss_fwd": _fake_ppo_loss_fwd,
+             "ppo_loss_fwd_inplace": _fake_ppo_loss_fwd_inplace,
+             "gae": _fake_gae, "score_rollout": _fake_score_rollout}
+    for name, fn in fakes.items():
+        torch.library.register_fake(lib + name, fn)
+    torch.library.register_autograd(lib + "token_logprobs_fwd", _lp_backward_for(prefix),
+                                    setup_context=_lp_setup)
+    torch.library.register_autograd(lib + "ppo_loss_fwd", _loss_backward,
+                                    setup_context=_loss_setup)
+    _registered.add(prefix)
+
+
+if _C is not None:
+    _register("")
+
+
+# ------------------------------------------------------------------ backends
+
+class _InplaceLoss(torch.autograd.Function):
+    """ppo_loss whose gradient is written over the logits (inplace_backward=True): saves
+    the one [N, V] buffer; the caller promised not to use the logits afterwards."""
+
+    @staticmethod
+    def forward(ctx, logits, op, args):
+        loss, loss_tok, logp, ent = op(logits, *args)
+        ctx.buf = logits
+        ctx.mark_non_differentiable(loss_tok, logp, ent)
+        return loss, loss_tok, logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        buf = ctx.buf
+        del ctx.buf
+        if torch.compiler.is_compiling() or grad_loss.numel() != 1 or float(grad_loss) != 1.0:
+            buf.mul_(grad_loss.to(buf.dtype))
+        return buf, None, None
+
+
+class KernelBackend:
+    """A backend made of the compiled ops (prefix "") or the Triton ones ("triton_")."""
+
+    def __init__(self, name, prefix):
+        self.name, self.prefix = name, prefix
+
+    def _op(self, name):
+        return getattr(torch.ops.ppo_kernels, self.prefix + name)
+
+    def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
+        logp, ent, _ = self._op("token_logprobs_fwd")(logits, tokens, mask, temperature,
+                                                       return_entropy)
+        return logp, (ent if return_entropy else None)
+
+    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace):
+        args = (tokens, mask, old, adv, weights, ref, isw, p["clip_eps_low"],
+                p["clip_eps_high"], p["dual_clip_c"] or 0.0, p["kl_coef"],
+                p["kl_estimator_id"], p["entropy_coef"], p["temperature"])
+        need_grad = torch.is_grad_enabled() and logits.requires_grad
+        if inplace and need_grad:
+            return _InplaceLoss.apply(logits, self._op("ppo_loss_fwd_inplace"), args)
+        loss, loss_tok, logp, ent, _ = self._op("ppo_loss_fwd")(logits, *args, need_grad)
+        return loss, loss_tok.detach(), logp.detach(), ent.detach()
+
+    def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):
+        return self._op("gae")(rewards, values, mask, bootstrap_values, gamma, lam)
+
+    def score_rollout(self, *args):
+        return self._op("score_rollout")(*args)
+
+
+class TorchBackend:
+    """The eager composite of _torch_impl, behind the same methods."""
+
+    name = "torch"
+
+    def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
+        return _torch_impl.token_logprobs(logits, tokens, mask, temperature, return_entropy)
+
+    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace):
+        loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, tokens, mask, old, adv, weights,
+                                                         ref, isw, p)
+        return loss, loss_tok.detach(), logp.detach(), ent.detach()
+
+    def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):
+        return _torch_impl.gae(rewards, values, mask, bootstrap_values, gamma, lam)
+
+    def score_rollout(self, logits, tokens, mask, ref, values, scores, kl_coef, kl_estimator_id,
+                      gamma, lam, temperature):
+        from ._checks import KL_ESTIMATORS
+
+        return _torch_impl.score_rollout(logits, tokens, mask, ref, values, scores, kl_coef,
+                                         KL_ESTIMATORS[kl_estimator_id], gamma, lam, temperature)
+
+
+def _triton_importable():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        importlib.import_module("ppo_kernels.triton_kernels.ops")
+    except ImportError:
+        return False
+    _register("triton_")
+    return True
+
+
+def get_backend(backend, device):
+    """The backend object for `backend` and the tensors' device, or a ValueError."""
+    dev = device.type
+    if backend == "auto":
+        if dev == "cuda":
+            backend = "cuda" if HAS_CUDA else ("triton" if _triton_importable() else "torch")
+        else:
+            backend = "cpu" if HAS_CPU else "torch"
+    if backend == "torch":
+        return TorchBackend()
+    if backend == "cpu":
+        if not HAS_CPU:
+            raise ValueError(f"backend: 'cpu' was asked for but the C++ extension is not built "
+                             f"({_LOAD_ERROR}); build with `pip install -e . "
+                             f"--no-build-isolation` or use backend='torch'")
+        if dev != "cpu":
+            raise ValueError(f"backend: 'cpu' needs CPU tensors, got tensors on {device}")
+        return KernelBackend("cpu", "")
+    if backend == "cuda":
+        if not HAS_CUDA:
+            raise ValueError("backend: 'cuda' was asked for but the extension was built "
+                             "without CUDA; use backend='triton' or 'torch'")
+        if dev != "cuda":
+            raise ValueError(f"backend: 'cuda' needs CUDA tensors, got tensors on {device}")
+        return KernelBackend("cuda", "")
+    if backend == "triton":
+        if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for "
+                             f"the interpreter), got tensors on {device}")
+        if not _triton_importable():
+            raise ValueError("backend: 'triton' was asked for but triton is not importable")
+        return KernelBackend("triton", "triton_")
+    raise ValueError(f"backend: expected one of ['auto', 'cpu', 'cuda', 'triton', 'torch'], "
+                     f"got {backend!r}")
+
+
+def build_info():
+    """Which backends were compiled, the CPU SIMD variant loaded and the thread count."""
+    info = dict(_C.build_info()) if _C is not None else {"cuda": False}
+    info.update(cpu=HAS_CPU, cpu_capability=CPU_CAPABILITY, num_threads=torch.get_num_threads())
+    return info

@@ -1,0 +1,181 @@
+"""Rollout-side ops: gae, kl_penalized_rewards, whiten, score_rollout."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import _checks as ck
+from . import _torch_impl
+from ._ops import get_backend
+
+
+def _seq_tensors(rewards_name, rewards, values_name, values, response_mask):
+    ck.tensor(rewards_name, rewards, floating=True)
+    if rewards.dim() != 2:
+        raise ValueError(f"{rewards_name}: expected [B, T], got shape {list(rewards.shape)}")
+    acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    shape_of = torch.empty(rewards.shape, dtype=torch.long, device=rewards.device)
+    v = ck.per_token(values_name, values, shape_of, False, acc)
+    mask = ck.response_mask(response_mask, shape_of, False)
+    return rewards.to(acc).contiguous(), v, mask, acc
+
+
+def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_values=None,
+        backend="auto"):
+    """Generalised advantage estimation, a reverse scan over T (Schulman et al. 2016, eq. 16).
+
+    delta_t = r_t + gamma V_next - V_t;  A_t = delta_t + gamma lam A_next. Masked positions
+    are transparent: V_next and A_next carry across them unchanged, without decay. After the
+    last valid token V_next = 0 (terminated) unless ``bootstrap_values`` (truncated).
+
+    Args:
+        rewards, values: float [B, T]. response_mask: [B, T], nonzero = valid; None = all.
+        gamma, lam: in [0, 1]. bootstrap_values: float [B] or None.
+        backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
+
+    Returns:
+        (advantages, returns = advantages + values), float32 [B, T] (float64 for float64
+        rewards), 0 where the mask is 0. No gradient.
+
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    r, v, mask, acc = _seq_tensors("rewards", rewards, "values", values, response_mask)
+    gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
+    lam = ck.number("lam", lam, lo=0.0, hi=1.0)
+    boot = None
+    if bootstrap_values is not None:
+        ck.tensor("bootstrap_values", bootstrap_values, floating=True)
+        ck.same_device("bootstrap_values", bootstrap_values, "rewards", r)
+        if tuple(bootstrap_values.shape) != (r.shape[0],):
+            raise ValueError(f"bootstrap_values: expected shape [{r.shape[0]}], got "
+                             f"{list(bootstrap_values.shape)}")
+        boot = bootstrap_values.detach().to(acc).contiguous()
+    be = get_backend(backend, r.device)
+    with torch.no_grad():
+        return be.gae(r.detach(), v.detach(), mask, boot, gamma, lam)
+
+
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, response_mask, *, kl_coef,
+                         kl_estimator="k1"):
+    """Per-token rewards r_t = -kl_coef * kl_t, plus scores[b] on the LAST valid token of
+    sequence b (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022).
+
+    Args:
+        scores: float [B], the reward model's sequence scores.
+        logprobs, ref_logprobs: float [B, T]. response_mask: [B, T].
+        kl_coef: >= 0. kl_estimator: "k1" | "k2" | "k3" | "abs".
+
+    Returns:
+        rewards float32 [B, T], 0 where masked.
+
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    lp, ref, mask, _ = _seq_tensors("logprobs", logprobs, "ref_logprobs", ref_logprobs,
+                                    response_mask)
+    _scores(scores, lp)
+    kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
+    ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
+    with torch.no_grad():
+        return _torch_impl.kl_penalized_rewards(scores, lp, ref, mask, kl_coef, kl_estimator)[0]
+
+
+def _scores(scores, like):
+    ck.tensor("scores", scores, floating=True)
+    ck.same_device("scores", scores, "logprobs", like)
+    if tuple(scores.shape) != (like.shape[0],):
+        raise ValueError(f"scores: expected shape [{like.shape[0]}], got {list(scores.shape)}")
+
+
+def whiten(x, response_mask, *, shift_mean=True, eps=1e-8):
+    """Normalise ``x`` over the valid tokens: (x - mean) / sqrt(var + eps), with the unbiased
+    (n - 1) variance; ``shift_mean=False`` adds the mean back. Masked positions give 0; one
+    valid token is only centred (gives 0), never NaN; no valid token gives all 0.
+
+    Args:
+        x: float [B, T]. response_mask: [B, T]. eps: >= 0.
+
+    Returns:
+        float [B, T] of x's dtype (differentiable).
+
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    ck.tensor("x", x, floating=True)
+    mask = ck.response_mask(response_mask, torch.empty(x.shape, dtype=torch.long,
+                                                       device=x.device), False)
+    eps = ck.number("eps", eps, lo=0.0)
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    centred = (x - mean) * m
+    var = (centred * centred).sum() / (n - 1).clamp(min=1)
+    scale = torch.where(n > 1, torch.rsqrt(var + eps), torch.ones_like(var))
+    out = centred * scale
+    if not shift_mean:
+        out = out + mean * m
+    return out
+
+
+_whiten = whiten  # score_rollout's `whiten` flag shadows the function's name
+
+
+class Rollout(NamedTuple):
+    """score_rollout's outputs, float32 [B, T] each, 0 where masked."""
+
+    logprobs: torch.Tensor  # the old_logprobs of the PPO update
+    kl: torch.Tensor  # per-token KL estimate against the reference
+    rewards: torch.Tensor  # KL-penalised, with the score on the last valid token
+    advantages: torch.Tensor  # GAE, whitened over valid tokens when whiten=True
+    returns: torch.Tensor  # advantages + values, computed before whitening
+
+
+def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *, kl_coef,
+                  kl_estimator="k1", gamma=1.0, lam=0.95, temperature=1.0, whiten=True,
+                  backend="auto"):
+    """The rollout side in one pass over the logits: logprobs of the sampled tokens, per-token
+    KL to the reference, KL-penalised rewards (score on the last valid token), GAE
+    advantages and returns, then (optionally) whitened advantages.
+
+    Args:
+        logits: [B, T, V] or [B, T + 1, V] of the policy that sampled ``tokens`` (no grad).
+        tokens: int [B, T]. ref_logprobs, values: float [B, T]. scores: float [B].
+        response_mask: [B, T]. kl_coef: >= 0. kl_estimator: "k1" | "k2" | "k3" | "abs".
+        gamma, lam: in [0, 1]. temperature: > 0. whiten: whiten the advantages.
+        backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
+
+    Returns:
+        Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each.
+
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
+    if flat:
+        raise ValueError(f"logits: score_rollout needs [B, T, V] or [B, T + 1, V], got "
+                         f"{list(logits.shape)}")
+    mask = ck.response_mask(response_mask, tokens2, False)
+    ref = ck.per_token("ref_logprobs", ref_logprobs, tokens2, False, torch.float32)
+    vals = ck.per_token("values", values, tokens2, False, torch.float32)
+    _scores(scores, ref)
+    kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
+    ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
+    gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
+    lam = ck.number("lam", lam, lo=0.0, hi=1.0)
+    temperature = ck.number("temperature", temperature, lo=0.0, lo_open=True)
+    ck.choice("whiten", whiten, (True, False))
+    be = get_backend(backend, logits3.device)
+    ck.token_range(tokens2, mask, logits3.shape[2])
+    if logits3.dtype == torch.float64:
+        logits3 = logits3.float()  # rollout outputs are float32 by contract
+    with torch.no_grad():
+        logp, kl, rewards, adv, ret = be.score_rollout(
+            logits3.detach(), tokens2, mask, ref.detach(), vals.detach(),
+            scores.detach().float().contiguous(), kl_coef, ck.KL_ESTIMATORS.index(kl_estimator),
+            gamma, lam, temperature)
+        if whiten:
+            adv = _whiten(adv, mask)
+    return Rollout(logp, kl, rewards, adv, ret)

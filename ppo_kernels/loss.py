@@ -1,0 +1,191 @@
+"""Public loss ops: token_logprobs, ppo_loss, value_loss (argument checks, dispatch)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks as ck
+from . import _torch_impl
+from ._ops import get_backend
+
+
+def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
+                   return_entropy=False, backend="auto"):
+    """Log-probabilities of the sampled tokens (and the policy entropy), from logits.
+
+    logp_t = z[t, tokens_t] - logsumexp_v z[t, v] with z = logits / temperature;
+    H_t = logsumexp_v z - sum_v p_v z_v. Differentiable with respect to ``logits``.
+
+    Args:
+        logits: [B, T, V], [B, T + 1, V] (raw model output; the last position is ignored and
+            gets a zero gradient) or [N, V]; float32, bfloat16, float16 or float64. Any
+            batch/time strides (no copy); a non-unit vocabulary stride is copied.
+        tokens: int [B, T] (or [N]), sampled token ids.
+        response_mask: [B, T] bool/int/float, nonzero = valid; None = all valid. Masked
+            positions are never read and come back 0.
+        temperature: > 0, the sampling temperature the logits are divided by.
+        return_entropy: also return the entropy H [B, T] (nats).
+        backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
+
+    Returns:
+        logprobs [B, T] (nats), or (logprobs, entropy); float32 (float64 for float64 logits).
+
+    Raises:
+        TypeError / ValueError naming the argument for wrong types, shapes, devices,
+        out-of-range token ids on valid positions, a non-positive temperature or an unknown
+        or unavailable backend.
+    """
+    logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
+    mask = ck.response_mask(response_mask, tokens2, flat)
+    temperature = ck.number("temperature", temperature, lo=0.0, lo_open=True)
+    ck.choice("return_entropy", return_entropy, (True, False))
+    be = get_backend(backend, logits3.device)
+    ck.token_range(tokens2, mask, logits3.shape[2])
+    logp, ent = be.token_logprobs(logits3, tokens2, mask, temperature, return_entropy)
+    if flat:
+        logp = logp[0]
+        ent = ent[0] if ent is not None else None
+    return (logp, ent) if return_entropy else logp
+
+
+def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_logprobs=None,
+             *, clip_eps_low=0.2, clip_eps_high=None, dual_clip_c=None, kl_coef=0.0,
+             kl_estimator="k3", entropy_coef=0.0, temperature=1.0, loss_agg_mode="token-mean",
+             global_num_tokens=None, norm_length=None, rollout_is_weights=None,
+             inplace_backward=False, backend="auto"):
+    """Fused PPO / GRPO policy loss straight from the logits, and its metrics.
+
+    Per token (DESIGN.md): rho = exp(clamp(logp - old_logp, -20, 20));
+    pg = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) (Schulman et al. 2017, eq. 7),
+    capped at -c A where A < 0 with dual clip c (Ye et al. 2020, eq. 5), times
+    rollout_is_weights; loss = pg + kl_coef * kl(logp, ref_logp) - entropy_coef * H with the
+    k1/k2/k3/abs estimator (Schulman 2020); aggregated by ``loss_agg_mode``. On the kernel
+    backends the gradient with respect to the logits is written in the same pass over the
+    logits; backward only scales it. No [N, V] intermediate is materialised.
+
+    Args:
+        logits: [B, T, V], [B, T + 1, V] or [N, V]; float32, bfloat16, float16 or float64.
+        tokens: int [B, T] (or [N]), the sampled tokens.
+        old_logprobs, advantages: float [B, T], from the rollout policy.
+        response_mask: [B, T], nonzero = valid token; None = all valid.
+        ref_logprobs: float [B, T] of the frozen reference policy; needed when kl_coef > 0.
+        clip_eps_low, clip_eps_high: in [0, 1); clip_eps_high=None means clip_eps_low.
+        dual_clip_c: > 1, or None for no dual clip.
+        kl_coef: >= 0 (beta). kl_estimator: "k1" | "k2" | "k3" | "abs".
+        entropy_coef: entropy bonus weight. temperature: > 0.
+        loss_agg_mode: "token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean" |
+            "seq-mean-token-sum-norm" | "none" (per-token loss [B, T], 0 where masked).
+        global_num_tokens: > 0, the token-mean denominator across data-parallel ranks.
+        norm_length: > 0, the seq-mean-token-sum-norm length (default T; Dr. GRPO).
+        rollout_is_weights: float [B, T], no gradient; multiplies pg and its gradient.
+        inplace_backward: write the gradient into the logits' storage (the logits must not
+            be used afterwards); saves one [N, V] buffer.
+        backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
+
+    Returns:
+        (loss, metrics): loss a 0-d float32 tensor (float64 for float64 logits) or [B, T]
+        for "none"; metrics a dict of 0-d float32 tensors without gradient: clip_frac,
+        clip_frac_high, clip_frac_low, dual_clip_frac, approx_kl, kl_ref, entropy,
+        ratio_mean, ratio_max (means over valid tokens, 0 if none).
+
+    Raises:
+        TypeError / ValueError naming the argument (see DESIGN.md, "Bad input").
+    """
+    logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
+    mask = ck.response_mask(response_mask, tokens2, flat)
+    acc = ck.acc_dtype(logits3)
+    old = ck.per_token("old_logprobs", old_logprobs, tokens2, flat, acc)
+    adv = ck.per_token("advantages", advantages, tokens2, flat, acc)
+    ref = ck.per_token("ref_logprobs", ref_logprobs, tokens2, flat, acc, optional=True)
+    isw = ck.per_token("rollout_is_weights", rollout_is_weights, tokens2, flat, acc,
+                       optional=True)
+    if isw is not None:
+        isw = isw.detach()
+    eps_low = ck.number("clip_eps_low", clip_eps_low, lo=0.0, hi=1.0, hi_open=True)
+    eps_high = eps_low if clip_eps_high is None else ck.number(
+        "clip_eps_high", clip_eps_high, lo=0.0, hi=1.0, hi_open=True)
+    if dual_clip_c is not None:
+        dual_clip_c = ck.number("dual_clip_c", dual_clip_c, lo=1.0, lo_open=True)
+    kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
+    ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
+    if kl_coef > 0 and ref is None:
+        raise ValueError(f"ref_logprobs: kl_coef = {kl_coef} > 0 needs ref_logprobs, got None")
+    entropy_coef = ck.number("entropy_coef", entropy_coef)
+    temperature = ck.number("temperature", temperature, lo=0.0, lo_open=True)
+    ck.choice("loss_agg_mode", loss_agg_mode, ck.LOSS_AGG_MODES)
+    if global_num_tokens is not None:
+        global_num_tokens = ck.number("global_num_tokens", global_num_tokens, lo=0.0,
+                                      lo_open=True)
+    if norm_length is not None:
+        norm_length = ck.number("norm_length", norm_length, lo=0.0, lo_open=True)
+    ck.choice("inplace_backward", inplace_backward, (True, False))
+    be = get_backend(backend, logits3.device)
+    ck.token_range(tokens2, mask, logits3.shape[2])
+
+    p = dict(clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual_clip_c,
+             kl_coef=kl_coef, kl_estimator=kl_estimator,
+             kl_estimator_id=ck.KL_ESTIMATORS.index(kl_estimator), entropy_coef=entropy_coef,
+             temperature=temperature)
+    if loss_agg_mode == "none":
+        # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
+        logp, ent = be.token_logprobs(logits3, tokens2, mask, temperature, True)
+        loss = torch.where(mask, _torch_impl.token_loss(logp, ent, old, adv, ref, isw, p), 0.0)
+        if flat:
+            loss = loss[0]
+    else:
+        weights = _torch_impl.agg_weights(mask, loss_agg_mode, global_num_tokens, norm_length,
+                                          dtype=acc)
+        loss, _, logp, ent = be.ppo_loss(logits3, tokens2, mask, old, adv, weights, ref, isw, p,
+                                         inplace_backward)
+    metrics = _torch_impl.metrics(logp, ent, old, adv, ref, mask, p)
+    return loss, metrics
+
+
+def value_loss(values, old_values, returns, response_mask=None, *, clip_range=None,
+               loss_agg_mode="token-mean"):
+    """Clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)).
+
+    The PPO2 value clipping of OpenAI baselines (also verl's compute_value_loss).
+
+    Args:
+        values: float [B, T], the critic's predictions (differentiable).
+        old_values: float [B, T], the rollout's predictions. returns: float [B, T].
+        response_mask: [B, T], nonzero = valid; None = all valid.
+        clip_range: c >= 0, or None for no clipping.
+        loss_agg_mode: as in ppo_loss ("none" gives the per-token loss).
+
+    Returns:
+        (loss, metrics): metrics = {"vf_clip_frac": fraction of valid tokens where the
+        clipped error is strictly the larger}.
+
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    ck.tensor("values", values, floating=True)
+    if values.dim() not in (1, 2):
+        raise ValueError(f"values: expected [B, T] (or [N]), got shape {list(values.shape)}")
+    v = values if values.dim() == 2 else values.unsqueeze(0)
+    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    flat = values.dim() == 1
+    dummy = torch.empty(v.shape, dtype=torch.long, device=v.device)
+    vo = ck.per_token("old_values", old_values, dummy, flat, acc)
+    ret = ck.per_token("returns", returns, dummy, flat, acc)
+    mask = ck.response_mask(response_mask, dummy, flat)
+    if clip_range is not None:
+        clip_range = ck.number("clip_range", clip_range, lo=0.0)
+    ck.choice("loss_agg_mode", loss_agg_mode, ck.LOSS_AGG_MODES)
+    v = v.to(acc)
+    err = (v - ret) ** 2
+    clipped_larger = torch.zeros_like(mask)
+    if clip_range is not None:
+        vc = torch.clamp(v, vo - clip_range, vo + clip_range)
+        err_c = (vc - ret) ** 2
+        clipped_larger = err_c > err
+        err = torch.where(clipped_larger, err_c, err)
+    loss_tok = torch.where(mask, 0.5 * err, 0.0)
+    if loss_agg_mode == "none":
+        loss = loss_tok[0] if flat else loss_tok
+    else:
+        loss = (_torch_impl.agg_weights(mask, loss_agg_mode, dtype=acc) * loss_tok).sum()
+    n = mask.sum().clamp(min=1)
+    return loss, {"vf_clip_frac": (clipped_larger & mask).sum().float() / n}

@@ -1,0 +1,302 @@
+"""numpy float64 reference of every public op, with analytic gradients: the test oracle.
+
+Written for clarity, not speed: one formula per function, plain numpy, float64 throughout.
+Inputs may be numpy arrays or torch tensors (converted with ``as_f64``). The math is that
+of DESIGN.md; sources: PPO clipped surrogate, Schulman et al. 2017, eq. 7; dual clip,
+Ye et al. 2020, eq. 5; KL estimators k1/k2/k3, Schulman 2020 "Approximating KL
+Divergence"; GAE, Schulman et al. 2016, eq. 16; Dr. GRPO length normalisation,
+Liu et al. 2025.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+LOG_RATIO_CLAMP = 20.0
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm", "none")
+
+
+def as_f64(x):
+    """A numpy float64 copy of ``x`` (numpy array, torch tensor or number); None stays None."""
+    if x is None:
+        return None
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        if x.dtype.is_floating_point:
+            x = x.double()
+        x = x.numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def _as_int(x):
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=np.int64)
+
+
+def _mask(mask, shape):
+    return np.ones(shape) if mask is None else (as_f64(mask) != 0).astype(np.float64)
+
+
+def _align(logits, tokens):
+    """Logits [B, T(+1), V] -> [B, T, V] aligned with tokens [B, T]."""
+    logits = as_f64(logits)
+    tokens = _as_int(tokens)
+    return logits[:, : tokens.shape[1]], tokens
+
+
+# ---------------------------------------------------------------- per-row softmax parts
+
+def _row_stats(z):
+    """logsumexp and entropy of rows of z [..., V]; -inf entries have p = 0."""
+    m = np.max(z, axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(z - m)
+    s = e.sum(-1, keepdims=True)
+    lse = (m + np.log(s))[..., 0]
+    p = e / s
+    zp = np.where(p > 0, z, 0.0) * p
+    ent = lse - zp.sum(-1)
+    return lse, ent, p
+
+
+def token_logprobs(logits, tokens, response_mask=None, temperature=1.0):
+    """logprobs [B, T] and entropy [B, T] of the sampled tokens; 0 on masked positions."""
+    z, tokens = _align(logits, tokens)
+    m = _mask(response_mask, tokens.shape)
+    z = z / temperature
+    lse, ent, _ = _row_stats(z)
+    safe = np.where(m > 0, tokens, 0)
+    logp = np.take_along_axis(z, safe[..., None], -1)[..., 0] - lse
+    return np.where(m > 0, logp, 0.0), np.where(m > 0, ent, 0.0)
+
+
+def token_logprobs_grad(logits, tokens, response_mask, temperature, grad_logprobs,
+                        grad_entropy=None):
+    """d/dlogits of sum(grad_logprobs * logp + grad_entropy * H), shaped like ``logits``."""
+    full = as_f64(logits)
+    z, tokens = _align(full, tokens)
+    m = _mask(response_mask, tokens.shape)
+    z = z / temperature
+    lse, ent, p = _row_stats(z)
+    glp = as_f64(grad_logprobs) * m
+    gh = np.zeros_like(glp) if grad_entropy is None else as_f64(grad_entropy) * m
+    logp_v = np.where(p > 0, z - lse[..., None], 0.0)
+    onehot = np.zeros_like(z)
+    np.put_along_axis(onehot, np.where(m > 0, tokens, 0)[..., None], 1.0, -1)
+    g = glp[..., None] * (onehot - p) - gh[..., None] * p * (logp_v + ent[..., None])
+    out = np.zeros_like(full)
+    out[:, : tokens.shape[1]] = g / temperature
+    return out
+
+
+# ---------------------------------------------------------------- per-token PPO terms
+
+def pg_terms(logp, old_logprobs, advantages, clip_eps_low=0.2, clip_eps_high=None,
+             dual_clip_c=None):
+    """Clipped surrogate per token: dict of pg, dpg (d pg / d logp), ratio and clip flags."""
+    eh = clip_eps_low if clip_eps_high is None else clip_eps_high
+    a = as_f64(advantages)
+    d_raw = as_f64(logp) - as_f64(old_logprobs)
+    d = np.clip(d_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    rho = np.exp(d)
+    unclipped = -rho * a
+    clipped = -np.clip(rho, 1.0 - clip_eps_low, 1.0 + eh) * a
+    unclipped_active = unclipped >= clipped
+    pg = np.where(unclipped_active, unclipped, clipped)
+    dpg = np.where(unclipped_active, -rho * a, 0.0)
+    dual = np.zeros_like(pg, dtype=bool)
+    if dual_clip_c is not None:
+        cap = -dual_clip_c * a
+        dual = (a < 0) & (pg > cap)
+        pg = np.where(dual, cap, pg)
+        dpg = np.where(dual, 0.0, dpg)
+    dpg = np.where(np.abs(d_raw) > LOG_RATIO_CLAMP, 0.0, dpg)
+    return {
+        "pg": pg, "dpg": dpg, "ratio": rho, "log_ratio": d,
+        "clip_high": (rho > 1.0 + eh) & (a > 0),
+        "clip_low": (rho < 1.0 - clip_eps_low) & (a < 0),
+        "dual_clip": dual,
+    }
+
+
+def kl_terms(logp, ref_logprobs, kl_estimator="k3"):
+    """Per-token KL estimate against the reference and its derivative in logp."""
+    delta = as_f64(logp) - as_f64(ref_logprobs)
+    if kl_estimator == "k1":
+        return delta, np.ones_like(delta)
+    if kl_estimator == "k2":
+        return 0.5 * delta**2, delta
+    if kl_estimator == "abs":
+        return np.abs(delta), np.sign(delta)
+    if kl_estimator == "k3":
+        c = np.clip(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        e = np.exp(-c)
+        return e - 1.0 + c, np.where(np.abs(delta) > LOG_RATIO_CLAMP, 0.0, 1.0 - e)
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+
+
+def agg_weights(response_mask, loss_agg_mode="token-mean", global_num_tokens=None,
+                norm_length=None):
+    """w [B, T] with loss = sum(w * loss_tok) for the given aggregation."""
+    m = as_f64(response_mask)
+    m = (m != 0).astype(np.float64)
+    b, t = m.shape
+    if loss_agg_mode == "token-mean":
+        denom = global_num_tokens if global_num_tokens is not None else max(m.sum(), 1.0)
+        return m / denom
+    if loss_agg_mode == "seq-mean-token-sum":
+        return m / b
+    if loss_agg_mode == "seq-mean-token-mean":
+        lens = m.sum(1, keepdims=True)
+        n = max((lens > 0).sum(), 1)
+        return m / (np.maximum(lens, 1.0) * n)
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return m / (b * (t if norm_length is None else norm_length))
+    raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+
+
+def _masked_mean(x, m):
+    n = m.sum()
+    return float((x * m).sum() / n) if n > 0 else 0.0
+
+
+def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_logprobs=None,
+             *, clip_eps_low=0.2, clip_eps_high=None, dual_clip_c=None, kl_coef=0.0,
+             kl_estimator="k3", entropy_coef=0.0, temperature=1.0,
+             loss_agg_mode="token-mean", global_num_tokens=None, norm_length=None,
+             rollout_is_weights=None):
+    """Returns (loss, metrics, dlogits).
+
+    loss is a float (or the per-token loss [B, T] for loss_agg_mode="none", whose
+    dlogits is then that of sum(loss_tok)); dlogits is shaped like ``logits``.
+    """
+    tokens = _as_int(tokens)
+    m = _mask(response_mask, tokens.shape)
+    logp, ent = token_logprobs(logits, tokens, m, temperature)
+    g = pg_terms(logp, old_logprobs, advantages, clip_eps_low, clip_eps_high, dual_clip_c)
+    isw = np.ones_like(logp) if rollout_is_weights is None else as_f64(rollout_is_weights)
+    loss_tok = isw * g["pg"] - entropy_coef * ent
+    dlogp = isw * g["dpg"]
+    kl = np.zeros_like(logp)
+    if ref_logprobs is not None:
+        kl, dkl = kl_terms(logp, ref_logprobs, kl_estimator)
+        loss_tok = loss_tok + kl_coef * kl
+        dlogp = dlogp + kl_coef * dkl
+    loss_tok = loss_tok * m
+    if loss_agg_mode == "none":
+        w = m
+        loss = loss_tok
+    else:
+        w = agg_weights(m, loss_agg_mode, global_num_tokens, norm_length)
+        loss = float((w * loss_tok).sum())
+    dlogits = token_logprobs_grad(logits, tokens, m, temperature, w * dlogp,
+                                  -w * entropy_coef)
+    rho = g["ratio"]
+    metrics = {
+        "clip_frac": _masked_mean(g["clip_high"] | g["clip_low"], m),
+        "clip_frac_high": _masked_mean(g["clip_high"], m),
+        "clip_frac_low": _masked_mean(g["clip_low"], m),
+        "dual_clip_frac": _masked_mean(g["dual_clip"], m),
+        "approx_kl": _masked_mean((rho - 1.0) - g["log_ratio"], m),
+        "kl_ref": _masked_mean(kl, m),
+        "entropy": _masked_mean(ent, m),
+        "ratio_mean": _masked_mean(rho, m),
+        "ratio_max": float(np.max(np.where(m > 0, rho, -np.inf))) if m.sum() > 0 else 0.0,
+    }
+    return loss, metrics, dlogits
+
+
+def value_loss(values, old_values, returns, response_mask=None, *, clip_range=None,
+               loss_agg_mode="token-mean"):
+    """Returns (loss, metrics, dvalues): clipped value loss, PPO2 baselines style."""
+    v, vo, r = as_f64(values), as_f64(old_values), as_f64(returns)
+    m = _mask(response_mask, v.shape)
+    err = (v - r) ** 2
+    if clip_range is None:
+        loss_tok, dtok, clipped_larger = 0.5 * err, v - r, np.zeros_like(v, dtype=bool)
+    else:
+        vc = np.clip(v, vo - clip_range, vo + clip_range)
+        err_c = (vc - r) ** 2
+        clipped_larger = err_c > err
+        loss_tok = 0.5 * np.maximum(err, err_c)
+        # the clipped branch moves with v only strictly inside the band
+        inside = (v > vo - clip_range) & (v < vo + clip_range)
+        dtok = np.where(clipped_larger, np.where(inside, vc - r, 0.0), v - r)
+    loss_tok = loss_tok * m
+    if loss_agg_mode == "none":
+        w, loss = m, loss_tok
+    else:
+        w = agg_weights(m, loss_agg_mode)
+        loss = float((w * loss_tok).sum())
+    return loss, {"vf_clip_frac": _masked_mean(clipped_larger, m)}, w * dtok
+
+
+# ---------------------------------------------------------------- rollout side
+
+def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_values=None):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), masked positions
+    transparent. Returns (advantages, returns), 0 where the mask is 0."""
+    r, v = as_f64(rewards), as_f64(values)
+    m = _mask(response_mask, r.shape)
+    b, t = r.shape
+    adv = np.zeros_like(r)
+    boot = np.zeros(b) if bootstrap_values is None else as_f64(bootstrap_values)
+    for i in range(b):
+        v_next, a_next = boot[i], 0.0
+        for j in reversed(range(t)):
+            if m[i, j] == 0:
+                continue
+            delta = r[i, j] + gamma * v_next - v[i, j]
+            a_next = delta + gamma * lam * a_next
+            v_next = v[i, j]
+            adv[i, j] = a_next
+    return adv, (adv + v) * m
+
+
+def kl_penalized_rewards(scores, logprobs, ref_logprobs, response_mask, *, kl_coef,
+                         kl_estimator="k1"):
+    """r_t = -kl_coef * kl_t, plus scores[b] on the last valid token of sequence b."""
+    m = _mask(response_mask, as_f64(logprobs).shape)
+    kl, _ = kl_terms(logprobs, ref_logprobs, kl_estimator)
+    r = -kl_coef * kl * m
+    s = as_f64(scores)
+    for i in range(m.shape[0]):
+        valid = np.nonzero(m[i])[0]
+        if len(valid):
+            r[i, valid[-1]] += s[i]
+    return r
+
+
+def whiten(x, response_mask, *, shift_mean=True, eps=1e-8):
+    """Normalise x over the valid tokens (unbiased variance); masked positions give 0."""
+    x = as_f64(x)
+    m = _mask(response_mask, x.shape)
+    n = m.sum()
+    if n == 0:
+        return np.zeros_like(x)
+    mean = (x * m).sum() / n
+    if n < 2:
+        return (x - mean) * m
+    var = (((x - mean) * m) ** 2).sum() / (n - 1)
+    out = (x - mean) / np.sqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *, kl_coef,
+                  kl_estimator="k1", gamma=1.0, lam=0.95, temperature=1.0, whiten_advantages=True):
+    """dict of logprobs, kl, rewards, advantages, returns (returns before whitening)."""
+    logp, _ = token_logprobs(logits, tokens, response_mask, temperature)
+    m = _mask(response_mask, logp.shape)
+    kl, _ = kl_terms(logp, ref_logprobs, kl_estimator)
+    rewards = kl_penalized_rewards(scores, logp, ref_logprobs, m, kl_coef=kl_coef,
+                                   kl_estimator=kl_estimator)
+    adv, ret = gae(rewards, values, m, gamma=gamma, lam=lam)
+    if whiten_advantages:
+        adv = whiten(adv, m)
+    return {"logprobs": logp, "kl": kl * m, "rewards": rewards, "advantages": adv,
+            "returns": ret}
