@@ -1,0 +1,198 @@
+"""Token log-probabilities (and entropy) from logits, forward and backward, in Triton.
+
+Shapes and dtypes (csrc/ops.cpp, the contract): logits [B, Tl, V], stride(2) == 1, any
+strides on B and Tl (read in place, never copied), Tl >= T; tokens int64 [B, T]; mask bool
+[B, T]; per-token tensors [B, T] contiguous, of the accumulation dtype ACC (float64 for
+float64 logits, else float32). One program per row (token position), on grid axis 0 only
+(2^31 - 1 programs; axes 1/2 would stop at 65,535). Masked rows never read their token.
+
+Math (DESIGN.md): z = logits / temperature, lse = logsumexp z, logp = z[token] - lse,
+H = lse - sum p z; d/dz of sum(g_logp * logp + g_H * H) is
+g_logp (onehot - p) - g_H p (log p + H), divided by the temperature for d/dlogits.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from . import _config
+from ._math import as_acc, kl_term, row_grad, row_stats, row_zero, token_logit
+
+
+def acc_dtype(logits):
+    """Accumulation dtype of per-token tensors for these logits (float64 stays float64)."""
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def tl_acc(dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+@triton.autotune(configs=_config.row_configs(), key=["V", "NEED_ENT", "SCORE"],
+                 prune_configs_by={"early_config_prune": _config.prune_row_configs})
+@triton.jit
+def _logprobs_fwd_kernel(
+    logits_ptr, stride_lb, stride_lt,
+    tokens_ptr, mask_ptr,
+    logp_ptr, ent_ptr, lse_ptr,
+    ref_ptr, kl_ptr, rew_ptr,
+    T, V,
+    temperature: tl.float64, kl_coef: tl.float64,
+    ACC: tl.constexpr, NEED_ENT: tl.constexpr, SCORE: tl.constexpr, KL_EST: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Row r = b * T + t: logp, (entropy), lse of token (b, t); 0 on masked rows.
+
+    SCORE (score_rollout's first half): also kl = kl_term(logp - ref) and the KL part of the
+    reward, -kl_coef * kl, both 0 on masked rows.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    inv_temp = 1.0 / as_acc(temperature, ACC)
+    valid = tl.load(mask_ptr + row)
+    if valid:
+        in_row = logits_ptr + b * stride_lb + t * stride_lt
+        tok = tl.load(tokens_ptr + row)
+        lse, ent = row_stats(in_row, V, inv_temp, ACC, NEED_ENT, BLOCK_V)
+        logp = token_logit(in_row, tok, V, inv_temp, ACC) - lse
+        tl.store(logp_ptr + row, logp)
+        tl.store(lse_ptr + row, lse)
+        if NEED_ENT:
+            tl.store(ent_ptr + row, ent)
+        if SCORE:
+            kl, _ = kl_term(logp - tl.load(ref_ptr + row).to(ACC), KL_EST)
+            tl.store(kl_ptr + row, kl)
+            tl.store(rew_ptr + row, -as_acc(kl_coef, ACC) * kl)
+    else:
+        zero = tl.zeros([], ACC)
+        tl.store(logp_ptr + row, zero)
+        tl.store(lse_ptr + row, zero)
+        if NEED_ENT:
+            tl.store(ent_ptr + row, zero)
+        if SCORE:
+            tl.store(kl_ptr + row, zero)
+            tl.store(rew_ptr + row, zero)
+
+
+@triton.autotune(configs=_config.row_configs(), key=["V", "HAS_GENT"],
+                 prune_configs_by={"early_config_prune": _config.prune_row_configs})
+@triton.jit
+def _logprobs_bwd_kernel(
+    logits_ptr, stride_lb, stride_lt,
+    tokens_ptr, mask_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
+    grad_ptr,
+    T, TL, V,
+    temperature: tl.float64,
+    ACC: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Row r = b * Tl + t of dlogits [B, Tl, V] (contiguous): the gradient of
+    sum(g_logp * logp + g_H * H) on valid rows, zeros on masked rows and rows t >= T
+    (writing those zeros here saves a separate memset pass over [B, Tl, V])."""
+    row = tl.program_id(0).to(tl.int64)
+    b = row // TL
+    t = row % TL
+    out_row = grad_ptr + row * V
+    in_seq = t < T
+    tok_idx = b * T + t
+    valid = tl.load(mask_ptr + tok_idx, mask=in_seq, other=0) != 0
+    if valid:
+        inv_temp = 1.0 / as_acc(temperature, ACC)
+        in_row = logits_ptr + b * stride_lb + t * stride_lt
+        tok = tl.load(tokens_ptr + tok_idx)
+        lse = tl.load(lse_ptr + tok_idx).to(ACC)
+        dlogp = tl.load(glogp_ptr + tok_idx).to(ACC)
+        if HAS_GENT:
+            ent = tl.load(ent_ptr + tok_idx).to(ACC)
+            dent = tl.load(gent_ptr + tok_idx).to(ACC)
+        else:
+            ent = tl.zeros([], ACC)
+            dent = tl.zeros([], ACC)
+        row_grad(in_row, out_row, V, tok, lse, ent, dlogp, dent, inv_temp, ACC, BLOCK_V)
+    else:
+        row_zero(out_row, V, BLOCK_V)
+
+
+def _check_logits(logits, tokens, mask):
+    """Shape/dtype/layout checks the kernels rely on (cheap: no device sync)."""
+    if logits.dim() != 3:
+        raise ValueError(f"logits: expected [B, Tl, V], got shape {tuple(logits.shape)}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"logits: expected a float32/bfloat16/float16/float64 tensor, "
+                        f"got {logits.dtype}")
+    if logits.shape[2] == 0:
+        raise ValueError("logits: expected a non-empty vocabulary, got V = 0")
+    if logits.shape[2] > 1 and logits.stride(2) != 1:
+        raise ValueError(f"logits: expected stride(2) == 1, got strides {logits.stride()}")
+    if tokens.dim() != 2 or tokens.dtype != torch.int64:
+        raise TypeError(f"tokens: expected int64 [B, T], got {tokens.dtype} "
+                        f"{tuple(tokens.shape)}")
+    B, T = tokens.shape
+    if logits.shape[0] != B or logits.shape[1] < T:
+        raise ValueError(f"logits: expected [B={B}, Tl>={T}, V], got {tuple(logits.shape)}")
+    if mask.dtype != torch.bool or tuple(mask.shape) != (B, T):
+        raise TypeError(f"mask: expected bool [{B}, {T}], got {mask.dtype} "
+                        f"{tuple(mask.shape)}")
+    for name, x in (("tokens", tokens), ("mask", mask)):
+        if not x.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor")
+        if x.device != logits.device:
+            raise ValueError(f"{name}: expected device {logits.device}, got {x.device}")
+
+
+def check_per_token(name, x, shape, dtype, device):
+    """A per-token (or per-sequence) tensor: given shape, accumulation dtype, contiguous."""
+    if x.dtype != dtype:
+        raise TypeError(f"{name}: expected dtype {dtype}, got {x.dtype}")
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {x.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
+    """logprobs [B, T], entropy [B, T] (numel 0 unless return_entropy), lse [B, T]; ACC."""
+    _check_logits(logits, tokens, mask)
+    B, T = tokens.shape
+    V = logits.shape[2]
+    acc = acc_dtype(logits)
+    logp = torch.empty((B, T), dtype=acc, device=logits.device)
+    lse = torch.empty((B, T), dtype=acc, device=logits.device)
+    ent = (torch.empty((B, T), dtype=acc, device=logits.device) if return_entropy
+           else torch.empty((0,), dtype=acc, device=logits.device))
+    if B * T > 0:
+        wrap_triton(_logprobs_fwd_kernel)[(B * T,)](
+            logits, logits.stride(0), logits.stride(1), tokens, mask,
+            logp, ent if return_entropy else logp, lse,
+            logp, logp, logp,  # ref / kl / rewards: unused without SCORE
+            T, V, float(temperature), 0.0,
+            ACC=tl_acc(acc), NEED_ENT=bool(return_entropy), SCORE=False, KL_EST=0)
+    return logp, ent, lse
+
+
+def token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, lse, entropy,
+                       temperature):
+    """dlogits [B, Tl, V] (logits' dtype, contiguous) of
+    sum(grad_logprobs * logp + grad_entropy * H); grad_entropy may be None."""
+    _check_logits(logits, tokens, mask)
+    B, T = tokens.shape
+    TL, V = logits.shape[1], logits.shape[2]
+    acc = acc_dtype(logits)
+    for name, x in (("grad_logprobs", grad_logprobs), ("lse", lse)):
+        check_per_token(name, x, (B, T), acc, logits.device)
+    has_gent = grad_entropy is not None
+    if has_gent:
+        check_per_token("grad_entropy", grad_entropy, (B, T), acc, logits.device)
+        check_per_token("entropy", entropy, (B, T), acc, logits.device)
+    grad = torch.empty((B, TL, V), dtype=logits.dtype, device=logits.device)
+    if B * TL > 0:
+        wrap_triton(_logprobs_bwd_kernel)[(B * TL,)](
+            logits, logits.stride(0), logits.stride(1), tokens, mask, lse,
+            entropy if has_gent else lse, grad_logprobs,
+            grad_entropy if has_gent else grad_logprobs,
+            grad, T, TL, V, float(temperature),
+            ACC=tl_acc(acc), HAS_GENT=has_gent)
+    return grad

@@ -1,0 +1,139 @@
+"""Registers the Triton kernels as torch operators ppo_kernels::triton_*.
+
+Each op has the schema of its C++ twin in csrc/ops.cpp (same argument names, order,
+outputs, dtypes and semantics), prefixed with ``triton_``. Only the implementations live
+here: ppo_kernels/_ops.py registers the fake (meta) and autograd formulas of these names
+together with the C++ ops. torch.library.triton_op (rather than custom_op) lets
+torch.compile see the kernels inside (each launch goes through wrap_triton).
+
+Importing this module defines the ops exactly once per process; register() is idempotent
+and returns the op handles.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.library import triton_op
+
+# Functions, not modules: the package namespace binds `gae` to the function (__init__).
+from .gae import gae as _gae
+from .gae import score_rollout as _score_rollout
+from .logprobs import token_logprobs_bwd as _token_logprobs_bwd
+from .logprobs import token_logprobs_fwd as _token_logprobs_fwd
+from .ppo_loss import ppo_loss_fwd as _ppo_loss_fwd
+from .ppo_loss import ppo_loss_fwd_inplace as _ppo_loss_fwd_inplace
+
+NAMESPACE = "ppo_kernels"
+
+# name -> schema after the name, copied from csrc/ops.cpp (output names included).
+SCHEMAS = {
+    "triton_token_logprobs_fwd":
+        "(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
+        "bool return_entropy) -> (Tensor logprobs, Tensor entropy, Tensor lse)",
+    "triton_token_logprobs_bwd":
+        "(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
+        "Tensor tokens, Tensor mask, Tensor lse, Tensor entropy, float temperature) -> Tensor",
+    "triton_ppo_loss_fwd":
+        "(Tensor logits, Tensor tokens, Tensor mask, Tensor old_logprobs, "
+        "Tensor advantages, Tensor weights, Tensor? ref_logprobs, Tensor? rollout_is_weights, "
+        "float clip_eps_low, float clip_eps_high, float dual_clip_c, float kl_coef, "
+        "int kl_estimator, float entropy_coef, float temperature, bool compute_grad) "
+        "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy, Tensor dlogits)",
+    "triton_ppo_loss_fwd_inplace":
+        "(Tensor(a!) logits, Tensor tokens, Tensor mask, "
+        "Tensor old_logprobs, Tensor advantages, Tensor weights, Tensor? ref_logprobs, "
+        "Tensor? rollout_is_weights, float clip_eps_low, float clip_eps_high, "
+        "float dual_clip_c, float kl_coef, int kl_estimator, float entropy_coef, "
+        "float temperature) -> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)",
+    "triton_gae":
+        "(Tensor rewards, Tensor values, Tensor mask, Tensor? bootstrap_values, "
+        "float gamma, float lam) -> (Tensor advantages, Tensor returns)",
+    "triton_score_rollout":
+        "(Tensor logits, Tensor tokens, Tensor mask, Tensor ref_logprobs, "
+        "Tensor values, Tensor scores, float kl_coef, int kl_estimator, float gamma, "
+        "float lam, float temperature) "
+        "-> (Tensor logprobs, Tensor kl, Tensor rewards, Tensor advantages, Tensor returns)",
+}
+
+
+def token_logprobs_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, temperature: float,
+                       return_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy)
+
+
+def token_logprobs_bwd(grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits: Tensor,
+                       tokens: Tensor, mask: Tensor, lse: Tensor, entropy: Tensor,
+                       temperature: float) -> Tensor:
+    return _token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask,
+                                        lse, entropy, temperature)
+
+
+def ppo_loss_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, old_logprobs: Tensor,
+                 advantages: Tensor, weights: Tensor, ref_logprobs: Optional[Tensor],
+                 rollout_is_weights: Optional[Tensor], clip_eps_low: float,
+                 clip_eps_high: float, dual_clip_c: float, kl_coef: float, kl_estimator: int,
+                 entropy_coef: float, temperature: float, compute_grad: bool
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights,
+                                  ref_logprobs, rollout_is_weights, clip_eps_low,
+                                  clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
+                                  entropy_coef, temperature, compute_grad)
+
+
+def ppo_loss_fwd_inplace(logits: Tensor, tokens: Tensor, mask: Tensor, old_logprobs: Tensor,
+                         advantages: Tensor, weights: Tensor, ref_logprobs: Optional[Tensor],
+                         rollout_is_weights: Optional[Tensor], clip_eps_low: float,
+                         clip_eps_high: float, dual_clip_c: float, kl_coef: float,
+                         kl_estimator: int, entropy_coef: float, temperature: float
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _ppo_loss_fwd_inplace(logits, tokens, mask, old_logprobs, advantages,
+                                          weights, ref_logprobs, rollout_is_weights,
+                                          clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
+                                          kl_estimator, entropy_coef, temperature)
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, bootstrap_values: Optional[Tensor],
+        gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    return _gae(rewards, values, mask, bootstrap_values, gamma, lam)
+
+
+def score_rollout(logits: Tensor, tokens: Tensor, mask: Tensor, ref_logprobs: Tensor,
+                  values: Tensor, scores: Tensor, kl_coef: float, kl_estimator: int,
+                  gamma: float, lam: float, temperature: float
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
+                              kl_estimator, gamma, lam, temperature)
+
+
+_IMPLS = {
+    "triton_token_logprobs_fwd": (token_logprobs_fwd, ()),
+    "triton_token_logprobs_bwd": (token_logprobs_bwd, ()),
+    "triton_ppo_loss_fwd": (ppo_loss_fwd, ()),
+    "triton_ppo_loss_fwd_inplace": (ppo_loss_fwd_inplace, ("logits",)),
+    "triton_gae": (gae, ()),
+    "triton_score_rollout": (score_rollout, ()),
+}
+
+_registered = {}
+
+
+def _already_defined(name):
+    """True when ppo_kernels::<name> exists in the dispatcher (defined by an earlier
+    import of this file under another module name, or by anyone else)."""
+    return torch._C._dispatch_has_kernel(f"{NAMESPACE}::{name}") or any(
+        s.name == f"{NAMESPACE}::{name}" for s in torch._C._jit_get_all_schemas())
+
+
+def register():
+    """Define every ppo_kernels::triton_* op once; returns {name: OpOverloadPacket}."""
+    if not _registered:
+        for name, (fn, mutates) in _IMPLS.items():
+            if not _already_defined(name):
+                triton_op(f"{NAMESPACE}::{name}", mutates_args=mutates,
+                          schema=SCHEMAS[name])(fn)
+            _registered[name] = getattr(getattr(torch.ops, NAMESPACE), name)
+    return dict(_registered)
+
+
+register()
