@@ -1,0 +1,188 @@
+"""Every @triton.jit kernel of ppo_kernels.triton_kernels lowers to PTX and a cubin for
+sm_90 (Hopper), for each logits dtype it is launched with, without a GPU.
+
+The interpreter (TRITON_INTERPRET=1, used by test_triton_ops.py on machines without a GPU)
+never runs the compiler, so type errors in lowering, unsupported ops, or a config that
+needs more shared memory than an SM has would only show up on a GPU machine. Here each
+kernel goes through triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)).
+
+triton.jit decides at decoration time whether it builds an interpreted function, so the
+compilation runs in a child process with TRITON_INTERPRET unset (this process may have
+it set, by test_triton_ops.py or a conftest). One child compiles every variant and reports
+JSON; the tests below assert on its report.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMEM_LIMIT = 232448  # max dynamic shared memory per block on sm_90 (227 KiB)
+
+LOGITS = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16", "fp64": "*fp64"}
+
+
+def _row_types(logits, acc="fp32"):
+    """Argument types of the row kernels, as the launcher passes them."""
+    a = f"*{acc}"
+    return {
+        "logits_ptr": LOGITS[logits], "grad_ptr": LOGITS[logits],
+        "stride_lb": "i64", "stride_lt": "i64", "stride_gb": "i64", "stride_gt": "i64",
+        "tokens_ptr": "*i64", "mask_ptr": "*i1",
+        "logp_ptr": a, "ent_ptr": a, "lse_ptr": a, "ref_ptr": a, "kl_ptr": a, "rew_ptr": a,
+        "glogp_ptr": a, "gent_ptr": a, "old_ptr": a, "adv_ptr": a, "w_ptr": a,
+        "isw_ptr": a, "loss_tok_ptr": a,
+        "T": "i32", "TL": "i32", "TG": "i32", "V": "i32",
+        "temperature": "fp64", "kl_coef": "fp64", "clip_eps_low": "fp64",
+        "clip_eps_high": "fp64", "dual_clip_c": "fp64", "entropy_coef": "fp64",
+    }
+
+
+def _gae_types(acc):
+    a = f"*{acc}"
+    return {"rew_ptr": a, "val_ptr": a, "mask_ptr": "*i1", "boot_ptr": a, "scores_ptr": a,
+            "adv_ptr": a, "ret_ptr": a, "rew_out_ptr": a, "T": "i32", "gamma": "fp64",
+            "lam": "fp64"}
+
+
+HOPPER = {"num_warps": 8, "num_stages": 2}  # a mid config of _config._HOPPER_ROW_CONFIGS
+
+# name -> (module, kernel attribute, types, constexprs (ACC as "fp32"/"fp64"), options)
+VARIANTS = {}
+for dt in ("fp32", "bf16", "fp16"):
+    VARIANTS[f"logprobs_fwd-{dt}"] = (
+        "logprobs", "_logprobs_fwd_kernel", _row_types(dt),
+        dict(ACC="fp32", NEED_ENT=True, SCORE=False, KL_EST=0, BLOCK_V=4096), HOPPER)
+    VARIANTS[f"logprobs_bwd-{dt}"] = (
+        "logprobs", "_logprobs_bwd_kernel", _row_types(dt),
+        dict(ACC="fp32", HAS_GENT=True, BLOCK_V=4096), HOPPER)
+    VARIANTS[f"ppo_loss-{dt}"] = (
+        "ppo_loss", "_ppo_loss_jit", _row_types(dt),
+        dict(ACC="fp32", KL_EST=2, HAS_REF=True, HAS_ISW=True, HAS_DUAL=True,
+             COMPUTE_GRAD=True, BLOCK_V=4096), HOPPER)
+VARIANTS["score_rows-bf16"] = (
+    "logprobs", "_logprobs_fwd_kernel", _row_types("bf16"),
+    dict(ACC="fp32", NEED_ENT=False, SCORE=True, KL_EST=3, BLOCK_V=4096), HOPPER)
+VARIANTS["logprobs_bwd-noent-fp32"] = (
+    "logprobs", "_logprobs_bwd_kernel", _row_types("fp32"),
+    dict(ACC="fp32", HAS_GENT=False, BLOCK_V=4096), HOPPER)
+for est in (0, 1, 3):
+    VARIANTS[f"ppo_loss-k{est}-nograd-fp32"] = (
+        "ppo_loss", "_ppo_loss_jit", _row_types("fp32"),
+        dict(ACC="fp32", KL_EST=est, HAS_REF=True, HAS_ISW=False, HAS_DUAL=False,
+             COMPUTE_GRAD=False, BLOCK_V=4096), HOPPER)
+VARIANTS["ppo_loss-fp64"] = (
+    "ppo_loss", "_ppo_loss_jit", _row_types("fp64", "fp64"),
+    dict(ACC="fp64", KL_EST=2, HAS_REF=True, HAS_ISW=True, HAS_DUAL=True,
+         COMPUTE_GRAD=True, BLOCK_V=2048), HOPPER)
+# the extreme autotune configs: smallest block and largest block / most warps
+VARIANTS["ppo_loss-bf16-block1k"] = (
+    "ppo_loss", "_ppo_loss_jit", _row_types("bf16"),
+    dict(ACC="fp32", KL_EST=2, HAS_REF=True, HAS_ISW=True, HAS_DUAL=True,
+         COMPUTE_GRAD=True, BLOCK_V=1024), {"num_warps": 4, "num_stages": 2})
+VARIANTS["ppo_loss-fp32-block16k"] = (
+    "ppo_loss", "_ppo_loss_jit", _row_types("fp32"),
+    dict(ACC="fp32", KL_EST=2, HAS_REF=True, HAS_ISW=True, HAS_DUAL=True,
+         COMPUTE_GRAD=True, BLOCK_V=16384), {"num_warps": 16, "num_stages": 1})
+for acc, flags in (("fp32", dict(HAS_BOOT=True, HAS_SCORES=False)),
+                   ("fp32", dict(HAS_BOOT=False, HAS_SCORES=True)),
+                   ("fp64", dict(HAS_BOOT=True, HAS_SCORES=True))):
+    name = f"gae-{acc}-{'boot' if flags['HAS_BOOT'] else 'scores'}"
+    VARIANTS[name] = ("gae", "_gae_kernel", _gae_types(acc),
+                      dict(ACC=acc, BLOCK_T=1024, **flags), {"num_warps": 4})
+
+# Kernels whose 16-byte alignment the runtime would know (it specializes pointers and
+# ints divisible by 16): with that, the vocabulary loop must use 128-bit loads.
+ALIGNED = {"ppo_loss-bf16-aligned": "ppo_loss-bf16", "logprobs_fwd-fp16-aligned":
+           "logprobs_fwd-fp16"}
+
+CHILD = r"""
+import importlib, importlib.util, json, os, sys, traceback
+ROOT = sys.argv[1]
+spec_in = json.loads(sys.stdin.read())
+sys.path.insert(0, ROOT)
+try:
+    importlib.import_module("ppo_kernels.triton_kernels")
+except ModuleNotFoundError:
+    import ppo_kernels
+    name = "ppo_kernels.triton_kernels"
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(ROOT, "triton_kernels", "__init__.py"),
+        submodule_search_locations=[os.path.join(ROOT, "triton_kernels")])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TL = {"fp32": tl.float32, "fp64": tl.float64}
+target = GPUTarget("cuda", 90, 32)
+out = {}
+for name, (modname, attr, types, consts, options, aligned) in spec_in.items():
+    try:
+        kern = getattr(importlib.import_module("ppo_kernels.triton_kernels." + modname), attr)
+        fn = kern
+        while not isinstance(fn, triton.runtime.jit.JITFunction):
+            fn = fn.fn                          # an Autotuner wraps the JITFunction
+        consts = {k: TL.get(v, v) if k == "ACC" else v for k, v in consts.items()}
+        sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+        attrs = None
+        if aligned:
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                     if n not in consts and (sig[n].startswith("*") or n.startswith("stride")
+                                             or n == "V")}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                           target=target, options=options)
+        ptx = k.asm.get("ptx", "")
+        out[name] = {"keys": sorted(k.asm.keys()), "ptx": len(ptx),
+                     "cubin": len(k.asm.get("cubin", b"")),
+                     "shared": int(getattr(k.metadata, "shared", 0)),
+                     "v4_loads": ptx.count("ld.global.v4"),
+                     "target": ".target sm_90" in ptx}
+    except Exception:
+        out[name] = {"error": traceback.format_exc()}
+print("@@JSON@@" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if "TRITON_PTXAS_PATH" not in env and shutil.which("ptxas") is None and \
+            os.path.exists("/usr/local/cuda/bin/ptxas"):
+        # triton ships a ptxas; this is only a fallback for installs without one
+        env["TRITON_PTXAS_PATH"] = "/usr/local/cuda/bin/ptxas"
+    spec = {n: (*v, False) for n, v in VARIANTS.items()}
+    spec.update({n: (*VARIANTS[base], True) for n, base in ALIGNED.items()})
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(ROOT)], input=json.dumps(spec),
+                          capture_output=True, text=True, env=env, timeout=600)
+    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@JSON@@")]
+    assert marker, f"compiler child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(marker[-1][len("@@JSON@@"):])
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_kernel_lowers_to_ptx_and_cubin_sm90(compiled, name):
+    res = compiled[name]
+    assert "error" not in res, res.get("error")
+    assert {"ptx", "cubin"} <= set(res["keys"])
+    assert res["ptx"] > 0 and res["cubin"] > 0
+    assert res["target"], "PTX is for sm_90"
+    assert res["shared"] <= SMEM_LIMIT, f"{res['shared']} bytes of shared memory"
+
+
+@pytest.mark.parametrize("name", sorted(ALIGNED))
+def test_vocab_loop_vectorizes_when_aligned(compiled, name):
+    """With 16-byte aligned rows (V a multiple of 8 for 16-bit logits: 32000, 151936),
+    the logits are read with 128-bit loads, which a bandwidth-bound kernel needs."""
+    res = compiled[name]
+    assert "error" not in res, res.get("error")
+    assert res["v4_loads"] > 0

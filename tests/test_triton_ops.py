@@ -1,0 +1,515 @@
+"""The raw ppo_kernels::triton_* ops against the numpy float64 oracle (reference.py).
+
+Runs on CUDA when a device is present, else on CPU tensors under TRITON_INTERPRET=1 (set
+below before triton is imported), where shapes are kept small: the interpreter runs the
+programs one by one. The interpreter runs the kernels with a 32-wide vocabulary block and
+an 8-long GAE chunk (triton_kernels/_config.py), so V = 100, 257 and T = 20 cross several
+blocks/chunks with a partial last one.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib  # noqa: E402
+import importlib.util  # noqa: E402
+import pathlib  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _import_triton_kernels():
+    """ppo_kernels.triton_kernels, installed or (source checkout, not installed) loaded from
+    ROOT/triton_kernels under that same package name; never as top-level `triton_kernels`."""
+    try:
+        return importlib.import_module("ppo_kernels.triton_kernels")
+    except ModuleNotFoundError:
+        pass
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    import ppo_kernels
+
+    name = "ppo_kernels.triton_kernels"
+    spec = importlib.util.spec_from_file_location(
+        name, ROOT / "triton_kernels" / "__init__.py",
+        submodule_search_locations=[str(ROOT / "triton_kernels")])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    ppo_kernels.triton_kernels = mod
+    return mod
+
+
+tk = _import_triton_kernels()
+from ppo_kernels import reference as ref  # noqa: E402
+
+OPS = torch.ops.ppo_kernels
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+KL = ("k1", "k2", "k3", "abs")
+
+
+def acc_of(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def make_mask(B, T, padding, gen):
+    """bool [B, T] with the given padding pattern (every pattern DESIGN.md names)."""
+    m = torch.ones(B, T, dtype=torch.bool)
+    for b in range(B):
+        k = 1 + (b * 3) % max(T - 1, 1)
+        if padding == "left":
+            m[b, :k] = False
+        elif padding == "right":
+            m[b, T - k:] = False
+        elif padding == "interior":
+            m[b, 1 + b % 2: 1 + b % 2 + k // 2 + 1] = False
+        elif padding == "random":
+            m[b] = torch.rand(T, generator=gen) > 0.3
+    if padding == "empty_row":
+        m[B // 2] = False
+    if padding == "all":
+        m[:] = False
+    return m
+
+
+def make_case(B=2, T=5, V=7, dtype=torch.float32, layout="aligned", padding="random",
+              neginf=False, seed=0, scale=2.0):
+    """logits (in the given layout), tokens (garbage ids on masked positions), mask.
+
+    layout: "aligned" [B, T, V] contiguous; "view" logits[:, :-1] of a [B, T+1, V] tensor
+    (strided, Tl = T); "raw" the [B, T+1, V] tensor itself (Tl = T + 1);
+    "bstride": a [B, T, V] view with a padded batch stride.
+    neginf: about a fifth of the entries -inf (never the sampled token), and one row with
+    a single finite entry (p = 1 there, H = 0).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(B, T + 1, V, generator=gen) * scale
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    mask = make_mask(B, T, padding, gen)
+    if neginf:
+        ban = torch.rand(B, T + 1, V, generator=gen) < 0.2
+        ban[:, :T].scatter_(2, tokens[..., None], False)
+        base[ban] = float("-inf")
+        base[0, 0] = float("-inf")
+        base[0, 0, tokens[0, 0]] = 0.5
+    tokens = torch.where(mask, tokens, torch.full_like(tokens, V + 1000))  # never read
+    base = base.to(dtype)
+    if layout == "aligned":
+        logits = base[:, :T].contiguous()
+    elif layout == "view":
+        logits = base[:, :T]
+    elif layout == "raw":
+        logits = base
+    elif layout == "bstride":
+        logits = torch.cat([base, base], dim=1)[:, :T]
+    else:
+        raise AssertionError(layout)
+    return logits.to(DEV), tokens.to(DEV), mask.to(DEV)
+
+
+def per_token(x, acc):
+    return torch.as_tensor(np.asarray(x), dtype=acc).to(DEV).contiguous()
+
+
+def rand_tok(B, T, acc, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, T, generator=gen, dtype=torch.float64) * scale).to(acc).to(DEV)
+
+
+def close(actual, expected, rtol, atol, what=""):
+    a = actual.detach().cpu().double().numpy()
+    e = np.asarray(expected, dtype=np.float64)
+    assert a.shape == e.shape, (what, a.shape, e.shape)
+    assert not np.isnan(a).any(), f"{what}: NaN in kernel output"
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=what)
+
+
+# per-token outputs are accumulated in float32 (float64) whatever the logits' dtype, and the
+# reference sees the same (rounded) logits: they match tightly even for bf16/fp16 logits.
+TOK_TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-5, 1e-6),
+           torch.float16: (1e-5, 1e-6), torch.float64: (1e-10, 1e-12)}
+
+
+def grad_tol(dtype, expected):
+    """dlogits come back in the logits' dtype: bf16 keeps 8 bits, fp16 11."""
+    scale = float(np.abs(expected).max()) if np.size(expected) else 1.0
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3,
+            torch.float64: 1e-10}[dtype]
+    return rtol, rtol * max(scale, 1e-30) * 0.1
+
+
+# ------------------------------------------------------------------ registration / schema
+
+def test_schemas_match_ops_cpp():
+    """Every triton_* op has exactly the schema of its C++ twin in csrc/ops.cpp."""
+    text = (ROOT / "csrc" / "ops.cpp").read_text()
+    defs = re.findall(r'm\.def\(\s*((?:"[^"]*"\s*)+)\)', text)
+    cpp = {}
+    for d in defs:
+        s = "".join(re.findall(r'"([^"]*)"', d))
+        name, rest = s.split("(", 1)
+        cpp[name.strip()] = "(" + rest
+    assert set(cpp) == {"token_logprobs_fwd", "token_logprobs_bwd", "ppo_loss_fwd",
+                        "ppo_loss_fwd_inplace", "gae", "score_rollout"}
+    norm = lambda s: re.sub(r"\s+", " ", s).strip()  # noqa: E731
+    for name, schema in cpp.items():
+        got = str(getattr(OPS, "triton_" + name).default._schema)
+        assert norm(got) == norm(f"ppo_kernels::triton_{name}{schema}"), name
+    assert tk.register() == tk.register()  # idempotent
+
+
+# ------------------------------------------------------------------ token_logprobs_fwd
+
+@pytest.mark.parametrize("V", [1, 7, 100, 257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_token_logprobs_fwd(V, dtype):
+    logits, tokens, mask = make_case(B=2, T=4, V=V, dtype=dtype, seed=V)
+    logp, ent, lse = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 0.7, True)
+    acc = acc_of(dtype)
+    assert logp.dtype == ent.dtype == lse.dtype == acc
+    rl, re_ = ref.token_logprobs(logits, tokens, mask, 0.7)
+    rtol, atol = TOK_TOL[dtype]
+    close(logp, rl, rtol, atol, "logprobs")
+    close(ent, re_, rtol, atol, "entropy")
+    # lse: logsumexp of logits / temperature on valid rows
+    z = ref.as_f64(logits) / 0.7
+    zmax = z.max(-1, keepdims=True)
+    rlse = (zmax + np.log(np.exp(z - zmax).sum(-1, keepdims=True)))[..., 0]
+    close(lse, np.where(mask.cpu().numpy(), rlse, 0.0), rtol, atol, "lse")
+    logp2, ent2, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 0.7, False)
+    assert ent2.numel() == 0
+    assert torch.equal(logp2, logp)
+
+
+@pytest.mark.parametrize("layout,padding", [("view", "left"), ("raw", "right"),
+                                            ("bstride", "interior"), ("raw", "empty_row"),
+                                            ("view", "all")])
+def test_token_logprobs_layouts_and_padding(layout, padding):
+    logits, tokens, mask = make_case(B=3, T=6, V=100, layout=layout, padding=padding,
+                                     neginf=True, seed=1)
+    logp, ent, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, True)
+    rl, re_ = ref.token_logprobs(logits, tokens, mask)
+    close(logp, rl, 1e-5, 1e-6, "logprobs")
+    close(ent, re_, 1e-5, 1e-6, "entropy")
+    assert (logp[~mask] == 0).all() and (ent[~mask] == 0).all()
+
+
+# ------------------------------------------------------------------ token_logprobs_bwd
+
+@pytest.mark.parametrize("V", [1, 7, 257])
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_bwd(V, with_entropy, dtype):
+    logits, tokens, mask = make_case(B=2, T=4, V=V, dtype=dtype, layout="raw",
+                                     padding="interior", neginf=V > 1, seed=2)
+    acc = acc_of(dtype)
+    _, ent, lse = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.3, with_entropy)
+    g = rand_tok(2, 4, acc, 3)
+    gh = rand_tok(2, 4, acc, 4) if with_entropy else None
+    d = OPS.triton_token_logprobs_bwd(g, gh, logits, tokens, mask, lse, ent, 1.3)
+    assert d.shape == logits.shape and d.dtype == logits.dtype and d.is_contiguous()
+    rd = ref.token_logprobs_grad(logits, tokens, mask, 1.3, g, gh)
+    close(d, rd, *grad_tol(dtype, rd), "dlogits")
+    assert (d[:, 4:] == 0).all(), "positions t >= T get a zero gradient"
+    assert (d[:, :4][~mask] == 0).all(), "masked rows get a zero gradient"
+    if V > 1:
+        assert (d[torch.isinf(logits)] == 0).all(), "-inf logits get exactly 0"
+
+
+class _LogProbsFn(torch.autograd.Function):
+    """fwd/bwd ops glued for gradcheck (the package's own autograd is ppo_kernels/_ops.py;
+    this checks that the two kernels agree with each other in float64)."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, mask, temperature):
+        logp, ent, lse = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temperature, True)
+        ctx.save_for_backward(logits, tokens, mask, lse, ent)
+        ctx.temperature = temperature
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, glogp, gent):
+        logits, tokens, mask, lse, ent = ctx.saved_tensors
+        d = OPS.triton_token_logprobs_bwd(glogp.contiguous(), gent.contiguous(), logits,
+                                          tokens, mask, lse, ent, ctx.temperature)
+        return d, None, None, None
+
+
+def test_token_logprobs_gradcheck_float64():
+    logits, tokens, mask = make_case(B=2, T=3, V=5, dtype=torch.float64, layout="raw",
+                                     padding="left", seed=5)
+    logits = logits.clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda x: _LogProbsFn.apply(x, tokens, mask, 0.9), (logits,), eps=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------ ppo_loss_fwd
+
+def _ppo_inputs(logits, tokens, mask, seed, mode="token-mean", with_ref=True,
+                with_isw=False):
+    B, T = tokens.shape
+    acc = acc_of(logits.dtype)
+    rl, _ = ref.token_logprobs(logits, tokens, mask)
+    m = mask.cpu().numpy()
+    gen = np.random.default_rng(seed)
+    # old logprobs near the current ones (ratios both inside and outside the clip band),
+    # one far away (log-ratio clamp), advantages of both signs
+    old = (rl + gen.normal(0, 0.3, rl.shape)) * m
+    old[0, -1] = rl[0, -1] - 25.0
+    adv = gen.normal(0, 1.0, rl.shape)
+    refl = (rl + gen.normal(0, 0.4, rl.shape)) * m if with_ref else None
+    isw = gen.uniform(0.5, 1.5, rl.shape) if with_isw else None
+    w = ref.agg_weights(m, mode)
+    return dict(old=old, adv=adv, ref=refl, isw=isw, w=w, acc=acc)
+
+
+def _run_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
+             kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, compute_grad=True):
+    acc = inp["acc"]
+    return OPS.triton_ppo_loss_fwd(
+        logits, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
+        per_token(inp["w"], acc),
+        None if inp["ref"] is None else per_token(inp["ref"], acc),
+        None if inp["isw"] is None else per_token(inp["isw"], acc),
+        eps_low, eps_high, dual, kl_coef, kl_est, ent_coef, temp, compute_grad)
+
+
+def _ref_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
+             kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, mode="token-mean"):
+    loss, metrics, dl = ref.ppo_loss(
+        logits, tokens, inp["old"], inp["adv"], mask, inp["ref"], clip_eps_low=eps_low,
+        clip_eps_high=eps_high, dual_clip_c=dual if dual > 0 else None,
+        kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL[kl_est],
+        entropy_coef=ent_coef, temperature=temp, loss_agg_mode=mode,
+        rollout_is_weights=inp["isw"])
+    # per-token loss: loss_agg_mode "none" gives it (0 on masked positions)
+    loss_tok, _, _ = ref.ppo_loss(
+        logits, tokens, inp["old"], inp["adv"], mask, inp["ref"], clip_eps_low=eps_low,
+        clip_eps_high=eps_high, dual_clip_c=dual if dual > 0 else None,
+        kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL[kl_est],
+        entropy_coef=ent_coef, temperature=temp, loss_agg_mode="none",
+        rollout_is_weights=inp["isw"])
+    return loss, loss_tok, dl
+
+
+def _check_ppo(out, rout, logits, tokens, mask, dtype, temp=1.0):
+    loss, loss_tok, logp, ent, dl = out
+    rloss, rloss_tok, rdl = rout
+    rtol, atol = TOK_TOL[dtype]
+    acc = acc_of(dtype)
+    assert loss.dim() == 0 and loss.dtype == loss_tok.dtype == logp.dtype == acc
+    close(loss_tok, rloss_tok, rtol, atol, "loss_tok")
+    close(loss, rloss, rtol, atol, "loss")
+    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
+    close(logp, rl, rtol, atol, "logprobs")
+    close(ent, re_, rtol, atol, "entropy")
+    assert dl.shape == logits.shape and dl.dtype == logits.dtype and dl.is_contiguous()
+    close(dl, rdl, *grad_tol(dtype, rdl), "dlogits")
+
+
+@pytest.mark.parametrize("kl_est", [0, 1, 2, 3])
+@pytest.mark.parametrize("dual", [0.0, 3.0])
+def test_ppo_loss_estimators_and_dual_clip(kl_est, dual):
+    logits, tokens, mask = make_case(B=2, T=5, V=100, seed=10 + kl_est)
+    inp = _ppo_inputs(logits, tokens, mask, seed=kl_est)
+    out = _run_ppo(logits, tokens, mask, inp, kl_est=kl_est, dual=dual, temp=0.8)
+    rout = _ref_ppo(logits, tokens, mask, inp, kl_est=kl_est, dual=dual, temp=0.8)
+    _check_ppo(out, rout, logits, tokens, mask, torch.float32, temp=0.8)
+
+
+@pytest.mark.parametrize("V", [1, 7, 257])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float64])
+def test_ppo_loss_dtypes(V, dtype):
+    logits, tokens, mask = make_case(B=2, T=4, V=V, dtype=dtype, padding="right",
+                                     seed=20 + V)
+    inp = _ppo_inputs(logits, tokens, mask, seed=V, mode="seq-mean-token-mean")
+    out = _run_ppo(logits, tokens, mask, inp, dual=2.0, ent_coef=0.05)
+    rout = _ref_ppo(logits, tokens, mask, inp, dual=2.0, ent_coef=0.05,
+                    mode="seq-mean-token-mean")
+    _check_ppo(out, rout, logits, tokens, mask, dtype)
+
+
+@pytest.mark.parametrize("layout,padding", [("view", "left"), ("raw", "interior"),
+                                            ("bstride", "empty_row")])
+def test_ppo_loss_layouts_neginf_is_weights(layout, padding):
+    logits, tokens, mask = make_case(B=3, T=5, V=100, layout=layout, padding=padding,
+                                     neginf=True, seed=30)
+    inp = _ppo_inputs(logits, tokens, mask, seed=3, with_isw=True)
+    out = _run_ppo(logits, tokens, mask, inp, kl_est=0, ent_coef=0.1, temp=1.5)
+    rout = _ref_ppo(logits, tokens, mask, inp, kl_est=0, ent_coef=0.1, temp=1.5)
+    _check_ppo(out, rout, logits, tokens, mask, torch.float32, temp=1.5)
+    dl = out[4]
+    assert (dl[torch.isinf(logits)] == 0).all()
+    if layout == "raw":
+        assert (dl[:, tokens.shape[1]:] == 0).all()
+
+
+def test_ppo_loss_no_ref_no_grad():
+    logits, tokens, mask = make_case(B=2, T=5, V=7, padding="left", seed=40)
+    inp = _ppo_inputs(logits, tokens, mask, seed=4, with_ref=False)
+    out = _run_ppo(logits, tokens, mask, inp, kl_coef=0.0, compute_grad=False)
+    assert out[4].numel() == 0
+    rloss, rloss_tok, _ = _ref_ppo(logits, tokens, mask, inp, kl_coef=0.0)
+    close(out[0], rloss, 1e-5, 1e-6, "loss")
+    close(out[1], rloss_tok, 1e-5, 1e-6, "loss_tok")
+    # the kl_coef is ignored without ref_logprobs (nothing to compare against)
+    out2 = _run_ppo(logits, tokens, mask, inp, kl_coef=0.5, compute_grad=False)
+    assert torch.equal(out2[1], out[1])
+
+
+def test_ppo_loss_all_masked():
+    logits, tokens, mask = make_case(B=2, T=4, V=7, layout="raw", padding="all", seed=41)
+    inp = _ppo_inputs(logits, tokens, mask, seed=5)
+    loss, loss_tok, logp, ent, dl = _run_ppo(logits, tokens, mask, inp)
+    assert loss.item() == 0.0
+    assert (loss_tok == 0).all() and (logp == 0).all() and (ent == 0).all()
+    assert (dl == 0).all()
+
+
+@pytest.mark.parametrize("layout,dtype", [("raw", torch.float32), ("view", torch.bfloat16),
+                                          ("aligned", torch.float64)])
+def test_ppo_loss_inplace(layout, dtype):
+    logits, tokens, mask = make_case(B=2, T=4, V=100, dtype=dtype, layout=layout,
+                                     padding="interior", neginf=True, seed=50)
+    inp = _ppo_inputs(logits, tokens, mask, seed=6, with_isw=True)
+    out = _run_ppo(logits, tokens, mask, inp, dual=3.0, kl_est=1)
+    base = logits._base if logits._base is not None else logits
+    before = base.clone()
+    acc = inp["acc"]
+    res = OPS.triton_ppo_loss_fwd_inplace(
+        logits, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
+        per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
+        0.2, 0.28, 3.0, 0.1, 1, 0.01, 1.0)
+    assert len(res) == 4
+    for a, b in zip(res, out[:4]):
+        assert torch.equal(a, b)
+    assert torch.equal(logits, out[4]), "the logits now hold exactly dlogits"
+    if layout == "view":  # storage outside the view is left alone
+        T = tokens.shape[1]
+        assert torch.equal(base[:, T:], before[:, T:])
+
+
+# ------------------------------------------------------------------ gae
+
+@pytest.mark.parametrize("padding", ["random", "left", "right", "interior", "empty_row",
+                                     "all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gae(padding, dtype):
+    B, T = 3, 20
+    gen = torch.Generator().manual_seed(60)
+    mask = make_mask(B, T, padding, gen).to(DEV)
+    r = torch.randn(B, T, generator=gen, dtype=dtype).to(DEV)
+    v = torch.randn(B, T, generator=gen, dtype=dtype).to(DEV)
+    boot = torch.randn(B, generator=gen, dtype=dtype).to(DEV)
+    rtol, atol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-12, 1e-12)
+    for bv in (None, boot):
+        a, ret = OPS.triton_gae(r, v, mask, bv, 0.99, 0.95)
+        assert a.dtype == ret.dtype == dtype
+        ra, rr = ref.gae(r, v, mask, gamma=0.99, lam=0.95, bootstrap_values=bv)
+        close(a, ra, rtol, atol, "advantages")
+        close(ret, rr, rtol, atol, "returns")
+
+
+@pytest.mark.parametrize("block_t", [1, 2, 32])
+def test_gae_chunk_sizes(block_t):
+    """The carry between chunks: the same result with any chunk (one position per chunk,
+    many chunks, a single chunk)."""
+    B, T = 2, 13
+    gen = torch.Generator().manual_seed(61)
+    mask = make_mask(B, T, "interior", gen).to(DEV)
+    r = torch.randn(B, T, generator=gen).to(DEV)
+    v = torch.randn(B, T, generator=gen).to(DEV)
+    a, ret = tk.gae(r, v, mask, None, 1.0, 0.9, block_t=block_t)
+    ra, rr = ref.gae(r, v, mask, gamma=1.0, lam=0.9)
+    close(a, ra, 1e-5, 1e-5, "advantages")
+    close(ret, rr, 1e-5, 1e-5, "returns")
+
+
+def test_gae_exercise_numbers():
+    """A hand-checkable case: gamma = lam = 1, a reward of 1 at the end, V = 0: every valid
+    position's advantage is 1; a masked gap changes nothing (transparent)."""
+    mask = torch.tensor([[True, False, True, True, False]], device=DEV)
+    r = torch.tensor([[0.0, 5.0, 0.0, 1.0, 7.0]], device=DEV)
+    v = torch.zeros(1, 5, device=DEV)
+    a, ret = OPS.triton_gae(r, v, mask, None, 1.0, 1.0)
+    assert a.tolist() == [[1.0, 0.0, 1.0, 1.0, 0.0]]
+    assert ret.tolist() == a.tolist()
+
+
+# ------------------------------------------------------------------ score_rollout
+
+@pytest.mark.parametrize("kl_est,padding", [(0, "left"), (1, "right"), (2, "interior"),
+                                            (3, "empty_row")])
+def test_score_rollout(kl_est, padding):
+    logits, tokens, mask = make_case(B=3, T=6, V=100, layout="raw", padding=padding,
+                                     seed=70 + kl_est)
+    B, T = tokens.shape
+    rl, _ = ref.token_logprobs(logits, tokens, mask, 0.9)
+    gen = np.random.default_rng(kl_est)
+    refl = per_token((rl + gen.normal(0, 0.5, rl.shape)) * mask.cpu().numpy(), torch.float32)
+    values = rand_tok(B, T, torch.float32, 71)
+    scores = per_token(gen.normal(0, 1, B), torch.float32)
+    out = OPS.triton_score_rollout(logits, tokens, mask, refl, values, scores, 0.05, kl_est,
+                                   0.99, 0.95, 0.9)
+    r = ref.score_rollout(logits, tokens, refl, values, scores, mask, kl_coef=0.05,
+                          kl_estimator=KL[kl_est], gamma=0.99, lam=0.95, temperature=0.9,
+                          whiten_advantages=False)
+    for name, got in zip(("logprobs", "kl", "rewards", "advantages", "returns"), out):
+        assert got.dtype == torch.float32
+        close(got, r[name], 1e-5, 1e-5, name)
+
+
+def test_score_rollout_float64_and_score_placement():
+    """scores[b] lands on the LAST valid token (interior gaps, left padding), nothing on
+    padding; float64 logits give float64 outputs at float64 precision."""
+    logits, tokens, mask = make_case(B=2, T=5, V=7, dtype=torch.float64, padding="left",
+                                     seed=80)
+    mask[1] = torch.tensor([True, False, True, False, False])
+    refl = torch.zeros(2, 5, dtype=torch.float64, device=DEV)
+    values = torch.zeros(2, 5, dtype=torch.float64, device=DEV)
+    scores = torch.tensor([3.0, -2.0], dtype=torch.float64, device=DEV)
+    tokens = torch.where(mask, tokens.clamp(0, 6), tokens)
+    out = OPS.triton_score_rollout(logits, tokens, mask, refl, values, scores, 0.0, 0,
+                                   1.0, 1.0, 1.0)
+    rew = out[2].cpu()
+    assert rew[0, 4].item() == 3.0 and rew[1, 2].item() == -2.0
+    assert (rew[0, :4] == 0).all() and rew[1, [0, 1, 3, 4]].eq(0).all()
+    r = ref.score_rollout(logits, tokens, refl, values, scores, mask, kl_coef=0.0,
+                          whiten_advantages=False, gamma=1.0, lam=1.0)
+    for name, got in zip(("logprobs", "kl", "rewards", "advantages", "returns"), out):
+        assert got.dtype == torch.float64
+        close(got, r[name], 1e-12, 1e-12, name)
+
+
+# ------------------------------------------------------------------ bad input
+
+def test_bad_input_raises():
+    logits, tokens, mask = make_case(B=2, T=3, V=7, seed=90)
+    with pytest.raises((ValueError, TypeError), match="tokens"):
+        OPS.triton_token_logprobs_fwd(logits, tokens.int(), mask, 1.0, False)
+    with pytest.raises((ValueError, TypeError), match="mask"):
+        OPS.triton_token_logprobs_fwd(logits, tokens, mask.float(), 1.0, False)
+    with pytest.raises((ValueError, TypeError), match="logits"):
+        OPS.triton_token_logprobs_fwd(logits[:, :2], tokens, mask, 1.0, False)
+    with pytest.raises((ValueError, TypeError), match="logits"):
+        OPS.triton_token_logprobs_fwd(logits.transpose(1, 2), tokens, mask, 1.0, False)
+    with pytest.raises((ValueError, TypeError), match="vocabulary"):
+        OPS.triton_token_logprobs_fwd(logits[..., :0], tokens, mask, 1.0, False)
+    z = torch.zeros(2, 3, device=DEV)
+    with pytest.raises((ValueError, TypeError), match="advantages"):
+        OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z.double(), z, None, None,
+                                0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, False)
+    with pytest.raises(ValueError, match="kl_estimator"):
+        OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, z, None,
+                                0.2, 0.2, 0.0, 0.1, 7, 0.0, 1.0, False)
+    with pytest.raises((ValueError, TypeError), match="bootstrap_values"):
+        OPS.triton_gae(z, z, mask, torch.zeros(3, device=DEV), 1.0, 0.9)
