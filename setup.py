@@ -14,7 +14,7 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CXX_FLAGS = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unused-function"]
+CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-Wall", "-Wno-unused-function"]
 # Flags ATen uses for its own per-capability kernels (cmake/Codegen.cmake).
 SIMD = {
     "default": ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"],
@@ -48,7 +48,7 @@ def extensions():
             "ppo_kernels._C", c_sources + rel("csrc/cuda/*.cu"), include_dirs=include,
             define_macros=macros,
             extra_compile_args={"cxx": CXX_FLAGS,
-                                "nvcc": ["-O3", "-std=c++17", "--use_fast_math",
+                                "nvcc": ["-O3", "-std=c++20", "--use_fast_math",
                                          "-lineinfo", "--expt-relaxed-constexpr"]})
     else:
         ext = cpp_extension.CppExtension("ppo_kernels._C", c_sources, include_dirs=include,

@@ -2,7 +2,7 @@
 //
 // Everything here is per token: a logprob of the sampled token in, the loss terms and their
 // derivative with respect to that logprob out. The vocabulary-wide parts (logsumexp,
-// entropy, dlogits) live in the kernels, which call row_grad_coef / dlogit below.
+// entropy, dlogits) live in the kernels, which call dlogit_dense / dlogit below.
 //
 // Sources: clipped surrogate, Schulman et al. 2017 "Proximal Policy Optimization
 // Algorithms", eq. 7; dual clip, Ye et al. 2020 "Mastering Complex Control in MOBA Games
@@ -135,16 +135,31 @@ PPO_HD TokenLoss<T> token_loss(T logp, T entropy, T old_logp, T adv, T ref_logp,
 // Row gradient. With z = logits / temperature, p_v = exp(z_v - lse), H the entropy:
 //   d logp / d z_v = 1[v = token] - p_v
 //   d H    / d z_v = -p_v (log p_v + H)
-// so dlogits_v = (dlogp (1[v = token] - p_v) - dH... ) / temperature, written below as
-//   dlogits_v = (onehot_v * dlogp - p_v * (dlogp + dent * (log p_v + H))) / temperature.
-// A banned entry (z_v = -inf) has p_v = 0 and gets exactly 0, never 0 * inf = NaN.
+// so d loss / d z_v = dlogp (1[v = token] - p_v) + dent * (-p_v (log p_v + H)), i.e.
+//   dlogit_dense (every v) + dlogp (v = token only), all divided by the temperature.
+// Generic in T so the CPU kernels can run it on at::vec::Vectorized lanes.
+template <typename T>
+PPO_HD T dlogit_dense(T logp_v, T pv, T entropy, T dlogp, T dent) {
+  return T(0) - pv * (dlogp + dent * (logp_v + entropy));
+}
+
+// The whole entry for one v. A banned entry (z_v = -inf) has p_v = 0 and gets exactly 0,
+// never 0 * inf = NaN.
 template <typename T>
 PPO_HD T dlogit(T z, T lse, T entropy, T dlogp, T dent, T inv_temp, bool is_token) {
   const T logp_v = z - lse;
   const T pv = ppo_exp(logp_v);
-  T g = pv == T(0) ? T(0) : -pv * (dlogp + dent * (logp_v + entropy));
+  T g = pv == T(0) ? T(0) : dlogit_dense(logp_v, pv, entropy, dlogp, dent);
   if (is_token) g += dlogp;
   return g * inv_temp;
+}
+
+// One step of the reverse GAE scan (Schulman et al. 2016, eq. 16) at a valid token:
+//   delta_t = r_t + gamma V_next - V_t,  A_t = delta_t + gamma lam A_next.
+// Masked tokens are skipped by the caller (V_next, A_next carried unchanged).
+template <typename T>
+PPO_HD T gae_step(T reward, T value, T v_next, T a_next, T gamma, T lam) {
+  return reward + gamma * v_next - value + gamma * lam * a_next;
 }
 
 }  // namespace ppo

@@ -1,0 +1,53 @@
+// Input checks and row layout shared by the CPU op wrappers. The Python layer validates
+// every argument first (ppo_kernels/_checks.py); these TORCH_CHECKs are the defence for
+// direct callers of torch.ops.ppo_kernels.*.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include "row_kernels.h"
+
+namespace ppo_cpu {
+inline namespace CPU_CAPABILITY {
+
+// logits [B, Tl, V] read through its batch/time strides; tokens/mask [B, T].
+struct Rows {
+  int64_t B, T, Tl, V, sB, sT;
+  Rows(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask) {
+    TORCH_CHECK(logits.dim() == 3, "logits: expected [B, Tl, V], got ", logits.sizes());
+    TORCH_CHECK(logits.stride(2) == 1, "logits: the vocabulary stride must be 1");
+    TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong,
+                "tokens: expected int64 [B, T], got ", tokens.scalar_type(), " ", tokens.sizes());
+    TORCH_CHECK(mask.sizes() == tokens.sizes() && mask.scalar_type() == at::kBool,
+                "mask: expected bool of the tokens' shape");
+    B = logits.size(0), Tl = logits.size(1), V = logits.size(2), T = tokens.size(1);
+    TORCH_CHECK(tokens.size(0) == B && T <= Tl, "tokens: ", tokens.sizes(),
+                " does not match logits ", logits.sizes());
+    TORCH_CHECK(V > 0, "logits: empty vocabulary");
+    sB = logits.stride(0), sT = logits.stride(1);
+  }
+  int64_t offset(int64_t i) const { return (i / T) * sB + (i % T) * sT; }
+  // Valid rows must hold an id in [0, V); masked rows are never read.
+  void check_tokens(const int64_t* tok, const bool* m) const {
+    for (int64_t i = 0; i < B * T; ++i)
+      TORCH_CHECK(!m[i] || (tok[i] >= 0 && tok[i] < V), "tokens: id ", tok[i],
+                  " out of [0, ", V, ") at flat position ", i);
+  }
+};
+
+inline void check_per_token(const at::Tensor& x, const char* name, const at::Tensor& like,
+                            at::ScalarType dtype) {
+  TORCH_CHECK(x.sizes() == like.sizes(), name, ": expected shape ", like.sizes(), ", got ",
+              x.sizes());
+  TORCH_CHECK(x.scalar_type() == dtype, name, ": expected dtype ", dtype, ", got ",
+              x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), name, ": expected a contiguous tensor");
+}
+
+inline at::ScalarType acc_type(const at::Tensor& logits) {
+  return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace ppo_cpu

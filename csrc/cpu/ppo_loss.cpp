@@ -1,0 +1,153 @@
+// The fused PPO policy loss on the CPU. Per token row: logsumexp + entropy (one sweep with
+// the exps kept in scratch), the per-token loss and d loss / d logp from ppo_math.h, then,
+// when a gradient is wanted, dlogits in a last sweep while the row is still in L2. The
+// logits are read from memory once and dlogits written once; backward only scales.
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace ppo_cpu {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+struct LossInputs {
+  const at::Tensor &tokens, &mask, &old_logprobs, &advantages, &weights;
+  const std::optional<at::Tensor>&ref, &is_w;
+  ppo::PolicyParams p;
+  double temperature;
+};
+
+// out: where dlogits go (null: no gradient), with its own batch/time strides.
+template <typename scalar_t>
+void fused_rows(const at::Tensor& logits, const Rows& r, const LossInputs& in, scalar_t* out,
+                int64_t oB, int64_t oT, at::Tensor& loss_tok, at::Tensor& logp,
+                at::Tensor& ent) {
+  using T = typename Acc<scalar_t>::type;
+  const scalar_t* L = logits.data_ptr<scalar_t>();
+  const int64_t* tok = in.tokens.data_ptr<int64_t>();
+  const bool* m = in.mask.data_ptr<bool>();
+  const T* old = in.old_logprobs.data_ptr<T>();
+  const T* adv = in.advantages.data_ptr<T>();
+  const T* w = in.weights.data_ptr<T>();
+  const T* ref = in.p.has_ref ? in.ref->data_ptr<T>() : nullptr;
+  const T* isw = in.p.has_is_weights ? in.is_w->data_ptr<T>() : nullptr;
+  T* lt = loss_tok.data_ptr<T>();
+  T* lp = logp.data_ptr<T>();
+  T* en = ent.data_ptr<T>();
+  const T inv = T(1.0 / in.temperature);
+  const ppo::PolicyParams p = in.p;
+  at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
+    RowScratch<scalar_t> sc(r.V, out != nullptr);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / r.T, t = i % r.T;
+      scalar_t* orow = out ? out + b * oB + t * oT : nullptr;
+      if (!m[i]) {
+        lt[i] = lp[i] = en[i] = T(0);
+        if (orow) zero_row(orow, r.V);
+        continue;
+      }
+      const T* x = sc.load(L + r.offset(i), r.V);
+      T* e = orow ? sc.e.data() : nullptr;
+      const RowStats<T> st = row_stats<T>(x, r.V, inv, true, e);
+      const T logp_i = x[tok[i]] * inv - st.lse;
+      const ppo::TokenLoss<T> tl = ppo::token_loss<T>(
+          logp_i, st.entropy, old[i], adv[i], ref ? ref[i] : T(0), isw ? isw[i] : T(1), w[i], p);
+      lt[i] = tl.loss;
+      lp[i] = logp_i;
+      en[i] = st.entropy;
+      if (orow) write_row_grad<scalar_t, T>(x, e, e, r.V, inv, st, tl.dlogp, tl.dent, tok[i], orow);
+    }
+  });
+  if (out) {  // positions t >= T of [B, T + 1, V] logits get a zero gradient
+    for (int64_t b = 0; b < r.B; ++b)
+      for (int64_t t = r.T; t < r.Tl; ++t) zero_row(out + b * oB + t * oT, r.V);
+  }
+}
+
+// loss = sum_i w_i loss_i, summed in double whatever the dtype.
+at::Tensor weighted_sum(const at::Tensor& w, const at::Tensor& loss_tok) {
+  at::Tensor loss = at::empty({}, loss_tok.options());
+  AT_DISPATCH_FLOATING_TYPES(loss_tok.scalar_type(), "weighted_sum", [&] {
+    const scalar_t* a = w.data_ptr<scalar_t>();
+    const scalar_t* l = loss_tok.data_ptr<scalar_t>();
+    double s = 0.0;
+    for (int64_t i = 0; i < loss_tok.numel(); ++i) s += double(a[i]) * double(l[i]);
+    *loss.data_ptr<scalar_t>() = scalar_t(s);
+  });
+  return loss;
+}
+
+// Shared by the functional and the inplace op. dlogits: an output buffer, or undefined.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
+    const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
+    const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& weights,
+    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& is_w,
+    double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
+    int64_t kl_estimator, double entropy_coef, double temperature, const at::Tensor& dlogits) {
+  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
+  const Rows r(logits, tokens, mask);
+  const at::ScalarType acc = acc_type(logits);
+  check_per_token(old_logprobs, "old_logprobs", tokens, acc);
+  check_per_token(advantages, "advantages", tokens, acc);
+  check_per_token(weights, "weights", tokens, acc);
+  if (ref) check_per_token(*ref, "ref_logprobs", tokens, acc);
+  if (is_w) check_per_token(*is_w, "rollout_is_weights", tokens, acc);
+  TORCH_CHECK(kl_estimator >= 0 && kl_estimator <= 3, "kl_estimator: expected 0..3, got ",
+              kl_estimator);
+  r.check_tokens(tokens.data_ptr<int64_t>(), mask.data_ptr<bool>());
+  const LossInputs in{tokens, mask, old_logprobs, advantages, weights, ref, is_w,
+                      ppo::PolicyParams{clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
+                                        int(kl_estimator), entropy_coef, ref.has_value(),
+                                        is_w.has_value()},
+                      temperature};
+  const auto opts = logits.options().dtype(acc);
+  at::Tensor loss_tok = at::empty({r.B, r.T}, opts), logp = at::empty({r.B, r.T}, opts),
+             ent = at::empty({r.B, r.T}, opts);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
+                                  "ppo_loss_fwd", [&] {
+    scalar_t* out = dlogits.defined() ? dlogits.data_ptr<scalar_t>() : nullptr;
+    const int64_t oB = dlogits.defined() ? dlogits.stride(0) : 0;
+    const int64_t oT = dlogits.defined() ? dlogits.stride(1) : 0;
+    fused_rows<scalar_t>(logits, r, in, out, oB, oT, loss_tok, logp, ent);
+  });
+  return {weighted_sum(weights, loss_tok), loss_tok, logp, ent};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd(
+    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
+    const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& weights,
+    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& is_w,
+    double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
+    int64_t kl_estimator, double entropy_coef, double temperature, bool compute_grad) {
+  at::Tensor dlogits = compute_grad ? at::empty(logits.sizes(), logits.options())
+                                    : at::empty({0}, logits.options());
+  auto [loss, loss_tok, logp, ent] =
+      run(logits, tokens, mask, old_logprobs, advantages, weights, ref, is_w, clip_eps_low,
+          clip_eps_high, dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
+          compute_grad ? dlogits : at::Tensor());
+  return {loss, loss_tok, logp, ent, dlogits};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd_inplace(
+    at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
+    const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& weights,
+    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& is_w,
+    double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
+    int64_t kl_estimator, double entropy_coef, double temperature) {
+  // each row is read (and widened, or its exps kept) before its gradient overwrites it
+  return run(logits, tokens, mask, old_logprobs, advantages, weights, ref, is_w, clip_eps_low,
+             clip_eps_high, dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
+             logits);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ppo_kernels, CPU, m) {
+  m.impl("ppo_loss_fwd", &ppo_loss_fwd);
+  m.impl("ppo_loss_fwd_inplace", &ppo_loss_fwd_inplace);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace ppo_cpu

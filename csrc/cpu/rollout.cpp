@@ -1,0 +1,136 @@
+// Rollout side on the CPU: the reverse GAE scan (one sequence per task) and score_rollout
+// (logprob sweep over the logits, KL-penalised rewards, then the scan).
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace ppo_cpu {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+// Reverse scan of one row; masked positions are transparent (V_next, A_next carried over).
+template <typename T>
+void gae_row(const T* r, const T* v, const bool* m, T v_next, int64_t n, T gamma, T lam,
+             T* adv, T* ret) {
+  T a_next = T(0);
+  for (int64_t j = n - 1; j >= 0; --j) {
+    if (!m[j]) {
+      adv[j] = ret[j] = T(0);
+      continue;
+    }
+    a_next = ppo::gae_step(r[j], v[j], v_next, a_next, gamma, lam);
+    v_next = v[j];
+    adv[j] = a_next;
+    ret[j] = a_next + v[j];
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
+                                       const at::Tensor& mask_in,
+                                       const std::optional<at::Tensor>& bootstrap,
+                                       double gamma, double lam) {
+  TORCH_CHECK(rewards.dim() == 2 && rewards.is_contiguous(), "rewards: expected contiguous [B, T]");
+  TORCH_CHECK(rewards.scalar_type() == at::kFloat || rewards.scalar_type() == at::kDouble,
+              "rewards: expected float32 or float64");
+  check_per_token(values, "values", rewards, rewards.scalar_type());
+  const at::Tensor mask = mask_in.contiguous();
+  TORCH_CHECK(mask.sizes() == rewards.sizes() && mask.scalar_type() == at::kBool,
+              "mask: expected bool [B, T]");
+  const int64_t B = rewards.size(0), T = rewards.size(1);
+  if (bootstrap) {
+    TORCH_CHECK(bootstrap->dim() == 1 && bootstrap->size(0) == B && bootstrap->is_contiguous() &&
+                    bootstrap->scalar_type() == rewards.scalar_type(),
+                "bootstrap_values: expected contiguous [B] of the rewards' dtype");
+  }
+  at::Tensor adv = at::empty_like(rewards), ret = at::empty_like(rewards);
+  AT_DISPATCH_FLOATING_TYPES(rewards.scalar_type(), "gae", [&] {
+    const scalar_t* boot = bootstrap ? bootstrap->data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, B, std::max<int64_t>(1, 4096 / std::max<int64_t>(T, 1)),
+                     [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        gae_row<scalar_t>(rewards.data_ptr<scalar_t>() + b * T, values.data_ptr<scalar_t>() + b * T,
+                          mask.data_ptr<bool>() + b * T, boot ? boot[b] : scalar_t(0), T,
+                          scalar_t(gamma), scalar_t(lam), adv.data_ptr<scalar_t>() + b * T,
+                          ret.data_ptr<scalar_t>() + b * T);
+      }
+    });
+  });
+  return {adv, ret};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rollout(
+    const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
+    const at::Tensor& ref_logprobs, const at::Tensor& values, const at::Tensor& scores,
+    double kl_coef, int64_t kl_estimator, double gamma, double lam, double temperature) {
+  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
+  const Rows r(logits, tokens, mask);
+  TORCH_CHECK(logits.scalar_type() != at::kDouble, "logits: score_rollout runs in float32");
+  check_per_token(ref_logprobs, "ref_logprobs", tokens, at::kFloat);
+  check_per_token(values, "values", tokens, at::kFloat);
+  TORCH_CHECK(scores.dim() == 1 && scores.size(0) == r.B && scores.is_contiguous() &&
+                  scores.scalar_type() == at::kFloat,
+              "scores: expected contiguous float32 [B]");
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const bool* m = mask.data_ptr<bool>();
+  r.check_tokens(tok, m);
+  const auto opts = ref_logprobs.options();
+  at::Tensor logp = at::empty({r.B, r.T}, opts), kl = at::empty({r.B, r.T}, opts),
+             rew = at::empty({r.B, r.T}, opts), adv = at::empty({r.B, r.T}, opts),
+             ret = at::empty({r.B, r.T}, opts);
+  float* lp = logp.data_ptr<float>();
+  float* klp = kl.data_ptr<float>();
+  float* rw = rew.data_ptr<float>();
+  const float* ref = ref_logprobs.data_ptr<float>();
+  auto logprob_sweep = [&](auto zero) {
+    using scalar_t = decltype(zero);
+    const scalar_t* L = logits.data_ptr<scalar_t>();
+    const float inv = float(1.0 / temperature);
+    at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
+      RowScratch<scalar_t> sc(r.V, false);
+      for (int64_t i = begin; i < end; ++i) {
+        if (!m[i]) {
+          lp[i] = klp[i] = rw[i] = 0.f;
+          continue;
+        }
+        const float* x = sc.load(L + r.offset(i), r.V);
+        lp[i] = x[tok[i]] * inv - row_stats<float>(x, r.V, inv, false, nullptr).lse;
+        klp[i] = ppo::kl_term<float>(lp[i] - ref[i], int(kl_estimator)).kl;
+        rw[i] = float(-kl_coef) * klp[i];
+      }
+    });
+  };
+  switch (logits.scalar_type()) {  // float32 accumulation: no float64 instance
+    case at::kFloat: logprob_sweep(float(0)); break;
+    case at::kBFloat16: logprob_sweep(at::BFloat16(0)); break;
+    case at::kHalf: logprob_sweep(at::Half(0)); break;
+    default: TORCH_CHECK(false, "logits: expected float32, bfloat16 or float16");
+  }
+  const float* sc = scores.data_ptr<float>();
+  at::parallel_for(0, r.B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t t = r.T - 1; t >= 0; --t) {  // the score goes on the LAST valid token
+        if (m[b * r.T + t]) {
+          rw[b * r.T + t] += sc[b];
+          break;
+        }
+      }
+      gae_row<float>(rw + b * r.T, values.data_ptr<float>() + b * r.T, m + b * r.T, 0.f, r.T,
+                     float(gamma), float(lam), adv.data_ptr<float>() + b * r.T,
+                     ret.data_ptr<float>() + b * r.T);
+    }
+  });
+  return {logp, kl, rew, adv, ret};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ppo_kernels, CPU, m) {
+  m.impl("gae", &gae);
+  m.impl("score_rollout", &score_rollout);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace ppo_cpu

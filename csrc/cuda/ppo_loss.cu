@@ -1,0 +1,135 @@
+// CUDA ppo_loss_fwd / ppo_loss_fwd_inplace (schemas in csrc/ops.cpp).
+//
+// One launch reads every valid row of the logits once, computes logprob and entropy, the
+// per-token loss and its derivatives (ppo::token_loss), and, when a gradient is wanted,
+// writes dlogits in a second sweep of the same row while it is in L2 (row_kernels.cuh).
+// Since loss = sum_i w_i loss_i with w known up front, the autograd backward only scales
+// this dlogits by grad_output: one DRAM read and one DRAM write of [N, V] in total.
+// A second tiny launch reduces loss = sum(w * loss_tok) in a fixed order (deterministic).
+#include <ATen/Dispatch.h>
+#include <ATen/MemoryOverlap.h>
+#include <torch/library.h>
+
+#include "row_kernels.cuh"
+
+namespace ppo_cuda {
+namespace {
+
+using Tensor = at::Tensor;
+using OptTensor = std::optional<at::Tensor>;
+
+// Returns (loss, loss_tok, logprobs, entropy, dlogits); dlogits is numel 0 when no gradient
+// is asked for, and undefined when it was written over the logits (inplace).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
+    const Tensor& logits, const Tensor& tokens_in, const Tensor& mask_in,
+    const Tensor& old_logprobs, const Tensor& advantages, const Tensor& weights,
+    const OptTensor& ref_logprobs, const OptTensor& rollout_is_weights, double clip_eps_low,
+    double clip_eps_high, double dual_clip_c, double kl_coef, int64_t kl_estimator,
+    double entropy_coef, double temperature, bool compute_grad, bool inplace) {
+  check_logits(logits, tokens_in, mask_in);
+  TORCH_CHECK(temperature > 0.0, "ppo_kernels (CUDA): temperature must be > 0, got ",
+              temperature);
+  TORCH_CHECK(kl_estimator >= 0 && kl_estimator <= 3,
+              "ppo_kernels (CUDA): kl_estimator must be 0..3 (k1, k2, k3, abs), got ",
+              kl_estimator);
+  c10::cuda::CUDAGuard guard(logits.device());
+  const Tensor tokens = tokens_in.contiguous();
+  const Tensor mask = mask_in.contiguous();
+  const auto acc = acc_dtype(logits.scalar_type());
+  const auto dev = logits.device();
+  const auto shape = tokens.sizes();
+  const Tensor old_lp = per_token(old_logprobs, "old_logprobs", acc, shape, dev);
+  const Tensor adv = per_token(advantages, "advantages", acc, shape, dev);
+  const Tensor w = per_token(weights, "weights", acc, shape, dev);
+  const OptTensor ref = opt_per_token(ref_logprobs, "ref_logprobs", acc, shape, dev);
+  const OptTensor isw = opt_per_token(rollout_is_weights, "rollout_is_weights", acc, shape, dev);
+  if (inplace) at::assert_no_internal_overlap(logits);
+
+  const auto acc_opts = logits.options().dtype(acc);
+  const int64_t B = logits.size(0), Tl = logits.size(1), V = logits.size(2);
+  const int64_t T = tokens.size(1);
+  Tensor loss = at::empty({}, acc_opts);
+  Tensor loss_tok = at::empty({B, T}, acc_opts);
+  Tensor logp = at::empty({B, T}, acc_opts);
+  Tensor ent = at::empty({B, T}, acc_opts);
+  Tensor dlogits;
+  if (!inplace) {
+    dlogits = compute_grad ? at::empty({B, Tl, V}, logits.options())  // contiguous
+                           : at::empty({0}, logits.options());
+  }
+
+  ppo::PolicyParams params;
+  params.clip_eps_low = clip_eps_low;
+  params.clip_eps_high = clip_eps_high;
+  params.dual_clip_c = dual_clip_c;
+  params.kl_coef = kl_coef;
+  params.kl_estimator = static_cast<int>(kl_estimator);
+  params.entropy_coef = entropy_coef;
+  params.has_ref = ref.has_value();
+  params.has_is_weights = isw.has_value();
+
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int device = dev.index();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, logits.scalar_type(), "ppo_loss_fwd_cuda", [&] {
+        using A = acc_of<scalar_t>;
+        RowsView<scalar_t> rv = make_view<scalar_t>(logits, tokens, mask);
+        if (inplace) {
+          rv.out = logits.data_ptr<scalar_t>();
+          rv.oB = logits.stride(0);
+          rv.oT = logits.stride(1);
+        } else if (compute_grad) {
+          rv.out = dlogits.data_ptr<scalar_t>();
+          rv.oB = Tl * V;
+          rv.oT = V;
+        }
+        TokenIO<A> io = empty_io<A>(kModePpo);
+        io.old_logp = old_lp.data_ptr<A>();
+        io.adv = adv.data_ptr<A>();
+        io.weights = w.data_ptr<A>();
+        io.is_w = ptr_or_null<A>(isw);
+        io.ref_logp = ptr_or_null<A>(ref);
+        io.params = params;
+        io.logp = logp.data_ptr<A>();
+        io.entropy = ent.data_ptr<A>();
+        io.loss_tok = loss_tok.data_ptr<A>();
+        run_rows<scalar_t>(rv, io, static_cast<A>(1.0 / temperature), acc_opts, device, stream);
+        weighted_sum_kernel<A><<<1, kMaxThreads, 0, stream>>>(
+            w.data_ptr<A>(), loss_tok.data_ptr<A>(), B * T, loss.data_ptr<A>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+  return {loss, loss_tok, logp, ent, dlogits};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_cuda(
+    const Tensor& logits, const Tensor& tokens, const Tensor& mask, const Tensor& old_logprobs,
+    const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
+    const OptTensor& rollout_is_weights, double clip_eps_low, double clip_eps_high,
+    double dual_clip_c, double kl_coef, int64_t kl_estimator, double entropy_coef,
+    double temperature, bool compute_grad) {
+  return ppo_loss_impl(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
+                       rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
+                       kl_estimator, entropy_coef, temperature, compute_grad, false);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_inplace_cuda(
+    const Tensor& logits, const Tensor& tokens, const Tensor& mask, const Tensor& old_logprobs,
+    const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
+    const OptTensor& rollout_is_weights, double clip_eps_low, double clip_eps_high,
+    double dual_clip_c, double kl_coef, int64_t kl_estimator, double entropy_coef,
+    double temperature) {
+  auto [loss, loss_tok, logp, ent, unused] = ppo_loss_impl(
+      logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
+      rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
+      entropy_coef, temperature, true, true);
+  (void)unused;
+  return {loss, loss_tok, logp, ent};
+}
+
+}  // namespace
+}  // namespace ppo_cuda
+
+TORCH_LIBRARY_IMPL(ppo_kernels, CUDA, m) {
+  m.impl("ppo_loss_fwd", &ppo_cuda::ppo_loss_fwd_cuda);
+  m.impl("ppo_loss_fwd_inplace", &ppo_cuda::ppo_loss_fwd_inplace_cuda);
+}

@@ -1,0 +1,334 @@
+// Device building blocks of the vocabulary-row kernels: the online softmax statistics of a
+// range of one logits row (max, sum of exp, entropy sum), their warp/block merge, and the
+// gradient / zero sweeps that write a range of a dlogits row.
+//
+// Every routine works on an arbitrary range [begin, end) of a row whose start may have any
+// alignment: it walks a scalar head up to the first 16-byte boundary, then 16-byte packs
+// (8 bf16/half, 4 float, 2 double per load), then a scalar tail. So a row of an odd V, or a
+// strided view such as logits[:, :-1], is read in place with wide loads on its body.
+//
+// The per-token PPO math is NOT here: the gradient sweep calls ppo::dlogit (ppo_math.h).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "ppo_math.h"
+
+namespace ppo_cuda {
+
+// Accumulation dtype: float for float/bf16/half, double for double (DESIGN.md, dtypes).
+template <typename T>
+struct AccOf {
+  using type = float;
+};
+template <>
+struct AccOf<double> {
+  using type = double;
+};
+template <typename T>
+using acc_of = typename AccOf<T>::type;
+
+constexpr int kWarpSize = 32;
+constexpr int kMaxThreads = 1024;
+
+__device__ __forceinline__ float vlog(float x) { return logf(x); }
+__device__ __forceinline__ double vlog(double x) { return log(x); }
+__device__ __forceinline__ float vmax(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double vmax(double a, double b) { return fmax(a, b); }
+template <typename A>
+__device__ __forceinline__ A neg_inf() {
+  return -static_cast<A>(INFINITY);
+}
+template <typename A>
+__device__ __forceinline__ A quiet_nan() {
+  return static_cast<A>(NAN);
+}
+
+// ---------------------------------------------------------------- 16-byte packs
+
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int N = 16 / sizeof(T);
+  T v[N];
+};
+
+// Default-cached load: the first sweep wants the row to stay in L2 for the second one.
+template <typename T>
+__device__ __forceinline__ Pack<T> ld_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T>*>(p);
+}
+// Streaming (evict-first) load and store for the last touch of a row: the gradient sweep's
+// reads and every dlogits write, so that they do not push other rows' logits out of L2
+// before those rows' own second sweep.
+template <typename T>
+__device__ __forceinline__ Pack<T> ld_pack_last(const T* p) {
+  uint4 r = __ldcs(reinterpret_cast<const uint4*>(p));
+  return *reinterpret_cast<Pack<T>*>(&r);
+}
+template <typename T>
+__device__ __forceinline__ void st_pack_stream(T* p, const Pack<T>& v) {
+  __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+}
+
+// Elements before the first 16-byte boundary at or after p (0 when p is aligned).
+template <typename T>
+__device__ __forceinline__ int64_t head_len(const T* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  return static_cast<int64_t>(((16 - (a & 15)) & 15) / sizeof(T));
+}
+
+// ---------------------------------------------------------------- softmax statistics
+
+// Online statistics of z over a set of entries, relative to the running max m:
+//   s = sum exp(z - m),  t = sum exp(z - m) * (z - m)
+// so lse = m + log s and H = lse - sum p z = log s - t / s. Keeping t relative to m (not
+// sum e*z) avoids the cancellation lse - sum p z when |z| is large. Empty: m = -inf, s = 0.
+template <typename A>
+struct Stats {
+  A m, s, t;
+};
+
+template <typename A>
+__device__ __forceinline__ Stats<A> stats_empty() {
+  return {neg_inf<A>(), A(0), A(0)};
+}
+
+// Adds K entries z[0..K) to st. A -inf entry (banned token) has p = 0 and adds nothing;
+// the select keeps 0 * (-inf) out of t. A NaN entry makes s NaN (loud, never dropped).
+template <typename A, int K>
+__device__ __forceinline__ void stats_add(Stats<A>& st, const A (&z)[K]) {
+  A cmax = z[0];
+#pragma unroll
+  for (int k = 1; k < K; ++k) cmax = vmax(cmax, z[k]);
+  if (cmax == neg_inf<A>()) {
+    // All -inf (nothing to add) or -inf mixed with NaN (fmax drops NaN: re-check here).
+    bool nan = false;
+#pragma unroll
+    for (int k = 0; k < K; ++k) nan |= z[k] != z[k];
+    if (nan) st.s = quiet_nan<A>();
+    return;
+  }
+  if (cmax > st.m) {
+    if (st.s > A(0)) {
+      const A a = ppo::ppo_exp(st.m - cmax);
+      st.t = a * (st.t + (st.m - cmax) * st.s);
+      st.s *= a;
+    }
+    st.m = cmax;
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const A d = z[k] - st.m;
+    const A e = ppo::ppo_exp(d);
+    st.s += e;
+    st.t += e > A(0) ? e * d : A(0);
+  }
+}
+
+// a := a merged with b (both relative to their own max).
+template <typename A>
+__device__ __forceinline__ void stats_merge(Stats<A>& a, const Stats<A>& b) {
+  if (b.s == A(0)) return;  // b empty (a NaN s is not 0: it propagates below)
+  if (a.s == A(0)) {
+    a = b;
+    return;
+  }
+  const A m = vmax(a.m, b.m);
+  const A ea = ppo::ppo_exp(a.m - m);
+  const A eb = ppo::ppo_exp(b.m - m);
+  a.t = ea * (a.t + (a.m - m) * a.s) + eb * (b.t + (b.m - m) * b.s);
+  a.s = ea * a.s + eb * b.s;
+  a.m = m;
+}
+
+template <typename A>
+__device__ __forceinline__ Stats<A> warp_merge(Stats<A> st) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) {
+    Stats<A> o;
+    o.m = __shfl_xor_sync(0xffffffffu, st.m, off);
+    o.s = __shfl_xor_sync(0xffffffffu, st.s, off);
+    o.t = __shfl_xor_sync(0xffffffffu, st.t, off);
+    stats_merge(st, o);
+  }
+  return st;
+}
+
+// Block-wide merge; every thread gets the result. blockDim.x a multiple of 32, <= 1024.
+// smem: 33 slots. Ends with a barrier-protected broadcast so smem can be reused at once.
+template <typename A>
+__device__ __forceinline__ Stats<A> block_merge(Stats<A> st, Stats<A>* smem) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int nwarps = blockDim.x / kWarpSize;
+  st = warp_merge(st);
+  if (nwarps == 1) return st;  // every lane already holds the merge
+  if (lane == 0) smem[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    Stats<A> w = lane < nwarps ? smem[lane] : stats_empty<A>();
+    w = warp_merge(w);
+    if (lane == 0) smem[32] = w;
+  }
+  __syncthreads();
+  return smem[32];
+}
+
+// lse and entropy of the merged statistics.
+template <typename A>
+__device__ __forceinline__ void stats_finish(const Stats<A>& st, A& lse, A& entropy) {
+  const A ls = vlog(st.s);
+  lse = st.m + ls;
+  entropy = ls - st.t / st.s;
+}
+
+// Block sum in double (deterministic order for a given block size). smem: 33 doubles.
+__device__ __forceinline__ double block_sum(double x, double* smem) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int nwarps = blockDim.x / kWarpSize;
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  if (nwarps == 1) return x;
+  if (lane == 0) smem[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    double w = lane < nwarps ? smem[lane] : 0.0;
+#pragma unroll
+    for (int off = kWarpSize / 2; off > 0; off >>= 1) w += __shfl_xor_sync(0xffffffffu, w, off);
+    if (lane == 0) smem[32] = w;
+  }
+  __syncthreads();
+  return smem[32];
+}
+
+// ---------------------------------------------------------------- range sweeps
+
+// This thread's share (thread tid of nthr) of the statistics of z = row[v] * inv_temp over
+// v in [begin, end). Four 16-byte loads are issued before the first is used, so that a
+// 1024-thread block keeps ~64 KB in flight per multiprocessor (enough for HBM3e latency).
+template <typename T, typename A>
+__device__ __forceinline__ Stats<A> range_stats(const T* row, int64_t begin, int64_t end,
+                                                A inv_temp, int tid, int nthr) {
+  constexpr int N = Pack<T>::N;
+  constexpr int U = 4;
+  Stats<A> st = stats_empty<A>();
+  const T* in = row + begin;
+  const int64_t n = end - begin;
+  if (n <= 0) return st;
+  const int64_t h = min(n, head_len(in));
+  const int64_t nv = (n - h) / N;
+  const int64_t tail0 = h + nv * N;
+  for (int64_t k = tid; k < h; k += nthr) {
+    const A z[1] = {static_cast<A>(in[k]) * inv_temp};
+    stats_add(st, z);
+  }
+  for (int64_t k = tail0 + tid; k < n; k += nthr) {
+    const A z[1] = {static_cast<A>(in[k]) * inv_temp};
+    stats_add(st, z);
+  }
+  const T* vin = in + h;
+  int64_t j = tid;
+  for (; j + (U - 1) * static_cast<int64_t>(nthr) < nv; j += U * static_cast<int64_t>(nthr)) {
+    Pack<T> x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) x[u] = ld_pack(vin + (j + u * static_cast<int64_t>(nthr)) * N);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      A z[N];
+#pragma unroll
+      for (int k = 0; k < N; ++k) z[k] = static_cast<A>(x[u].v[k]) * inv_temp;
+      stats_add(st, z);
+    }
+  }
+  for (; j < nv; j += nthr) {
+    const Pack<T> x = ld_pack(vin + j * N);
+    A z[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) z[k] = static_cast<A>(x.v[k]) * inv_temp;
+    stats_add(st, z);
+  }
+  return st;
+}
+
+// Writes zeros over out[begin, end) (masked rows, positions t >= T, rows whose gradient
+// coefficients are both 0): no read of the logits at all.
+template <typename T>
+__device__ __forceinline__ void zero_range(T* out_row, int64_t begin, int64_t end, int tid,
+                                           int nthr) {
+  constexpr int N = Pack<T>::N;
+  T* out = out_row + begin;
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t h = min(n, head_len(out));
+  const int64_t nv = (n - h) / N;
+  const int64_t tail0 = h + nv * N;
+  const T zero = static_cast<T>(0.0f);
+  for (int64_t k = tid; k < h; k += nthr) out[k] = zero;
+  for (int64_t k = tail0 + tid; k < n; k += nthr) out[k] = zero;
+  Pack<T> zp;
+#pragma unroll
+  for (int k = 0; k < N; ++k) zp.v[k] = zero;
+  T* vout = out + h;
+  for (int64_t j = tid; j < nv; j += nthr) st_pack_stream(vout + j * N, zp);
+}
+
+// The gradient of one row over [begin, end): out[v] = dlogit(row[v] * inv_temp, ...), with
+// the per-token coefficients dlogp, dent of this row (ppo::dlogit holds the formula).
+// The sweep runs BACKWARDS through the range: the first sweep read it forwards, so the
+// entries it read last are the likeliest to still be in L2 and are re-read first.
+// out may alias row (in-place backward): each element is read, then written, by one thread.
+// When row and out differ in their 16-byte phase no common pack split exists: scalar path.
+template <typename T, typename A>
+__device__ __forceinline__ void grad_range(const T* row, T* out_row, int64_t begin,
+                                           int64_t end, int64_t tok, A lse, A entropy,
+                                           A dlogp, A dent, A inv_temp, int tid, int nthr) {
+  constexpr int N = Pack<T>::N;
+  const T* in = row + begin;
+  T* out = out_row + begin;
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t tok_rel = tok - begin;  // outside [0, n) when the token is not in range
+  auto one = [&](int64_t k) {
+    const A z = static_cast<A>(in[k]) * inv_temp;
+    out[k] = static_cast<T>(ppo::dlogit(z, lse, entropy, dlogp, dent, inv_temp, k == tok_rel));
+  };
+  if (((reinterpret_cast<uintptr_t>(in) ^ reinterpret_cast<uintptr_t>(out)) & 15) != 0) {
+    for (int64_t k = n - 1 - tid; k >= 0; k -= nthr) one(k);
+    return;
+  }
+  const int64_t h = min(n, head_len(in));
+  const int64_t nv = (n - h) / N;
+  const int64_t tail0 = h + nv * N;
+  for (int64_t k = tail0 + tid; k < n; k += nthr) one(k);
+  const T* vin = in + h;
+  T* vout = out + h;
+  auto pack = [&](int64_t j, const Pack<T>& x) {
+    Pack<T> y;
+    const int64_t k0 = h + j * N;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const A z = static_cast<A>(x.v[k]) * inv_temp;
+      y.v[k] = static_cast<T>(
+          ppo::dlogit(z, lse, entropy, dlogp, dent, inv_temp, k0 + k == tok_rel));
+    }
+    st_pack_stream(vout + j * N, y);
+  };
+  int64_t j = nv - 1 - tid;
+  // two packs in flight per thread (the reads mostly hit L2, whose latency is shorter)
+  for (; j - nthr >= 0; j -= 2 * static_cast<int64_t>(nthr)) {
+    const Pack<T> x0 = ld_pack_last(vin + j * N);
+    const Pack<T> x1 = ld_pack_last(vin + (j - nthr) * N);
+    pack(j, x0);
+    pack(j - nthr, x1);
+  }
+  if (j >= 0) pack(j, ld_pack_last(vin + j * N));
+  for (int64_t k = tid; k < h; k += nthr) one(k);
+}
+
+}  // namespace ppo_cuda
