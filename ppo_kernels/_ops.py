@@ -115,11 +115,15 @@ def _lp_backward_for(prefix):
 
 def _loss_setup(ctx, inputs, output):
     ctx.save_for_backward(output[4])
+    # the other outputs carry no gradient: materialising zeros for them would allocate a
+    # second [N, V] buffer (for the dlogits output) in every backward
+    ctx.set_materialize_grads(False)
 
 
 def _loss_backward(ctx, grad_loss, *_):
     (dlogits,) = ctx.saved_tensors
-    return (_scale(grad_loss, dlogits),) + (None,) * 15
+    grad = None if grad_loss is None else _scale(grad_loss, dlogits)
+    return (grad,) + (None,) * 15
 
 
 _registered = set()

@@ -1,0 +1,16 @@
+# The two commands of the README:
+#   make demo   set everything up on a fresh machine and run the PPO demo (the main job)
+#   make test   set everything up and run the test suite
+.PHONY: setup demo test bench
+
+setup:
+	./scripts/setup.sh
+
+demo: setup
+	.venv/bin/python examples/ppo_demo.py --out out/ppo_demo.png
+
+test: setup
+	.venv/bin/python -m pytest -q --durations=10
+
+bench: setup
+	.venv/bin/python benchmarks/cpu_bench.py

@@ -1,0 +1,158 @@
+"""CPU benchmark: ppo_loss forward+backward, the fused `cpu` kernel against the eager
+PyTorch composite (log_softmax -> gather -> ratio -> clip -> masked mean, with entropy) and
+torch.compile of that composite, measured in the same run.
+
+    python benchmarks/cpu_bench.py                 # N=4096 tokens, V=32768, float32
+    python benchmarks/cpu_bench.py --n 512 --v 4096 --reps 3   # a quick look
+
+Reports the median wall time of forward+backward, the ratios, and the peak extra resident
+memory of one forward+backward (measured in a fresh subprocess per variant, from Linux's
+VmHWM after resetting it), in units of one [N, V] float32 buffer. Timings are not tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+import ppo_kernels as pk
+from ppo_kernels import _torch_impl
+
+P = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None, kl_coef=0.0, kl_estimator="k3",
+         entropy_coef=0.0, temperature=1.0)
+
+
+def make_inputs(n, v, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b = 8
+    t = n // b
+    logits = (torch.randn(b, t, v, generator=g) * 2).to(dtype)
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.1
+    with torch.no_grad():
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])[..., 0]
+    old = lp + 0.1 * torch.randn(b, t, generator=g)
+    adv = torch.randn(b, t, generator=g)
+    return logits, tokens, mask, old, adv
+
+
+def composite(logits, tokens, mask, old, adv):
+    w = _torch_impl.agg_weights(mask, "token-mean")
+    return _torch_impl.ppo_loss(logits, tokens, mask, old, adv, w, None, None, P)[0]
+
+
+def fused(logits, tokens, mask, old, adv):
+    return pk.ppo_loss(logits, tokens, old, adv, mask, backend="cpu")[0]
+
+
+_compiled = None
+
+
+def compiled(logits, tokens, mask, old, adv):
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(composite, dynamic=False)
+    return _compiled(logits, tokens, mask, old, adv)
+
+
+VARIANTS = {"cpu (fused)": fused, "eager composite": composite, "torch.compile": compiled}
+
+
+def step(fn, inputs):
+    logits = inputs[0].detach().requires_grad_(True)
+    loss = fn(logits, *inputs[1:])
+    loss.backward()
+    return logits.grad
+
+
+def time_variant(fn, inputs, reps, warmup):
+    for _ in range(warmup):
+        step(fn, inputs)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        step(fn, inputs)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _status_kb(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def peak_child(name, n, v, dtype):
+    """Runs one forward+backward in this script as a subprocess; returns extra peak bytes."""
+    out = subprocess.run([sys.executable, __file__, "--peak-of", name, "--n", str(n),
+                          "--v", str(v), "--dtype", dtype], capture_output=True, text=True,
+                         check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def measure_peak_here(name, n, v, dtype):
+    inputs = make_inputs(n, v, getattr(torch, dtype))
+    fn = VARIANTS[name]
+    step(fn, make_inputs(64, 128, getattr(torch, dtype)))  # load/compile outside the window
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    base = _status_kb("VmRSS:")
+    grad = step(fn, inputs)
+    del grad
+    print((_status_kb("VmHWM:") - base) * 1024)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=4096, help="tokens (rows)")
+    ap.add_argument("--v", type=int, default=32768, help="vocabulary size")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--peak-of", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.peak_of:
+        return measure_peak_here(a.peak_of, a.n, a.v, a.dtype)
+
+    dtype = getattr(torch, a.dtype)
+    inputs = make_inputs(a.n, a.v, dtype)
+    buf = a.n * a.v * 4
+    info = pk.build_info()
+    print(f"ppo_loss forward+backward on the CPU: N={a.n} V={a.v} {a.dtype}, "
+          f"{torch.get_num_threads()} threads, SIMD {info['cpu_capability']}")
+    ref = step(composite, inputs)
+    got = step(fused, inputs)
+    err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+    print(f"max |dlogits(cpu) - dlogits(eager)| / max |dlogits| = {err:.2e}")
+    rows = {}
+    for name, fn in VARIANTS.items():
+        t = time_variant(fn, inputs, a.reps, a.warmup)
+        peak = peak_child(name, a.n, a.v, a.dtype)
+        rows[name] = {"seconds": t, "peak_extra_bytes": peak, "peak_extra_nv": peak / buf}
+    t_cpu = rows["cpu (fused)"]["seconds"]
+    print(f"\n{'variant':<18}{'time [ms]':>11}{'speed-up of cpu':>17}{'peak extra [N,V fp32 bufs]':>28}")
+    for name, r in rows.items():
+        print(f"{name:<18}{r['seconds'] * 1e3:>11.1f}{r['seconds'] / t_cpu:>16.2f}x"
+              f"{r['peak_extra_nv']:>28.3f}")
+    print(f"\ntargets: >= 3x eager (got {rows['eager composite']['seconds'] / t_cpu:.2f}x), "
+          f">= 1.5x torch.compile (got {rows['torch.compile']['seconds'] / t_cpu:.2f}x), "
+          f"peak extra <= 1.05 [N,V] buffers (got {rows['cpu (fused)']['peak_extra_nv']:.3f})")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"n": a.n, "v": a.v, "dtype": a.dtype, "threads": torch.get_num_threads(),
+                       "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count()))
+    main()
