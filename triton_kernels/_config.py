@@ -63,6 +63,15 @@ def prune_row_configs(configs, named_args, **kwargs):
     return out
 
 
+def inplace_row_config(V):
+    """Launch options of the in-place loss kernel, which is not autotuned (its trials would
+    overwrite the logits): a mid config of the list above, the block capped near V."""
+    if INTERPRET:
+        return {"BLOCK_V": INTERPRET_BLOCK_V, "num_warps": 1, "num_stages": 1}
+    bv = min(4096, max(128, triton.next_power_of_2(int(V))))
+    return {"BLOCK_V": bv, "num_warps": max(1, min(8, bv // 128)), "num_stages": 2}
+
+
 def gae_block_t(T):
     """Chunk length of the GAE scan: the whole row up to 1024 positions, then chunks."""
     if INTERPRET:

@@ -88,12 +88,10 @@ _PRUNE = {"early_config_prune": _config.prune_row_configs}
 _ppo_loss_jit = triton.jit(_ppo_loss_kernel_fn)
 _ppo_loss_kernel = triton.autotune(configs=_config.row_configs(), key=_KEY,
                                    prune_configs_by=_PRUNE)(_ppo_loss_jit)
-# The in-place variant overwrites its input: autotuning runs the kernel once per config,
-# so the logits are saved and restored around each trial (restore_value), which the
-# out-of-place kernel does not need to pay for.
-_ppo_loss_inplace_kernel = triton.autotune(configs=_config.row_configs(), key=_KEY,
-                                           prune_configs_by=_PRUNE,
-                                           restore_value=["logits_ptr"])(_ppo_loss_jit)
+# The in-place variant is NOT autotuned: trials overwrite the input, so the autotuner would
+# have to clone the logits (restore_value) - a second [N, V] buffer, the very allocation
+# inplace_backward exists to avoid. It runs the plain JIT kernel with a fixed config
+# (_config.inplace_row_config).
 
 
 def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
@@ -118,7 +116,9 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
     compute_grad = grad is not None
     rows = B * (TL if compute_grad else T)
     if rows > 0:
-        kernel = _ppo_loss_inplace_kernel if inplace else _ppo_loss_kernel
+        kernel, launch = _ppo_loss_kernel, {}
+        if inplace:
+            kernel, launch = _ppo_loss_jit, _config.inplace_row_config(V)
         g = grad if compute_grad else logits
         wrap_triton(kernel)[(rows,)](
             logits, logits.stride(0), logits.stride(1),
@@ -132,7 +132,7 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
             float(entropy_coef), float(temperature),
             ACC=tl_acc(acc), KL_EST=int(kl_estimator), HAS_REF=ref_logprobs is not None,
             HAS_ISW=rollout_is_weights is not None, HAS_DUAL=float(dual_clip_c) > 0.0,
-            COMPUTE_GRAD=compute_grad)
+            COMPUTE_GRAD=compute_grad, **launch)
     # sum(w * loss_tok) over [B, T] in a deterministic order (no atomics): this reads
     # 8 bytes per token, nothing next to the [B, T, V] sweep.
     loss = torch.dot(weights.reshape(-1), loss_tok.reshape(-1))
