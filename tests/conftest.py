@@ -159,7 +159,9 @@ def make_inputs(B, T, V, gen, *, dtype=torch.float32, padding="mixed", scale=2.0
     layout: "aligned" contiguous [B, T, V]; "view" logits[:, :-1] of a [B, T + 1, V]
     tensor; "raw" the [B, T + 1, V] tensor; "tbatch" a [B, T, V] view whose batch is the
     transposed leading dimension of a [T, B, V] tensor.
-    Returns a dict; "base" is the full-precision float64 logits the reference sees.
+    Returns a dict (CPU tensors); logits_for(inp, backend) makes the logits on a device;
+    "base" is the float64 copy of those logits (after rounding to dtype) that the
+    reference sees.
     """
     full = torch.randn(B, T + 1, V, generator=gen, dtype=torch.float64) * scale
     tokens = torch.randint(0, V, (B, T), generator=gen)
@@ -183,18 +185,59 @@ def make_inputs(B, T, V, gen, *, dtype=torch.float32, padding="mixed", scale=2.0
     bad = garbage[torch.randint(0, 4, (B, T), generator=gen)]
     tokens = torch.where(mask, tokens, bad)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
+    inp = dict(full=full, layout=layout, tokens=tokens, mask=mask, old=old.to(acc),
+               adv=adv.to(acc), ref=reflp.to(acc), isw=isw.to(acc))
+    _, logits = logits_for(inp, CPU, requires_grad=False)
+    inp["base"] = logits.double()  # what the reference sees (aligned with the layout)
+    return inp
+
+
+def logits_for(inp, be, requires_grad=True):
+    """(leaf, logits) on be's device in inp's layout; logits is a view of leaf (or leaf).
+    With requires_grad the view keeps its own .grad (retain_grad)."""
+    full = inp["full"].to(be.device).detach().clone()
+    T = inp["tokens"].shape[1]
+    layout = inp["layout"]
     if layout == "aligned":
-        logits = full[:, :T].contiguous()
+        leaf = full[:, :T].contiguous()
+        view = lambda x: x  # noqa: E731
     elif layout == "view":
-        logits = full[:, :T]
+        leaf = full
+        view = lambda x: x[:, :T]  # noqa: E731
     elif layout == "raw":
-        logits = full
+        leaf = full
+        view = lambda x: x  # noqa: E731
     elif layout == "tbatch":
-        logits = full[:, :T].transpose(0, 1).contiguous().transpose(0, 1)
+        leaf = full[:, :T].transpose(0, 1).contiguous()
+        view = lambda x: x.transpose(0, 1)  # noqa: E731
     else:
         raise AssertionError(layout)
-    return dict(logits=logits, tokens=tokens, mask=mask, old=old.to(acc), adv=adv.to(acc),
-                ref=reflp.to(acc), isw=isw.to(acc), base=logits.double())
+    leaf.requires_grad_(requires_grad)
+    logits = view(leaf)
+    if requires_grad and logits is not leaf:
+        logits.retain_grad()
+    return leaf, logits
+
+
+def combine(backends, cases, case_id):
+    """pytest.params of (backend, *case) for each backend and case, keeping the backend's
+    marks and putting its id first; cases too large for the Triton interpreter (see
+    interp_ok) are left out for it."""
+    out = []
+    for bp in backends:
+        (b,) = bp.values
+        for c in cases:
+            if b.small and not interp_ok(*c):
+                continue
+            out.append(pytest.param(b, *c, id=f"{bp.id}-{case_id(*c)}", marks=bp.marks))
+    return out
+
+
+def interp_ok(*case):
+    """Whether a case (its first three ints are B, T, V) is small enough for the Triton
+    interpreter."""
+    B, T, V = [x for x in case if isinstance(x, int) and not isinstance(x, bool)][:3]
+    return V <= 300 and B * T <= 16
 
 
 # ------------------------------------------------------------------ comparisons
