@@ -138,7 +138,10 @@ for name, (modname, attr, types, consts, options, aligned) in spec_in.items():
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                      if n not in consts and (sig[n].startswith("*") or n.startswith("stride")
                                              or n == "V")}
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+        # constexprs keyed by (argument index,): accepted by every triton from 3.2 on
+        # (3.8 also takes names)
+        ckeys = {(fn.arg_names.index(n),): v for n, v in consts.items()}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ckeys, attrs=attrs),
                            target=target, options=options)
         ptx = k.asm.get("ptx", "")
         out[name] = {"keys": sorted(k.asm.keys()), "ptx": len(ptx),

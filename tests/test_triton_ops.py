@@ -268,10 +268,17 @@ def _ppo_inputs(logits, tokens, mask, seed, mode="token-mean", with_ref=True,
     m = mask.cpu().numpy()
     gen = np.random.default_rng(seed)
     # old logprobs near the current ones (ratios both inside and outside the clip band),
-    # one far away (log-ratio clamp), advantages of both signs
+    # advantages of both signs; on chosen valid tokens: one log-ratio past the clamp, one
+    # ratio e^1.5 = 4.5 with A < 0 (the dual clip's cap, c = 2 or 3, is the active value
+    # there, with no clamp to hide its zero gradient)
     old = (rl + gen.normal(0, 0.3, rl.shape)) * m
-    old[0, -1] = rl[0, -1] - 25.0
     adv = gen.normal(0, 1.0, rl.shape)
+    valid = np.argwhere(m)
+    if len(valid) >= 2:
+        (b0, t0), (b1, t1) = valid[0], valid[-1]
+        old[b0, t0] = rl[b0, t0] - 25.0
+        old[b1, t1] = rl[b1, t1] - 1.5
+        adv[b1, t1] = -abs(adv[b1, t1]) - 0.5
     refl = (rl + gen.normal(0, 0.4, rl.shape)) * m if with_ref else None
     isw = gen.uniform(0.5, 1.5, rl.shape) if with_isw else None
     w = ref.agg_weights(m, mode)
