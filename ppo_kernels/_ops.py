@@ -81,7 +81,7 @@ def _fake_gae(rewards, values, mask, bootstrap_values, gamma, lam):
 
 def _fake_score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
                         kl_estimator, gamma, lam, temperature):
-    return tuple(tokens.new_empty(tokens.shape, dtype=torch.float32) for _ in range(5))
+    return tuple(tokens.new_empty(tokens.shape, dtype=_acc(logits)) for _ in range(5))
 
 
 # ------------------------------------------------------------------ autograd formulas

@@ -70,6 +70,7 @@ at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
   const bool* m = mask.data_ptr<bool>();
   r.check_tokens(tok, m);
   at::Tensor out = at::empty(logits.sizes(), logits.options());
+  advise_huge_pages(out);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "token_logprobs_bwd", [&] {
     using T = typename Acc<scalar_t>::type;
