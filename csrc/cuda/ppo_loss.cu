@@ -112,8 +112,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_cuda(
                        kl_estimator, entropy_coef, temperature, compute_grad, false);
 }
 
+// Tensor(a!) in the schema: the dispatcher wants `Tensor&` here, the same C++ signature as
+// every other backend's kernel of this op.
 std::tuple<Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_inplace_cuda(
-    const Tensor& logits, const Tensor& tokens, const Tensor& mask, const Tensor& old_logprobs,
+    Tensor& logits, const Tensor& tokens, const Tensor& mask, const Tensor& old_logprobs,
     const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
     const OptTensor& rollout_is_weights, double clip_eps_low, double clip_eps_high,
     double dual_clip_c, double kl_coef, int64_t kl_estimator, double entropy_coef,
