@@ -279,9 +279,10 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8):
         return np.zeros_like(x)
     mean = (x * m).sum() / n
     if n < 2:
-        return (x - mean) * m
-    var = (((x - mean) * m) ** 2).sum() / (n - 1)
-    out = (x - mean) / np.sqrt(var + eps)
+        out = x - mean  # one valid token: only centred (no variance to divide by)
+    else:
+        var = (((x - mean) * m) ** 2).sum() / (n - 1)
+        out = (x - mean) / np.sqrt(var + eps)
     if not shift_mean:
         out = out + mean
     return out * m
