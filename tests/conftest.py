@@ -254,15 +254,15 @@ def assert_close_np(actual, expected, *, rtol, atol, what=""):
     np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=what)
 
 
-def assert_grad_close(actual, expected, rel, what="dlogits"):
-    """max |actual - expected| <= rel * max |expected| (plus a tiny floor)."""
+def assert_grad_close(actual, expected, rel, what="dlogits", floor=1e-30):
+    """max |actual - expected| <= rel * max |expected| + floor."""
     a = to_np(actual)
     e = np.asarray(expected, dtype=np.float64)
     assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
     assert np.isfinite(a).all(), f"{what}: non-finite values"
     scale = float(np.abs(e).max()) if e.size else 0.0
     err = float(np.abs(a - e).max()) if e.size else 0.0
-    assert err <= rel * scale + 1e-30, f"{what}: max abs err {err:.3e} vs scale {scale:.3e}"
+    assert err <= rel * scale + floor, f"{what}: max abs err {err:.3e} vs scale {scale:.3e}"
 
 
 # tolerances per logits dtype: (rtol loss/metrics, atol loss/metrics, rel dlogits)
