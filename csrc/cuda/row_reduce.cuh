@@ -19,7 +19,16 @@
 
 #include "ppo_math.h"
 
+// Per-thread pieces are __host__ __device__ so that host_check/emulate_rows.cu can run
+// them thread by thread on the CPU (this project's build machines have no GPU).
+#define PPO_CUDA_HD __host__ __device__ __forceinline__
+
 namespace ppo_cuda {
+
+template <typename I>
+PPO_CUDA_HD I imin(I a, I b) {
+  return a < b ? a : b;
+}
 
 // Accumulation dtype: float for float/bf16/half, double for double (DESIGN.md, dtypes).
 template <typename T>
@@ -36,16 +45,16 @@ using acc_of = typename AccOf<T>::type;
 constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 1024;
 
-__device__ __forceinline__ float vlog(float x) { return logf(x); }
-__device__ __forceinline__ double vlog(double x) { return log(x); }
-__device__ __forceinline__ float vmax(float a, float b) { return fmaxf(a, b); }
-__device__ __forceinline__ double vmax(double a, double b) { return fmax(a, b); }
+PPO_CUDA_HD float vlog(float x) { return logf(x); }
+PPO_CUDA_HD double vlog(double x) { return log(x); }
+PPO_CUDA_HD float vmax(float a, float b) { return fmaxf(a, b); }
+PPO_CUDA_HD double vmax(double a, double b) { return fmax(a, b); }
 template <typename A>
-__device__ __forceinline__ A neg_inf() {
+PPO_CUDA_HD A neg_inf() {
   return -static_cast<A>(INFINITY);
 }
 template <typename A>
-__device__ __forceinline__ A quiet_nan() {
+PPO_CUDA_HD A quiet_nan() {
   return static_cast<A>(NAN);
 }
 
@@ -59,25 +68,33 @@ struct alignas(16) Pack {
 
 // Default-cached load: the first sweep wants the row to stay in L2 for the second one.
 template <typename T>
-__device__ __forceinline__ Pack<T> ld_pack(const T* p) {
+PPO_CUDA_HD Pack<T> ld_pack(const T* p) {
   return *reinterpret_cast<const Pack<T>*>(p);
 }
 // Streaming (evict-first) load and store for the last touch of a row: the gradient sweep's
 // reads and every dlogits write, so that they do not push other rows' logits out of L2
 // before those rows' own second sweep.
 template <typename T>
-__device__ __forceinline__ Pack<T> ld_pack_last(const T* p) {
+PPO_CUDA_HD Pack<T> ld_pack_last(const T* p) {
+#ifdef __CUDA_ARCH__
   uint4 r = __ldcs(reinterpret_cast<const uint4*>(p));
   return *reinterpret_cast<Pack<T>*>(&r);
+#else
+  return *reinterpret_cast<const Pack<T>*>(p);
+#endif
 }
 template <typename T>
-__device__ __forceinline__ void st_pack_stream(T* p, const Pack<T>& v) {
+PPO_CUDA_HD void st_pack_stream(T* p, const Pack<T>& v) {
+#ifdef __CUDA_ARCH__
   __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+#else
+  *reinterpret_cast<Pack<T>*>(p) = v;
+#endif
 }
 
 // Elements before the first 16-byte boundary at or after p (0 when p is aligned).
 template <typename T>
-__device__ __forceinline__ int64_t head_len(const T* p) {
+PPO_CUDA_HD int64_t head_len(const T* p) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   return static_cast<int64_t>(((16 - (a & 15)) & 15) / sizeof(T));
 }
@@ -94,14 +111,14 @@ struct Stats {
 };
 
 template <typename A>
-__device__ __forceinline__ Stats<A> stats_empty() {
+PPO_CUDA_HD Stats<A> stats_empty() {
   return {neg_inf<A>(), A(0), A(0)};
 }
 
 // Adds K entries z[0..K) to st. A -inf entry (banned token) has p = 0 and adds nothing;
 // the select keeps 0 * (-inf) out of t. A NaN entry makes s NaN (loud, never dropped).
 template <typename A, int K>
-__device__ __forceinline__ void stats_add(Stats<A>& st, const A (&z)[K]) {
+PPO_CUDA_HD void stats_add(Stats<A>& st, const A (&z)[K]) {
   A cmax = z[0];
 #pragma unroll
   for (int k = 1; k < K; ++k) cmax = vmax(cmax, z[k]);
@@ -132,7 +149,7 @@ __device__ __forceinline__ void stats_add(Stats<A>& st, const A (&z)[K]) {
 
 // a := a merged with b (both relative to their own max).
 template <typename A>
-__device__ __forceinline__ void stats_merge(Stats<A>& a, const Stats<A>& b) {
+PPO_CUDA_HD void stats_merge(Stats<A>& a, const Stats<A>& b) {
   if (b.s == A(0)) return;  // b empty (a NaN s is not 0: it propagates below)
   if (a.s == A(0)) {
     a = b;
@@ -181,7 +198,7 @@ __device__ __forceinline__ Stats<A> block_merge(Stats<A> st, Stats<A>* smem) {
 
 // lse and entropy of the merged statistics.
 template <typename A>
-__device__ __forceinline__ void stats_finish(const Stats<A>& st, A& lse, A& entropy) {
+PPO_CUDA_HD void stats_finish(const Stats<A>& st, A& lse, A& entropy) {
   const A ls = vlog(st.s);
   lse = st.m + ls;
   entropy = ls - st.t / st.s;
@@ -213,7 +230,7 @@ __device__ __forceinline__ double block_sum(double x, double* smem) {
 // v in [begin, end). Four 16-byte loads are issued before the first is used, so that a
 // 1024-thread block keeps ~64 KB in flight per multiprocessor (enough for HBM3e latency).
 template <typename T, typename A>
-__device__ __forceinline__ Stats<A> range_stats(const T* row, int64_t begin, int64_t end,
+PPO_CUDA_HD Stats<A> range_stats(const T* row, int64_t begin, int64_t end,
                                                 A inv_temp, int tid, int nthr) {
   constexpr int N = Pack<T>::N;
   constexpr int U = 4;
@@ -221,7 +238,7 @@ __device__ __forceinline__ Stats<A> range_stats(const T* row, int64_t begin, int
   const T* in = row + begin;
   const int64_t n = end - begin;
   if (n <= 0) return st;
-  const int64_t h = min(n, head_len(in));
+  const int64_t h = imin(n, head_len(in));
   const int64_t nv = (n - h) / N;
   const int64_t tail0 = h + nv * N;
   for (int64_t k = tid; k < h; k += nthr) {
@@ -259,13 +276,13 @@ __device__ __forceinline__ Stats<A> range_stats(const T* row, int64_t begin, int
 // Writes zeros over out[begin, end) (masked rows, positions t >= T, rows whose gradient
 // coefficients are both 0): no read of the logits at all.
 template <typename T>
-__device__ __forceinline__ void zero_range(T* out_row, int64_t begin, int64_t end, int tid,
+PPO_CUDA_HD void zero_range(T* out_row, int64_t begin, int64_t end, int tid,
                                            int nthr) {
   constexpr int N = Pack<T>::N;
   T* out = out_row + begin;
   const int64_t n = end - begin;
   if (n <= 0) return;
-  const int64_t h = min(n, head_len(out));
+  const int64_t h = imin(n, head_len(out));
   const int64_t nv = (n - h) / N;
   const int64_t tail0 = h + nv * N;
   const T zero = static_cast<T>(0.0f);
@@ -285,7 +302,7 @@ __device__ __forceinline__ void zero_range(T* out_row, int64_t begin, int64_t en
 // out may alias row (in-place backward): each element is read, then written, by one thread.
 // When row and out differ in their 16-byte phase no common pack split exists: scalar path.
 template <typename T, typename A>
-__device__ __forceinline__ void grad_range(const T* row, T* out_row, int64_t begin,
+PPO_CUDA_HD void grad_range(const T* row, T* out_row, int64_t begin,
                                            int64_t end, int64_t tok, A lse, A entropy,
                                            A dlogp, A dent, A inv_temp, int tid, int nthr) {
   constexpr int N = Pack<T>::N;
@@ -302,7 +319,7 @@ __device__ __forceinline__ void grad_range(const T* row, T* out_row, int64_t beg
     for (int64_t k = n - 1 - tid; k >= 0; k -= nthr) one(k);
     return;
   }
-  const int64_t h = min(n, head_len(in));
+  const int64_t h = imin(n, head_len(in));
   const int64_t nv = (n - h) / N;
   const int64_t tail0 = h + nv * N;
   for (int64_t k = tail0 + tid; k < n; k += nthr) one(k);
