@@ -22,19 +22,23 @@
 
 namespace ppo_cuda {
 
+#ifndef PPO_CUDA_HD
+#define PPO_CUDA_HD __host__ __device__ __forceinline__
+#endif
+
 template <typename A>
 struct Affine {
   A a, c;  // x -> a + c * x
 };
 
 template <typename A>
-__device__ __forceinline__ Affine<A> affine_identity() {
+PPO_CUDA_HD Affine<A> affine_identity() {
   return {A(0), A(1)};
 }
 
 // The map that applies `earlier` first (the part on the right), then `later`.
 template <typename A>
-__device__ __forceinline__ Affine<A> compose(const Affine<A>& earlier, const Affine<A>& later) {
+PPO_CUDA_HD Affine<A> compose(const Affine<A>& earlier, const Affine<A>& later) {
   return {later.a + later.c * earlier.a, later.c * earlier.c};
 }
 
@@ -120,80 +124,119 @@ struct GaeArgs {
 
 constexpr int kGaeItems = 8;
 
+// Per-thread phases of one tile (host-callable: host_check/emulate_gae.cu drives them with
+// an emulated block scan). Thread tid of a tile ending at hi owns positions
+// p0 .. p0 + K - 1 with p0 = hi - (tid + 1) * K; positions p < 0 are identity maps.
+template <typename A>
+struct GaeThread {
+  static constexpr int K = kGaeItems;
+  int64_t p0;
+  A r[K], v[K], delta[K];
+  bool ok[K];
+};
+
+// Loads this thread's positions of sequence `seq`; adds the score at the last valid one.
+template <typename A>
+PPO_CUDA_HD void gae_load(const GaeArgs<A>& g, int64_t seq, int64_t hi, int tid, int64_t last,
+                          A score, GaeThread<A>& th) {
+  constexpr int K = kGaeItems;
+  const int64_t off = seq * g.T;
+  th.p0 = hi - static_cast<int64_t>(tid + 1) * K;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const int64_t p = th.p0 + j;
+    th.ok[j] = p >= 0 && g.mask[off + p];
+    th.r[j] = A(0);
+    th.v[j] = A(0);
+    if (th.ok[j]) {
+      th.r[j] = g.rewards[off + p];
+      th.v[j] = g.values[off + p];
+      if (p == last) {
+        th.r[j] += score;
+        g.rewards_out[off + p] = th.r[j];
+      }
+    }
+  }
+}
+
+// Scan 1's map of this thread: the value of the next valid position, right to left.
+template <typename A>
+PPO_CUDA_HD Affine<A> gae_next_value_map(const GaeThread<A>& th) {
+  Affine<A> m = affine_identity<A>();
+#pragma unroll
+  for (int j = kGaeItems - 1; j >= 0; --j)
+    m = compose(m, th.ok[j] ? Affine<A>{th.v[j], A(0)} : affine_identity<A>());
+  return m;
+}
+
+// x_in: the next valid value to the right of this thread's positions. Fills delta and
+// returns scan 2's map.
+template <typename A>
+PPO_CUDA_HD Affine<A> gae_deltas(GaeThread<A>& th, A x_in, A gamma, A gl) {
+  A x = x_in;
+#pragma unroll
+  for (int j = kGaeItems - 1; j >= 0; --j) {
+    th.delta[j] = th.ok[j] ? th.r[j] + gamma * x - th.v[j] : A(0);
+    if (th.ok[j]) x = th.v[j];
+  }
+  Affine<A> m = affine_identity<A>();
+#pragma unroll
+  for (int j = kGaeItems - 1; j >= 0; --j)
+    m = compose(m, th.ok[j] ? Affine<A>{th.delta[j], gl} : affine_identity<A>());
+  return m;
+}
+
+// y_in: the advantage carried in from the right. Writes advantages and returns (0 masked).
+template <typename A>
+PPO_CUDA_HD void gae_store(const GaeArgs<A>& g, int64_t seq, const GaeThread<A>& th, A y_in,
+                           A gl) {
+  const int64_t off = seq * g.T;
+  A y = y_in;
+#pragma unroll
+  for (int j = kGaeItems - 1; j >= 0; --j) {
+    const int64_t p = th.p0 + j;
+    if (p < 0) continue;
+    if (th.ok[j]) y = th.delta[j] + gl * y;
+    g.adv[off + p] = th.ok[j] ? y : A(0);
+    g.ret[off + p] = th.ok[j] ? y + th.v[j] : A(0);
+  }
+}
+
+// Last valid position of sequence seq in this thread's share (ascending: the last hit wins).
+template <typename A>
+PPO_CUDA_HD int64_t gae_last_valid(const GaeArgs<A>& g, int64_t seq, int tid, int nthr) {
+  int64_t mine = -1;
+  for (int64_t t = tid; t < g.T; t += nthr)
+    if (g.mask[seq * g.T + t]) mine = t;
+  return mine;
+}
+
 template <typename A>
 __global__ void __launch_bounds__(1024) gae_kernel(GaeArgs<A> g) {
-  constexpr int K = kGaeItems;
   __shared__ Affine<A> sscan[64];
   __shared__ int64_t smax[33];
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
-  const int64_t T = g.T;
-  const int64_t off = static_cast<int64_t>(blockIdx.x) * T;
-  const bool* mask = g.mask + off;
+  const int64_t seq = blockIdx.x;
   const A gl = g.gamma * g.lam;
-
   int64_t last = -1;
   A score = A(0);
-  if (g.scores) {
-    int64_t mine = -1;
-    for (int64_t t = tid; t < T; t += nthr)
-      if (mask[t]) mine = t;  // ascending per thread: the last hit is the largest
-    last = block_max_i64(mine, smax);
-    score = g.scores[blockIdx.x];
+  if (g.scores) {  // block-uniform
+    last = block_max_i64(gae_last_valid(g, seq, tid, nthr), smax);
+    score = g.scores[seq];
   }
-
-  A carry_v = g.bootstrap ? g.bootstrap[blockIdx.x] : A(0);
+  A carry_v = g.bootstrap ? g.bootstrap[seq] : A(0);
   A carry_a = A(0);
-  const int64_t tile = static_cast<int64_t>(nthr) * K;
-  for (int64_t hi = T; hi > 0; hi -= tile) {
-    const int64_t p0 = hi - static_cast<int64_t>(tid + 1) * K;  // this thread's leftmost
-    A r[K], v[K];
-    bool ok[K];
-#pragma unroll
-    for (int j = 0; j < K; ++j) {
-      const int64_t p = p0 + j;
-      ok[j] = p >= 0 && mask[p];
-      r[j] = A(0);
-      v[j] = A(0);
-      if (ok[j]) {
-        r[j] = g.rewards[off + p];
-        v[j] = g.values[off + p];
-        if (p == last) {
-          r[j] += score;
-          g.rewards_out[off + p] = r[j];
-        }
-      }
-    }
-    // scan 1: the value of the next valid position on the right
-    Affine<A> m = affine_identity<A>();
-#pragma unroll
-    for (int j = K - 1; j >= 0; --j)
-      m = compose(m, ok[j] ? Affine<A>{v[j], A(0)} : affine_identity<A>());
+  const int64_t tile = static_cast<int64_t>(nthr) * kGaeItems;
+  for (int64_t hi = g.T; hi > 0; hi -= tile) {
+    GaeThread<A> th;
+    gae_load(g, seq, hi, tid, last, score, th);
     Affine<A> tot;
-    Affine<A> e = block_exclusive_scan(m, tot, sscan);
-    A x = e.a + e.c * carry_v;
-    A delta[K];
-#pragma unroll
-    for (int j = K - 1; j >= 0; --j) {
-      delta[j] = ok[j] ? r[j] + g.gamma * x - v[j] : A(0);
-      if (ok[j]) x = v[j];
-    }
+    Affine<A> e = block_exclusive_scan(gae_next_value_map(th), tot, sscan);
+    const Affine<A> m2 = gae_deltas(th, e.a + e.c * carry_v, g.gamma, gl);
     carry_v = tot.a + tot.c * carry_v;
-    // scan 2: the advantages
-    m = affine_identity<A>();
-#pragma unroll
-    for (int j = K - 1; j >= 0; --j)
-      m = compose(m, ok[j] ? Affine<A>{delta[j], gl} : affine_identity<A>());
-    e = block_exclusive_scan(m, tot, sscan);
-    A y = e.a + e.c * carry_a;
-#pragma unroll
-    for (int j = K - 1; j >= 0; --j) {
-      const int64_t p = p0 + j;
-      if (p < 0) continue;
-      if (ok[j]) y = delta[j] + gl * y;
-      g.adv[off + p] = ok[j] ? y : A(0);
-      g.ret[off + p] = ok[j] ? y + v[j] : A(0);
-    }
+    e = block_exclusive_scan(m2, tot, sscan);
+    gae_store(g, seq, th, e.a + e.c * carry_a, gl);
     carry_a = tot.a + tot.c * carry_a;
   }
 }
