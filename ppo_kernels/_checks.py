@@ -102,12 +102,23 @@ def response_mask(mask, tokens, flat):
 
 
 def token_range(tokens, mask, vocab):
-    """Out-of-range ids on valid positions are an error (masked ones are never read)."""
+    """Out-of-range ids on valid positions are an error (masked ones are never read).
+    Returns the tokens to hand to the kernel.
+
+    Under torch.compile a data-dependent branch would break the graph (fullgraph=True
+    fails): there the check is a runtime assertion (a RuntimeError naming `tokens`), and
+    the bad ids are replaced by 0 so that no kernel can read out of bounds before it fires.
+    """
     bad = mask & ((tokens < 0) | (tokens >= vocab))
+    if torch.compiler.is_compiling():
+        torch._assert_async(~bad.any(), f"tokens: ids must lie in [0, {vocab}) on valid "
+                                        "positions")
+        return torch.where(bad, 0, tokens)
     if bool(bad.any()):
         idx = [int(i) for i in bad.nonzero()[0]]
         raise ValueError(f"tokens: ids must lie in [0, {vocab}) on valid positions; got "
                          f"{int(tokens[tuple(idx)])} at position {idx}")
+    return tokens
 
 
 def per_token(name, x, tokens, flat, dtype, *, optional=False):

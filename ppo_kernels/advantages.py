@@ -168,7 +168,7 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     temperature = ck.number("temperature", temperature, lo=0.0, lo_open=True)
     ck.choice("whiten", whiten, (True, False))
     be = get_backend(backend, logits3.device)
-    ck.token_range(tokens2, mask, logits3.shape[2])
+    tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
     if logits3.dtype == torch.float64:
         logits3 = logits3.float()  # rollout outputs are float32 by contract
     with torch.no_grad():

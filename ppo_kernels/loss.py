@@ -40,7 +40,7 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
     temperature = ck.number("temperature", temperature, lo=0.0, lo_open=True)
     ck.choice("return_entropy", return_entropy, (True, False))
     be = get_backend(backend, logits3.device)
-    ck.token_range(tokens2, mask, logits3.shape[2])
+    tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
     logp, ent = be.token_logprobs(logits3, tokens2, mask, temperature, return_entropy)
     if flat:
         logp = logp[0]
@@ -120,7 +120,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         norm_length = ck.number("norm_length", norm_length, lo=0.0, lo_open=True)
     ck.choice("inplace_backward", inplace_backward, (True, False))
     be = get_backend(backend, logits3.device)
-    ck.token_range(tokens2, mask, logits3.shape[2])
+    tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
 
     p = dict(clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual_clip_c,
              kl_coef=kl_coef, kl_estimator=kl_estimator,
