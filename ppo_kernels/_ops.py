@@ -168,7 +168,7 @@ class _InplaceLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         buf = ctx.buf
-        del ctx.buf
+        ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
         if torch.compiler.is_compiling() or grad_loss.numel() != 1 or float(grad_loss) != 1.0:
             buf.mul_(grad_loss.to(buf.dtype))
         return buf, None, None
