@@ -86,10 +86,27 @@ def _fake_score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_c
 
 # ------------------------------------------------------------------ autograd formulas
 
+def _is_eager_one(grad):
+    """grad is a plain eager scalar equal to 1. Never asked of a traced value (torch.compile,
+    AOT autograd / make_fx, fake or functional tensors): there reading it would be a
+    data-dependent guard (opcheck's test_aot_dispatch_dynamic failed on float(grad))."""
+    if torch.compiler.is_compiling() or type(grad) is not torch.Tensor or grad.numel() != 1:
+        return False
+    if _get_proxy_mode is not None and _get_proxy_mode() is not None:
+        return False
+    return float(grad) == 1.0
+
+
+try:
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode as _get_proxy_mode
+except ImportError:  # older torch
+    _get_proxy_mode = None
+
+
 def _scale(grad, dlogits):
     """grad_output * dlogits; with the usual grad_output of 1 there is nothing to do (the
-    check reads one scalar; under torch.compile the product is left to the compiler)."""
-    if not torch.compiler.is_compiling() and grad.numel() == 1 and float(grad) == 1.0:
+    check reads one scalar; while tracing the product is left to the compiler)."""
+    if _is_eager_one(grad):
         return dlogits
     return dlogits * grad.to(dlogits.dtype)
 
@@ -169,7 +186,7 @@ class _InplaceLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *_):
         buf = ctx.buf
         ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
-        if torch.compiler.is_compiling() or grad_loss.numel() != 1 or float(grad_loss) != 1.0:
+        if not _is_eager_one(grad_loss):
             buf.mul_(grad_loss.to(buf.dtype))
         return buf, None, None
 
