@@ -1,0 +1,163 @@
+"""torch.library.opcheck of every compiled op (schema, fake/meta function, autograd
+registration, AOT dispatch), and torch.compile(fullgraph=True) of the public API against
+eager."""
+
+import pytest
+import torch
+
+import ppo_kernels as pk
+from ppo_kernels import reference as ref
+
+from conftest import assert_grad_close, make_inputs
+
+OPS = torch.ops.ppo_kernels
+B, T, V = 3, 5, 37
+
+
+@pytest.fixture
+def case(gen):
+    inp = make_inputs(B, T, V, gen)
+    inp["logits"] = inp["full"][:, :T].contiguous()
+    inp["weights"] = inp["mask"].float() / inp["mask"].sum()
+    return inp
+
+
+def _lp_args(inp, grad, raw=False):
+    logits = (inp["full"] if raw else inp["logits"]).clone().requires_grad_(grad)
+    return (logits, inp["tokens"], inp["mask"], 0.8, True)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("raw", [False, True])
+def test_opcheck_token_logprobs_fwd(case, grad, raw):
+    torch.library.opcheck(OPS.token_logprobs_fwd, _lp_args(case, grad, raw))
+    a = _lp_args(case, grad, raw)
+    torch.library.opcheck(OPS.token_logprobs_fwd, a[:4] + (False,))
+
+
+def test_opcheck_token_logprobs_bwd(case):
+    logits = case["logits"]
+    logp, ent, lse = OPS.token_logprobs_fwd(logits, case["tokens"], case["mask"], 0.8, True)
+    g = torch.randn(B, T)
+    torch.library.opcheck(OPS.token_logprobs_bwd, (g, torch.randn(B, T), logits, case["tokens"],
+                                                   case["mask"], lse, ent, 0.8))
+    torch.library.opcheck(OPS.token_logprobs_bwd, (g, None, logits, case["tokens"],
+                                                   case["mask"], lse, ent, 0.8))
+
+
+def _loss_args(inp, logits, *, ref_=True, isw=True):
+    return (logits, inp["tokens"], inp["mask"], inp["old"], inp["adv"], inp["weights"],
+            inp["ref"] if ref_ else None, inp["isw"] if isw else None, 0.2, 0.28, 3.0, 0.1,
+            2, 0.01, 0.9)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("optional", [True, False])
+def test_opcheck_ppo_loss_fwd(case, grad, optional):
+    logits = case["logits"].clone().requires_grad_(grad)
+    args = _loss_args(case, logits, ref_=optional, isw=optional)
+    torch.library.opcheck(OPS.ppo_loss_fwd, args + (grad,))
+
+
+def test_opcheck_ppo_loss_fwd_inplace(case):
+    logits = case["logits"].clone()
+    torch.library.opcheck(OPS.ppo_loss_fwd_inplace, _loss_args(case, logits))
+
+
+@pytest.mark.parametrize("boot", [False, True])
+def test_opcheck_gae(case, gen, boot):
+    r = torch.randn(B, T, generator=gen)
+    v = torch.randn(B, T, generator=gen)
+    bv = torch.randn(B, generator=gen) if boot else None
+    torch.library.opcheck(OPS.gae, (r, v, case["mask"], bv, 0.99, 0.95))
+
+
+def test_opcheck_score_rollout(case, gen):
+    torch.library.opcheck(OPS.score_rollout, (case["logits"], case["tokens"], case["mask"],
+                                              case["ref"], torch.randn(B, T, generator=gen),
+                                              torch.randn(B, generator=gen), 0.05, 0, 0.99,
+                                              0.95, 1.0))
+
+
+# ------------------------------------------------------------------ torch.compile
+
+def _ppo(x, inp, **kw):
+    return pk.ppo_loss(x, inp["tokens"], inp["old"], inp["adv"], inp["mask"], inp["ref"],
+                       kl_coef=0.1, entropy_coef=0.01, dual_clip_c=3.0, backend="cpu", **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(loss_agg_mode="seq-mean-token-mean"),
+                                dict(loss_agg_mode="none"), dict(inplace_backward=True)],
+                         ids=["token-mean", "seq-mean-token-mean", "none", "inplace"])
+def test_compile_fullgraph_ppo_loss_matches_eager(case, kw):
+    """torch.compile(fullgraph=True) of a function calling pk.ppo_loss; its backward goes
+    through the compiled graph's autograd. Same loss, metrics and gradient as eager."""
+    torch._dynamo.reset()
+
+    def f(x):
+        loss, met = _ppo(x, case, **kw)
+        if loss.dim():
+            loss = (loss * torch.linspace(0.5, 1.5, T)).sum()
+        return loss * 2.0, met
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager" if kw else "inductor")
+    x1 = case["logits"].clone().requires_grad_(True)
+    x2 = case["logits"].clone().requires_grad_(True)
+    # a non-leaf in front of the loss, as in a model (in-place backward overwrites it)
+    l1, m1 = compiled(x1 * 1.0)
+    l2, m2 = f(x2 * 1.0)
+    l1.backward()
+    l2.backward()
+    assert float(l1.detach()) == pytest.approx(float(l2.detach()), rel=1e-6, abs=1e-7)
+    for k in m2:
+        assert float(m1[k]) == pytest.approx(float(m2[k]), rel=1e-6, abs=1e-7), k
+    assert_grad_close(x1.grad, x2.grad.double().numpy(), 1e-6)
+    if not kw:  # and against the reference
+        _, _, e_grad = ref.ppo_loss(case["base"], case["tokens"], case["old"], case["adv"],
+                                    case["mask"], case["ref"], kl_coef=0.1, entropy_coef=0.01,
+                                    dual_clip_c=3.0)
+        assert_grad_close(x1.grad, 2.0 * e_grad, 1e-5)
+
+
+def test_compile_fullgraph_rollout_and_logprobs(case, gen):
+    torch._dynamo.reset()
+    values = torch.randn(B, T, generator=gen)
+    scores = torch.randn(B, generator=gen)
+
+    def f(x):
+        lp, h = pk.token_logprobs(x, case["tokens"], case["mask"], return_entropy=True,
+                                  backend="cpu")
+        out = pk.score_rollout(x.detach(), case["tokens"], case["ref"], values, scores,
+                               case["mask"], kl_coef=0.05, backend="cpu")
+        adv, ret = pk.gae(out.rewards, values, case["mask"], gamma=0.99, backend="cpu")
+        return lp.sum() + 0.1 * h.sum(), out, adv
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    x1 = case["logits"].clone().requires_grad_(True)
+    x2 = case["logits"].clone().requires_grad_(True)
+    s1, o1, a1 = compiled(x1)
+    s2, o2, a2 = f(x2)
+    s1.backward()
+    s2.backward()
+    torch.testing.assert_close(s1, s2)
+    for name in o2._fields:
+        torch.testing.assert_close(getattr(o1, name), getattr(o2, name))
+    torch.testing.assert_close(a1, a2)
+    torch.testing.assert_close(x1.grad, x2.grad)
+
+
+def test_compile_out_of_range_token_still_caught(case):
+    """Inside a compiled graph the token check cannot raise a ValueError before tracing;
+    it must still fail loudly (a runtime assertion naming `tokens`), never read out of
+    bounds or return garbage."""
+    torch._dynamo.reset()
+    tokens = case["tokens"].clone()
+    b, t = torch.nonzero(case["mask"])[0].tolist()
+    tokens[b, t] = V + 5
+
+    def f(x, tok):
+        return pk.ppo_loss(x, tok, case["old"], case["adv"], case["mask"], backend="cpu")[0]
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="tokens"):
+        compiled(case["logits"], tokens)
