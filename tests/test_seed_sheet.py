@@ -46,7 +46,7 @@ def single(be, rho, A, *, p=0.3, ref_p=None, grad=True, **kw):
     if grad:
         loss.backward()
         g = logits.grad
-    return loss, met, g, logp
+    return loss.detach(), met, g, logp
 
 
 def sweep(be, rhos, A, **kw):
