@@ -287,7 +287,7 @@ def test_value_loss_by_hand():
     # token 0: (1-0)^2 = 1 vs clip 0.5 -> 0.25: unclipped larger
     # token 1: (0-1)^2 = 1 vs clip 0 -> 1: equal, not strictly larger
     # token 2: (2-3)^2 = 1 vs clip 0.5 -> 6.25: clipped larger
-    assert float(loss) == pytest.approx(0.5 * (1 + 1 + 6.25) / 3)
+    assert float(loss.detach()) == pytest.approx(0.5 * (1 + 1 + 6.25) / 3)
     assert float(met["vf_clip_frac"]) == pytest.approx(1 / 3)
     loss.backward()
     # clipped branch active at token 2 and v is outside the band: no gradient there
