@@ -143,6 +143,18 @@ def _loss_backward(ctx, grad_loss, *_):
     return (grad,) + (None,) * 15
 
 
+def _no_setup(ctx, inputs, output):
+    pass
+
+
+def _no_double_backward(ctx, *grads):
+    # the kernels give first derivatives only; without this a second derivative through
+    # token_logprobs would silently miss the kernel's part
+    raise RuntimeError("ppo_kernels: token_logprobs / ppo_loss are differentiable once; a "
+                       "second derivative (create_graph=True) is not supported, use "
+                       "backend='torch' for it")
+
+
 _registered = set()
 
 
@@ -162,6 +174,8 @@ def _register(prefix):
                                     setup_context=_lp_setup)
     torch.library.register_autograd(lib + "ppo_loss_fwd", _loss_backward,
                                     setup_context=_loss_setup)
+    torch.library.register_autograd(lib + "token_logprobs_bwd", _no_double_backward,
+                                    setup_context=_no_setup)
     _registered.add(prefix)
 
 
