@@ -84,7 +84,7 @@ def logits_and_tokens(logits, tokens):
         raise ValueError("logits: empty vocabulary (V = 0)")
     if logits.stride(2) != 1:
         logits = logits.contiguous()  # the kernels read rows with unit stride
-    return logits, tokens.long(), flat
+    return logits, tokens.long().contiguous(), flat  # [B, T]: kernels index it flat
 
 
 def response_mask(mask, tokens, flat):
