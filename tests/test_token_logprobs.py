@@ -203,3 +203,16 @@ def test_masked_positions_not_read(gen):
     assert torch.isfinite(leaf.grad).all()
     assert torch.all(leaf.grad[~inp["mask"]] == 0)
     assert CPU.name == "cpu"
+
+
+def test_token_views_accepted(be, gen):
+    """The demo's alignment, tokens = seq[:, 1:] (a non-contiguous view) and the raw
+    [B, T + 1, V] logits, works on every backend and matches the reference."""
+    B, T, V = 2, 6, 29
+    seq = torch.randint(0, V, (B, T + 1), generator=gen)
+    logits = torch.randn(B, T + 1, V, generator=gen, dtype=torch.float32)
+    tokens = seq[:, 1:]
+    assert not tokens.is_contiguous()
+    got = pk.token_logprobs(logits.to(be.device), tokens.to(be.device), backend=be.name)
+    want, _ = ref.token_logprobs(logits, tokens)
+    assert_close_np(got.cpu().double().numpy(), want, rtol=1e-5, atol=1e-6)
