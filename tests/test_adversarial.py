@@ -1,0 +1,552 @@
+"""Adversarial inputs against the public API and the raw ops (cpu, torch, triton under the
+interpreter): empty batches, extreme values, garbage on masked positions, odd layouts,
+autograd corner cases, determinism.
+
+Tests that document behaviour which holds go in plainly. Confirmed bugs are marked
+xfail(strict=True) with the reason starting "BUG:", so that a fix turns them into an
+XPASS failure and the marker must then be removed.
+"""
+
+import math
+
+import pytest
+import torch
+
+import ppo_kernels as pk
+
+from conftest import backend_params
+
+BES = backend_params(cuda=False)  # cpu, torch, triton (interpreter)
+
+
+def _bug(reason):
+    return pytest.mark.xfail(strict=True, reason="BUG: " + reason)
+
+
+def _params(bugs):
+    """backend params with xfail marks on the backends named in bugs {name: reason}."""
+    out = []
+    for p in BES:
+        (b,) = p.values
+        marks = list(p.marks)
+        if b.name in bugs:
+            marks.append(_bug(bugs[b.name]))
+        out.append(pytest.param(b, id=p.id, marks=marks))
+    return out
+
+
+def _inputs(B=2, T=3, V=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return dict(logits=torch.randn(B, T, V, generator=g) * 2,
+                tokens=torch.randint(0, V, (B, T), generator=g),
+                old=-torch.rand(B, T, generator=g) - 1,
+                adv=torch.randn(B, T, generator=g),
+                ref=-torch.rand(B, T, generator=g) - 1)
+
+
+MASK = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+
+
+# ============================================================== behaviour that holds
+
+@pytest.mark.parametrize("be", BES)
+@pytest.mark.parametrize("B,T", [(0, 3), (2, 0), (0, 0)])
+def test_empty_batch_ppo_loss_and_logprobs(be, B, T):
+    d = _inputs(B, T)
+    logits = d["logits"].requires_grad_()
+    loss, metrics = pk.ppo_loss(logits, d["tokens"], d["old"], d["adv"], backend=be.name)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert logits.grad.shape == (B, T, 5)
+    assert all(v.item() == 0.0 for v in metrics.values())
+    lp, ent = pk.token_logprobs(d["logits"].detach(), d["tokens"], return_entropy=True,
+                                backend=be.name)
+    assert lp.shape == ent.shape == (B, T)
+    adv, ret = pk.gae(torch.randn(B, T), torch.randn(B, T), backend=be.name)
+    assert adv.shape == ret.shape == (B, T)
+
+
+@pytest.mark.parametrize("be", [p for p in BES if p.values[0].name != "torch"])
+def test_empty_batch_score_rollout_kernels(be):
+    for B, T in [(0, 3), (2, 0)]:
+        d = _inputs(B, T)
+        out = pk.score_rollout(d["logits"], d["tokens"], d["ref"], torch.randn(B, T),
+                               torch.randn(B), torch.ones(B, T, dtype=torch.bool),
+                               kl_coef=0.1, backend=be.name)
+        assert out.advantages.shape == (B, T)
+
+
+@pytest.mark.parametrize("be", _params({"torch": "backend='torch' backpropagates the NaN "
+                                        "logits of MASKED rows into NaN gradients (log_softmax "
+                                        "over every row, then torch.where: 0 * NaN in "
+                                        "log_softmax's backward; _torch_impl.token_logprobs)"}))
+def test_nan_logits_on_masked_rows_are_never_read(be):
+    d = _inputs()
+    logits = d["logits"].clone()
+    logits[~MASK] = float("nan")
+    logits.requires_grad_()
+    loss, metrics = pk.ppo_loss(logits, d["tokens"], d["old"], d["adv"], MASK,
+                                entropy_coef=0.01, backend=be.name)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert all(math.isfinite(v.item()) for v in metrics.values())
+    assert torch.isfinite(logits.grad).all()
+    assert (logits.grad[~MASK] == 0).all()
+
+
+@pytest.mark.parametrize("be", BES)
+def test_garbage_token_ids_on_masked_positions(be):
+    d = _inputs()
+    tokens = d["tokens"].clone()
+    tokens[0, 2], tokens[1, 0] = 10**12, -(10**12)
+    lp = pk.token_logprobs(d["logits"], tokens, MASK, backend=be.name)
+    ref = pk.token_logprobs(d["logits"], d["tokens"], MASK, backend="torch")
+    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-6)
+    assert (lp[~MASK] == 0).all()
+
+
+@pytest.mark.parametrize("be", BES)
+def test_all_neginf_row_except_token(be):
+    d = _inputs(1, 3, 7)
+    logits = torch.full((1, 3, 7), float("-inf"))
+    logits[0, torch.arange(3), d["tokens"][0]] = 1.5
+    logits.requires_grad_()
+    loss, m = pk.ppo_loss(logits, d["tokens"], d["old"], d["adv"], entropy_coef=0.1,
+                          backend=be.name)
+    loss.backward()
+    lp, ent = pk.token_logprobs(logits.detach(), d["tokens"], return_entropy=True,
+                                backend=be.name)
+    assert (lp == 0).all() and (ent.abs() == 0).all()
+    assert torch.isfinite(logits.grad).all()
+    assert m["entropy"].item() == 0.0
+
+
+@pytest.mark.parametrize("be", BES)
+def test_token_own_logit_neginf(be):
+    """logp = -inf; the log-ratio clamp keeps the loss and gradient finite."""
+    d = _inputs(1, 3, 7)
+    logits = d["logits"][:1].clone()
+    logits[0, torch.arange(3), d["tokens"][0]] = float("-inf")
+    logits.requires_grad_()
+    loss, m = pk.ppo_loss(logits, d["tokens"][:1], d["old"][:1], d["adv"][:1],
+                          entropy_coef=0.1, backend=be.name)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert torch.isfinite(logits.grad).all()
+    assert math.isfinite(m["approx_kl"].item()) and math.isfinite(m["ratio_max"].item())
+
+
+@pytest.mark.parametrize("be", BES)
+@pytest.mark.parametrize("old", [1e30, -1e30, float("inf"), float("-inf")])
+def test_extreme_old_logprobs_are_clamped(be, old):
+    d = _inputs()
+    logits = d["logits"].requires_grad_()
+    loss, m = pk.ppo_loss(logits, d["tokens"], torch.full((2, 3), old), d["adv"],
+                          backend=be.name)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert torch.isfinite(logits.grad).all()
+    assert (logits.grad == 0).all()  # the log-ratio clamp is active everywhere: no gradient
+    ref, _ = pk.ppo_loss(d["logits"].detach(), d["tokens"], torch.full((2, 3), old), d["adv"],
+                         backend="torch")
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("be", BES)
+def test_huge_logits_agree_with_torch(be):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 4, 7, generator=g, dtype=torch.float64).float() * 1e30
+    tokens = torch.tensor([[0, 1, 2, 3]])
+    lp, ent = pk.token_logprobs(logits, tokens, return_entropy=True, backend=be.name)
+    ref, rent = pk.token_logprobs(logits, tokens, return_entropy=True, backend="torch")
+    torch.testing.assert_close(lp, ref, rtol=1e-6, atol=0)
+    assert (ent.abs() == 0).all() and (rent.abs() == 0).all()
+
+
+def test_cpu_deterministic_across_threads_and_runs():
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 4, 8, 4099
+    L = torch.randn(B, T, V, generator=g) * 3
+    tk = torch.randint(0, V, (B, T), generator=g)
+    old = -torch.rand(B, T, generator=g) * 5
+    adv = torch.randn(B, T, generator=g)
+    prev = torch.get_num_threads()
+    outs = []
+    try:
+        for nt in (1, 2, 2):
+            torch.set_num_threads(nt)
+            for dtype in (torch.float32, torch.bfloat16):
+                logits = L.to(dtype).detach().clone().requires_grad_()
+                loss, m = pk.ppo_loss(logits, tk, old, adv, ref_logprobs=old + 0.1,
+                                      kl_coef=0.1, entropy_coef=0.01, backend="cpu")
+                loss.backward()
+                outs.append((loss.detach(), logits.grad, *[m[k] for k in sorted(m)]))
+    finally:
+        torch.set_num_threads(prev)
+    for run in (outs[2], outs[4]):
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], run))
+    for run in (outs[3], outs[5]):
+        assert all(torch.equal(a, b) for a, b in zip(outs[1], run))
+
+
+@pytest.mark.parametrize("be", BES)
+def test_token_and_mask_dtypes_are_equivalent(be):
+    d = _inputs()
+    ref = pk.token_logprobs(d["logits"], d["tokens"], MASK, backend=be.name)
+    for tk in (d["tokens"].int(), d["tokens"].to(torch.uint8), d["tokens"].short()):
+        for m in (MASK.int(), MASK.float(), MASK.to(torch.uint8), MASK):
+            assert torch.equal(pk.token_logprobs(d["logits"], tk, m, backend=be.name), ref)
+
+
+@pytest.mark.parametrize("be", BES)
+def test_strided_logits_views(be):
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(2, 6, 10, generator=g)
+    tokens = torch.randint(0, 5, (2, 3), generator=g)
+    views = (full[:, ::2, :5], full[:, :3, ::2],
+             full.transpose(0, 1)[:3].transpose(0, 1)[..., :5])
+    for view in views:
+        lp = pk.token_logprobs(view, tokens, backend=be.name)
+        ref = pk.token_logprobs(view.contiguous(), tokens, backend=be.name)
+        assert torch.equal(lp, ref)
+
+
+@pytest.mark.parametrize("be", BES)
+def test_no_grad_and_inference_mode_leave_inplace_logits_alone(be):
+    d = _inputs()
+    logits = d["logits"].clone().requires_grad_()
+    with torch.no_grad():
+        a, _ = pk.ppo_loss(logits, d["tokens"], d["old"], d["adv"], inplace_backward=True,
+                           backend=be.name)
+    with torch.inference_mode():
+        b, _ = pk.ppo_loss(logits, d["tokens"], d["old"], d["adv"], inplace_backward=True,
+                           backend=be.name)
+    assert torch.equal(logits.detach(), d["logits"])
+    assert a.item() == b.item() and not a.requires_grad
+
+
+@pytest.mark.parametrize("be", BES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_grad_output_zero_gives_zero_gradient(be, inplace):
+    d = _inputs()
+    leaf = d["logits"].clone().requires_grad_()
+    loss, _ = pk.ppo_loss(leaf * 1, d["tokens"], d["old"], d["adv"], inplace_backward=inplace,
+                          backend=be.name)
+    loss.backward(torch.tensor(0.0))
+    assert (leaf.grad == 0).all()
+
+
+@pytest.mark.parametrize("be", BES)
+def test_retain_graph_twice_accumulates(be):
+    d = _inputs()
+    leaf = d["logits"].clone().requires_grad_()
+    loss, _ = pk.ppo_loss(leaf, d["tokens"], d["old"], d["adv"], backend=be.name)
+    loss.backward(retain_graph=True)
+    g1 = leaf.grad.clone()
+    loss.backward()
+    torch.testing.assert_close(leaf.grad, 2 * g1)
+
+
+@pytest.mark.parametrize("be", BES)
+def test_inplace_backward_leaf_and_bf16_view_match(be):
+    d = _inputs()
+    leaf = d["logits"].clone().requires_grad_()
+    loss, _ = pk.ppo_loss(leaf, d["tokens"], d["old"], d["adv"], inplace_backward=True,
+                          backend=be.name)
+    loss.backward()
+    ref = d["logits"].clone().requires_grad_()
+    pk.ppo_loss(ref, d["tokens"], d["old"], d["adv"], backend="torch")[0].backward()
+    torch.testing.assert_close(leaf.grad, ref.grad, rtol=1e-5, atol=1e-7)
+    full = torch.cat([d["logits"], d["logits"][:, :1]], 1).bfloat16().requires_grad_()
+    loss, _ = pk.ppo_loss((full * 1)[:, :-1], d["tokens"], d["old"], d["adv"],
+                          inplace_backward=True, backend=be.name)
+    loss.backward()
+    ref = full.detach().clone().requires_grad_()
+    pk.ppo_loss(ref[:, :-1], d["tokens"], d["old"], d["adv"], backend="torch")[0].backward()
+    torch.testing.assert_close(full.grad.float(), ref.grad.float(), rtol=1e-2, atol=1e-2)
+    assert (full.grad[:, -1] == 0).all()
+
+
+def test_large_vocab_cpu_matches_torch():
+    g = torch.Generator().manual_seed(5)
+    B, T, V = 2, 3, 2**17 + 3
+    L = torch.randn(B, T, V, generator=g) * 3
+    tk = torch.randint(0, V, (B, T), generator=g)
+    tk[0, 0] = V - 1
+    old, adv = -torch.rand(B, T, generator=g) - 11, torch.randn(B, T, generator=g)
+    out = []
+    for be in ("cpu", "torch"):
+        logits = L.clone().requires_grad_()
+        loss, m = pk.ppo_loss(logits, tk, old, adv, entropy_coef=0.01, backend=be)
+        loss.backward()
+        out.append((loss.detach(), logits.grad, m["entropy"]))
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-7)
+
+
+def test_raw_cpu_ops_reject_bad_input_without_crashing():
+    ops = torch.ops.ppo_kernels
+    d = _inputs()
+    L, tk, m = d["logits"], d["tokens"], torch.ones(2, 3, dtype=torch.bool)
+    O, A, W = torch.zeros(2, 3), torch.ones(2, 3), torch.full((2, 3), 1 / 6)
+    bad = [
+        lambda: ops.token_logprobs_fwd(L, torch.full((2, 3), 5), m, 1.0, False),
+        lambda: ops.token_logprobs_fwd(L, torch.full((2, 3), -1), m, 1.0, False),
+        lambda: ops.token_logprobs_fwd(L, tk.int(), m, 1.0, False),
+        lambda: ops.token_logprobs_fwd(L, tk, m.int(), 1.0, False),
+        lambda: ops.token_logprobs_fwd(L[:, :2], tk, m, 1.0, False),
+        lambda: ops.token_logprobs_fwd(torch.randn(2, 3, 10)[..., ::2], tk, m, 1.0, False),
+        lambda: ops.token_logprobs_bwd(O, None, L, tk, m, O[:, :1], O, 1.0),
+        lambda: ops.token_logprobs_bwd(O, None, L, torch.full((2, 3), 10**9), m, O, O, 1.0),
+        lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, .2, .2, 0., 0., 7, 0., 1., True),
+        lambda: ops.ppo_loss_fwd(L, tk, m, O.double(), A, W, None, None, .2, .2, 0., 0., 0, 0.,
+                                 1., True),
+        lambda: ops.ppo_loss_fwd(L, tk, m, O, A[:, :2], W, None, None, .2, .2, 0., 0., 0, 0.,
+                                 1., True),
+        lambda: ops.ppo_loss_fwd(L, torch.full((2, 3), 10**9), m, O, A, W, None, None, .2, .2,
+                                 0., 0., 0, 0., 1., True),
+        lambda: ops.gae(torch.randn(3, 2).t(), O, m, None, 1., .9),
+        lambda: ops.gae(O, O, m, torch.zeros(5), 1., .9),
+        lambda: ops.score_rollout(L, torch.full((2, 3), 5), m, O, O, torch.zeros(2), .1, 0, 1.,
+                                  .9, 1.),
+        lambda: ops.score_rollout(L, tk, m, O, O, torch.zeros(3), .1, 0, 1., .9, 1.),
+    ]
+    for f in bad:
+        with pytest.raises((RuntimeError, ValueError, TypeError, NotImplementedError)):
+            f()
+
+
+# ============================================================== confirmed bugs
+
+@_bug("kl_penalized_rewards with T = 0 raises IndexError from `.max(1)` over an empty dim "
+      "(_torch_impl.kl_penalized_rewards: torch.where(mask, pos, -1).max(1)); an empty batch "
+      "must give an empty result like every other op")
+def test_kl_penalized_rewards_empty_time():
+    r = pk.kl_penalized_rewards(torch.randn(2), torch.randn(2, 0), torch.randn(2, 0),
+                                torch.ones(2, 0, dtype=torch.bool), kl_coef=0.1)
+    assert r.shape == (2, 0)
+
+
+@_bug("score_rollout(backend='torch') with T = 0 raises IndexError (same .max(1) in "
+      "_torch_impl.kl_penalized_rewards); the cpu and triton backends return empty outputs")
+def test_score_rollout_torch_backend_empty_time():
+    d = _inputs(2, 0)
+    out = pk.score_rollout(d["logits"], d["tokens"], d["ref"], torch.randn(2, 0),
+                           torch.randn(2), torch.ones(2, 0, dtype=torch.bool), kl_coef=0.1,
+                           backend="torch")
+    assert out.advantages.shape == (2, 0)
+
+
+@pytest.mark.parametrize("be", BES)
+@_bug("metrics approx_kl / ratio_mean / kl_ref are NaN when old_logprobs / ref_logprobs hold "
+      "NaN on MASKED positions: _torch_impl.metrics' mean() forms x * mask (NaN * 0 = NaN) "
+      "instead of torch.where(mask, x, 0); masked positions must contribute nothing")
+def test_metrics_ignore_nan_on_masked_positions(be):
+    d = _inputs()
+    old, ref = d["old"].clone(), d["ref"].clone()
+    old[~MASK] = float("nan")
+    ref[~MASK] = float("nan")
+    loss, m = pk.ppo_loss(d["logits"], d["tokens"], old, d["adv"], MASK, ref_logprobs=ref,
+                          kl_coef=0.1, backend=be.name)
+    assert math.isfinite(loss.item())
+    bad = [k for k, v in m.items() if not math.isfinite(v.item())]
+    assert not bad, bad
+
+
+@_bug("whiten: NaN/inf in x on MASKED positions make every output NaN (mean = sum(x * m) "
+      "and centred = (x - mean) * m: NaN * 0 = NaN); DESIGN: whiten over valid tokens only, "
+      "masked positions come back 0")
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+def test_whiten_ignores_garbage_on_masked_positions(fill):
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    clean = pk.whiten(x, MASK)
+    x[~MASK] = fill
+    torch.testing.assert_close(pk.whiten(x, MASK), clean)
+
+
+@_bug("value_loss: NaN in returns (or old_values) on MASKED positions gives NaN in "
+      "values.grad there (torch.where after (v - R)**2: 0 * NaN in the backward), which then "
+      "poisons the critic; masked positions must get a zero gradient")
+def test_value_loss_masked_nan_gives_zero_grad():
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(2, 3, generator=g).requires_grad_()
+    returns = torch.randn(2, 3, generator=g)
+    returns[~MASK] = float("nan")
+    loss, _ = pk.value_loss(values, torch.randn(2, 3, generator=g), returns, MASK,
+                            clip_range=0.2)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert torch.isfinite(values.grad).all()
+    assert (values.grad[~MASK] == 0).all()
+
+
+@_bug("whiten of float16 x accumulates the variance in float16: values ~1000 overflow "
+      "(sum of squares > 65504 -> inf, rsqrt -> 0) and the output is all zeros; DESIGN: all "
+      "accumulation is float32")
+def test_whiten_float16_does_not_overflow():
+    x = torch.tensor([[0., 1000., 0.], [1000., 0., 1000.]])
+    m = torch.ones(2, 3, dtype=torch.bool)
+    torch.testing.assert_close(pk.whiten(x.half(), m).float(), pk.whiten(x, m),
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("be", _params({"cpu": "V = 1 logits whose size-1 vocab dim has a "
+                                        "stride != 1 (e.g. a permute) count as contiguous, so "
+                                        "_checks.logits_and_tokens' .contiguous() is a no-op "
+                                        "and the C++ Rows check raises RuntimeError 'the "
+                                        "vocabulary stride must be 1'"}))
+def test_vocab_one_with_odd_unit_stride(be):
+    logits = torch.randn(1, 2, 3).permute(1, 2, 0)  # [2, 3, 1], strides (3, 1, 6)
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    lp = pk.token_logprobs(logits, tokens, backend=be.name)
+    assert (lp == 0).all()
+    loss, _ = pk.ppo_loss(logits, tokens, torch.zeros(2, 3), torch.ones(2, 3), backend=be.name)
+    assert loss.item() == -1.0
+
+
+@pytest.mark.parametrize("be", _params({
+    "cpu": "a non-contiguous response_mask gives non-contiguous loss weights "
+           "(_torch_impl.agg_weights keeps the mask's strides) and the C++ op raises "
+           "RuntimeError 'weights: expected a contiguous tensor'",
+    "triton": "tokens / response_mask are never made contiguous in Python "
+              "(_checks.logits_and_tokens / response_mask) and the Triton wrappers raise "
+              "ValueError 'tokens: expected a contiguous tensor'"}))
+def test_non_contiguous_tokens_and_mask(be):
+    """DESIGN: non-contiguous inputs are accepted."""
+    d = _inputs()
+    tokT = d["tokens"].t().contiguous().t()
+    maskT = MASK.t().contiguous().t()
+    ref, _ = pk.ppo_loss(d["logits"], d["tokens"], d["old"], d["adv"], MASK, backend="torch")
+    loss, _ = pk.ppo_loss(d["logits"], tokT, d["old"], d["adv"], maskT, backend=be.name)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    lp = pk.token_logprobs(d["logits"], tokT, maskT, backend=be.name)
+    torch.testing.assert_close(lp, pk.token_logprobs(d["logits"], d["tokens"], MASK,
+                                                     backend="torch"), rtol=1e-5, atol=1e-6)
+    adv, _ = pk.gae(torch.ones(3, 2).t(), torch.zeros(3, 2).t(), maskT, backend=be.name)
+    torch.testing.assert_close(adv, pk.gae(torch.ones(2, 3), torch.zeros(2, 3), MASK,
+                                           backend="torch")[0])
+
+
+@pytest.mark.parametrize("be", _params({
+    "cpu": "inplace_backward: a second backward (retain_graph=True) silently returns no "
+           "gradient (_ops._InplaceLoss.backward sets ctx.buf = None and returns it); it "
+           "must raise or give the gradient again",
+    "triton": "same as cpu: _ops._InplaceLoss.backward returns None on the second backward"}))
+def test_inplace_backward_retain_graph_twice(be):
+    d = _inputs()
+    leaf = d["logits"].clone().requires_grad_()
+    loss, _ = pk.ppo_loss(leaf * 1, d["tokens"], d["old"], d["adv"], inplace_backward=True,
+                          backend=be.name)
+    loss.backward(retain_graph=True)
+    g1 = leaf.grad.clone()
+    try:
+        loss.backward()
+    except RuntimeError:
+        return  # refusing is fine
+    torch.testing.assert_close(leaf.grad, 2 * g1)
+
+
+@pytest.mark.parametrize("be", _params({
+    "cpu": "inplace_backward on logits with internal overlap (expand, stride 0) writes every "
+           "aliased row's gradient into the same memory: wrong gradient, no error",
+    "triton": "same as cpu (row programs overwrite one shared row)"}))
+def test_inplace_backward_on_expanded_logits(be):
+    d = _inputs()
+    base = d["logits"][:1].clone().requires_grad_()
+    try:
+        loss, _ = pk.ppo_loss(base.expand(2, 3, 5), d["tokens"], d["old"], d["adv"],
+                              inplace_backward=True, backend=be.name)
+        loss.backward()
+    except (ValueError, RuntimeError):
+        return  # refusing overlapping logits is fine
+    ref = d["logits"][:1].clone().requires_grad_()
+    pk.ppo_loss(ref.expand(2, 3, 5), d["tokens"], d["old"], d["adv"],
+                backend="torch")[0].backward()
+    torch.testing.assert_close(base.grad, ref.grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("be", _params({
+    "cpu": "the C++ ppo_loss_fwd_inplace does not bump the logits' version counter (no "
+           "ADInplaceOrView kernel), so autograd cannot see that the logits were overwritten: "
+           "a tensor saved earlier for backward silently holds the gradient (wrong grads); "
+           "the triton op raises 'modified by an inplace operation'"}))
+def test_inplace_backward_bumps_version_counter(be):
+    if be.name == "torch":
+        pytest.skip("the torch backend has no in-place path")
+    d = _inputs()
+    leaf = d["logits"].clone().requires_grad_()
+    logits = leaf * 1
+    sq = (logits ** 2).sum()  # saves `logits` for its backward
+    loss, _ = pk.ppo_loss(logits, d["tokens"], d["old"], d["adv"], inplace_backward=True,
+                          backend=be.name)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + sq).backward()
+
+
+@_bug("gradients into old_logprobs / advantages / ref_logprobs depend on the backend and "
+      "mode: the torch backend and loss_agg_mode='none' (any backend) differentiate through "
+      "them, the cpu/triton scalar modes silently return None (_ops._loss_backward); every "
+      "backend must compute the same function (either detach them everywhere or not)")
+def test_grads_of_per_token_inputs_consistent():
+    d = _inputs()
+    grads = []
+    for be, mode in (("cpu", "token-mean"), ("torch", "token-mean"), ("cpu", "none")):
+        o = d["old"].clone().requires_grad_()
+        a = d["adv"].clone().requires_grad_()
+        loss, _ = pk.ppo_loss(d["logits"], d["tokens"], o, a, loss_agg_mode=mode, backend=be)
+        (loss if loss.dim() == 0 else loss.mean()).backward()
+        grads.append((o.grad, a.grad))
+    for og, ag in grads[1:]:
+        assert (og is None) == (grads[0][0] is None)
+        assert (ag is None) == (grads[0][1] is None)
+
+
+@pytest.mark.parametrize("be", _params({
+    "cpu": "logp = z[token] - (m + log s) loses the digits of log s when |z| is large "
+           "(csrc/cpu/logprobs.cpp, ppo_loss.cpp, rollout.cpp: x[tok] * inv - st.lse): for "
+           "float16 logits at 65504 logp = -1.3867 instead of -log 4 = -1.38629 (4e-4 off; "
+           "bfloat16 4e-3); compute (z[token] - m) - log s",
+    "triton": "same cancellation in triton_kernels (token_logit(...) - lse)"}))
+def test_logprob_precision_with_large_logits(be):
+    logits = torch.tensor([[[65504., -65504., 65504., -65504., 65504., -65504., 65504.]]],
+                          dtype=torch.float16)
+    tokens = torch.tensor([[0]])
+    lp = pk.token_logprobs(logits, tokens, backend=be.name)
+    assert abs(lp.item() + math.log(4)) < 1e-5, lp.item()
+
+
+@pytest.mark.parametrize("be", _params({
+    "cpu": "at a tiny (valid, positive) temperature the CPU kernel returns logp = +inf: "
+           "m = xmax * inv_temp is rounded while d = x * inv_temp - m is contracted into an "
+           "FMA, so the max entry gets exp(d) = 0 (or inf) and log(s) = -inf "
+           "(csrc/cpu/row_kernels.h row_stats_impl); a logprob is never > 0"}))
+def test_tiny_temperature_gives_sane_logprobs(be):
+    logits = torch.tensor([[[1.5410, -0.2934, -2.1788, 0.5684, -1.0845]]])
+    tokens = torch.tensor([[2]])
+    lp = pk.token_logprobs(logits, tokens, temperature=1e-10, backend=be.name)
+    ref = pk.token_logprobs(logits, tokens, temperature=1e-10, backend="torch")
+    assert lp.item() <= 0
+    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=0)
+
+
+@_bug("the raw C++ score_rollout op does not check kl_estimator (ppo_loss_fwd does, and so "
+      "does triton_score_rollout): kl_estimator=9 silently runs k3 (csrc/cpu/rollout.cpp)")
+def test_raw_cpu_score_rollout_rejects_unknown_kl_estimator():
+    d = _inputs()
+    m = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises((RuntimeError, ValueError)):
+        torch.ops.ppo_kernels.score_rollout(d["logits"], d["tokens"], m, d["ref"],
+                                            torch.zeros(2, 3), torch.zeros(2), 0.1, 9, 1.0,
+                                            0.9, 1.0)
+
+
+@_bug("the raw C++ ops accept temperature <= 0: token_logprobs_fwd with temperature=-1 "
+      "returns finite wrong logprobs, with temperature=0 silent NaN (no TORCH_CHECK on "
+      "temperature in csrc/cpu/*.cpp; only the Python layer checks)")
+@pytest.mark.parametrize("temperature", [0.0, -1.0])
+def test_raw_cpu_ops_reject_non_positive_temperature(temperature):
+    d = _inputs()
+    m = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises((RuntimeError, ValueError)):
+        torch.ops.ppo_kernels.token_logprobs_fwd(d["logits"], d["tokens"], m, temperature,
+                                                 False)
