@@ -64,6 +64,16 @@ inline void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
+inline void check_temperature(double temperature) {
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0,
+              "temperature: expected a finite number > 0, got ", temperature);
+}
+
+inline void check_kl_estimator(int64_t kl_estimator) {
+  TORCH_CHECK(kl_estimator >= ppo::kK1 && kl_estimator <= ppo::kAbs,
+              "kl_estimator: expected 0 (k1), 1 (k2), 2 (k3) or 3 (abs), got ", kl_estimator);
+}
+
 inline at::ScalarType acc_type(const at::Tensor& logits) {
   return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }

@@ -16,6 +16,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
     double temperature, bool return_entropy) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
+  check_temperature(temperature);
   const int64_t* tok = tokens.data_ptr<int64_t>();
   const bool* m = mask.data_ptr<bool>();
   r.check_tokens(tok, m);
@@ -41,7 +42,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
         }
         const T* x = sc.load(L + r.offset(i), r.V);
         const RowStats<T> st = row_stats<T>(x, r.V, inv, return_entropy, nullptr);
-        lp[i] = x[tok[i]] * inv - st.lse;
+        lp[i] = row_logp(x, tok[i], inv, st);
         ls[i] = st.lse;
         if (en) en[i] = st.entropy;
       }
@@ -58,6 +59,7 @@ at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
                               const at::Tensor& entropy, double temperature) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
+  check_temperature(temperature);
   const at::ScalarType acc = acc_type(logits);
   check_per_token(grad_logprobs, "grad_logprobs", tokens, acc);
   check_per_token(lse, "lse", tokens, acc);
@@ -92,7 +94,8 @@ at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
           continue;
         }
         const T* x = sc.load(L + b * r.sB + t * r.sT, r.V);
-        const RowStats<T> st{T(0), T(0), ls[i], H ? H[i] : T(0)};
+        // only the saved lse is known here: max = 0, log_sum = lse
+        const RowStats<T> st{T(0), ls[i], T(0), ls[i], H ? H[i] : T(0)};
         write_row_grad<scalar_t, T>(x, nullptr, sc.e.data(), r.V, inv, st, gl[i],
                                     ge ? ge[i] : T(0), tok[i], orow);
       }

@@ -51,7 +51,7 @@ void fused_rows(const at::Tensor& logits, const Rows& r, const LossInputs& in, s
       const T* x = sc.load(L + r.offset(i), r.V);
       T* e = orow ? sc.e.data() : nullptr;
       const RowStats<T> st = row_stats<T>(x, r.V, inv, true, e);
-      const T logp_i = x[tok[i]] * inv - st.lse;
+      const T logp_i = row_logp(x, tok[i], inv, st);
       const ppo::TokenLoss<T> tl = ppo::token_loss<T>(
           logp_i, st.entropy, old[i], adv[i], ref ? ref[i] : T(0), isw ? isw[i] : T(1), w[i], p);
       lt[i] = tl.loss;
@@ -94,8 +94,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
   check_per_token(weights, "weights", tokens, acc);
   if (ref) check_per_token(*ref, "ref_logprobs", tokens, acc);
   if (is_w) check_per_token(*is_w, "rollout_is_weights", tokens, acc);
-  TORCH_CHECK(kl_estimator >= 0 && kl_estimator <= 3, "kl_estimator: expected 0..3, got ",
-              kl_estimator);
+  check_kl_estimator(kl_estimator);
+  check_temperature(temperature);
   r.check_tokens(tokens.data_ptr<int64_t>(), mask.data_ptr<bool>());
   const LossInputs in{tokens, mask, old_logprobs, advantages, weights, ref, is_w,
                       ppo::PolicyParams{clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,

@@ -40,6 +40,8 @@ std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tens
   TORCH_CHECK(mask.sizes() == rewards.sizes() && mask.scalar_type() == at::kBool,
               "mask: expected bool [B, T]");
   const int64_t B = rewards.size(0), T = rewards.size(1);
+  TORCH_CHECK(gamma >= 0 && gamma <= 1 && lam >= 0 && lam <= 1,
+              "gamma, lam: expected values in [0, 1], got ", gamma, ", ", lam);
   if (bootstrap) {
     TORCH_CHECK(bootstrap->dim() == 1 && bootstrap->size(0) == B && bootstrap->is_contiguous() &&
                     bootstrap->scalar_type() == rewards.scalar_type(),
@@ -68,6 +70,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rol
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   TORCH_CHECK(logits.scalar_type() != at::kDouble, "logits: score_rollout runs in float32");
+  check_temperature(temperature);
+  check_kl_estimator(kl_estimator);
   check_per_token(ref_logprobs, "ref_logprobs", tokens, at::kFloat);
   check_per_token(values, "values", tokens, at::kFloat);
   TORCH_CHECK(scores.dim() == 1 && scores.size(0) == r.B && scores.is_contiguous() &&
@@ -96,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rol
           continue;
         }
         const float* x = sc.load(L + r.offset(i), r.V);
-        lp[i] = x[tok[i]] * inv - row_stats<float>(x, r.V, inv, false, nullptr).lse;
+        lp[i] = row_logp(x, tok[i], inv, row_stats<float>(x, r.V, inv, false, nullptr));
         klp[i] = ppo::kl_term<float>(lp[i] - ref[i], int(kl_estimator)).kl;
         rw[i] = float(-kl_coef) * klp[i];
       }

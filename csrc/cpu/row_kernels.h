@@ -81,29 +81,37 @@ inline Vectorized<T> vexp(const Vectorized<T>& x) {
 
 template <typename T>
 struct RowStats {
-  T max;      // max_v z_v
-  T inv_sum;  // 1 / sum_v exp(z_v - max)
-  T lse;      // logsumexp_v z_v
-  T entropy;  // lse - sum_v p_v z_v (0 unless asked for)
+  T max;      // max_v x_v, in raw logit units
+  T log_sum;  // log sum_v exp(d_v), d_v = (x_v - max) / temperature
+  T inv_sum;  // 1 / sum_v exp(d_v)
+  T lse;      // logsumexp_v z_v = max / temperature + log_sum
+  T entropy;  // log_sum - sum_v p_v d_v (0 unless asked for)
 };
 
-// x: raw logits of one row (T = float or double, unit stride), z = x * inv_temp.
-// e: if not null, receives exp(z_v - max) for row_grad.
+// log p of entry v, as the shifted difference d_v - log_sum: subtracting the raw max
+// before scaling keeps the digits that z_v - lse would lose when |z| is large (fp16 logits
+// near 65504) and gives exactly 0 for the max entry at any temperature.
+template <typename T>
+inline T row_logp(const T* x, int64_t v, T inv_temp, const RowStats<T>& st) {
+  return (x[v] - st.max) * inv_temp - st.log_sum;
+}
+
+// x: raw logits of one row (T = float or double, unit stride).
+// e: if not null, receives exp(d_v) for row_grad.
 template <typename T, bool kEntropy, bool kStoreExp>
 RowStats<T> row_stats_impl(const T* x, int64_t V, T inv_temp, T* e) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const T xmax = at::vec::reduce_all<T>(
       [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, V);
-  const T m = xmax * inv_temp;  // temperature > 0 keeps the argmax
-  const Vec vinv(inv_temp), vm(m);
-  // d = z - max is -inf on a banned entry; exp gives 0 and clamping d to the lowest finite
-  // value keeps that 0 out of 0 * -inf = NaN in the entropy sum.
+  const Vec vinv(inv_temp), vmax(xmax);
+  // d is -inf on a banned entry; exp gives 0 and clamping d to the lowest finite value
+  // keeps that 0 out of 0 * -inf = NaN in the entropy sum.
   const Vec vlow(std::numeric_limits<T>::lowest());
   Vec vs(T(0)), vt(T(0));
   int64_t v = 0;
   for (; v + W <= V; v += W) {
-    const Vec d = Vec::loadu(x + v) * vinv - vm;
+    const Vec d = (Vec::loadu(x + v) - vmax) * vinv;
     const Vec ev = vexp(d);
     vs = vs + ev;
     if constexpr (kEntropy) vt = vt + ev * at::vec::maximum(d, vlow);
@@ -112,14 +120,14 @@ RowStats<T> row_stats_impl(const T* x, int64_t V, T inv_temp, T* e) {
   T s = at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, vs);
   T t = kEntropy ? at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, vt) : T(0);
   for (; v < V; ++v) {
-    const T d = x[v] * inv_temp - m;
+    const T d = (x[v] - xmax) * inv_temp;
     const T ev = ppo::ppo_exp(d);
     s += ev;
     if constexpr (kEntropy) t += ev * std::max(d, std::numeric_limits<T>::lowest());
     if constexpr (kStoreExp) e[v] = ev;
   }
   const T log_s = std::log(s);
-  return {m, T(1) / s, m + log_s, kEntropy ? log_s - t / s : T(0)};
+  return {xmax, log_s, T(1) / s, xmax * inv_temp + log_s, kEntropy ? log_s - t / s : T(0)};
 }
 
 template <typename T>
@@ -132,7 +140,8 @@ RowStats<T> row_stats(const T* x, int64_t V, T inv_temp, bool entropy, T* e) {
 }
 
 // Row gradient g_v = d loss / d logits_v (ppo::dlogit_dense + the one-hot term) into out.
-// e: exp(z - max) from row_stats, or null to recompute p. out may alias e (float rows).
+// e: exp(d) from row_stats, or null to recompute p from st.max and st.log_sum (a caller
+// that only has the lse passes max = 0, log_sum = lse). out may alias e or x.
 template <typename T>
 void row_grad(const T* x, const T* e, int64_t V, T inv_temp, const RowStats<T>& st, T dlogp,
               T dent, int64_t token, T* out) {
@@ -146,17 +155,17 @@ void row_grad(const T* x, const T* e, int64_t V, T inv_temp, const RowStats<T>& 
     for (; v + W <= V; v += W) (Vec::loadu(e + v) * vc).store(out + v);
     for (; v < V; ++v) out[v] = e[v] * c;
   } else {
-    const Vec vinv(inv_temp), vlse(st.lse), vH(st.entropy), vdl(dlogp), vde(dent),
-        vis(st.inv_sum), vzero(T(0));
+    const Vec vinv(inv_temp), vmax(st.max), vls(st.log_sum), vH(st.entropy), vdl(dlogp),
+        vde(dent), vis(st.inv_sum), vzero(T(0));
     for (; v + W <= V; v += W) {
-      const Vec logp_v = Vec::loadu(x + v) * vinv - vlse;
+      const Vec logp_v = (Vec::loadu(x + v) - vmax) * vinv - vls;
       const Vec pv = e ? Vec::loadu(e + v) * vis : vexp(logp_v);
       const Vec g = ppo::dlogit_dense(logp_v, pv, vH, vdl, vde) * vinv;
       // p = 0 (a banned entry): exactly 0, not 0 * inf
       Vec::blendv(g, vzero, pv == vzero).store(out + v);
     }
     for (; v < V; ++v) {
-      const T logp_v = x[v] * inv_temp - st.lse;
+      const T logp_v = row_logp(x, v, inv_temp, st);
       const T pv = e ? e[v] * st.inv_sum : ppo::ppo_exp(logp_v);
       out[v] = pv == T(0) ? T(0) : ppo::dlogit_dense(logp_v, pv, st.entropy, dlogp, dent) * inv_temp;
     }
