@@ -132,13 +132,17 @@ def dlogit(z, lse, ent, dlogp, dent, inv_temp, is_token):
 @triton.jit
 def row_stats(in_row, V, inv_temp, ACC: tl.constexpr, NEED_ENT: tl.constexpr,
               BLOCK_V: tl.constexpr):
-    """One pass over a row of V logits: (lse, H) of z = logits * inv_temp, in ACC.
+    """One pass over a row of V logits x: (xmax, log_s, lse, H), in ACC, of
+    z = x * inv_temp, with d_v = (x_v - xmax) * inv_temp, s = sum exp(d_v),
+    log_s = log s, lse = xmax * inv_temp + log_s.
 
-    Online over blocks of BLOCK_V (V need not be a multiple): running max m,
-    s = sum exp(z - m) and, for the entropy, t = sum exp(z - m) (z - m) <= 0, so that
-    H = log s - t / s with no cancellation between two large numbers (lse - E[z] would
-    lose digits when |z| is large). When the max moves from m to m', the old sums are
-    rescaled by alpha = exp(m - m'), and t also picks up s (m - m').
+    Online over blocks of BLOCK_V (V need not be a multiple): the running max is kept in
+    raw logit units and subtracted BEFORE scaling, so the max entry gets d = 0 exactly at
+    any temperature and logp = d_token - log_s keeps the digits that z - lse would lose
+    when |z| is large (as csrc/cpu/row_kernels.h). For the entropy,
+    t = sum exp(d) d <= 0, H = log s - t / s with no cancellation between large numbers.
+    When the max moves from m to m', the old sums are rescaled by
+    alpha = exp((m - m') inv_temp), and t also picks up s (m - m') inv_temp.
     -inf entries (banned tokens; also the lanes past V) have exp = 0 and add nothing;
     while every entry so far is -inf, a shift of 0 keeps exp() away from -inf - -inf.
     """
@@ -148,32 +152,36 @@ def row_stats(in_row, V, inv_temp, ACC: tl.constexpr, NEED_ENT: tl.constexpr,
     t = tl.zeros([], ACC)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
-        x = tl.load(in_row + cols, mask=cols < V, other=float("-inf")).to(ACC) * inv_temp
+        x = tl.load(in_row + cols, mask=cols < V, other=float("-inf")).to(ACC)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        e = tl.exp(x - m_safe)
+        shift = (m - m_safe) * inv_temp
+        alpha = tl.exp(shift)
+        d = (x - m_safe) * inv_temp
+        e = tl.exp(d)
         if NEED_ENT:
-            dz = tl.where(e > 0.0, x - m_safe, 0.0)
-            shift = tl.where(s > 0.0, m - m_safe, 0.0)
-            t = alpha * (t + s * shift) + tl.sum(e * dz, axis=0)
+            dz = tl.where(e > 0.0, d, 0.0)
+            t = alpha * (t + s * tl.where(s > 0.0, shift, 0.0)) + tl.sum(e * dz, axis=0)
         s = alpha * s + tl.sum(e, axis=0)
         m = m_new
     log_s = tl.log(s)
-    lse = tl.where(m == float("-inf"), 0.0, m) + log_s
+    xmax = tl.where(m == float("-inf"), 0.0, m)
+    lse = xmax * inv_temp + log_s
     if NEED_ENT:
         ent = log_s - t / s
     else:
         ent = tl.zeros([], ACC)
-    return lse, ent
+    return xmax, log_s, lse, ent
 
 
 @triton.jit
-def token_logit(in_row, tok, V, inv_temp, ACC: tl.constexpr):
-    """z[token] of one row. An out-of-range id (the Python layer rejects those on valid
-    positions) is never read out of bounds: it gives NaN, never garbage from memory."""
+def token_logp(in_row, tok, V, inv_temp, xmax, log_s, ACC: tl.constexpr):
+    """logp of the row's token, (x[token] - xmax) * inv_temp - log_s (see row_stats). An
+    out-of-range id (the Python layer rejects those on valid positions) is never read out
+    of bounds: it gives NaN, never garbage from memory."""
     ok = (tok >= 0) & (tok < V)
-    return tl.load(in_row + tok, mask=ok, other=float("nan")).to(ACC) * inv_temp
+    x = tl.load(in_row + tok, mask=ok, other=float("nan")).to(ACC)
+    return (x - xmax) * inv_temp - log_s
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from . import _config
-from ._math import as_acc, kl_term, row_grad, row_stats, row_zero, token_logit
+from ._math import as_acc, kl_term, row_grad, row_stats, row_zero, token_logp
 
 
 def acc_dtype(logits):
@@ -55,8 +55,8 @@ def _logprobs_fwd_kernel(
     if valid:
         in_row = logits_ptr + b * stride_lb + t * stride_lt
         tok = tl.load(tokens_ptr + row)
-        lse, ent = row_stats(in_row, V, inv_temp, ACC, NEED_ENT, BLOCK_V)
-        logp = token_logit(in_row, tok, V, inv_temp, ACC) - lse
+        xmax, log_s, lse, ent = row_stats(in_row, V, inv_temp, ACC, NEED_ENT, BLOCK_V)
+        logp = token_logp(in_row, tok, V, inv_temp, xmax, log_s, ACC)
         tl.store(logp_ptr + row, logp)
         tl.store(lse_ptr + row, lse)
         if NEED_ENT:

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from . import _config
-from ._math import as_acc, row_grad, row_stats, row_zero, token_logit, token_loss
+from ._math import as_acc, row_grad, row_stats, row_zero, token_logp, token_loss
 from .logprobs import _check_logits, acc_dtype, check_per_token, tl_acc
 
 
@@ -52,8 +52,8 @@ def _ppo_loss_kernel_fn(
         inv_temp = 1.0 / as_acc(temperature, ACC)
         in_row = logits_ptr + b * stride_lb + t * stride_lt
         tok = tl.load(tokens_ptr + idx)
-        lse, ent = row_stats(in_row, V, inv_temp, ACC, True, BLOCK_V)
-        logp = token_logit(in_row, tok, V, inv_temp, ACC) - lse
+        xmax, log_s, lse, ent = row_stats(in_row, V, inv_temp, ACC, True, BLOCK_V)
+        logp = token_logp(in_row, tok, V, inv_temp, xmax, log_s, ACC)
         old = tl.load(old_ptr + idx).to(ACC)
         adv = tl.load(adv_ptr + idx).to(ACC)
         w = tl.load(w_ptr + idx).to(ACC)
