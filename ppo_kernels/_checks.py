@@ -82,8 +82,11 @@ def logits_and_tokens(logits, tokens):
                          f"{list(logits.shape)}, got {list(tokens.shape)}")
     if logits.shape[2] == 0:
         raise ValueError("logits: empty vocabulary (V = 0)")
-    if logits.stride(2) != 1:
-        logits = logits.contiguous()  # the kernels read rows with unit stride
+    if logits.stride(2) != 1:  # the kernels read rows with unit stride
+        if logits.shape[2] == 1:  # torch calls such a tensor contiguous whatever the stride
+            logits = logits.as_strided(logits.shape, (*logits.stride()[:2], 1))
+        else:
+            logits = logits.contiguous()
     return logits, tokens.long().contiguous(), flat  # [B, T]: kernels index it flat
 
 
@@ -98,7 +101,7 @@ def response_mask(mask, tokens, flat):
     if tuple(mask.shape) != tuple(tokens.shape):
         raise ValueError(f"response_mask: expected shape {list(tokens.shape[1:] if flat else tokens.shape)},"
                          f" got {list(mask.shape[1:] if flat else mask.shape)}")
-    return mask != 0
+    return (mask != 0).contiguous()  # != keeps the input's strides; kernels index flat
 
 
 def token_range(tokens, mask, vocab):
@@ -135,7 +138,9 @@ def per_token(name, x, tokens, flat, dtype, *, optional=False):
         shown = tokens.shape[1:] if flat else tokens.shape
         raise ValueError(f"{name}: expected shape {list(shown)}, got "
                          f"{list(x.shape[1:] if flat and x.dim() == 2 else x.shape)}")
-    return x.to(dtype).contiguous()
+    # inputs from the rollout: they are data, not parameters, and get no gradient on any
+    # backend
+    return x.detach().to(dtype).contiguous()
 
 
 def acc_dtype(logits):

@@ -192,6 +192,9 @@ class _InplaceLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, op, args):
         loss, loss_tok, logp, ent = op(logits, *args)
+        # the logits now hold dlogits: anything that saved them for its own backward must
+        # see the change (the C++ op has no ADInplaceOrView kernel to do this)
+        torch.autograd.graph.increment_version(logits)
         ctx.buf = logits
         ctx.mark_non_differentiable(loss_tok, logp, ent)
         return loss, loss_tok, logp, ent
@@ -199,6 +202,10 @@ class _InplaceLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         buf = ctx.buf
+        if buf is None:
+            raise RuntimeError("ppo_loss(inplace_backward=True): the gradient stored in the "
+                               "logits was already handed out by an earlier backward; "
+                               "retain_graph cannot replay it")
         ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
         if not _is_eager_one(grad_loss):
             buf.mul_(grad_loss.to(buf.dtype))

@@ -18,7 +18,8 @@ def token_logprobs(logits, tokens, mask, temperature, return_entropy):
     """logprobs [B, T] (and entropy [B, T] or None) of logits [B, Tl, V]; 0 where masked."""
     t = tokens.shape[1]
     acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    z = logits[:, :t].to(acc) / temperature
+    # masked rows are zeroed first: whatever they hold (NaN) stays out of value and grad
+    z = torch.where(mask.unsqueeze(-1), logits[:, :t].to(acc), 0.0) / temperature
     logp_all = torch.log_softmax(z, dim=-1)
     safe = torch.where(mask, tokens, 0)
     logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
@@ -120,8 +121,8 @@ def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, p):
     m = mask.to(logp.dtype)
     n = m.sum().clamp(min=1.0)
 
-    def mean(x):
-        return ((x.to(m.dtype) * m).sum() / n).float()
+    def mean(x):  # where, not x * m: a NaN on a masked position must stay out
+        return (torch.where(mask, x.to(m.dtype), 0.0).sum() / n).float()
 
     zero = torch.zeros((), device=logp.device)
     return {
@@ -158,6 +159,8 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estim
     kl = torch.where(mask, kl_terms(logprobs, ref_logprobs, kl_estimator), 0.0)
     r = -kl_coef * kl
     t = mask.shape[1]
+    if t == 0:
+        return r, kl
     pos = torch.arange(t, device=mask.device)
     last = torch.where(mask, pos, -1).max(1).values  # -1: no valid token
     has = last >= 0

@@ -99,7 +99,7 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8):
         x: float [B, T]. response_mask: [B, T]. eps: >= 0.
 
     Returns:
-        float [B, T] of x's dtype (differentiable).
+        float [B, T] of x's dtype (differentiable); statistics in float32 or wider.
 
     Raises:
         TypeError / ValueError naming the argument.
@@ -108,16 +108,21 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8):
     mask = ck.response_mask(response_mask, torch.empty(x.shape, dtype=torch.long,
                                                        device=x.device), False)
     eps = ck.number("eps", eps, lo=0.0)
-    m = mask.to(x.dtype)
+    ck.choice("shift_mean", shift_mean, (True, False))
+    # statistics in float32 at least (a float16 sum of squares overflows); masked entries
+    # are set apart with where, so a NaN or inf there changes nothing
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xv = torch.where(mask, x.to(acc), 0.0)
+    m = mask.to(acc)
     n = m.sum()
-    mean = (x * m).sum() / n.clamp(min=1)
-    centred = (x - mean) * m
+    mean = xv.sum() / n.clamp(min=1)
+    centred = (xv - mean) * m
     var = (centred * centred).sum() / (n - 1).clamp(min=1)
     scale = torch.where(n > 1, torch.rsqrt(var + eps), torch.ones_like(var))
     out = centred * scale
     if not shift_mean:
         out = out + mean * m
-    return out
+    return out.to(x.dtype)
 
 
 _whiten = whiten  # score_rollout's `whiten` flag shadows the function's name

@@ -66,7 +66,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     Args:
         logits: [B, T, V], [B, T + 1, V] or [N, V]; float32, bfloat16, float16 or float64.
         tokens: int [B, T] (or [N]), the sampled tokens.
-        old_logprobs, advantages: float [B, T], from the rollout policy.
+        old_logprobs, advantages: float [B, T], from the rollout policy. These, and
+            ref_logprobs and rollout_is_weights, are data: they receive no gradient.
         response_mask: [B, T], nonzero = valid token; None = all valid.
         ref_logprobs: float [B, T] of the frozen reference policy; needed when kl_coef > 0.
         clip_eps_low, clip_eps_high: in [0, 1); clip_eps_high=None means clip_eps_low.
@@ -119,6 +120,11 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     if norm_length is not None:
         norm_length = ck.number("norm_length", norm_length, lo=0.0, lo_open=True)
     ck.choice("inplace_backward", inplace_backward, (True, False))
+    if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
+                                                                    logits3.shape)):
+        raise ValueError("logits: inplace_backward=True writes the gradient into the logits, "
+                         f"which needs positions that do not share memory; got strides "
+                         f"{list(logits.stride())} (an expanded tensor)")
     be = get_backend(backend, logits3.device)
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
 
@@ -149,7 +155,8 @@ def value_loss(values, old_values, returns, response_mask=None, *, clip_range=No
 
     Args:
         values: float [B, T], the critic's predictions (differentiable).
-        old_values: float [B, T], the rollout's predictions. returns: float [B, T].
+        old_values: float [B, T], the rollout's predictions. returns: float [B, T]
+            (both receive no gradient).
         response_mask: [B, T], nonzero = valid; None = all valid.
         clip_range: c >= 0, or None for no clipping.
         loss_agg_mode: as in ppo_loss ("none" gives the per-token loss).
@@ -174,7 +181,10 @@ def value_loss(values, old_values, returns, response_mask=None, *, clip_range=No
     if clip_range is not None:
         clip_range = ck.number("clip_range", clip_range, lo=0.0)
     ck.choice("loss_agg_mode", loss_agg_mode, ck.LOSS_AGG_MODES)
-    v = v.to(acc)
+    # masked positions are set apart before any arithmetic, so a NaN there reaches
+    # neither the loss nor the gradient
+    v = torch.where(mask, v.to(acc), 0.0)
+    vo, ret = torch.where(mask, vo, 0.0), torch.where(mask, ret, 0.0)
     err = (v - ret) ** 2
     clipped_larger = torch.zeros_like(mask)
     if clip_range is not None:
