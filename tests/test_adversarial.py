@@ -2,9 +2,8 @@
 interpreter): empty batches, extreme values, garbage on masked positions, odd layouts,
 autograd corner cases, determinism.
 
-Tests that document behaviour which holds go in plainly. Confirmed bugs are marked
-xfail(strict=True) with the reason starting "BUG:", so that a fix turns them into an
-XPASS failure and the marker must then be removed.
+Each test pins the behaviour the contract asks for; every one of them began as a bug
+found by attacking the kernels (an xfail) and was fixed.
 """
 
 import math
@@ -17,22 +16,7 @@ import ppo_kernels as pk
 from conftest import backend_params
 
 BES = backend_params(cuda=False)  # cpu, torch, triton (interpreter)
-
-
-def _bug(reason):
-    return pytest.mark.xfail(strict=True, reason="BUG: " + reason)
-
-
-def _params(bugs):
-    """backend params with xfail marks on the backends named in bugs {name: reason}."""
-    out = []
-    for p in BES:
-        (b,) = p.values
-        marks = list(p.marks)
-        if b.name in bugs:
-            marks.append(_bug(bugs[b.name]))
-        out.append(pytest.param(b, id=p.id, marks=marks))
-    return out
+KERNEL_BES = [p for p in BES if p.values[0].name != "torch"]  # those with an in-place path
 
 
 def _inputs(B=2, T=3, V=5, seed=0):
@@ -76,10 +60,7 @@ def test_empty_batch_score_rollout_kernels(be):
         assert out.advantages.shape == (B, T)
 
 
-@pytest.mark.parametrize("be", _params({"torch": "backend='torch' backpropagates the NaN "
-                                        "logits of MASKED rows into NaN gradients (log_softmax "
-                                        "over every row, then torch.where: 0 * NaN in "
-                                        "log_softmax's backward; _torch_impl.token_logprobs)"}))
+@pytest.mark.parametrize("be", BES)
 def test_nan_logits_on_masked_rows_are_never_read(be):
     d = _inputs()
     logits = d["logits"].clone()
@@ -318,17 +299,12 @@ def test_raw_cpu_ops_reject_bad_input_without_crashing():
 
 # ============================================================== confirmed bugs
 
-@_bug("kl_penalized_rewards with T = 0 raises IndexError from `.max(1)` over an empty dim "
-      "(_torch_impl.kl_penalized_rewards: torch.where(mask, pos, -1).max(1)); an empty batch "
-      "must give an empty result like every other op")
 def test_kl_penalized_rewards_empty_time():
     r = pk.kl_penalized_rewards(torch.randn(2), torch.randn(2, 0), torch.randn(2, 0),
                                 torch.ones(2, 0, dtype=torch.bool), kl_coef=0.1)
     assert r.shape == (2, 0)
 
 
-@_bug("score_rollout(backend='torch') with T = 0 raises IndexError (same .max(1) in "
-      "_torch_impl.kl_penalized_rewards); the cpu and triton backends return empty outputs")
 def test_score_rollout_torch_backend_empty_time():
     d = _inputs(2, 0)
     out = pk.score_rollout(d["logits"], d["tokens"], d["ref"], torch.randn(2, 0),
@@ -338,9 +314,6 @@ def test_score_rollout_torch_backend_empty_time():
 
 
 @pytest.mark.parametrize("be", BES)
-@_bug("metrics approx_kl / ratio_mean / kl_ref are NaN when old_logprobs / ref_logprobs hold "
-      "NaN on MASKED positions: _torch_impl.metrics' mean() forms x * mask (NaN * 0 = NaN) "
-      "instead of torch.where(mask, x, 0); masked positions must contribute nothing")
 def test_metrics_ignore_nan_on_masked_positions(be):
     d = _inputs()
     old, ref = d["old"].clone(), d["ref"].clone()
@@ -353,9 +326,6 @@ def test_metrics_ignore_nan_on_masked_positions(be):
     assert not bad, bad
 
 
-@_bug("whiten: NaN/inf in x on MASKED positions make every output NaN (mean = sum(x * m) "
-      "and centred = (x - mean) * m: NaN * 0 = NaN); DESIGN: whiten over valid tokens only, "
-      "masked positions come back 0")
 @pytest.mark.parametrize("fill", [float("nan"), float("inf")])
 def test_whiten_ignores_garbage_on_masked_positions(fill):
     x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
@@ -364,9 +334,6 @@ def test_whiten_ignores_garbage_on_masked_positions(fill):
     torch.testing.assert_close(pk.whiten(x, MASK), clean)
 
 
-@_bug("value_loss: NaN in returns (or old_values) on MASKED positions gives NaN in "
-      "values.grad there (torch.where after (v - R)**2: 0 * NaN in the backward), which then "
-      "poisons the critic; masked positions must get a zero gradient")
 def test_value_loss_masked_nan_gives_zero_grad():
     g = torch.Generator().manual_seed(0)
     values = torch.randn(2, 3, generator=g).requires_grad_()
@@ -380,9 +347,6 @@ def test_value_loss_masked_nan_gives_zero_grad():
     assert (values.grad[~MASK] == 0).all()
 
 
-@_bug("whiten of float16 x accumulates the variance in float16: values ~1000 overflow "
-      "(sum of squares > 65504 -> inf, rsqrt -> 0) and the output is all zeros; DESIGN: all "
-      "accumulation is float32")
 def test_whiten_float16_does_not_overflow():
     x = torch.tensor([[0., 1000., 0.], [1000., 0., 1000.]])
     m = torch.ones(2, 3, dtype=torch.bool)
@@ -390,11 +354,7 @@ def test_whiten_float16_does_not_overflow():
                                rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("be", _params({"cpu": "V = 1 logits whose size-1 vocab dim has a "
-                                        "stride != 1 (e.g. a permute) count as contiguous, so "
-                                        "_checks.logits_and_tokens' .contiguous() is a no-op "
-                                        "and the C++ Rows check raises RuntimeError 'the "
-                                        "vocabulary stride must be 1'"}))
+@pytest.mark.parametrize("be", BES)
 def test_vocab_one_with_odd_unit_stride(be):
     logits = torch.randn(1, 2, 3).permute(1, 2, 0)  # [2, 3, 1], strides (3, 1, 6)
     tokens = torch.zeros(2, 3, dtype=torch.long)
@@ -404,13 +364,7 @@ def test_vocab_one_with_odd_unit_stride(be):
     assert loss.item() == -1.0
 
 
-@pytest.mark.parametrize("be", _params({
-    "cpu": "a non-contiguous response_mask gives non-contiguous loss weights "
-           "(_torch_impl.agg_weights keeps the mask's strides) and the C++ op raises "
-           "RuntimeError 'weights: expected a contiguous tensor'",
-    "triton": "tokens / response_mask are never made contiguous in Python "
-              "(_checks.logits_and_tokens / response_mask) and the Triton wrappers raise "
-              "ValueError 'tokens: expected a contiguous tensor'"}))
+@pytest.mark.parametrize("be", BES)
 def test_non_contiguous_tokens_and_mask(be):
     """DESIGN: non-contiguous inputs are accepted."""
     d = _inputs()
@@ -427,52 +381,29 @@ def test_non_contiguous_tokens_and_mask(be):
                                            backend="torch")[0])
 
 
-@pytest.mark.parametrize("be", _params({
-    "cpu": "inplace_backward: a second backward (retain_graph=True) silently returns no "
-           "gradient (_ops._InplaceLoss.backward sets ctx.buf = None and returns it); it "
-           "must raise or give the gradient again",
-    "triton": "same as cpu: _ops._InplaceLoss.backward returns None on the second backward"}))
+@pytest.mark.parametrize("be", KERNEL_BES)
 def test_inplace_backward_retain_graph_twice(be):
     d = _inputs()
     leaf = d["logits"].clone().requires_grad_()
     loss, _ = pk.ppo_loss(leaf * 1, d["tokens"], d["old"], d["adv"], inplace_backward=True,
                           backend=be.name)
     loss.backward(retain_graph=True)
-    g1 = leaf.grad.clone()
-    try:
+    # the gradient lives in the logits' storage and was handed out: a replay must refuse
+    with pytest.raises(RuntimeError, match="already handed out"):
         loss.backward()
-    except RuntimeError:
-        return  # refusing is fine
-    torch.testing.assert_close(leaf.grad, 2 * g1)
 
 
-@pytest.mark.parametrize("be", _params({
-    "cpu": "inplace_backward on logits with internal overlap (expand, stride 0) writes every "
-           "aliased row's gradient into the same memory: wrong gradient, no error",
-    "triton": "same as cpu (row programs overwrite one shared row)"}))
+@pytest.mark.parametrize("be", BES)
 def test_inplace_backward_on_expanded_logits(be):
     d = _inputs()
     base = d["logits"][:1].clone().requires_grad_()
-    try:
-        loss, _ = pk.ppo_loss(base.expand(2, 3, 5), d["tokens"], d["old"], d["adv"],
-                              inplace_backward=True, backend=be.name)
-        loss.backward()
-    except (ValueError, RuntimeError):
-        return  # refusing overlapping logits is fine
-    ref = d["logits"][:1].clone().requires_grad_()
-    pk.ppo_loss(ref.expand(2, 3, 5), d["tokens"], d["old"], d["adv"],
-                backend="torch")[0].backward()
-    torch.testing.assert_close(base.grad, ref.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="logits.*share memory"):
+        pk.ppo_loss(base.expand(2, 3, 5), d["tokens"], d["old"], d["adv"],
+                    inplace_backward=True, backend=be.name)
 
 
-@pytest.mark.parametrize("be", _params({
-    "cpu": "the C++ ppo_loss_fwd_inplace does not bump the logits' version counter (no "
-           "ADInplaceOrView kernel), so autograd cannot see that the logits were overwritten: "
-           "a tensor saved earlier for backward silently holds the gradient (wrong grads); "
-           "the triton op raises 'modified by an inplace operation'"}))
+@pytest.mark.parametrize("be", KERNEL_BES)
 def test_inplace_backward_bumps_version_counter(be):
-    if be.name == "torch":
-        pytest.skip("the torch backend has no in-place path")
     d = _inputs()
     leaf = d["logits"].clone().requires_grad_()
     logits = leaf * 1
@@ -483,30 +414,25 @@ def test_inplace_backward_bumps_version_counter(be):
         (loss + sq).backward()
 
 
-@_bug("gradients into old_logprobs / advantages / ref_logprobs depend on the backend and "
-      "mode: the torch backend and loss_agg_mode='none' (any backend) differentiate through "
-      "them, the cpu/triton scalar modes silently return None (_ops._loss_backward); every "
-      "backend must compute the same function (either detach them everywhere or not)")
-def test_grads_of_per_token_inputs_consistent():
+def test_per_token_inputs_get_no_gradient():
+    """old_logprobs / advantages / ref_logprobs / rollout_is_weights are rollout data: on
+    every backend and mode they receive no gradient, and the logits' gradient is the same."""
     d = _inputs()
+    is_w = torch.rand(d["adv"].shape, generator=torch.Generator().manual_seed(1))
     grads = []
-    for be, mode in (("cpu", "token-mean"), ("torch", "token-mean"), ("cpu", "none")):
-        o = d["old"].clone().requires_grad_()
-        a = d["adv"].clone().requires_grad_()
-        loss, _ = pk.ppo_loss(d["logits"], d["tokens"], o, a, loss_agg_mode=mode, backend=be)
-        (loss if loss.dim() == 0 else loss.mean()).backward()
-        grads.append((o.grad, a.grad))
-    for og, ag in grads[1:]:
-        assert (og is None) == (grads[0][0] is None)
-        assert (ag is None) == (grads[0][1] is None)
+    for be, mode in (("cpu", "token-mean"), ("torch", "token-mean"), ("cpu", "none"),
+                     ("torch", "none")):
+        lg = d["logits"].clone().requires_grad_()
+        o, a, r, w = (x.clone().requires_grad_() for x in (d["old"], d["adv"], d["ref"], is_w))
+        loss, _ = pk.ppo_loss(lg, d["tokens"], o, a, ref_logprobs=r, kl_coef=0.1,
+                              rollout_is_weights=w, loss_agg_mode=mode, backend=be)
+        (loss if loss.dim() == 0 else loss.sum() / loss.numel()).backward()
+        assert all(x.grad is None for x in (o, a, r, w)), (be, mode)
+        grads.append(lg.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("be", _params({
-    "cpu": "logp = z[token] - (m + log s) loses the digits of log s when |z| is large "
-           "(csrc/cpu/logprobs.cpp, ppo_loss.cpp, rollout.cpp: x[tok] * inv - st.lse): for "
-           "float16 logits at 65504 logp = -1.3867 instead of -log 4 = -1.38629 (4e-4 off; "
-           "bfloat16 4e-3); compute (z[token] - m) - log s",
-    "triton": "same cancellation in triton_kernels (token_logit(...) - lse)"}))
+@pytest.mark.parametrize("be", BES)
 def test_logprob_precision_with_large_logits(be):
     logits = torch.tensor([[[65504., -65504., 65504., -65504., 65504., -65504., 65504.]]],
                           dtype=torch.float16)
@@ -515,11 +441,7 @@ def test_logprob_precision_with_large_logits(be):
     assert abs(lp.item() + math.log(4)) < 1e-5, lp.item()
 
 
-@pytest.mark.parametrize("be", _params({
-    "cpu": "at a tiny (valid, positive) temperature the CPU kernel returns logp = +inf: "
-           "m = xmax * inv_temp is rounded while d = x * inv_temp - m is contracted into an "
-           "FMA, so the max entry gets exp(d) = 0 (or inf) and log(s) = -inf "
-           "(csrc/cpu/row_kernels.h row_stats_impl); a logprob is never > 0"}))
+@pytest.mark.parametrize("be", BES)
 def test_tiny_temperature_gives_sane_logprobs(be):
     logits = torch.tensor([[[1.5410, -0.2934, -2.1788, 0.5684, -1.0845]]])
     tokens = torch.tensor([[2]])
@@ -529,8 +451,6 @@ def test_tiny_temperature_gives_sane_logprobs(be):
     torch.testing.assert_close(lp, ref, rtol=1e-5, atol=0)
 
 
-@_bug("the raw C++ score_rollout op does not check kl_estimator (ppo_loss_fwd does, and so "
-      "does triton_score_rollout): kl_estimator=9 silently runs k3 (csrc/cpu/rollout.cpp)")
 def test_raw_cpu_score_rollout_rejects_unknown_kl_estimator():
     d = _inputs()
     m = torch.ones(2, 3, dtype=torch.bool)
@@ -540,9 +460,6 @@ def test_raw_cpu_score_rollout_rejects_unknown_kl_estimator():
                                             0.9, 1.0)
 
 
-@_bug("the raw C++ ops accept temperature <= 0: token_logprobs_fwd with temperature=-1 "
-      "returns finite wrong logprobs, with temperature=0 silent NaN (no TORCH_CHECK on "
-      "temperature in csrc/cpu/*.cpp; only the Python layer checks)")
 @pytest.mark.parametrize("temperature", [0.0, -1.0])
 def test_raw_cpu_ops_reject_non_positive_temperature(temperature):
     d = _inputs()
