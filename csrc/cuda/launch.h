@@ -2,6 +2,7 @@
 // Python layer validates first, with friendlier messages), device properties, launch knobs.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
@@ -13,6 +14,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
+
+#include "ppo_math.h"
 
 namespace ppo_cuda {
 
@@ -49,6 +52,34 @@ inline void check_logits(const at::Tensor& logits, const at::Tensor& tokens,
               mask.scalar_type());
   TORCH_CHECK(mask.sizes() == tokens.sizes(), "ppo_kernels (CUDA): mask must be ",
               tokens.sizes(), ", got ", mask.sizes());
+}
+
+// temperature: a finite number > 0 (every op that divides the logits by it), whose
+// reciprocal is finite in the accumulation dtype of logits of dtype `dt`: a temperature so
+// small that 1 / temperature overflows float32 (below ~2.9e-39) would make every shifted
+// logit (x - xmax) / temperature 0 * inf = NaN. Rejected, never silent garbage.
+inline void check_temperature(double temperature, at::ScalarType dt) {
+  TORCH_CHECK(std::isfinite(temperature) && temperature > 0.0,
+              "ppo_kernels (CUDA): temperature: expected a finite number > 0, got ",
+              temperature);
+  const double inv = 1.0 / temperature;
+  const bool ok = acc_dtype(dt) == at::kDouble ? std::isfinite(inv)
+                                               : std::isfinite(static_cast<float>(inv));
+  TORCH_CHECK(ok, "ppo_kernels (CUDA): temperature: expected a number whose reciprocal is "
+              "finite in the accumulation dtype ", acc_dtype(dt), ", got ", temperature);
+}
+
+// 1 / temperature in the accumulation dtype A (after check_temperature).
+template <typename A>
+inline A inv_temperature(double temperature) {
+  return static_cast<A>(1.0 / temperature);
+}
+
+// kl_estimator: the integer code of ppo_kernels/_checks.py (ppo::KlEstimator).
+inline void check_kl_estimator(int64_t kl_estimator) {
+  TORCH_CHECK(kl_estimator >= ppo::kK1 && kl_estimator <= ppo::kAbs,
+              "ppo_kernels (CUDA): kl_estimator: expected 0 (k1), 1 (k2), 2 (k3) or 3 (abs), "
+              "got ", kl_estimator);
 }
 
 // A per-token [B, T] tensor of the accumulation dtype on the logits' device, made

@@ -17,8 +17,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(
     const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
     double temperature, bool return_entropy) {
   check_logits(logits, tokens_in, mask_in);
-  TORCH_CHECK(temperature > 0.0, "ppo_kernels (CUDA): temperature must be > 0, got ",
-              temperature);
+  check_temperature(temperature, logits.scalar_type());
   c10::cuda::CUDAGuard guard(logits.device());
   const at::Tensor tokens = tokens_in.contiguous();
   const at::Tensor mask = mask_in.contiguous();
@@ -38,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(
         io.logp = logp.data_ptr<A>();
         io.entropy = return_entropy ? ent.data_ptr<A>() : nullptr;
         io.lse = lse.data_ptr<A>();
-        run_rows<scalar_t>(rv, io, static_cast<A>(1.0 / temperature), acc_opts, device, stream);
+        run_rows<scalar_t>(rv, io, inv_temperature<A>(temperature), acc_opts, device, stream);
       });
   return {logp, ent, lse};
 }
@@ -49,8 +48,7 @@ at::Tensor token_logprobs_bwd_cuda(const at::Tensor& grad_logprobs,
                                    const at::Tensor& mask_in, const at::Tensor& lse_in,
                                    const at::Tensor& entropy_in, double temperature) {
   check_logits(logits, tokens_in, mask_in);
-  TORCH_CHECK(temperature > 0.0, "ppo_kernels (CUDA): temperature must be > 0, got ",
-              temperature);
+  check_temperature(temperature, logits.scalar_type());
   c10::cuda::CUDAGuard guard(logits.device());
   const at::Tensor tokens = tokens_in.contiguous();
   const at::Tensor mask = mask_in.contiguous();
@@ -87,7 +85,7 @@ at::Tensor token_logprobs_bwd_cuda(const at::Tensor& grad_logprobs,
                           ptr_or_null<A>(gent)};
         grad_chunks_kernel<scalar_t>
             <<<dim3(static_cast<unsigned>(B * Tl), static_cast<unsigned>(S)), threads, 0,
-               stream>>>(rv, static_cast<A>(1.0 / temperature), chunk, src);
+               stream>>>(rv, inv_temperature<A>(temperature), chunk, src);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return dlogits;

@@ -27,11 +27,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
     double clip_eps_high, double dual_clip_c, double kl_coef, int64_t kl_estimator,
     double entropy_coef, double temperature, bool compute_grad, bool inplace) {
   check_logits(logits, tokens_in, mask_in);
-  TORCH_CHECK(temperature > 0.0, "ppo_kernels (CUDA): temperature must be > 0, got ",
-              temperature);
-  TORCH_CHECK(kl_estimator >= 0 && kl_estimator <= 3,
-              "ppo_kernels (CUDA): kl_estimator must be 0..3 (k1, k2, k3, abs), got ",
-              kl_estimator);
+  check_temperature(temperature, logits.scalar_type());
+  check_kl_estimator(kl_estimator);
   c10::cuda::CUDAGuard guard(logits.device());
   const Tensor tokens = tokens_in.contiguous();
   const Tensor mask = mask_in.contiguous();
@@ -93,7 +90,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
         io.logp = logp.data_ptr<A>();
         io.entropy = ent.data_ptr<A>();
         io.loss_tok = loss_tok.data_ptr<A>();
-        run_rows<scalar_t>(rv, io, static_cast<A>(1.0 / temperature), acc_opts, device, stream);
+        run_rows<scalar_t>(rv, io, inv_temperature<A>(temperature), acc_opts, device, stream);
         weighted_sum_kernel<A><<<1, kMaxThreads, 0, stream>>>(
             w.data_ptr<A>(), loss_tok.data_ptr<A>(), B * T, loss.data_ptr<A>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();

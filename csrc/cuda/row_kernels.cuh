@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kMaxThreads)
     fused_rows_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> io, acc_of<scalar_t> inv_temp) {
   using A = acc_of<scalar_t>;
   __shared__ Stats<A> red[33];
-  __shared__ A bcast[4];
+  __shared__ A bcast[5];
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
   const int64_t nrows = rv.B * rv.Tl;
@@ -125,29 +125,32 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     const int64_t tok = rv.tokens[i];
     const bool tok_ok = tok >= 0 && tok < rv.V;
-    A ztok = A(0);
-    if (tid == 0 && tok_ok) ztok = static_cast<A>(row[tok]) * inv_temp;  // in flight early
+    A xtok = A(0);
+    if (tid == 0 && tok_ok) xtok = static_cast<A>(row[tok]);  // in flight early
     Stats<A> st = range_stats(row, 0, rv.V, inv_temp, tid, nthr);
-    st = block_merge(st, red);
+    st = block_merge(st, red, inv_temp);
     if (tid == 0) {
-      A lse, ent, dlogp, dent;
-      stats_finish(st, lse, ent);
-      const A logp = tok_ok ? ztok - lse : quiet_nan<A>();
-      token_epilogue(io, i, logp, lse, ent, dlogp, dent);
-      bcast[0] = lse;
-      bcast[1] = ent;
-      bcast[2] = dlogp;
-      bcast[3] = dent;
+      A dlogp, dent;
+      const RowStats<A> rs = stats_finish(st, inv_temp);
+      const A logp = tok_ok ? token_logp(rs, xtok, inv_temp) : quiet_nan<A>();
+      token_epilogue(io, i, logp, rs.lse, rs.entropy, dlogp, dent);
+      bcast[0] = rs.xmax;
+      bcast[1] = rs.log_s;
+      bcast[2] = rs.entropy;
+      bcast[3] = dlogp;
+      bcast[4] = dent;
     }
     __syncthreads();
-    const A lse = bcast[0], ent = bcast[1], dlogp = bcast[2], dent = bcast[3];
+    const A xmax = bcast[0], log_s = bcast[1], ent = bcast[2], dlogp = bcast[3],
+            dent = bcast[4];
     // No barrier needed before the next row: bcast is rewritten only after the next
     // row's block_merge barriers, which every thread reaches after reading it here.
     if (orow) {
       if (dlogp == A(0) && dent == A(0)) {  // e.g. a clipped token: no need to read again
         zero_range(orow, 0, rv.V, tid, nthr);
       } else {
-        grad_range(row, orow, 0, rv.V, tok, lse, ent, dlogp, dent, inv_temp, tid, nthr);
+        grad_range(row, orow, 0, rv.V, tok, xmax, log_s, ent, dlogp, dent, inv_temp, tid,
+                   nthr);
       }
     }
   }
@@ -171,12 +174,15 @@ __global__ void __launch_bounds__(kChunkThreads)
   const int64_t begin = c * chunk;
   const int64_t end = min(rv.V, begin + chunk);
   Stats<A> st = range_stats(row, begin, end, inv_temp, threadIdx.x, blockDim.x);
-  st = block_merge(st, red);
+  st = block_merge(st, red, inv_temp);
   if (threadIdx.x == 0) ws[i * gridDim.y + c] = st;
 }
 
-// One warp per row: merge the S partials, run the epilogue, leave (lse, H, dlogp, dent)
-// in info[i * 4 ..] for the grad kernel (when info is not null).
+// Per-row values the combine kernel leaves for the grad kernel: info[i * kInfo + ...].
+enum InfoSlot : int { kInfoXmax = 0, kInfoLogS, kInfoEnt, kInfoDlogp, kInfoDent, kInfo };
+
+// One warp per row: merge the S partials, run the epilogue, leave (xmax, log s, H, dlogp,
+// dent) in info[i * kInfo ..] for the grad kernel (when info is not null).
 template <typename scalar_t>
 __global__ void combine_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> io, acc_of<scalar_t> inv_temp,
                                int64_t S, const Stats<acc_of<scalar_t>>* ws, acc_of<scalar_t>* info) {
@@ -188,38 +194,40 @@ __global__ void combine_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> 
   if (!rv.mask[i]) {
     if (lane == 0) {
       token_epilogue_masked(io, i);
-      if (info) info[i * 4] = info[i * 4 + 1] = info[i * 4 + 2] = info[i * 4 + 3] = A(0);
+      if (info)
+        for (int k = 0; k < kInfo; ++k) info[i * kInfo + k] = A(0);
     }
     return;
   }
   Stats<A> st = stats_empty<A>();
-  for (int64_t c = lane; c < S; c += kWarpSize) stats_merge(st, ws[i * S + c]);
-  st = warp_merge(st);
+  for (int64_t c = lane; c < S; c += kWarpSize) stats_merge(st, ws[i * S + c], inv_temp);
+  st = warp_merge(st, inv_temp);
   if (lane == 0) {
     const int64_t b = i / rv.T;
     const int64_t t = i - b * rv.T;
     const int64_t tok = rv.tokens[i];
     const bool tok_ok = tok >= 0 && tok < rv.V;
-    const A ztok =
-        tok_ok ? static_cast<A>(rv.logits[b * rv.sB + t * rv.sT + tok]) * inv_temp : A(0);
-    A lse, ent, dlogp, dent;
-    stats_finish(st, lse, ent);
-    const A logp = tok_ok ? ztok - lse : quiet_nan<A>();
-    token_epilogue(io, i, logp, lse, ent, dlogp, dent);
+    const A xtok = tok_ok ? static_cast<A>(rv.logits[b * rv.sB + t * rv.sT + tok]) : A(0);
+    A dlogp, dent;
+    const RowStats<A> rs = stats_finish(st, inv_temp);
+    const A logp = tok_ok ? token_logp(rs, xtok, inv_temp) : quiet_nan<A>();
+    token_epilogue(io, i, logp, rs.lse, rs.entropy, dlogp, dent);
     if (info) {
-      info[i * 4] = lse;
-      info[i * 4 + 1] = ent;
-      info[i * 4 + 2] = dlogp;
-      info[i * 4 + 3] = dent;
+      info[i * kInfo + kInfoXmax] = rs.xmax;
+      info[i * kInfo + kInfoLogS] = rs.log_s;
+      info[i * kInfo + kInfoEnt] = rs.entropy;
+      info[i * kInfo + kInfoDlogp] = dlogp;
+      info[i * kInfo + kInfoDent] = dent;
     }
   }
 }
 
-// Where the grad kernel finds a row's (lse, H, dlogp, dent): the combine kernel's info,
-// or (token_logprobs_bwd) the saved lse / entropy and the incoming gradients.
+// Where the grad kernel finds a row's (xmax, log s, H, dlogp, dent): the combine kernel's
+// info, or (token_logprobs_bwd) the saved lse / entropy and the incoming gradients; from
+// the lse alone it takes xmax = 0, log s = lse (logp_v = x_v * inv_temp - lse).
 template <typename A>
 struct GradSource {
-  const A* info;     // [B * T, 4], or null: use the arrays below
+  const A* info;     // [B * T, kInfo], or null: use the arrays below
   const A* lse;      // [B, T]
   const A* entropy;  // [B, T]; may be null when gent is null
   const A* glp;      // [B, T] d loss / d logprob
@@ -248,14 +256,16 @@ __global__ void __launch_bounds__(kChunkThreads)
     zero_range(orow, begin, end, tid, nthr);
     return;
   }
-  A lse, ent, dlogp, dent;
+  A xmax, log_s, ent, dlogp, dent;
   if (src.info) {
-    lse = src.info[i * 4];
-    ent = src.info[i * 4 + 1];
-    dlogp = src.info[i * 4 + 2];
-    dent = src.info[i * 4 + 3];
+    xmax = src.info[i * kInfo + kInfoXmax];
+    log_s = src.info[i * kInfo + kInfoLogS];
+    ent = src.info[i * kInfo + kInfoEnt];
+    dlogp = src.info[i * kInfo + kInfoDlogp];
+    dent = src.info[i * kInfo + kInfoDent];
   } else {
-    lse = src.lse[i];
+    xmax = A(0);
+    log_s = src.lse[i];
     dlogp = src.glp[i];
     dent = src.gent ? src.gent[i] : A(0);
     ent = (src.gent && src.entropy) ? src.entropy[i] : A(0);
@@ -266,7 +276,7 @@ __global__ void __launch_bounds__(kChunkThreads)
   }
   const int64_t tok = rv.tokens[i];  // out of range: matches no entry (no read by token id)
   const scalar_t* row = rv.logits + b * rv.sB + t * rv.sT;
-  grad_range(row, orow, begin, end, tok, lse, ent, dlogp, dent, inv_temp, tid, nthr);
+  grad_range(row, orow, begin, end, tok, xmax, log_s, ent, dlogp, dent, inv_temp, tid, nthr);
 }
 
 // out[0] = sum_i w[i] * x[i], one block, double accumulation, a fixed order: deterministic.
@@ -348,7 +358,7 @@ void run_rows(const RowsView<scalar_t>& rv, const TokenIO<acc_of<scalar_t>>& io,
   if (nrows > 0) {
     static_assert(sizeof(Stats<A>) == 3 * sizeof(A), "Stats must be three packed scalars");
     ws = at::empty({nrows * p.S * 3}, acc_opts);
-    if (grad) info = at::empty({nrows * 4}, acc_opts);
+    if (grad) info = at::empty({nrows * kInfo}, acc_opts);
     auto* wsp = reinterpret_cast<Stats<A>*>(ws.data_ptr<A>());
     partial_stats_kernel<scalar_t><<<dim3(static_cast<unsigned>(nrows), static_cast<unsigned>(p.S)),
                               p.threads, 0, stream>>>(rv, inv_temp, p.chunk, wsp);

@@ -20,11 +20,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
     const Tensor& ref_logprobs, const Tensor& values_in, const Tensor& scores_in,
     double kl_coef, int64_t kl_estimator, double gamma, double lam, double temperature) {
   check_logits(logits, tokens_in, mask_in);
-  TORCH_CHECK(temperature > 0.0, "ppo_kernels (CUDA): temperature must be > 0, got ",
-              temperature);
-  TORCH_CHECK(kl_estimator >= 0 && kl_estimator <= 3,
-              "ppo_kernels (CUDA): kl_estimator must be 0..3 (k1, k2, k3, abs), got ",
-              kl_estimator);
+  check_temperature(temperature, logits.scalar_type());
+  check_kl_estimator(kl_estimator);
   TORCH_CHECK(gamma >= 0.0 && gamma <= 1.0, "ppo_kernels (CUDA): gamma must be in [0, 1], got ",
               gamma);
   TORCH_CHECK(lam >= 0.0 && lam <= 1.0, "ppo_kernels (CUDA): lam must be in [0, 1], got ", lam);
@@ -59,7 +56,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
         io.logp = logp.data_ptr<A>();
         io.kl = kl.data_ptr<A>();
         io.rewards = rewards.data_ptr<A>();
-        run_rows<scalar_t>(rv, io, static_cast<A>(1.0 / temperature), acc_opts, device, stream);
+        run_rows<scalar_t>(rv, io, inv_temperature<A>(temperature), acc_opts, device, stream);
 
         GaeArgs<A> g;
         g.rewards = rewards.data_ptr<A>();
