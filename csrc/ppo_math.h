@@ -27,6 +27,19 @@ enum KlEstimator : int { kK1 = 0, kK2 = 1, kK3 = 2, kAbs = 3 };
 // and a token that moved that far carries no trustworthy gradient anyway.
 constexpr double kLogRatioClamp = 20.0;
 
+// Accumulation type of a logits dtype: float for float/bf16/half, double for double
+// (float64 logits keep float64 so that gradcheck can run; DESIGN.md, dtypes).
+template <typename scalar_t>
+struct AccOf {
+  using type = float;
+};
+template <>
+struct AccOf<double> {
+  using type = double;
+};
+template <typename scalar_t>
+using acc_of = typename AccOf<scalar_t>::type;
+
 PPO_HD float ppo_exp(float x) { return expf(x); }
 PPO_HD double ppo_exp(double x) { return exp(x); }
 

@@ -26,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
   at::Tensor lse = at::empty({r.B, r.T}, opts);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "token_logprobs_fwd", [&] {
-    using T = typename Acc<scalar_t>::type;
+    using T = acc_of<scalar_t>;
     const scalar_t* L = logits.data_ptr<scalar_t>();
     T* lp = logp.data_ptr<T>();
     T* en = return_entropy ? ent.data_ptr<T>() : nullptr;
@@ -75,7 +75,7 @@ at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
   advise_huge_pages(out);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "token_logprobs_bwd", [&] {
-    using T = typename Acc<scalar_t>::type;
+    using T = acc_of<scalar_t>;
     const scalar_t* L = logits.data_ptr<scalar_t>();
     scalar_t* O = out.data_ptr<scalar_t>();
     const T* gl = grad_logprobs.data_ptr<T>();

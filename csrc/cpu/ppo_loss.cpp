@@ -24,7 +24,7 @@ template <typename scalar_t>
 void fused_rows(const at::Tensor& logits, const Rows& r, const LossInputs& in, scalar_t* out,
                 int64_t oB, int64_t oT, at::Tensor& loss_tok, at::Tensor& logp,
                 at::Tensor& ent) {
-  using T = typename Acc<scalar_t>::type;
+  using T = acc_of<scalar_t>;
   const scalar_t* L = logits.data_ptr<scalar_t>();
   const int64_t* tok = in.tokens.data_ptr<int64_t>();
   const bool* m = in.mask.data_ptr<bool>();

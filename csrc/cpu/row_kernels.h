@@ -26,20 +26,12 @@ inline namespace CPU_CAPABILITY {
 
 using at::vec::Vectorized;
 
-// float64 logits accumulate in double (gradcheck); every other dtype in float.
-template <typename scalar_t>
-struct Acc {
-  using type = float;
-};
-template <>
-struct Acc<double> {
-  using type = double;
-};
+using ppo::acc_of;  // accumulation dtype (ppo_math.h)
 
 // Reduced-precision rows are widened to float once into scratch; float/double rows are
 // read in place.
 template <typename scalar_t>
-constexpr bool kWiden = !std::is_same<scalar_t, typename Acc<scalar_t>::type>::value;
+constexpr bool kWiden = !std::is_same<scalar_t, acc_of<scalar_t>>::value;
 
 template <typename scalar_t>
 void widen(const scalar_t* src, float* dst, int64_t n) {
@@ -177,7 +169,7 @@ void row_grad(const T* x, const T* e, int64_t V, T inv_temp, const RowStats<T>& 
 // exps / the float gradient before narrowing.
 template <typename scalar_t>
 struct RowScratch {
-  using T = typename Acc<scalar_t>::type;
+  using T = acc_of<scalar_t>;
   std::vector<T> xw, e;
   RowScratch(int64_t V, bool need_e) : xw(kWiden<scalar_t> ? V : 0), e(need_e ? V : 0) {}
   // The row as T values: in place for float/double, widened into scratch otherwise.

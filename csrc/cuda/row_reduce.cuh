@@ -30,17 +30,7 @@ PPO_CUDA_HD I imin(I a, I b) {
   return a < b ? a : b;
 }
 
-// Accumulation dtype: float for float/bf16/half, double for double (DESIGN.md, dtypes).
-template <typename T>
-struct AccOf {
-  using type = float;
-};
-template <>
-struct AccOf<double> {
-  using type = double;
-};
-template <typename T>
-using acc_of = typename AccOf<T>::type;
+using ppo::acc_of;  // accumulation dtype (ppo_math.h)
 
 constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 1024;
