@@ -9,6 +9,10 @@
 #   device run:  bash benchmarks/gpu_check.sh
 #   env: BENCH_ARGS="..." extra gpu_bench.py arguments; SKIP_TESTS=1, SKIP_SANITIZER=1,
 #        SKIP_BENCH=1 to leave a stage out.
+#   Liger-Kernel is not in the H200 image and the machine has no network: to compare with
+#   it, download its wheel first on a machine with PyPI (`echo /.whl/ >> .git/info/exclude;
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl liger-kernel`) and carry
+#   `.whl` with the call; this script installs any wheels found there.
 set -u
 cd "$(dirname "$0")/.."
 OUTDIR="${OUT:-$PWD/out}"
@@ -21,6 +25,10 @@ export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}"
 export TORCH_CUDA_ARCH_LIST="9.0"
 export MAX_JOBS="${MAX_JOBS:-16}"
 export PATH="$CUDA_HOME/bin:$PATH"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 T0=$(date +%s)
 declare -a SUMMARY
 stage() { SUMMARY+=("$(printf '%-28s %-8s %5ss  %s' "$1" "$2" "$3" "${4:-}")"); }
