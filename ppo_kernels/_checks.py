@@ -143,6 +143,6 @@ def per_token(name, x, tokens, flat, dtype, *, optional=False):
     return x.detach().to(dtype).contiguous()
 
 
-def acc_dtype(logits):
-    """float64 logits keep float64 (gradcheck); everything else accumulates in float32."""
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+def acc_dtype(x):
+    """float64 inputs keep float64 (gradcheck); everything else accumulates in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32

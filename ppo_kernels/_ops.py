@@ -15,6 +15,7 @@ import os
 import torch
 
 from . import _torch_impl
+from ._checks import acc_dtype
 
 _C = None
 CPU_CAPABILITY = None
@@ -36,18 +37,10 @@ except ImportError as e:
 HAS_CPU = CPU_CAPABILITY is not None
 HAS_CUDA = _C is not None and bool(_C.build_info()["cuda"])
 
-_KERNEL_OPS = ("token_logprobs_fwd", "token_logprobs_bwd", "ppo_loss_fwd",
-               "ppo_loss_fwd_inplace", "gae", "score_rollout")
-
-
 # ------------------------------------------------------------------ fake (shape) functions
 
-def _acc(logits):
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
 def _fake_token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
-    acc = _acc(logits)
+    acc = acc_dtype(logits)
     ent_shape = tokens.shape if return_entropy else (0,)
     return (tokens.new_empty(tokens.shape, dtype=acc), tokens.new_empty(ent_shape, dtype=acc),
             tokens.new_empty(tokens.shape, dtype=acc))
@@ -61,7 +54,7 @@ def _fake_token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, 
 def _fake_ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
                        rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
                        kl_estimator, entropy_coef, temperature, compute_grad):
-    acc = _acc(logits)
+    acc = acc_dtype(logits)
     per_tok = [tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)]
     dl = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype,
                      device=logits.device)
@@ -69,7 +62,7 @@ def _fake_ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, 
 
 
 def _fake_ppo_loss_fwd_inplace(logits, *args):
-    acc = _acc(logits)
+    acc = acc_dtype(logits)
     tokens = args[0]
     return (tokens.new_empty((), dtype=acc),
             *[tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)])
@@ -81,7 +74,7 @@ def _fake_gae(rewards, values, mask, bootstrap_values, gamma, lam):
 
 def _fake_score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
                         kl_estimator, gamma, lam, temperature):
-    return tuple(tokens.new_empty(tokens.shape, dtype=_acc(logits)) for _ in range(5))
+    return tuple(tokens.new_empty(tokens.shape, dtype=acc_dtype(logits)) for _ in range(5))
 
 
 # ------------------------------------------------------------------ autograd formulas

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import acc_dtype
+
 LOG_RATIO_CLAMP = 20.0
 
 
 def token_logprobs(logits, tokens, mask, temperature, return_entropy):
     """logprobs [B, T] (and entropy [B, T] or None) of logits [B, Tl, V]; 0 where masked."""
     t = tokens.shape[1]
-    acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    acc = acc_dtype(logits)
     # masked rows are zeroed first: whatever they hold (NaN) stays out of value and grad
     z = torch.where(mask.unsqueeze(-1), logits[:, :t].to(acc), 0.0) / temperature
     logp_all = torch.log_softmax(z, dim=-1)

@@ -15,7 +15,7 @@ def _seq_tensors(rewards_name, rewards, values_name, values, response_mask):
     ck.tensor(rewards_name, rewards, floating=True)
     if rewards.dim() != 2:
         raise ValueError(f"{rewards_name}: expected [B, T], got shape {list(rewards.shape)}")
-    acc = torch.float64 if rewards.dtype == torch.float64 else torch.float32
+    acc = ck.acc_dtype(rewards)
     shape_of = torch.empty(rewards.shape, dtype=torch.long, device=rewards.device)
     v = ck.per_token(values_name, values, shape_of, False, acc)
     mask = ck.response_mask(response_mask, shape_of, False)

@@ -172,7 +172,7 @@ def value_loss(values, old_values, returns, response_mask=None, *, clip_range=No
     if values.dim() not in (1, 2):
         raise ValueError(f"values: expected [B, T] (or [N]), got shape {list(values.shape)}")
     v = values if values.dim() == 2 else values.unsqueeze(0)
-    acc = torch.float64 if v.dtype == torch.float64 else torch.float32
+    acc = ck.acc_dtype(v)
     flat = values.dim() == 1
     dummy = torch.empty(v.shape, dtype=torch.long, device=v.device)
     vo = ck.per_token("old_values", old_values, dummy, flat, acc)
