@@ -266,7 +266,7 @@ def assert_grad_close(actual, expected, rel, what="dlogits", floor=1e-30):
 
 
 # tolerances per logits dtype: (rtol loss/metrics, atol loss/metrics, rel dlogits)
-TOL = {torch.float32: (2e-6, 2e-6, 1e-5), torch.bfloat16: (1e-5, 1e-5, 1e-2),
+TOL = {torch.float32: (2e-6, 2e-6, 3e-6), torch.bfloat16: (1e-5, 1e-5, 1e-2),
        torch.float16: (1e-5, 1e-5, 1e-2), torch.float64: (1e-10, 1e-11, 1e-10)}
 
 METRIC_KEYS = {"clip_frac", "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl",
