@@ -30,11 +30,13 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers")
-pytest.importorskip("matplotlib")
-pytest.importorskip("tqdm")
-torch = pytest.importorskip("torch")
-pk = pytest.importorskip("ppo_kernels")
+# the demo's dependencies are in requirements.txt: a missing one is a failure, not a skip
+import matplotlib  # noqa: F401
+import torch
+import tqdm  # noqa: F401
+import transformers  # noqa: F401
+
+import ppo_kernels as pk
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "ppo_demo.py"
