@@ -9,7 +9,7 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import (BACKENDS, BACKENDS_NO_INTERP, CPU, METRIC_KEYS, TOL, TORCH,
+from conftest import (BACKENDS, CPU, METRIC_KEYS, TOL, TORCH,
                       assert_close_np, assert_grad_close, assert_metrics, combine, logits_for,
                       make_inputs, to_np)
 

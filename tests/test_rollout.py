@@ -8,7 +8,7 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import BACKENDS, assert_close_np, make_inputs, make_mask
+from conftest import assert_close_np, make_inputs, make_mask
 
 KL = ["k1", "k2", "k3", "abs"]
 
