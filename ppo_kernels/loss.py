@@ -76,11 +76,13 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         entropy_coef: entropy bonus weight. temperature: > 0.
         loss_agg_mode: "token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean" |
             "seq-mean-token-sum-norm" | "none" (per-token loss [B, T], 0 where masked).
-        global_num_tokens: > 0, the token-mean denominator across data-parallel ranks.
+        global_num_tokens: > 0, the token-mean denominator across data-parallel ranks
+            (token-mean only; the other modes ignore it).
         norm_length: > 0, the seq-mean-token-sum-norm length (default T; Dr. GRPO).
         rollout_is_weights: float [B, T], no gradient; multiplies pg and its gradient.
         inplace_backward: write the gradient into the logits' storage (the logits must not
-            be used afterwards); saves one [N, V] buffer.
+            be used afterwards, and one backward only); saves one [N, V] buffer. Kernel
+            backends and scalar modes only ("torch" and "none" allocate as usual).
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
