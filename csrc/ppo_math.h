@@ -42,6 +42,8 @@ using acc_of = typename AccOf<scalar_t>::type;
 
 PPO_HD float ppo_exp(float x) { return expf(x); }
 PPO_HD double ppo_exp(double x) { return exp(x); }
+PPO_HD float ppo_expm1(float x) { return expm1f(x); }
+PPO_HD double ppo_expm1(double x) { return expm1(x); }
 
 template <typename T>
 PPO_HD T clampv(T x, T lo, T hi) {
@@ -149,11 +151,21 @@ PPO_HD TokenLoss<T> token_loss(T logp, T entropy, T old_logp, T adv, T ref_logp,
 //   d logp / d z_v = 1[v = token] - p_v
 //   d H    / d z_v = -p_v (log p_v + H)
 // so d loss / d z_v = dlogp (1[v = token] - p_v) + dent * (-p_v (log p_v + H)), i.e.
-//   dlogit_dense (every v) + dlogp (v = token only), all divided by the temperature.
+//   dlogit_dense (every v but the token) and dlogit_token (the token), all divided by the
+//   temperature.
 // Generic in T so the CPU kernels can run it on at::vec::Vectorized lanes.
 template <typename T>
 PPO_HD T dlogit_dense(T logp_v, T pv, T entropy, T dlogp, T dent) {
   return T(0) - pv * (dlogp + dent * (logp_v + entropy));
+}
+
+// The sampled token's own entry, dlogp (1 - p) - dent p (log p + H), with 1 - p taken as
+// -expm1(log p): a confident token (p -> 1, common in LLM policies) keeps its digits, and
+// V = 1 gives exactly 0. A token whose logit is -inf (p = 0) gets dlogp, never NaN.
+template <typename T>
+PPO_HD T dlogit_token(T logp, T p, T entropy, T dlogp, T dent) {
+  const T ent_part = p == T(0) ? T(0) : p * dent * (logp + entropy);
+  return T(0) - dlogp * ppo_expm1(logp) - ent_part;
 }
 
 // The whole entry for one v. A banned entry (z_v = -inf) has p_v = 0 and gets exactly 0,
@@ -162,9 +174,8 @@ template <typename T>
 PPO_HD T dlogit(T z, T lse, T entropy, T dlogp, T dent, T inv_temp, bool is_token) {
   const T logp_v = z - lse;
   const T pv = ppo_exp(logp_v);
-  T g = pv == T(0) ? T(0) : dlogit_dense(logp_v, pv, entropy, dlogp, dent);
-  if (is_token) g += dlogp;
-  return g * inv_temp;
+  if (is_token) return dlogit_token(logp_v, pv, entropy, dlogp, dent) * inv_temp;
+  return (pv == T(0) ? T(0) : dlogit_dense(logp_v, pv, entropy, dlogp, dent)) * inv_temp;
 }
 
 // One step of the reverse GAE scan (Schulman et al. 2016, eq. 16) at a valid token:

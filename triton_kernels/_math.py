@@ -116,16 +116,23 @@ def token_loss(logp, ent, old_logp, adv, ref_logp, is_w, w, eps_low, eps_high, d
 def dlogit(z, lse, ent, dlogp, dent, inv_temp, is_token):
     """ppo_math.h dlogit, on a block of z = logits / temperature:
 
-    (onehot_v * dlogp - p_v * (dlogp + dent * (log p_v + H))) / temperature,
+    (onehot_v * dlogp - p_v * (dlogp + dent * (log p_v + H))) / temperature, the token's
+    own entry computed as in dlogit_token,
     p_v = exp(z_v - lse). A banned entry (z_v = -inf) has p_v = 0 and gets exactly 0,
     never 0 * inf = NaN; so do the out-of-range lanes, which load as -inf.
     """
-    logp_v = z - lse
-    pv = tl.exp(logp_v)
+    logp_raw = z - lse
+    pv = tl.exp(logp_raw)
     # log p_v is -inf where p_v == 0: zero it first so no lane ever forms 0 * inf
-    logp_v = tl.where(pv == 0.0, 0.0, logp_v)
+    logp_v = tl.where(pv == 0.0, 0.0, logp_raw)
     g = -pv * (dlogp + dent * (logp_v + ent))
-    g = tl.where(is_token, g + dlogp, g)
+    # the token's entry, ppo_math.h dlogit_token: dlogp (1 - p) with 1 - p = -expm1(log p)
+    # (a Taylor series near 0, where 1 - exp would cancel; exact 0 for V = 1)
+    x = logp_raw
+    series = -x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0)))))
+    one_minus_p = tl.where(x > -0.1, series, 1.0 - pv)
+    g_tok = dlogp * one_minus_p - pv * dent * (logp_v + ent)
+    g = tl.where(is_token, g_tok, g)
     return g * inv_temp
 
 
@@ -185,9 +192,11 @@ def token_logp(in_row, tok, V, inv_temp, xmax, log_s, ACC: tl.constexpr):
 
 
 @triton.jit
-def row_grad(in_row, out_row, V, tok, lse, ent, dlogp, dent, inv_temp, ACC: tl.constexpr,
-             BLOCK_V: tl.constexpr):
-    """Second sweep over a row: out_row[v] = dlogit(z_v) in out_row's dtype.
+def row_grad(in_row, out_row, V, tok, xmax, log_s, ent, dlogp, dent, inv_temp,
+             ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Second sweep over a row: out_row[v] = dlogit of d_v = (x_v - xmax) * inv_temp with
+    log_s (row_stats; log p_v = d_v - log_s keeps its digits at large |z|; a caller that
+    only has the lse passes xmax = 0, log_s = lse), in out_row's dtype.
 
     The blocks go from the last to the first: the first sweep ended on the last blocks,
     so they are the likeliest still to be in L1/L2. in_row and out_row may be the same
@@ -198,8 +207,8 @@ def row_grad(in_row, out_row, V, tok, lse, ent, dlogp, dent, inv_temp, ACC: tl.c
     for i in range(0, nblk):
         cols = (nblk - 1 - i) * BLOCK_V + offs
         inb = cols < V
-        z = tl.load(in_row + cols, mask=inb, other=float("-inf")).to(ACC) * inv_temp
-        g = dlogit(z, lse, ent, dlogp, dent, inv_temp, cols == tok)
+        d = (tl.load(in_row + cols, mask=inb, other=float("-inf")).to(ACC) - xmax) * inv_temp
+        g = dlogit(d, log_s, ent, dlogp, dent, inv_temp, cols == tok)
         tl.store(out_row + cols, g.to(out_row.dtype.element_ty), mask=inb)
 
 

@@ -109,7 +109,8 @@ def _logprobs_bwd_kernel(
         else:
             ent = tl.zeros([], ACC)
             dent = tl.zeros([], ACC)
-        row_grad(in_row, out_row, V, tok, lse, ent, dlogp, dent, inv_temp, ACC, BLOCK_V)
+        # only the saved lse is known here: xmax = 0, log_s = lse
+        row_grad(in_row, out_row, V, tok, 0.0, lse, ent, dlogp, dent, inv_temp, ACC, BLOCK_V)
     else:
         row_zero(out_row, V, BLOCK_V)
 

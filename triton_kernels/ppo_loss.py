@@ -73,7 +73,8 @@ def _ppo_loss_kernel_fn(
         tl.store(logp_ptr + idx, logp)
         tl.store(ent_ptr + idx, ent)
         if COMPUTE_GRAD:
-            row_grad(in_row, out_row, V, tok, lse, ent, dlogp, dent, inv_temp, ACC, BLOCK_V)
+            row_grad(in_row, out_row, V, tok, xmax, log_s, ent, dlogp, dent, inv_temp, ACC,
+                     BLOCK_V)
     else:
         zero = tl.zeros([], ACC)
         tl.store(loss_tok_ptr + idx, zero, mask=in_seq)

@@ -131,7 +131,7 @@ RowStats<T> row_stats(const T* x, int64_t V, T inv_temp, bool entropy, T* e) {
            : row_stats_impl<T, false, false>(x, V, inv_temp, e);
 }
 
-// Row gradient g_v = d loss / d logits_v (ppo::dlogit_dense + the one-hot term) into out.
+// Row gradient g_v = d loss / d logits_v (ppo::dlogit_dense, ppo::dlogit_token) into out.
 // e: exp(d) from row_stats, or null to recompute p from st.max and st.log_sum (a caller
 // that only has the lse passes max = 0, log_sum = lse). out may alias e or x.
 template <typename T>
@@ -139,6 +139,9 @@ void row_grad(const T* x, const T* e, int64_t V, T inv_temp, const RowStats<T>& 
               T dent, int64_t token, T* out) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
+  // the token's entry is written last, from its own formula; read it before out (which may
+  // be the row itself) is written
+  const T logp_tok = row_logp(x, token, inv_temp, st);
   int64_t v = 0;
   if (e != nullptr && dent == T(0)) {
     // no entropy term: g_v = -p_v dlogp / temperature, one multiply per entry
@@ -162,7 +165,8 @@ void row_grad(const T* x, const T* e, int64_t V, T inv_temp, const RowStats<T>& 
       out[v] = pv == T(0) ? T(0) : ppo::dlogit_dense(logp_v, pv, st.entropy, dlogp, dent) * inv_temp;
     }
   }
-  out[token] += dlogp * inv_temp;
+  out[token] = ppo::dlogit_token(logp_tok, ppo::ppo_exp(logp_tok), st.entropy, dlogp, dent) *
+               inv_temp;
 }
 
 // Per-thread scratch for one row: the widened row (reduced dtypes) and a T row for the
