@@ -27,8 +27,8 @@ from torch.library import wrap_triton
 
 from . import _config
 from ._math import as_acc
-from .logprobs import (_check_logits, _logprobs_fwd_kernel, acc_dtype, check_per_token,
-                       tl_acc)
+from .logprobs import (_check_logits, _logprobs_fwd_kernel, acc_dtype, check_kl_estimator,
+                       check_per_token, tl_acc)
 
 
 @triton.jit
@@ -148,9 +148,7 @@ def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, k
     check_per_token("ref_logprobs", ref_logprobs, (B, T), acc, dev)
     check_per_token("values", values, (B, T), acc, dev)
     check_per_token("scores", scores, (B,), acc, dev)
-    if int(kl_estimator) not in (0, 1, 2, 3):
-        raise ValueError(f"kl_estimator: expected 0 (k1), 1 (k2), 2 (k3) or 3 (abs), "
-                         f"got {kl_estimator}")
+    check_kl_estimator(kl_estimator)
     logp = torch.empty((B, T), dtype=acc, device=dev)
     lse = torch.empty((B, T), dtype=acc, device=dev)
     kl = torch.empty((B, T), dtype=acc, device=dev)

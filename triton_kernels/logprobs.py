@@ -154,6 +154,13 @@ def check_per_token(name, x, shape, dtype, device):
         raise ValueError(f"{name}: expected a contiguous tensor")
 
 
+def check_kl_estimator(kl_estimator):
+    """kl_estimator as the ops take it: 0 (k1), 1 (k2), 2 (k3) or 3 (abs)."""
+    if int(kl_estimator) not in (0, 1, 2, 3):
+        raise ValueError(f"kl_estimator: expected 0 (k1), 1 (k2), 2 (k3) or 3 (abs), "
+                         f"got {kl_estimator}")
+
+
 def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
     """logprobs [B, T], entropy [B, T] (numel 0 unless return_entropy), lse [B, T]; ACC."""
     _check_logits(logits, tokens, mask)

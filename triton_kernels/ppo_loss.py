@@ -23,7 +23,7 @@ from torch.library import wrap_triton
 
 from . import _config
 from ._math import as_acc, row_grad, row_stats, row_zero, token_logp, token_loss
-from .logprobs import _check_logits, acc_dtype, check_per_token, tl_acc
+from .logprobs import _check_logits, acc_dtype, check_kl_estimator, check_per_token, tl_acc
 
 
 def _ppo_loss_kernel_fn(
@@ -108,9 +108,7 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
                     ("rollout_is_weights", rollout_is_weights)):
         if x is not None:
             check_per_token(name, x, (B, T), acc, dev)
-    if int(kl_estimator) not in (0, 1, 2, 3):
-        raise ValueError(f"kl_estimator: expected 0 (k1), 1 (k2), 2 (k3) or 3 (abs), "
-                         f"got {kl_estimator}")
+    check_kl_estimator(kl_estimator)
     loss_tok = torch.empty((B, T), dtype=acc, device=dev)
     logp = torch.empty((B, T), dtype=acc, device=dev)
     ent = torch.empty((B, T), dtype=acc, device=dev)
