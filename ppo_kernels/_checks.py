@@ -90,16 +90,17 @@ def logits_and_tokens(logits, tokens):
     return logits, tokens.long().contiguous(), flat  # [B, T]: kernels index it flat
 
 
-def response_mask(mask, tokens, flat):
-    """bool [B, T]; None means every position is valid."""
+def response_mask(mask, like, flat, like_name="tokens"):
+    """bool [B, T] of the shape and device of ``like`` (named like_name in messages);
+    None means every position is valid."""
     if mask is None:
-        return torch.ones_like(tokens, dtype=torch.bool)
+        return torch.ones_like(like, dtype=torch.bool)
     tensor("response_mask", mask)
-    same_device("response_mask", mask, "tokens", tokens)
+    same_device("response_mask", mask, like_name, like)
     if flat:
         mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
-    if tuple(mask.shape) != tuple(tokens.shape):
-        raise ValueError(f"response_mask: expected shape {list(tokens.shape[1:] if flat else tokens.shape)},"
+    if tuple(mask.shape) != tuple(like.shape):
+        raise ValueError(f"response_mask: expected shape {list(like.shape[1:] if flat else like.shape)},"
                          f" got {list(mask.shape[1:] if flat else mask.shape)}")
     return (mask != 0).contiguous()  # != keeps the input's strides; kernels index flat
 
@@ -124,18 +125,19 @@ def token_range(tokens, mask, vocab):
     return tokens
 
 
-def per_token(name, x, tokens, flat, dtype, *, optional=False):
-    """A [B, T] float tensor aligned with tokens, converted to the accumulation dtype."""
+def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens"):
+    """A [B, T] float tensor of the shape and device of ``like`` (named like_name in
+    messages), converted to the accumulation dtype."""
     if x is None:
         if optional:
             return None
         raise TypeError(f"{name}: expected a tensor, got None")
     tensor(name, x, floating=True)
-    same_device(name, x, "tokens", tokens)
+    same_device(name, x, like_name, like)
     if flat and x.dim() == 1:
         x = x.unsqueeze(0)
-    if tuple(x.shape) != tuple(tokens.shape):
-        shown = tokens.shape[1:] if flat else tokens.shape
+    if tuple(x.shape) != tuple(like.shape):
+        shown = like.shape[1:] if flat else like.shape
         raise ValueError(f"{name}: expected shape {list(shown)}, got "
                          f"{list(x.shape[1:] if flat and x.dim() == 2 else x.shape)}")
     # inputs from the rollout: they are data, not parameters, and get no gradient on any

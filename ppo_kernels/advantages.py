@@ -16,9 +16,8 @@ def _seq_tensors(rewards_name, rewards, values_name, values, response_mask):
     if rewards.dim() != 2:
         raise ValueError(f"{rewards_name}: expected [B, T], got shape {list(rewards.shape)}")
     acc = ck.acc_dtype(rewards)
-    shape_of = torch.empty(rewards.shape, dtype=torch.long, device=rewards.device)
-    v = ck.per_token(values_name, values, shape_of, False, acc)
-    mask = ck.response_mask(response_mask, shape_of, False)
+    v = ck.per_token(values_name, values, rewards, False, acc, like_name=rewards_name)
+    mask = ck.response_mask(response_mask, rewards, False, like_name=rewards_name)
     return rewards.to(acc).contiguous(), v, mask, acc
 
 
@@ -105,8 +104,7 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8):
         TypeError / ValueError naming the argument.
     """
     ck.tensor("x", x, floating=True)
-    mask = ck.response_mask(response_mask, torch.empty(x.shape, dtype=torch.long,
-                                                       device=x.device), False)
+    mask = ck.response_mask(response_mask, x, False, like_name="x")
     eps = ck.number("eps", eps, lo=0.0)
     ck.choice("shift_mean", shift_mean, (True, False))
     # statistics in float32 at least (a float16 sum of squares overflows); masked entries

@@ -176,10 +176,9 @@ def value_loss(values, old_values, returns, response_mask=None, *, clip_range=No
     v = values if values.dim() == 2 else values.unsqueeze(0)
     acc = ck.acc_dtype(v)
     flat = values.dim() == 1
-    dummy = torch.empty(v.shape, dtype=torch.long, device=v.device)
-    vo = ck.per_token("old_values", old_values, dummy, flat, acc)
-    ret = ck.per_token("returns", returns, dummy, flat, acc)
-    mask = ck.response_mask(response_mask, dummy, flat)
+    vo = ck.per_token("old_values", old_values, v, flat, acc, like_name="values")
+    ret = ck.per_token("returns", returns, v, flat, acc, like_name="values")
+    mask = ck.response_mask(response_mask, v, flat, like_name="values")
     if clip_range is not None:
         clip_range = ck.number("clip_range", clip_range, lo=0.0)
     ck.choice("loss_agg_mode", loss_agg_mode, ck.LOSS_AGG_MODES)
