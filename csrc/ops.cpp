@@ -7,20 +7,28 @@
 //   (float64 for float64 logits, else float32); per-token outputs of that dtype; dlogits
 //   the shape and dtype of logits, contiguous. kl_estimator: 0 k1, 1 k2, 2 k3, 3 abs.
 //   dual_clip_c <= 0 means no dual clip. weights are the loss_agg_mode weights w_i.
+//   row_max / log_sum: the raw max logit of a row and log sum_v exp((x_v - row_max) /
+//   temperature), taken as log1p of the non-top mass (what the backward needs to rebuild
+//   log p_v = (x_v - row_max) / temperature - log_sum with every digit). grad_scale: the
+//   written dlogits are grad_scale * d loss / d logits (the loss itself is unscaled);
+//   scale_grad_ is the backward's in-place rescale (see ppo_kernels/_ops.py).
 #include <torch/library.h>
 
 TORCH_LIBRARY(ppo_kernels, m) {
   m.def(
       "token_logprobs_fwd(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
-      "bool return_entropy) -> (Tensor logprobs, Tensor entropy, Tensor lse)");
+      "bool return_entropy) -> (Tensor logprobs, Tensor entropy, Tensor row_max, "
+      "Tensor log_sum)");
   m.def(
       "token_logprobs_bwd(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
-      "Tensor tokens, Tensor mask, Tensor lse, Tensor entropy, float temperature) -> Tensor");
+      "Tensor tokens, Tensor mask, Tensor row_max, Tensor log_sum, Tensor entropy, "
+      "float temperature) -> Tensor");
   m.def(
       "ppo_loss_fwd(Tensor logits, Tensor tokens, Tensor mask, Tensor old_logprobs, "
       "Tensor advantages, Tensor weights, Tensor? ref_logprobs, Tensor? rollout_is_weights, "
       "float clip_eps_low, float clip_eps_high, float dual_clip_c, float kl_coef, "
-      "int kl_estimator, float entropy_coef, float temperature, bool compute_grad) "
+      "int kl_estimator, float entropy_coef, float temperature, float grad_scale, "
+      "bool compute_grad) "
       "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy, Tensor dlogits)");
   // Same as ppo_loss_fwd with compute_grad, but the gradient overwrites the logits.
   m.def(
@@ -28,7 +36,11 @@ TORCH_LIBRARY(ppo_kernels, m) {
       "Tensor old_logprobs, Tensor advantages, Tensor weights, Tensor? ref_logprobs, "
       "Tensor? rollout_is_weights, float clip_eps_low, float clip_eps_high, "
       "float dual_clip_c, float kl_coef, int kl_estimator, float entropy_coef, "
-      "float temperature) -> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)");
+      "float temperature, float grad_scale) "
+      "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)");
+  // grad := grad * (grad_output / applied) and applied := grad_output, decided on the
+  // device (no host read): nothing is written when the ratio is 1.
+  m.def("scale_grad_(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()");
   m.def(
       "gae(Tensor rewards, Tensor values, Tensor mask, Tensor? bootstrap_values, "
       "float gamma, float lam) -> (Tensor advantages, Tensor returns)");

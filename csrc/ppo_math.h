@@ -44,6 +44,32 @@ PPO_HD float ppo_exp(float x) { return expf(x); }
 PPO_HD double ppo_exp(double x) { return exp(x); }
 PPO_HD float ppo_expm1(float x) { return expm1f(x); }
 PPO_HD double ppo_expm1(double x) { return expm1(x); }
+PPO_HD float ppo_log1p(float x) { return log1pf(x); }
+PPO_HD double ppo_log1p(double x) { return log1p(x); }
+
+// e^u - 1 - u without cancellation. expm1(u) - u loses the digits of a result ~u^2/2 that
+// is far smaller than either term (12% off at |u| = 1e-6 in float32), so below |u| = 1 a
+// Horner series of 11 terms (u^2/2! .. u^12/12!, truncation < 1e-9 relative at |u| = 1);
+// beyond it expm1(u) - u is within an ulp or two. Used by k3 (u = -delta) and by the
+// approx_kl metric (u = log-ratio).
+template <typename T>
+PPO_HD T expm1_minus_x(T u) {
+  if (u > T(-1) && u < T(1)) {
+    T p = T(1.0 / 479001600.0);                 // 1/12!
+    p = p * u + T(1.0 / 39916800.0);            // 1/11!
+    p = p * u + T(1.0 / 3628800.0);             // 1/10!
+    p = p * u + T(1.0 / 362880.0);              // 1/9!
+    p = p * u + T(1.0 / 40320.0);               // 1/8!
+    p = p * u + T(1.0 / 5040.0);                // 1/7!
+    p = p * u + T(1.0 / 720.0);                 // 1/6!
+    p = p * u + T(1.0 / 120.0);                 // 1/5!
+    p = p * u + T(1.0 / 24.0);                  // 1/4!
+    p = p * u + T(1.0 / 6.0);                   // 1/3!
+    p = p * u + T(0.5);                         // 1/2!
+    return u * u * p;
+  }
+  return ppo_expm1(u) - u;
+}
 
 template <typename T>
 PPO_HD T clampv(T x, T lo, T hi) {
@@ -114,11 +140,12 @@ PPO_HD KlTerm<T> kl_term(T delta, int estimator) {
     case kAbs:
       return {delta < T(0) ? -delta : delta, delta > T(0) ? T(1) : (delta < T(0) ? T(-1) : T(0))};
     default: {  // kK3: exp(-c) - 1 + c, c = clamp(delta); only k3 has an exp to guard
+      // both the value and its derivative 1 - exp(-c) cancel at small c: written as
+      // expm1_minus_x(-c) and -expm1(-c) they keep their digits down to |c| ~ 1e-30
       const T lim = T(kLogRatioClamp);
       const bool clamped = delta < -lim || delta > lim;
       const T c = clampv(delta, -lim, lim);
-      const T e = ppo_exp(-c);
-      return {e - T(1) + c, clamped ? T(0) : T(1) - e};
+      return {expm1_minus_x(-c), clamped ? T(0) : T(0) - ppo_expm1(-c)};
     }
   }
 }

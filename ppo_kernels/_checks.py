@@ -55,6 +55,20 @@ def number(name, value, *, lo=None, hi=None, lo_open=False, hi_open=False):
     return v
 
 
+def temperature(value, logits):
+    """A temperature > 0 whose reciprocal is finite in the logits' accumulation dtype: every
+    kernel multiplies by 1 / temperature, which would overflow to inf (and turn the shifted
+    logits into 0 * inf = NaN) below ~2.9e-39 in float32."""
+    t = number("temperature", value, lo=0.0, lo_open=True)
+    acc = acc_dtype(logits)
+    # (1 / t rounded to acc is inf exactly when 1 / t exceeds acc's max, up to rounding;
+    # comparing in float64 against finfo.max decides it without building a tensor)
+    if 1.0 / t > torch.finfo(acc).max:
+        raise ValueError(f"temperature: expected a number whose reciprocal is finite in "
+                         f"{acc} (at least {1.0 / torch.finfo(acc).max:.3g}), got {value!r}")
+    return t
+
+
 def logits_and_tokens(logits, tokens):
     """Validates logits/tokens and returns (logits3 [B, Tl, V], tokens2 [B, T] int64, flat).
 
@@ -109,12 +123,14 @@ def token_range(tokens, mask, vocab):
     """Out-of-range ids on valid positions are an error (masked ones are never read).
     Returns the tokens to hand to the kernel.
 
-    Under torch.compile a data-dependent branch would break the graph (fullgraph=True
-    fails): there the check is a runtime assertion (a RuntimeError naming `tokens`), and
-    the bad ids are replaced by 0 so that no kernel can read out of bounds before it fires.
+    On CPU tensors the values are host memory: a ValueError names the first bad position.
+    On a device (and under torch.compile, where a data-dependent branch would break the
+    graph) reading them would stall the host and break CUDA-graph capture, so the check is
+    an asynchronous device assertion (a RuntimeError naming `tokens`), and the bad ids are
+    replaced by 0 so that no kernel can read out of bounds before it fires.
     """
     bad = mask & ((tokens < 0) | (tokens >= vocab))
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or tokens.device.type != "cpu":
         torch._assert_async(~bad.any(), f"tokens: ids must lie in [0, {vocab}) on valid "
                                         "positions")
         return torch.where(bad, 0, tokens)

@@ -43,17 +43,17 @@ def _fake_token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
     acc = acc_dtype(logits)
     ent_shape = tokens.shape if return_entropy else (0,)
     return (tokens.new_empty(tokens.shape, dtype=acc), tokens.new_empty(ent_shape, dtype=acc),
-            tokens.new_empty(tokens.shape, dtype=acc))
+            tokens.new_empty(tokens.shape, dtype=acc), tokens.new_empty(tokens.shape, dtype=acc))
 
 
-def _fake_token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, lse, entropy,
-                             temperature):
+def _fake_token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_max,
+                             log_sum, entropy, temperature):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
 def _fake_ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
                        rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                       kl_estimator, entropy_coef, temperature, compute_grad):
+                       kl_estimator, entropy_coef, temperature, grad_scale, compute_grad):
     acc = acc_dtype(logits)
     per_tok = [tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)]
     dl = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype,
@@ -68,6 +68,10 @@ def _fake_ppo_loss_fwd_inplace(logits, *args):
             *[tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)])
 
 
+def _fake_scale_grad_(grad, grad_output, applied):
+    return None
+
+
 def _fake_gae(rewards, values, mask, bootstrap_values, gamma, lam):
     return torch.empty_like(rewards), torch.empty_like(rewards)
 
@@ -79,61 +83,56 @@ def _fake_score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_c
 
 # ------------------------------------------------------------------ autograd formulas
 
-def _is_eager_one(grad):
-    """grad is a plain eager scalar equal to 1. Never asked of a traced value (torch.compile,
-    AOT autograd / make_fx, fake or functional tensors): there reading it would be a
-    data-dependent guard (opcheck's test_aot_dispatch_dynamic failed on float(grad))."""
-    if torch.compiler.is_compiling() or type(grad) is not torch.Tensor or grad.numel() != 1:
-        return False
-    if _get_proxy_mode is not None and _get_proxy_mode() is not None:
-        return False
-    return float(grad) == 1.0
-
-
-try:
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode as _get_proxy_mode
-except ImportError:  # older torch
-    _get_proxy_mode = None
-
-
-def _scale(grad, dlogits):
-    """grad_output * dlogits; with the usual grad_output of 1 there is nothing to do (the
-    check reads one scalar; while tracing the product is left to the compiler)."""
-    if _is_eager_one(grad):
-        return dlogits
-    return dlogits * grad.to(dlogits.dtype)
+def scale_grad(prefix, dlogits, grad, applied):
+    """grad * d loss / d logits from the forward's dlogits, pre-scaled by ``applied``
+    (grad_scale): in place, in the accumulation type, decided on the device (no host read,
+    so CUDA-graph capturable), and no pass at all when grad == applied (loss.backward()
+    after grad_scale=1, or (loss * s).backward() after grad_scale=s)."""
+    op = getattr(torch.ops.ppo_kernels, prefix + "scale_grad_")
+    op(dlogits, grad.detach().to(applied.dtype).reshape(()), applied)
+    return dlogits
 
 
 def _lp_setup(ctx, inputs, output):
     logits, tokens, mask, temperature, return_entropy = inputs
-    _, ent, lse = output
-    ctx.save_for_backward(logits, tokens, mask, lse, ent)
+    _, ent, row_max, log_sum = output
+    ctx.save_for_backward(logits, tokens, mask, row_max, log_sum, ent)
     ctx.temperature, ctx.return_entropy = temperature, return_entropy
 
 
 def _lp_backward_for(prefix):
-    def backward(ctx, grad_logp, grad_ent, _grad_lse):
-        logits, tokens, mask, lse, ent = ctx.saved_tensors
+    def backward(ctx, grad_logp, grad_ent, _grad_max, _grad_log_sum):
+        logits, tokens, mask, row_max, log_sum, ent = ctx.saved_tensors
         bwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_bwd")
-        acc = lse.dtype
-        g_ent = grad_ent.to(acc).contiguous() if ctx.return_entropy else None
-        dl = bwd(grad_logp.to(acc).contiguous(), g_ent, logits, tokens, mask, lse, ent,
-                 ctx.temperature)
+        acc = row_max.dtype
+        g_ent = grad_ent.to(acc).contiguous() if ctx.return_entropy and grad_ent is not None \
+            else None
+        g_lp = (torch.zeros_like(row_max) if grad_logp is None
+                else grad_logp.to(acc).contiguous())
+        dl = bwd(g_lp, g_ent, logits, tokens, mask, row_max, log_sum, ent, ctx.temperature)
         return dl, None, None, None, None
     return backward
 
 
-def _loss_setup(ctx, inputs, output):
-    ctx.save_for_backward(output[4])
-    # the other outputs carry no gradient: materialising zeros for them would allocate a
-    # second [N, V] buffer (for the dlogits output) in every backward
-    ctx.set_materialize_grads(False)
+def _loss_setup_for(prefix):
+    def setup(ctx, inputs, output):
+        logits, grad_scale = inputs[0], inputs[15]
+        # the scale the saved dlogits carry, as a device scalar that the backward compares
+        # with grad_output on the device
+        ctx.applied = torch.full((), grad_scale, dtype=acc_dtype(logits), device=logits.device)
+        ctx.save_for_backward(output[4])
+        ctx.prefix = prefix
+        # the other outputs carry no gradient: materialising zeros for them would allocate a
+        # second [N, V] buffer (for the dlogits output) in every backward
+        ctx.set_materialize_grads(False)
+    return setup
 
 
 def _loss_backward(ctx, grad_loss, *_):
     (dlogits,) = ctx.saved_tensors
-    grad = None if grad_loss is None else _scale(grad_loss, dlogits)
-    return (grad,) + (None,) * 15
+    grad = None if grad_loss is None else scale_grad(ctx.prefix, dlogits, grad_loss,
+                                                     ctx.applied)
+    return (grad,) + (None,) * 16
 
 
 def _no_setup(ctx, inputs, output):
@@ -160,13 +159,14 @@ def _register(prefix):
              "token_logprobs_bwd": _fake_token_logprobs_bwd,
              "ppo_loss_fwd": _fake_ppo_loss_fwd,
              "ppo_loss_fwd_inplace": _fake_ppo_loss_fwd_inplace,
+             "scale_grad_": _fake_scale_grad_,
              "gae": _fake_gae, "score_rollout": _fake_score_rollout}
     for name, fn in fakes.items():
         torch.library.register_fake(lib + name, fn)
     torch.library.register_autograd(lib + "token_logprobs_fwd", _lp_backward_for(prefix),
                                     setup_context=_lp_setup)
     torch.library.register_autograd(lib + "ppo_loss_fwd", _loss_backward,
-                                    setup_context=_loss_setup)
+                                    setup_context=_loss_setup_for(prefix))
     torch.library.register_autograd(lib + "token_logprobs_bwd", _no_double_backward,
                                     setup_context=_no_setup)
     _registered.add(prefix)
@@ -183,12 +183,14 @@ class _InplaceLoss(torch.autograd.Function):
     the one [N, V] buffer; the caller promised not to use the logits afterwards."""
 
     @staticmethod
-    def forward(ctx, logits, op, args):
-        loss, loss_tok, logp, ent = op(logits, *args)
+    def forward(ctx, logits, op, args, prefix, grad_scale):
+        loss, loss_tok, logp, ent = op(logits, *args, grad_scale)
         # the logits now hold dlogits: anything that saved them for its own backward must
         # see the change (the C++ op has no ADInplaceOrView kernel to do this)
         torch.autograd.graph.increment_version(logits)
         ctx.buf = logits
+        ctx.prefix = prefix
+        ctx.applied = torch.full((), grad_scale, dtype=acc_dtype(logits), device=logits.device)
         ctx.mark_non_differentiable(loss_tok, logp, ent)
         return loss, loss_tok, logp, ent
 
@@ -200,9 +202,7 @@ class _InplaceLoss(torch.autograd.Function):
                                "logits was already handed out by an earlier backward; "
                                "retain_graph cannot replay it")
         ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
-        if not _is_eager_one(grad_loss):
-            buf.mul_(grad_loss.to(buf.dtype))
-        return buf, None, None
+        return scale_grad(ctx.prefix, buf, grad_loss, ctx.applied), None, None, None, None
 
 
 class KernelBackend:
@@ -215,8 +215,8 @@ class KernelBackend:
         return getattr(torch.ops.ppo_kernels, self.prefix + name)
 
     def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
-        logp, ent, _ = self._op("token_logprobs_fwd")(logits, tokens, mask, temperature,
-                                                       return_entropy)
+        logp, ent, _, _ = self._op("token_logprobs_fwd")(logits, tokens, mask, temperature,
+                                                          return_entropy)
         return logp, (ent if return_entropy else None)
 
     def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace):
@@ -224,9 +224,11 @@ class KernelBackend:
                 p["clip_eps_high"], p["dual_clip_c"] or 0.0, p["kl_coef"],
                 p["kl_estimator_id"], p["entropy_coef"], p["temperature"])
         need_grad = torch.is_grad_enabled() and logits.requires_grad
+        gs = p["grad_scale"]
         if inplace and need_grad:
-            return _InplaceLoss.apply(logits, self._op("ppo_loss_fwd_inplace"), args)
-        loss, loss_tok, logp, ent, _ = self._op("ppo_loss_fwd")(logits, *args, need_grad)
+            return _InplaceLoss.apply(logits, self._op("ppo_loss_fwd_inplace"), args,
+                                      self.prefix, gs)
+        loss, loss_tok, logp, ent, _ = self._op("ppo_loss_fwd")(logits, *args, gs, need_grad)
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):

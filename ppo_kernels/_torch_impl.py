@@ -56,6 +56,23 @@ def pg_terms(logp, old_logprobs, advantages, clip_eps_low, clip_eps_high, dual_c
     return pg, rho, d, clip_high, clip_low, dual
 
 
+# 1/2!, 1/3!, ..., 1/12!: the Horner coefficients of expm1_minus_x (csrc/ppo_math.h)
+_EXPM1_MINUS_X = [1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 1.0 / 40320,
+                  1.0 / 5040, 1.0 / 720, 1.0 / 120, 1.0 / 24, 1.0 / 6, 0.5]
+
+
+def expm1_minus_x(u):
+    """e^u - 1 - u without cancellation (ppo_math.h expm1_minus_x): a Horner series below
+    |u| = 1, expm1(u) - u beyond; differentiable (autograd of either branch keeps its
+    digits too)."""
+    small = u.abs() < 1.0
+    us = torch.where(small, u, 0.0)  # keeps the unused branch finite for autograd
+    p = torch.full_like(u, _EXPM1_MINUS_X[0])
+    for c in _EXPM1_MINUS_X[1:]:
+        p = p * us + c
+    return torch.where(small, us * us * p, torch.expm1(u) - u)
+
+
 def kl_terms(logp, ref_logprobs, kl_estimator):
     """Per-token KL estimate of pi_theta against pi_ref (Schulman 2020, k1/k2/k3)."""
     delta = logp - ref_logprobs
@@ -66,7 +83,7 @@ def kl_terms(logp, ref_logprobs, kl_estimator):
     if kl_estimator == "abs":
         return delta.abs()
     c = torch.clamp(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    return torch.exp(-c) - 1.0 + c
+    return expm1_minus_x(-c)  # exp(-c) - 1 + c, keeping its digits at small c
 
 
 def agg_weights(mask, loss_agg_mode, global_num_tokens=None, norm_length=None, dtype=None):
@@ -132,7 +149,7 @@ def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, p):
         "clip_frac_high": mean(ch),
         "clip_frac_low": mean(cl),
         "dual_clip_frac": mean(dual),
-        "approx_kl": mean((rho - 1.0) - d),
+        "approx_kl": mean(expm1_minus_x(d)),  # (rho - 1) - log rho
         "kl_ref": mean(kl) if kl is not None else zero,
         "entropy": mean(entropy),
         "ratio_mean": mean(rho),
@@ -157,19 +174,17 @@ def gae(rewards, values, mask, bootstrap_values, gamma, lam):
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator):
-    """r_t = -kl_coef * kl_t, plus scores[b] on the last valid token of sequence b."""
+    """r_t = -kl_coef * kl_t, plus scores[b] on the last valid token of sequence b.
+    No host read (no boolean indexing): the last valid position is found with a max."""
     kl = torch.where(mask, kl_terms(logprobs, ref_logprobs, kl_estimator), 0.0)
     r = -kl_coef * kl
     t = mask.shape[1]
     if t == 0:
         return r, kl
     pos = torch.arange(t, device=mask.device)
-    last = torch.where(mask, pos, -1).max(1).values  # -1: no valid token
-    has = last >= 0
-    r = r.clone()
-    rows = torch.arange(mask.shape[0], device=mask.device)[has]
-    r[rows, last[has]] += scores.to(r.dtype)[has]
-    return r, kl
+    last = torch.where(mask, pos, -1).max(1, keepdim=True).values  # -1: no valid token
+    is_last = mask & (pos == last)
+    return r + torch.where(is_last, scores.to(r.dtype)[:, None], 0.0), kl
 
 
 def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, kl_estimator,

@@ -168,7 +168,7 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
     gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
     lam = ck.number("lam", lam, lo=0.0, hi=1.0)
-    temperature = ck.number("temperature", temperature, lo=0.0, lo_open=True)
+    temperature = ck.temperature(temperature, logits3)
     ck.choice("whiten", whiten, (True, False))
     be = get_backend(backend, logits3.device)
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])

@@ -37,7 +37,7 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
     """
     logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
     mask = ck.response_mask(response_mask, tokens2, flat)
-    temperature = ck.number("temperature", temperature, lo=0.0, lo_open=True)
+    temperature = ck.temperature(temperature, logits3)
     ck.choice("return_entropy", return_entropy, (True, False))
     be = get_backend(backend, logits3.device)
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
@@ -52,7 +52,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              *, clip_eps_low=0.2, clip_eps_high=None, dual_clip_c=None, kl_coef=0.0,
              kl_estimator="k3", entropy_coef=0.0, temperature=1.0, loss_agg_mode="token-mean",
              global_num_tokens=None, norm_length=None, rollout_is_weights=None,
-             inplace_backward=False, backend="auto"):
+             grad_scale=1.0, inplace_backward=False, backend="auto"):
     """Fused PPO / GRPO policy loss straight from the logits, and its metrics.
 
     Per token (DESIGN.md): rho = exp(clamp(logp - old_logp, -20, 20));
@@ -80,6 +80,12 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             (token-mean only; the other modes ignore it).
         norm_length: > 0, the seq-mean-token-sum-norm length (default T; Dr. GRPO).
         rollout_is_weights: float [B, T], no gradient; multiplies pg and its gradient.
+        grad_scale: > 0, the factor the loss will be multiplied by before backward (e.g.
+            1 / gradient-accumulation steps, or a loss scale). A hint only: the loss and its
+            gradients are the same for any value, but the kernel backends write dlogits
+            pre-scaled by it, so ``(loss * grad_scale).backward()`` costs no pass over the
+            logits, while any other grad_output rescales dlogits once, in place (no [N, V]
+            allocation either way).
         inplace_backward: write the gradient into the logits' storage (the logits must not
             be used afterwards, and one backward only); saves one [N, V] buffer. Kernel
             backends and scalar modes only ("torch" and "none" allocate as usual).
@@ -114,7 +120,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     if kl_coef > 0 and ref is None:
         raise ValueError(f"ref_logprobs: kl_coef = {kl_coef} > 0 needs ref_logprobs, got None")
     entropy_coef = ck.number("entropy_coef", entropy_coef)
-    temperature = ck.number("temperature", temperature, lo=0.0, lo_open=True)
+    temperature = ck.temperature(temperature, logits3)
+    grad_scale = ck.number("grad_scale", grad_scale, lo=0.0, lo_open=True)
     ck.choice("loss_agg_mode", loss_agg_mode, ck.LOSS_AGG_MODES)
     if global_num_tokens is not None:
         global_num_tokens = ck.number("global_num_tokens", global_num_tokens, lo=0.0,
@@ -133,7 +140,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     p = dict(clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual_clip_c,
              kl_coef=kl_coef, kl_estimator=kl_estimator,
              kl_estimator_id=ck.KL_ESTIMATORS.index(kl_estimator), entropy_coef=entropy_coef,
-             temperature=temperature)
+             temperature=temperature, grad_scale=grad_scale)
     if loss_agg_mode == "none":
         # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
         logp, ent = be.token_logprobs(logits3, tokens2, mask, temperature, True)

@@ -37,18 +37,18 @@ def test_opcheck_token_logprobs_fwd(case, grad, raw):
 
 def test_opcheck_token_logprobs_bwd(case):
     logits = case["logits"]
-    logp, ent, lse = OPS.token_logprobs_fwd(logits, case["tokens"], case["mask"], 0.8, True)
+    logp, ent, mx, ls = OPS.token_logprobs_fwd(logits, case["tokens"], case["mask"], 0.8, True)
     g = torch.randn(B, T)
     torch.library.opcheck(OPS.token_logprobs_bwd, (g, torch.randn(B, T), logits, case["tokens"],
-                                                   case["mask"], lse, ent, 0.8))
+                                                   case["mask"], mx, ls, ent, 0.8))
     torch.library.opcheck(OPS.token_logprobs_bwd, (g, None, logits, case["tokens"],
-                                                   case["mask"], lse, ent, 0.8))
+                                                   case["mask"], mx, ls, ent, 0.8))
 
 
 def _loss_args(inp, logits, *, ref_=True, isw=True):
     return (logits, inp["tokens"], inp["mask"], inp["old"], inp["adv"], inp["weights"],
             inp["ref"] if ref_ else None, inp["isw"] if isw else None, 0.2, 0.28, 3.0, 0.1,
-            2, 0.01, 0.9)
+            2, 0.01, 0.9, 0.5)
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -56,12 +56,31 @@ def _loss_args(inp, logits, *, ref_=True, isw=True):
 def test_opcheck_ppo_loss_fwd(case, grad, optional):
     logits = case["logits"].clone().requires_grad_(grad)
     args = _loss_args(case, logits, ref_=optional, isw=optional)
-    torch.library.opcheck(OPS.ppo_loss_fwd, args + (grad,))
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic")
+    if grad:
+        # The op's dlogits output is the buffer its backward rescales in place (no [N, V]
+        # allocation in the backward). Called raw, as opcheck does, that output is also
+        # returned to the caller, which AOT autograd refuses to trace ("Node ... was
+        # invalid, but is output"); the public ppo_loss never returns it, and
+        # test_compile_fullgraph_ppo_loss_matches_eager traces that path with a
+        # grad_output != 1.
+        utils = utils[:-1]
+    torch.library.opcheck(OPS.ppo_loss_fwd, args + (grad,), test_utils=utils)
 
 
 def test_opcheck_ppo_loss_fwd_inplace(case):
     logits = case["logits"].clone()
     torch.library.opcheck(OPS.ppo_loss_fwd_inplace, _loss_args(case, logits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("go", [1.0, 0.25])
+def test_opcheck_scale_grad_(case, dtype, go):
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    grad = case["full"].to(dtype).clone()
+    torch.library.opcheck(OPS.scale_grad_, (grad, torch.tensor(go, dtype=acc),
+                                            torch.tensor(1.0, dtype=acc)))
 
 
 @pytest.mark.parametrize("boot", [False, True])

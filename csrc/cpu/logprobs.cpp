@@ -11,7 +11,7 @@ namespace ppo_cpu {
 inline namespace CPU_CAPABILITY {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
     const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
     double temperature, bool return_entropy) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
@@ -23,46 +23,54 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
   const auto opts = logits.options().dtype(acc_type(logits));
   at::Tensor logp = at::empty({r.B, r.T}, opts);
   at::Tensor ent = return_entropy ? at::empty({r.B, r.T}, opts) : at::empty({0}, opts);
-  at::Tensor lse = at::empty({r.B, r.T}, opts);
+  at::Tensor row_max = at::empty({r.B, r.T}, opts), log_sum = at::empty({r.B, r.T}, opts);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "token_logprobs_fwd", [&] {
     using T = acc_of<scalar_t>;
     const scalar_t* L = logits.data_ptr<scalar_t>();
     T* lp = logp.data_ptr<T>();
     T* en = return_entropy ? ent.data_ptr<T>() : nullptr;
-    T* ls = lse.data_ptr<T>();
+    T* mx = row_max.data_ptr<T>();
+    T* ls = log_sum.data_ptr<T>();
     const T inv = T(1.0 / temperature);
     at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
-      RowScratch<scalar_t> sc(r.V, false);
+      RowWorker<scalar_t> rw(r.V, false);
       for (int64_t i = begin; i < end; ++i) {
         if (!m[i]) {
-          lp[i] = ls[i] = T(0);
+          lp[i] = mx[i] = ls[i] = T(0);
           if (en) en[i] = T(0);
           continue;
         }
-        const T* x = sc.load(L + r.offset(i), r.V);
-        const RowStats<T> st = row_stats<T>(x, r.V, inv, return_entropy, nullptr);
-        lp[i] = row_logp(x, tok[i], inv, st);
-        ls[i] = st.lse;
+        const scalar_t* x = L + r.offset(i);
+        const RowStats<T> st = en ? rw.template stats<true>(x, inv)
+                                  : rw.template stats<false>(x, inv);
+        lp[i] = rw.logp(x, tok[i], inv, st);
+        mx[i] = st.max;
+        ls[i] = st.log_sum;
         if (en) en[i] = st.entropy;
       }
     });
   });
-  return {logp, ent, lse};
+  return {logp, ent, row_max, log_sum};
 }
 
 // dlogits of sum(grad_logprobs * logp + grad_entropy * H), shaped like logits, contiguous.
+// row_max and log_sum are the forward's: log p_v = (x_v - row_max) / temperature - log_sum
+// is rebuilt with every digit (from the lse alone it lost them at small temperatures and
+// large logits).
 at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
                               const std::optional<at::Tensor>& grad_entropy,
                               const at::Tensor& logits, const at::Tensor& tokens_in,
-                              const at::Tensor& mask_in, const at::Tensor& lse,
-                              const at::Tensor& entropy, double temperature) {
+                              const at::Tensor& mask_in, const at::Tensor& row_max,
+                              const at::Tensor& log_sum, const at::Tensor& entropy,
+                              double temperature) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   check_temperature(temperature);
   const at::ScalarType acc = acc_type(logits);
   check_per_token(grad_logprobs, "grad_logprobs", tokens, acc);
-  check_per_token(lse, "lse", tokens, acc);
+  check_per_token(row_max, "row_max", tokens, acc);
+  check_per_token(log_sum, "log_sum", tokens, acc);
   const bool has_ge = grad_entropy.has_value();
   if (has_ge) {
     check_per_token(*grad_entropy, "grad_entropy", tokens, acc);
@@ -81,23 +89,22 @@ at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
     const T* gl = grad_logprobs.data_ptr<T>();
     const T* ge = has_ge ? grad_entropy->data_ptr<T>() : nullptr;
     const T* H = has_ge ? entropy.data_ptr<T>() : nullptr;
-    const T* ls = lse.data_ptr<T>();
+    const T* mx = row_max.data_ptr<T>();
+    const T* ls = log_sum.data_ptr<T>();
     const T inv = T(1.0 / temperature);
     // every row of out, t >= T included (zeros), i = b * Tl + t
     at::parallel_for(0, r.B * r.Tl, row_grain(r.V), [&](int64_t begin, int64_t end) {
-      RowScratch<scalar_t> sc(r.V, kWiden<scalar_t>);
+      RowWorker<scalar_t> rw(r.V, false);
       for (int64_t o = begin; o < end; ++o) {
         const int64_t b = o / r.Tl, t = o % r.Tl, i = b * r.T + t;
         scalar_t* orow = O + o * r.V;
-        if (t >= r.T || !m[i]) {
+        const T g_ent = (t < r.T && ge) ? ge[i] : T(0);
+        if (t >= r.T || !m[i] || (gl[i] == T(0) && g_ent == T(0))) {
           zero_row(orow, r.V);
           continue;
         }
-        const T* x = sc.load(L + b * r.sB + t * r.sT, r.V);
-        // only the saved lse is known here: max = 0, log_sum = lse
-        const RowStats<T> st{T(0), ls[i], T(0), ls[i], H ? H[i] : T(0)};
-        write_row_grad<scalar_t, T>(x, nullptr, sc.e.data(), r.V, inv, st, gl[i],
-                                    ge ? ge[i] : T(0), tok[i], orow);
+        const RowStats<T> st{mx[i], ls[i], T(0), H ? H[i] : T(0)};
+        rw.grad(L + b * r.sB + t * r.sT, inv, st, gl[i], g_ent, tok[i], false, orow);
       }
     });
   });

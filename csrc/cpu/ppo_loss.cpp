@@ -17,6 +17,7 @@ struct LossInputs {
   const std::optional<at::Tensor>&ref, &is_w;
   ppo::PolicyParams p;
   double temperature;
+  double grad_scale;  // the written dlogits are grad_scale * d loss / d logits
 };
 
 // out: where dlogits go (null: no gradient), with its own batch/time strides.
@@ -37,9 +38,10 @@ void fused_rows(const at::Tensor& logits, const Rows& r, const LossInputs& in, s
   T* lp = logp.data_ptr<T>();
   T* en = ent.data_ptr<T>();
   const T inv = T(1.0 / in.temperature);
+  const T gs = T(in.grad_scale);
   const ppo::PolicyParams p = in.p;
   at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
-    RowScratch<scalar_t> sc(r.V, out != nullptr);
+    RowWorker<scalar_t> rw(r.V, out != nullptr);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / r.T, t = i % r.T;
       scalar_t* orow = out ? out + b * oB + t * oT : nullptr;
@@ -48,16 +50,21 @@ void fused_rows(const at::Tensor& logits, const Rows& r, const LossInputs& in, s
         if (orow) zero_row(orow, r.V);
         continue;
       }
-      const T* x = sc.load(L + r.offset(i), r.V);
-      T* e = orow ? sc.e.data() : nullptr;
-      const RowStats<T> st = row_stats<T>(x, r.V, inv, true, e);
-      const T logp_i = row_logp(x, tok[i], inv, st);
+      const scalar_t* x = L + r.offset(i);
+      const RowStats<T> st = rw.template stats<true>(x, inv);
+      const T logp_i = rw.logp(x, tok[i], inv, st);
       const ppo::TokenLoss<T> tl = ppo::token_loss<T>(
           logp_i, st.entropy, old[i], adv[i], ref ? ref[i] : T(0), isw ? isw[i] : T(1), w[i], p);
       lt[i] = tl.loss;
       lp[i] = logp_i;
       en[i] = st.entropy;
-      if (orow) write_row_grad<scalar_t, T>(x, e, e, r.V, inv, st, tl.dlogp, tl.dent, tok[i], orow);
+      if (orow) {
+        if (tl.dlogp == T(0) && tl.dent == T(0)) {
+          zero_row(orow, r.V);  // e.g. a clipped token without KL or entropy terms
+        } else {
+          rw.grad(x, inv, st, gs * tl.dlogp, gs * tl.dent, tok[i], true, orow);
+        }
+      }
     }
   });
   if (out) {  // positions t >= T of [B, T + 1, V] logits get a zero gradient
@@ -85,7 +92,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
     const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& weights,
     const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& is_w,
     double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
-    int64_t kl_estimator, double entropy_coef, double temperature, const at::Tensor& dlogits) {
+    int64_t kl_estimator, double entropy_coef, double temperature, double grad_scale,
+    const at::Tensor& dlogits) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   const at::ScalarType acc = acc_type(logits);
@@ -96,12 +104,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
   if (is_w) check_per_token(*is_w, "rollout_is_weights", tokens, acc);
   check_kl_estimator(kl_estimator);
   check_temperature(temperature);
+  TORCH_CHECK(std::isfinite(grad_scale), "grad_scale: expected a finite number, got ", grad_scale);
   r.check_tokens(tokens.data_ptr<int64_t>(), mask.data_ptr<bool>());
   const LossInputs in{tokens, mask, old_logprobs, advantages, weights, ref, is_w,
                       ppo::PolicyParams{clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
                                         int(kl_estimator), entropy_coef, ref.has_value(),
                                         is_w.has_value()},
-                      temperature};
+                      temperature, grad_scale};
   const auto opts = logits.options().dtype(acc);
   at::Tensor loss_tok = at::empty({r.B, r.T}, opts), logp = at::empty({r.B, r.T}, opts),
              ent = at::empty({r.B, r.T}, opts);
@@ -120,14 +129,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_
     const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& weights,
     const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& is_w,
     double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
-    int64_t kl_estimator, double entropy_coef, double temperature, bool compute_grad) {
+    int64_t kl_estimator, double entropy_coef, double temperature, double grad_scale,
+    bool compute_grad) {
   at::Tensor dlogits = compute_grad ? at::empty(logits.sizes(), logits.options())
                                     : at::empty({0}, logits.options());
   advise_huge_pages(dlogits);
   auto [loss, loss_tok, logp, ent] =
       run(logits, tokens, mask, old_logprobs, advantages, weights, ref, is_w, clip_eps_low,
           clip_eps_high, dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
-          compute_grad ? dlogits : at::Tensor());
+          grad_scale, compute_grad ? dlogits : at::Tensor());
   return {loss, loss_tok, logp, ent, dlogits};
 }
 
@@ -136,11 +146,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd_inplace(
     const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& weights,
     const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& is_w,
     double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
-    int64_t kl_estimator, double entropy_coef, double temperature) {
-  // each row is read (and widened, or its exps kept) before its gradient overwrites it
+    int64_t kl_estimator, double entropy_coef, double temperature, double grad_scale) {
+  // each row is read (its exps kept) before its gradient overwrites it
   return run(logits, tokens, mask, old_logprobs, advantages, weights, ref, is_w, clip_eps_low,
              clip_eps_high, dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
-             logits);
+             grad_scale, logits);
 }
 
 }  // namespace

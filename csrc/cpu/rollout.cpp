@@ -93,14 +93,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rol
     const scalar_t* L = logits.data_ptr<scalar_t>();
     const float inv = float(1.0 / temperature);
     at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
-      RowScratch<scalar_t> sc(r.V, false);
+      RowWorker<scalar_t> worker(r.V, false);
       for (int64_t i = begin; i < end; ++i) {
         if (!m[i]) {
           lp[i] = klp[i] = rw[i] = 0.f;
           continue;
         }
-        const float* x = sc.load(L + r.offset(i), r.V);
-        lp[i] = row_logp(x, tok[i], inv, row_stats<float>(x, r.V, inv, false, nullptr));
+        const scalar_t* x = L + r.offset(i);
+        lp[i] = worker.logp(x, tok[i], inv, worker.template stats<false>(x, inv));
         klp[i] = ppo::kl_term<float>(lp[i] - ref[i], int(kl_estimator)).kl;
         rw[i] = float(-kl_coef) * klp[i];
       }

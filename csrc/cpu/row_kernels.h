@@ -1,9 +1,20 @@
-// Vectorised per-row softmax pieces of the CPU kernels (one vocabulary row at a time):
-// logsumexp + entropy (row_stats) and the row gradient (row_grad). The per-token formulas
-// come from csrc/ppo_math.h; these loops only sweep the vocabulary with at::vec.
+// Vectorised per-row softmax pieces of the CPU kernels (one vocabulary row at a time): the
+// row statistics (max, log-sum, entropy) and the row gradient. The per-token formulas come
+// from csrc/ppo_math.h; these loops only sweep the vocabulary with at::vec.
 //
-// A row is read three times while it sits in L2 (max, exp-sum, gradient); the exps of the
-// second sweep are kept in a per-thread scratch row so the gradient sweep needs no exp.
+// A row is read twice: the statistics sweep (from memory) and the gradient sweep (from L2).
+// The statistics sweep keeps a running max (online softmax) over chunks of kChunk entries
+// held in registers, so the row is read from memory once while the exps are computed; the
+// exps are kept in a per-thread scratch row, relative to the running max of their chunk,
+// so the gradient sweep needs no exp. Reduced-precision rows (bf16, fp16) are widened in
+// registers, never copied.
+//
+// Precision (confident tokens, p -> 1 in LLM policies): the top entry's exp(0) = 1 is never
+// added to the sum. The sweep sums the non-top mass `rest` (entries below the max, plus
+// ties) apart and log_sum = log1p(rest), so logp, the entropy and dlogits keep their
+// relative digits down to 1 - p ~ 1e-12 (with 1 + rest rounded they lose everything once
+// 1 - p < float32 epsilon).
+//
 // This file is compiled once per SIMD capability (setup.py), so it must not define
 // anything with external linkage outside the CPU_CAPABILITY namespace.
 #pragma once
@@ -28,35 +39,9 @@ using at::vec::Vectorized;
 
 using ppo::acc_of;  // accumulation dtype (ppo_math.h)
 
-// Reduced-precision rows are widened to float once into scratch; float/double rows are
-// read in place.
+// Reduced-precision rows are widened to float in registers; float/double rows are read as is.
 template <typename scalar_t>
 constexpr bool kWiden = !std::is_same<scalar_t, acc_of<scalar_t>>::value;
-
-template <typename scalar_t>
-void widen(const scalar_t* src, float* dst, int64_t n) {
-  using VecR = Vectorized<scalar_t>;
-  using VecF = Vectorized<float>;
-  int64_t v = 0;
-  for (; v + VecR::size() <= n; v += VecR::size()) {
-    auto [a, b] = at::vec::convert_to_float<scalar_t>(VecR::loadu(src + v));
-    a.store(dst + v);
-    b.store(dst + v + VecF::size());
-  }
-  for (; v < n; ++v) dst[v] = static_cast<float>(src[v]);
-}
-
-template <typename scalar_t>
-void narrow(const float* src, scalar_t* dst, int64_t n) {
-  using VecR = Vectorized<scalar_t>;
-  using VecF = Vectorized<float>;
-  int64_t v = 0;
-  for (; v + VecR::size() <= n; v += VecR::size()) {
-    at::vec::convert_from_float<scalar_t>(VecF::loadu(src + v), VecF::loadu(src + v + VecF::size()))
-        .store(dst + v);
-  }
-  for (; v < n; ++v) dst[v] = static_cast<scalar_t>(src[v]);
-}
 
 // exp of the vocabulary sweeps: ATen's polynomial exp_u20 (max error 20 ulp, about 1.2e-6
 // relative; inputs below ln(FLT_MIN) give 0, so -inf gives 0) instead of Sleef's 1-ulp exp:
@@ -72,134 +57,232 @@ inline Vectorized<T> vexp(const Vectorized<T>& x) {
 }
 
 template <typename T>
+inline T hsum(const Vectorized<T>& v) {
+  return at::vec::vec_reduce_all<T>([](Vectorized<T>& a, Vectorized<T>& b) { return a + b; }, v);
+}
+
+template <typename T>
+inline T hmax(const Vectorized<T>& v) {
+  return at::vec::vec_reduce_all<T>(
+      [](Vectorized<T>& a, Vectorized<T>& b) { return at::vec::maximum(a, b); }, v);
+}
+
+template <typename T>
 struct RowStats {
   T max;      // max_v x_v, in raw logit units
-  T log_sum;  // log sum_v exp(d_v), d_v = (x_v - max) / temperature
+  T log_sum;  // log sum_v exp(d_v), d_v = (x_v - max) / temperature, as log1p(non-top mass)
   T inv_sum;  // 1 / sum_v exp(d_v)
-  T lse;      // logsumexp_v z_v = max / temperature + log_sum
   T entropy;  // log_sum - sum_v p_v d_v (0 unless asked for)
 };
 
-// log p of entry v, as the shifted difference d_v - log_sum: subtracting the raw max
-// before scaling keeps the digits that z_v - lse would lose when |z| is large (fp16 logits
-// near 65504) and gives exactly 0 for the max entry at any temperature.
-template <typename T>
-inline T row_logp(const T* x, int64_t v, T inv_temp, const RowStats<T>& st) {
-  return (x[v] - st.max) * inv_temp - st.log_sum;
-}
-
-// x: raw logits of one row (T = float or double, unit stride).
-// e: if not null, receives exp(d_v) for row_grad.
-template <typename T, bool kEntropy, bool kStoreExp>
-RowStats<T> row_stats_impl(const T* x, int64_t V, T inv_temp, T* e) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const T xmax = at::vec::reduce_all<T>(
-      [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x, V);
-  const Vec vinv(inv_temp), vmax(xmax);
-  // d is -inf on a banned entry; exp gives 0 and clamping d to the lowest finite value
-  // keeps that 0 out of 0 * -inf = NaN in the entropy sum.
-  const Vec vlow(std::numeric_limits<T>::lowest());
-  Vec vs(T(0)), vt(T(0));
-  int64_t v = 0;
-  for (; v + W <= V; v += W) {
-    const Vec d = (Vec::loadu(x + v) - vmax) * vinv;
-    const Vec ev = vexp(d);
-    vs = vs + ev;
-    if constexpr (kEntropy) vt = vt + ev * at::vec::maximum(d, vlow);
-    if constexpr (kStoreExp) ev.store(e + v);
-  }
-  T s = at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, vs);
-  T t = kEntropy ? at::vec::vec_reduce_all<T>([](Vec& a, Vec& b) { return a + b; }, vt) : T(0);
-  for (; v < V; ++v) {
-    const T d = (x[v] - xmax) * inv_temp;
-    const T ev = ppo::ppo_exp(d);
-    s += ev;
-    if constexpr (kEntropy) t += ev * std::max(d, std::numeric_limits<T>::lowest());
-    if constexpr (kStoreExp) e[v] = ev;
-  }
-  const T log_s = std::log(s);
-  return {xmax, log_s, T(1) / s, xmax * inv_temp + log_s, kEntropy ? log_s - t / s : T(0)};
-}
-
-template <typename T>
-RowStats<T> row_stats(const T* x, int64_t V, T inv_temp, bool entropy, T* e) {
-  if (entropy)
-    return e ? row_stats_impl<T, true, true>(x, V, inv_temp, e)
-             : row_stats_impl<T, true, false>(x, V, inv_temp, e);
-  return e ? row_stats_impl<T, false, true>(x, V, inv_temp, e)
-           : row_stats_impl<T, false, false>(x, V, inv_temp, e);
-}
-
-// Row gradient g_v = d loss / d logits_v (ppo::dlogit_dense, ppo::dlogit_token) into out.
-// e: exp(d) from row_stats, or null to recompute p from st.max and st.log_sum (a caller
-// that only has the lse passes max = 0, log_sum = lse). out may alias e or x.
-template <typename T>
-void row_grad(const T* x, const T* e, int64_t V, T inv_temp, const RowStats<T>& st, T dlogp,
-              T dent, int64_t token, T* out) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  // the token's entry is written last, from its own formula; read it before out (which may
-  // be the row itself) is written
-  const T logp_tok = row_logp(x, token, inv_temp, st);
-  int64_t v = 0;
-  if (e != nullptr && dent == T(0)) {
-    // no entropy term: g_v = -p_v dlogp / temperature, one multiply per entry
-    const T c = -dlogp * st.inv_sum * inv_temp;
-    const Vec vc(c);
-    for (; v + W <= V; v += W) (Vec::loadu(e + v) * vc).store(out + v);
-    for (; v < V; ++v) out[v] = e[v] * c;
-  } else {
-    const Vec vinv(inv_temp), vmax(st.max), vls(st.log_sum), vH(st.entropy), vdl(dlogp),
-        vde(dent), vis(st.inv_sum), vzero(T(0));
-    for (; v + W <= V; v += W) {
-      const Vec logp_v = (Vec::loadu(x + v) - vmax) * vinv - vls;
-      const Vec pv = e ? Vec::loadu(e + v) * vis : vexp(logp_v);
-      const Vec g = ppo::dlogit_dense(logp_v, pv, vH, vdl, vde) * vinv;
-      // p = 0 (a banned entry): exactly 0, not 0 * inf
-      Vec::blendv(g, vzero, pv == vzero).store(out + v);
-    }
-    for (; v < V; ++v) {
-      const T logp_v = row_logp(x, v, inv_temp, st);
-      const T pv = e ? e[v] * st.inv_sum : ppo::ppo_exp(logp_v);
-      out[v] = pv == T(0) ? T(0) : ppo::dlogit_dense(logp_v, pv, st.entropy, dlogp, dent) * inv_temp;
-    }
-  }
-  out[token] = ppo::dlogit_token(logp_tok, ppo::ppo_exp(logp_tok), st.entropy, dlogp, dent) *
-               inv_temp;
-}
-
-// Per-thread scratch for one row: the widened row (reduced dtypes) and a T row for the
-// exps / the float gradient before narrowing.
+// Loads and stores of kVecs accumulation-type vectors from / to a row of scalar_t.
 template <typename scalar_t>
-struct RowScratch {
+struct Lanes {
   using T = acc_of<scalar_t>;
-  std::vector<T> xw, e;
-  RowScratch(int64_t V, bool need_e) : xw(kWiden<scalar_t> ? V : 0), e(need_e ? V : 0) {}
-  // The row as T values: in place for float/double, widened into scratch otherwise.
-  const T* load(const scalar_t* row, int64_t V) {
+  using Vec = Vectorized<T>;
+  static constexpr int64_t W = Vec::size();
+  static void load(const scalar_t* p, Vec* x, int n_vecs) {
     if constexpr (kWiden<scalar_t>) {
-      widen(row, xw.data(), V);
-      return xw.data();
+      for (int j = 0; j < n_vecs; j += 2) {
+        auto [a, b] = at::vec::convert_to_float<scalar_t>(Vectorized<scalar_t>::loadu(p + j * W));
+        x[j] = a;
+        x[j + 1] = b;
+      }
     } else {
-      return row;
+      for (int j = 0; j < n_vecs; ++j) x[j] = Vec::loadu(p + j * W);
+    }
+  }
+  static void store(const Vec* g, scalar_t* p, int n_vecs) {
+    if constexpr (kWiden<scalar_t>) {
+      for (int j = 0; j < n_vecs; j += 2)
+        at::vec::convert_from_float<scalar_t>(g[j], g[j + 1]).store(p + j * W);
+    } else {
+      for (int j = 0; j < n_vecs; ++j) g[j].store(p + j * W);
     }
   }
 };
 
-// Writes the gradient of one row into out (dtype scalar_t). exps: the row's exps from
-// row_stats or null; tmp: a T row for reduced dtypes (may alias exps). out may be the row
-// itself (inplace_backward): each entry is read before it is written.
-template <typename scalar_t, typename T>
-void write_row_grad(const T* x, const T* exps, T* tmp, int64_t V, T inv_temp,
-                    const RowStats<T>& st, T dlogp, T dent, int64_t token, scalar_t* out) {
-  if constexpr (kWiden<scalar_t>) {
-    row_grad<T>(x, exps, V, inv_temp, st, dlogp, dent, token, tmp);
-    narrow(tmp, out, V);
-  } else {
-    row_grad<T>(x, exps, V, inv_temp, st, dlogp, dent, token, out);
+// Per-thread worker for rows of V entries of dtype scalar_t: scratch for the exps of the
+// statistics sweep (relative to each chunk's running max, recorded per chunk) and the two
+// sweeps. The row is processed in chunks of kChunk = kVecs vectors; the last, partial chunk
+// is copied into a -inf padded buffer and goes through the same vector code.
+template <typename scalar_t>
+class RowWorker {
+ public:
+  using T = acc_of<scalar_t>;
+  using Vec = Vectorized<T>;
+  static constexpr int kVecs = 8;  // 8 registers of x, the rest for the accumulators
+  static constexpr int64_t kChunk = kVecs * Vec::size();
+
+  RowWorker(int64_t V, bool keep_exps)
+      : V_(V), nfull_(V / kChunk), tail_(V % kChunk), nchunks_(nfull_ + (tail_ ? 1 : 0)) {
+    if (keep_exps) {
+      e_.resize(nchunks_ * kChunk);
+      cmax_.resize(nchunks_);
+    }
   }
-}
+
+  // Statistics of one row (raw logits, unit stride); keeps the exps when the worker was
+  // made with keep_exps. kEntropy: also the entropy.
+  template <bool kEntropy>
+  RowStats<T> stats(const scalar_t* row, T inv) {
+    Online st;
+    const bool keep = !e_.empty();
+    Vec x[kVecs];
+    for (int64_t k = 0; k < nchunks_; ++k) {
+      load_chunk(row, k, x);
+      absorb<kEntropy>(st, x, inv, keep ? e_.data() + k * kChunk : nullptr);
+      if (keep) cmax_[k] = st.m;
+    }
+    return finish<kEntropy>(st);
+  }
+
+  // log p of entry v: the shifted difference (x_v - max) / temperature - log_sum keeps the
+  // digits that z_v - lse would lose at large |z| (fp16 logits near 65504) and gives
+  // exactly -log_sum for the max entry at any temperature.
+  static T logp(const scalar_t* row, int64_t v, T inv, const RowStats<T>& st) {
+    return (static_cast<T>(row[v]) - st.max) * inv - st.log_sum;
+  }
+
+  // The row gradient g_v = d loss / d logits_v (ppo::dlogit_dense, ppo::dlogit_token) into
+  // out (dtype scalar_t; may be the row itself: each entry is read before it is written).
+  // use_exps: the exps of the last stats() call of this worker are those of this row (else
+  // p_v is recomputed from st.max and st.log_sum, as the token_logprobs backward does).
+  void grad(const scalar_t* row, T inv, const RowStats<T>& st, T dlogp, T dent, int64_t token,
+            bool use_exps, scalar_t* out) {
+    // the token's entry is written last, from its own formula; read it before out (which
+    // may be the row itself) is written
+    const T logp_tok = logp(row, token, inv, st);
+    Vec x[kVecs], g[kVecs];
+    const bool simple = use_exps && dent == T(0);
+    const Vec vinv(inv), vmax(st.max), vls(st.log_sum), vH(st.entropy), vdl(dlogp), vde(dent),
+        vzero(T(0));
+    for (int64_t k = 0; k < nchunks_; ++k) {
+      // p_v = e_v * scale: the chunk's exps were taken against its running max
+      const T scale = use_exps ? chunk_factor(k, st, inv) * st.inv_sum : T(0);
+      if (simple) {
+        // no entropy term: g_v = -p_v dlogp / temperature, one multiply per entry
+        const Vec c(-dlogp * scale * inv);
+        const T* e = e_.data() + k * kChunk;
+        for (int j = 0; j < kVecs; ++j) g[j] = Vec::loadu(e + j * Vec::size()) * c;
+      } else {
+        load_chunk(row, k, x);
+        const Vec vsc(scale);
+        for (int j = 0; j < kVecs; ++j) {
+          const Vec logp_v = (x[j] - vmax) * vinv - vls;
+          const Vec pv = use_exps ? Vec::loadu(e_.data() + k * kChunk + j * Vec::size()) * vsc
+                                  : vexp(logp_v);
+          const Vec gj = ppo::dlogit_dense(logp_v, pv, vH, vdl, vde) * vinv;
+          g[j] = Vec::blendv(gj, vzero, pv == vzero);  // p = 0 (a banned entry): exactly 0
+        }
+      }
+      store_chunk(g, k, out);
+    }
+    out[token] = static_cast<scalar_t>(
+        ppo::dlogit_token(logp_tok, ppo::ppo_exp(logp_tok), st.entropy, dlogp, dent) * inv);
+  }
+
+ private:
+  // Lane-wise partial sums relative to the running raw max m: s = sum of exp(d) over entries
+  // with d != 0, n = number of entries with d == 0 (the top and its ties), t = sum exp(d) d.
+  struct Online {
+    Vec s{T(0)}, n{T(0)}, t{T(0)};
+    T m = -std::numeric_limits<T>::infinity();
+    bool nan = false;
+  };
+
+  void load_chunk(const scalar_t* row, int64_t k, Vec* x) const {
+    if (k < nfull_) {
+      Lanes<scalar_t>::load(row + k * kChunk, x, kVecs);
+      return;
+    }
+    alignas(64) T pad[kChunk];
+    for (int64_t v = 0; v < kChunk; ++v)
+      pad[v] = v < tail_ ? static_cast<T>(row[k * kChunk + v])
+                         : -std::numeric_limits<T>::infinity();
+    for (int j = 0; j < kVecs; ++j) x[j] = Vec::loadu(pad + j * Vec::size());
+  }
+
+  void store_chunk(const Vec* g, int64_t k, scalar_t* out) const {
+    if (k < nfull_) {
+      Lanes<scalar_t>::store(g, out + k * kChunk, kVecs);
+      return;
+    }
+    alignas(64) T pad[kChunk];
+    for (int j = 0; j < kVecs; ++j) g[j].store(pad + j * Vec::size());
+    for (int64_t v = 0; v < tail_; ++v) out[k * kChunk + v] = static_cast<scalar_t>(pad[v]);
+  }
+
+  // exp((m_k - max) / temperature): what the exps of chunk k are multiplied by to be
+  // relative to the row's max (1 for the chunks after the last rise of the max).
+  T chunk_factor(int64_t k, const RowStats<T>& st, T inv) const {
+    const T mk = cmax_[k];
+    return mk == st.max ? T(1) : ppo::ppo_exp((mk - st.max) * inv);
+  }
+
+  template <bool kEntropy>
+  static void absorb(Online& st, const Vec* x, T inv, T* e_out) {
+    Vec cm = x[0];
+    for (int j = 1; j < kVecs; ++j) cm = at::vec::maximum(cm, x[j]);
+    const T m = hmax(cm);  // NaN propagates (IEEE maximum)
+    if (m != m) st.nan = true;
+    if (m > st.m) {
+      rescale(st, m, inv);
+      st.m = m;
+    }
+    const Vec vzero(T(0));
+    if (st.m == -std::numeric_limits<T>::infinity()) {  // nothing finite yet: adds nothing
+      if (e_out)
+        for (int j = 0; j < kVecs; ++j) vzero.store(e_out + j * Vec::size());
+      return;
+    }
+    const Vec vinv(inv), vm(st.m), vone(T(1)), vlow(std::numeric_limits<T>::lowest());
+    for (int j = 0; j < kVecs; ++j) {
+      const Vec d = (x[j] - vm) * vinv;
+      const Vec e = vexp(d);
+      const Vec top = d == vzero;
+      st.s = st.s + Vec::blendv(e, vzero, top);
+      st.n = st.n + Vec::blendv(vzero, vone, top);
+      // d is -inf on a banned entry; exp gives 0 and clamping d to the lowest finite value
+      // keeps that 0 out of 0 * -inf = NaN in the entropy sum
+      if constexpr (kEntropy) st.t = st.t + e * at::vec::maximum(d, vlow);
+      if (e_out) e.store(e_out + j * Vec::size());
+    }
+  }
+
+  // The max rose from st.m to m: the old sums, top included, become non-top mass
+  // exp((st.m - m) / temperature) times smaller. When that underflows (or the raw
+  // difference overflows to -inf) they become 0 without forming 0 * inf.
+  static void rescale(Online& st, T m, T inv) {
+    const T dm = (st.m - m) * inv;
+    const T a = ppo::ppo_exp(dm);
+    if (a > T(0)) {
+      const Vec old = st.s + st.n;
+      st.t = Vec(a) * (st.t + Vec(dm) * old);
+      st.s = Vec(a) * old;
+    } else {
+      st.t = st.s = Vec(T(0));
+    }
+    st.n = Vec(T(0));
+  }
+
+  template <bool kEntropy>
+  static RowStats<T> finish(const Online& st) {
+    const T nan = std::numeric_limits<T>::quiet_NaN();
+    if (st.nan || st.m == -std::numeric_limits<T>::infinity()) {
+      // a NaN logit, or a row of -inf only: NaN, loudly
+      return {st.m == st.m ? st.m : nan, nan, nan, nan};
+    }
+    const T rest = hsum(st.s) + (hsum(st.n) - T(1));
+    const T log_sum = ppo::ppo_log1p(rest);
+    const T inv_sum = T(1) / (T(1) + rest);
+    return {st.m, log_sum, inv_sum, kEntropy ? log_sum - hsum(st.t) * inv_sum : T(0)};
+  }
+
+  int64_t V_, nfull_, tail_, nchunks_;
+  std::vector<T> e_;     // exps of the last row's stats sweep, chunk by chunk
+  std::vector<T> cmax_;  // running max each chunk's exps were taken against
+};
 
 // Rows of [B, Tl, V] visited as i = b * T + t for t < T; grain sized so a task holds
 // about 64K vocabulary entries.
