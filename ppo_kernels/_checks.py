@@ -119,6 +119,13 @@ def response_mask(mask, like, flat, like_name="tokens"):
     return (mask != 0).contiguous()  # != keeps the input's strides; kernels index flat
 
 
+def host_readable(x):
+    """Whether reading x's values costs nothing: a CPU tensor outside of tracing. A device
+    tensor's value read would stall the host and break CUDA-graph capture, and under
+    torch.compile it would break the graph."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def token_range(tokens, mask, vocab):
     """Out-of-range ids on valid positions are an error (masked ones are never read).
     Returns the tokens to hand to the kernel.
@@ -130,7 +137,7 @@ def token_range(tokens, mask, vocab):
     replaced by 0 so that no kernel can read out of bounds before it fires.
     """
     bad = mask & ((tokens < 0) | (tokens >= vocab))
-    if torch.compiler.is_compiling() or tokens.device.type != "cpu":
+    if not host_readable(tokens):
         torch._assert_async(~bad.any(), f"tokens: ids must lie in [0, {vocab}) on valid "
                                         "positions")
         return torch.where(bad, 0, tokens)

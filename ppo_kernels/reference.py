@@ -50,43 +50,58 @@ def _align(logits, tokens):
 # ---------------------------------------------------------------- per-row softmax parts
 
 def _row_stats(z):
-    """logsumexp and entropy of rows of z [..., V]; -inf entries have p = 0."""
+    """Softmax pieces of rows of z [..., V]: (d, log_sum, ent, p) with d = z - max z,
+    log_sum = log sum exp(d) and log p_v = d_v - log_sum. -inf entries have p = 0.
+
+    The top entry's exp(0) = 1 is kept apart: log_sum = log1p(rest), rest = the sum over
+    every other entry, and H = log_sum - sum p d, so a confident row (1 - p ~ 1e-12) keeps
+    its relative digits even in float64 (log(1 + rest) would lose four of them).
+    """
     m = np.max(z, axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, 0.0)
-    e = np.exp(z - m)
-    s = e.sum(-1, keepdims=True)
-    lse = (m + np.log(s))[..., 0]
-    p = e / s
-    zp = np.where(p > 0, z, 0.0) * p
-    ent = lse - zp.sum(-1)
-    return lse, ent, p
+    d = z - m
+    e = np.exp(d)
+    top = np.argmax(z, axis=-1)[..., None]
+    e_rest = e.copy()  # every entry but one top one (its exp is 1, or NaN for a NaN row)
+    np.put_along_axis(e_rest, top, 0.0, -1)
+    rest = e_rest.sum(-1) + (np.take_along_axis(e, top, -1)[..., 0] - 1.0)
+    log_sum = np.log1p(rest)
+    p = e / (1.0 + rest)[..., None]
+    ent = log_sum - (p * np.where(p > 0, d, 0.0)).sum(-1)
+    return d, log_sum, ent, p
 
 
 def token_logprobs(logits, tokens, response_mask=None, temperature=1.0):
     """logprobs [B, T] and entropy [B, T] of the sampled tokens; 0 on masked positions."""
     z, tokens = _align(logits, tokens)
     m = _mask(response_mask, tokens.shape)
-    z = z / temperature
-    lse, ent, _ = _row_stats(z)
+    d, log_sum, ent, _ = _row_stats(z / temperature)
     safe = np.where(m > 0, tokens, 0)
-    logp = np.take_along_axis(z, safe[..., None], -1)[..., 0] - lse
+    logp = np.take_along_axis(d, safe[..., None], -1)[..., 0] - log_sum
     return np.where(m > 0, logp, 0.0), np.where(m > 0, ent, 0.0)
 
 
 def token_logprobs_grad(logits, tokens, response_mask, temperature, grad_logprobs,
                         grad_entropy=None):
-    """d/dlogits of sum(grad_logprobs * logp + grad_entropy * H), shaped like ``logits``."""
+    """d/dlogits of sum(grad_logprobs * logp + grad_entropy * H), shaped like ``logits``.
+
+    d logp / d z_v = 1[v = token] - p_v, d H / d z_v = -p_v (log p_v + H); the token's own
+    1 - p is taken as -expm1(log p) (no cancellation for confident tokens)."""
     full = as_f64(logits)
     z, tokens = _align(full, tokens)
     m = _mask(response_mask, tokens.shape)
-    z = z / temperature
-    lse, ent, p = _row_stats(z)
+    d, log_sum, ent, p = _row_stats(z / temperature)
     glp = as_f64(grad_logprobs) * m
     gh = np.zeros_like(glp) if grad_entropy is None else as_f64(grad_entropy) * m
-    logp_v = np.where(p > 0, z - lse[..., None], 0.0)
-    onehot = np.zeros_like(z)
-    np.put_along_axis(onehot, np.where(m > 0, tokens, 0)[..., None], 1.0, -1)
-    g = glp[..., None] * (onehot - p) - gh[..., None] * p * (logp_v + ent[..., None])
+    logp_v = np.where(p > 0, d - log_sum[..., None], 0.0)
+    g = -glp[..., None] * p - gh[..., None] * p * (logp_v + ent[..., None])
+    safe = np.where(m > 0, tokens, 0)[..., None]
+    lp_tok = np.take_along_axis(d, safe, -1) - log_sum[..., None]  # -inf for a banned token
+    p_tok = np.take_along_axis(p, safe, -1)
+    ent_part = np.where(p_tok > 0, p_tok * (np.where(p_tok > 0, lp_tok, 0.0) + ent[..., None]),
+                        0.0)
+    g_tok = -glp[..., None] * np.expm1(lp_tok) - gh[..., None] * ent_part
+    np.put_along_axis(g, safe, g_tok, -1)
     out = np.zeros_like(full)
     out[:, : tokens.shape[1]] = g / temperature
     return out

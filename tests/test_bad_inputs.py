@@ -115,6 +115,13 @@ ROWS = [
     ("ppo_loss", "temperature", math.nan, ValueError, "temperature"),
     ("ppo_loss", "temperature", math.inf, ValueError, "temperature"),
     ("ppo_loss", "temperature", "1.0", TypeError, "temperature"),
+    # 1 / temperature overflows float32 (the accumulation type of float32 logits)
+    ("ppo_loss", "temperature", 1e-39, ValueError, "temperature"),
+    ("ppo_loss", "temperature", 5e-324, ValueError, "temperature"),
+    ("ppo_loss", "grad_scale", 0.0, ValueError, "grad_scale"),
+    ("ppo_loss", "grad_scale", -1.0, ValueError, "grad_scale"),
+    ("ppo_loss", "grad_scale", math.inf, ValueError, "grad_scale"),
+    ("ppo_loss", "grad_scale", torch.tensor(0.5), TypeError, "grad_scale"),
     ("ppo_loss", "clip_eps_low", -0.1, ValueError, "clip_eps_low"),
     ("ppo_loss", "clip_eps_low", 1.0, ValueError, "clip_eps_low"),
     ("ppo_loss", "clip_eps_high", 1.0, ValueError, "clip_eps_high"),
@@ -151,6 +158,7 @@ ROWS = [
     ("token_logprobs", "response_mask", torch.ones(T, B), ValueError, "response_mask"),
     ("token_logprobs", "temperature", 0, ValueError, "temperature"),
     ("token_logprobs", "temperature", -0.5, ValueError, "temperature"),
+    ("token_logprobs", "temperature", 2e-39, ValueError, "temperature"),
     ("token_logprobs", "return_entropy", "yes", ValueError, "return_entropy"),
     ("token_logprobs", "backend", "tpu", ValueError, "backend"),
     ("token_logprobs", "backend", "cuda", ValueError, "backend"),
@@ -211,6 +219,7 @@ ROWS = [
     ("score_rollout", "gamma", 2.0, ValueError, "gamma"),
     ("score_rollout", "lam", -0.5, ValueError, "lam"),
     ("score_rollout", "temperature", 0.0, ValueError, "temperature"),
+    ("score_rollout", "temperature", 1e-40, ValueError, "temperature"),
     ("score_rollout", "whiten", "no", ValueError, "whiten"),
     ("score_rollout", "backend", "cuda", ValueError, "backend"),
     ("score_rollout", "backend", "numpy", ValueError, "backend"),
@@ -305,7 +314,8 @@ def test_int32_tokens_and_mask_dtypes_accepted():
 
 @pytest.mark.parametrize("kw", [dict(clip_eps_low=0.0), dict(clip_eps_low=0.999),
                                 dict(clip_eps_high=0.0), dict(dual_clip_c=1.0001),
-                                dict(temperature=1e-3), dict(kl_coef=0.0),
+                                dict(temperature=1e-3), dict(temperature=3e-38),
+                                dict(grad_scale=1e-30), dict(kl_coef=0.0),
                                 dict(global_num_tokens=1), dict(norm_length=0.5)])
 def test_range_boundaries_are_accepted(kw):
     loss, _ = pk.ppo_loss(**base_ppo(), **kw)
