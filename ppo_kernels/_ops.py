@@ -120,7 +120,11 @@ def _loss_setup_for(prefix):
         # the scale the saved dlogits carry, as a device scalar that the backward compares
         # with grad_output on the device
         ctx.applied = torch.full((), grad_scale, dtype=acc_dtype(logits), device=logits.device)
-        ctx.save_for_backward(output[4])
+        # kept as a detached alias, not through save_for_backward: the backward rescales it
+        # in place, which a saved tensor's version check would refuse on a retained graph
+        # (the Python-registered Triton op bumps versions); detached, it holds no reference
+        # back to this node (no cycle)
+        ctx.dlogits = output[4].detach()
         ctx.prefix = prefix
         # the other outputs carry no gradient: materialising zeros for them would allocate a
         # second [N, V] buffer (for the dlogits output) in every backward
@@ -129,8 +133,7 @@ def _loss_setup_for(prefix):
 
 
 def _loss_backward(ctx, grad_loss, *_):
-    (dlogits,) = ctx.saved_tensors
-    grad = None if grad_loss is None else scale_grad(ctx.prefix, dlogits, grad_loss,
+    grad = None if grad_loss is None else scale_grad(ctx.prefix, ctx.dlogits, grad_loss,
                                                      ctx.applied)
     return (grad,) + (None,) * 16
 

@@ -34,13 +34,21 @@ def _row_types(logits, acc="fp32"):
         "logits_ptr": LOGITS[logits], "grad_ptr": LOGITS[logits],
         "stride_lb": "i64", "stride_lt": "i64", "stride_gb": "i64", "stride_gt": "i64",
         "tokens_ptr": "*i64", "mask_ptr": "*i1",
-        "logp_ptr": a, "ent_ptr": a, "lse_ptr": a, "ref_ptr": a, "kl_ptr": a, "rew_ptr": a,
+        "logp_ptr": a, "ent_ptr": a, "max_ptr": a, "lsum_ptr": a, "ref_ptr": a, "kl_ptr": a,
+        "rew_ptr": a,
         "glogp_ptr": a, "gent_ptr": a, "old_ptr": a, "adv_ptr": a, "w_ptr": a,
         "isw_ptr": a, "loss_tok_ptr": a,
         "T": "i32", "TL": "i32", "TG": "i32", "V": "i32",
-        "temperature": "fp64", "kl_coef": "fp64", "clip_eps_low": "fp64",
+        "inv_temp": "fp64", "kl_coef": "fp64", "clip_eps_low": "fp64",
         "clip_eps_high": "fp64", "dual_clip_c": "fp64", "entropy_coef": "fp64",
+        "grad_scale": "fp64",
     }
+
+
+def _scale_types(grad, acc):
+    """scale_grad_'s kernels: the gradient rows and the two 0-d scalars of ACC."""
+    return {"grad_ptr": LOGITS[grad], "stride_gb": "i64", "stride_gt": "i64",
+            "go_ptr": f"*{acc}", "applied_ptr": f"*{acc}", "TL": "i32", "V": "i32"}
 
 
 def _gae_types(acc):
@@ -50,7 +58,7 @@ def _gae_types(acc):
             "lam": "fp64"}
 
 
-HOPPER = {"num_warps": 8, "num_stages": 2}  # a mid config of _config._HOPPER_ROW_CONFIGS
+HOPPER = {"num_warps": 8}  # a mid config of _config._HOPPER_ROW_CONFIGS
 
 # name -> (module, kernel attribute, types, constexprs (ACC as "fp32"/"fp64"), options)
 VARIANTS = {}
@@ -84,11 +92,35 @@ VARIANTS["ppo_loss-fp64"] = (
 VARIANTS["ppo_loss-bf16-block1k"] = (
     "ppo_loss", "_ppo_loss_jit", _row_types("bf16"),
     dict(ACC="fp32", KL_EST=2, HAS_REF=True, HAS_ISW=True, HAS_DUAL=True,
-         COMPUTE_GRAD=True, BLOCK_V=1024), {"num_warps": 4, "num_stages": 2})
+         COMPUTE_GRAD=True, BLOCK_V=1024), {"num_warps": 4})
 VARIANTS["ppo_loss-fp32-block16k"] = (
     "ppo_loss", "_ppo_loss_jit", _row_types("fp32"),
     dict(ACC="fp32", KL_EST=2, HAS_REF=True, HAS_ISW=True, HAS_DUAL=True,
-         COMPUTE_GRAD=True, BLOCK_V=16384), {"num_warps": 16, "num_stages": 1})
+         COMPUTE_GRAD=True, BLOCK_V=16384), {"num_warps": 16})
+# the default flags (no ref, no IS weights, no dual clip) and the values the runtime
+# specializes as constants: V == 1 (one-entry vocabulary) and T == 1
+VARIANTS["ppo_loss-plain-bf16"] = (
+    "ppo_loss", "_ppo_loss_jit", _row_types("bf16"),
+    dict(ACC="fp32", KL_EST=2, HAS_REF=False, HAS_ISW=False, HAS_DUAL=False,
+         COMPUTE_GRAD=True, BLOCK_V=4096), HOPPER)
+VARIANTS["ppo_loss-V1-fp32"] = (
+    "ppo_loss", "_ppo_loss_jit", _row_types("fp32"),
+    dict(ACC="fp32", KL_EST=2, HAS_REF=True, HAS_ISW=False, HAS_DUAL=False,
+         COMPUTE_GRAD=True, BLOCK_V=128, V=1), {"num_warps": 1})
+VARIANTS["logprobs_fwd-T1-bf16"] = (
+    "logprobs", "_logprobs_fwd_kernel", _row_types("bf16"),
+    dict(ACC="fp32", NEED_ENT=True, SCORE=False, KL_EST=0, BLOCK_V=4096, T=1), HOPPER)
+# scale_grad_ (grad *= grad_output / applied, in place) for every gradient dtype, and the
+# one-program kernel that updates `applied` after it
+for dt in ("fp32", "bf16", "fp16", "fp64"):
+    acc = "fp64" if dt == "fp64" else "fp32"
+    VARIANTS[f"scale_grad-{dt}"] = (
+        "ppo_loss", "_scale_grad_kernel", _scale_types(dt, acc),
+        dict(ACC=acc, BLOCK_V=4096), HOPPER)
+for acc in ("fp32", "fp64"):
+    VARIANTS[f"scale_grad_commit-{acc}"] = (
+        "ppo_loss", "_scale_grad_commit_kernel", _scale_types("fp32", acc), {},
+        {"num_warps": 1})
 for acc, flags in (("fp32", dict(HAS_BOOT=True, HAS_SCORES=False)),
                    ("fp32", dict(HAS_BOOT=False, HAS_SCORES=True)),
                    ("fp64", dict(HAS_BOOT=True, HAS_SCORES=True))):
@@ -99,7 +131,7 @@ for acc, flags in (("fp32", dict(HAS_BOOT=True, HAS_SCORES=False)),
 # Kernels whose 16-byte alignment the runtime would know (it specializes pointers and
 # ints divisible by 16): with that, the vocabulary loop must use 128-bit loads.
 ALIGNED = {"ppo_loss-bf16-aligned": "ppo_loss-bf16", "logprobs_fwd-fp16-aligned":
-           "logprobs_fwd-fp16"}
+           "logprobs_fwd-fp16", "scale_grad-bf16-aligned": "scale_grad-bf16"}
 
 CHILD = r"""
 import importlib, importlib.util, json, os, sys, traceback

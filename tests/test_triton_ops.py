@@ -158,7 +158,7 @@ def test_schemas_match_ops_cpp():
         name, rest = s.split("(", 1)
         cpp[name.strip()] = "(" + rest
     assert set(cpp) == {"token_logprobs_fwd", "token_logprobs_bwd", "ppo_loss_fwd",
-                        "ppo_loss_fwd_inplace", "gae", "score_rollout"}
+                        "ppo_loss_fwd_inplace", "scale_grad_", "gae", "score_rollout"}
     def norm(s):
         """Whitespace-normalised; output names dropped (some torch versions ignore the
         schema given to triton_op and infer it from the annotations, which name no
@@ -179,21 +179,26 @@ def test_schemas_match_ops_cpp():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_token_logprobs_fwd(V, dtype):
     logits, tokens, mask = make_case(B=2, T=4, V=V, dtype=dtype, seed=V)
-    logp, ent, lse = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 0.7, True)
+    logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 0.7,
+                                                                 True)
     acc = acc_of(dtype)
-    assert logp.dtype == ent.dtype == lse.dtype == acc
+    assert logp.dtype == ent.dtype == row_max.dtype == log_sum.dtype == acc
     rl, re_ = ref.token_logprobs(logits, tokens, mask, 0.7)
     rtol, atol = TOK_TOL[dtype]
     close(logp, rl, rtol, atol, "logprobs")
     close(ent, re_, rtol, atol, "entropy")
-    # lse: logsumexp of logits / temperature on valid rows
-    z = ref.as_f64(logits) / 0.7
-    zmax = z.max(-1, keepdims=True)
-    rlse = (zmax + np.log(np.exp(z - zmax).sum(-1, keepdims=True)))[..., 0]
-    close(lse, np.where(mask.cpu().numpy(), rlse, 0.0), rtol, atol, "lse")
-    logp2, ent2, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 0.7, False)
+    # row_max: the raw max logit; log_sum: log sum exp((x - row_max) / T); 0 on masked rows
+    m = mask.cpu().numpy()
+    x = ref.as_f64(logits)
+    xmax = x.max(-1)
+    rls = np.log(np.exp((x - xmax[..., None]) / 0.7).sum(-1))
+    close(row_max, np.where(m, xmax, 0.0), 0, 0, "row_max")
+    close(log_sum, np.where(m, rls, 0.0), rtol, atol, "log_sum")
+    logp2, ent2, row_max2, log_sum2 = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 0.7,
+                                                                     False)
     assert ent2.numel() == 0
-    assert torch.equal(logp2, logp)
+    assert torch.equal(logp2, logp) and torch.equal(row_max2, row_max)
+    assert torch.equal(log_sum2, log_sum)
 
 
 @pytest.mark.parametrize("layout,padding", [("view", "left"), ("raw", "right"),
@@ -202,7 +207,7 @@ def test_token_logprobs_fwd(V, dtype):
 def test_token_logprobs_layouts_and_padding(layout, padding):
     logits, tokens, mask = make_case(B=3, T=6, V=100, layout=layout, padding=padding,
                                      neginf=True, seed=1)
-    logp, ent, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, True)
+    logp, ent, _, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, True)
     rl, re_ = ref.token_logprobs(logits, tokens, mask)
     close(logp, rl, 1e-5, 1e-6, "logprobs")
     close(ent, re_, 1e-5, 1e-6, "entropy")
@@ -218,10 +223,11 @@ def test_token_logprobs_bwd(V, with_entropy, dtype):
     logits, tokens, mask = make_case(B=2, T=4, V=V, dtype=dtype, layout="raw",
                                      padding="interior", neginf=V > 1, seed=2)
     acc = acc_of(dtype)
-    _, ent, lse = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.3, with_entropy)
+    _, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.3,
+                                                              with_entropy)
     g = rand_tok(2, 4, acc, 3)
     gh = rand_tok(2, 4, acc, 4) if with_entropy else None
-    d = OPS.triton_token_logprobs_bwd(g, gh, logits, tokens, mask, lse, ent, 1.3)
+    d = OPS.triton_token_logprobs_bwd(g, gh, logits, tokens, mask, row_max, log_sum, ent, 1.3)
     assert d.shape == logits.shape and d.dtype == logits.dtype and d.is_contiguous()
     rd = ref.token_logprobs_grad(logits, tokens, mask, 1.3, g, gh)
     close(d, rd, *grad_tol(dtype, rd), "dlogits")
@@ -237,16 +243,17 @@ class _LogProbsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, tokens, mask, temperature):
-        logp, ent, lse = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temperature, True)
-        ctx.save_for_backward(logits, tokens, mask, lse, ent)
+        logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask,
+                                                                     temperature, True)
+        ctx.save_for_backward(logits, tokens, mask, row_max, log_sum, ent)
         ctx.temperature = temperature
         return logp, ent
 
     @staticmethod
     def backward(ctx, glogp, gent):
-        logits, tokens, mask, lse, ent = ctx.saved_tensors
+        logits, tokens, mask, row_max, log_sum, ent = ctx.saved_tensors
         d = OPS.triton_token_logprobs_bwd(glogp.contiguous(), gent.contiguous(), logits,
-                                          tokens, mask, lse, ent, ctx.temperature)
+                                          tokens, mask, row_max, log_sum, ent, ctx.temperature)
         return d, None, None, None
 
 
@@ -286,14 +293,15 @@ def _ppo_inputs(logits, tokens, mask, seed, mode="token-mean", with_ref=True,
 
 
 def _run_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
-             kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, compute_grad=True):
+             kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, grad_scale=1.0,
+             compute_grad=True):
     acc = inp["acc"]
     return OPS.triton_ppo_loss_fwd(
         logits, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
         per_token(inp["w"], acc),
         None if inp["ref"] is None else per_token(inp["ref"], acc),
         None if inp["isw"] is None else per_token(inp["isw"], acc),
-        eps_low, eps_high, dual, kl_coef, kl_est, ent_coef, temp, compute_grad)
+        eps_low, eps_high, dual, kl_coef, kl_est, ent_coef, temp, grad_scale, compute_grad)
 
 
 def _ref_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
@@ -402,7 +410,7 @@ def test_ppo_loss_inplace(layout, dtype):
     res = OPS.triton_ppo_loss_fwd_inplace(
         logits, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
         per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
-        0.2, 0.28, 3.0, 0.1, 1, 0.01, 1.0)
+        0.2, 0.28, 3.0, 0.1, 1, 0.01, 1.0, 1.0)
     assert len(res) == 4
     # the same numbers as the out-of-place kernel (bit for bit under the interpreter; on a
     # GPU the in-place launch uses a fixed config, the other an autotuned block size, so
@@ -431,7 +439,7 @@ def test_many_rows_and_64bit_offsets_cuda():
     logits = torch.randn(B, T, V, device="cuda", dtype=torch.bfloat16, generator=gen)
     tokens = torch.randint(0, V, (B, T), device="cuda", generator=gen)
     mask = torch.ones(B, T, dtype=torch.bool, device="cuda")
-    logp, _, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, False)
+    logp, _, _, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, False)
     rows = torch.cat([torch.arange(4), torch.arange(T - 4, T)]).cuda()
     lsm = torch.log_softmax(logits[0, rows].float(), -1)
     want = lsm.gather(1, tokens[0, rows, None])[:, 0]
@@ -440,12 +448,422 @@ def test_many_rows_and_64bit_offsets_cuda():
     adv = torch.randn(B, T, device="cuda", generator=gen)
     w = torch.full((B, T), 1.0 / T, device="cuda")
     out = OPS.triton_ppo_loss_fwd(logits, tokens, mask, logp, adv, w, None, None, 0.2, 0.2,
-                                  0.0, 0.0, 2, 0.0, 1.0, True)
+                                  0.0, 0.0, 2, 0.0, 1.0, 1.0, True)
     dl = out[4]
     onehot = torch.nn.functional.one_hot(tokens[0, rows], V).float()
     want_g = (-w[0, rows] * adv[0, rows])[:, None] * (onehot - lsm.exp())
     torch.testing.assert_close(dl[0, rows].float(), want_g, rtol=2e-2, atol=1e-9)
     del dl, out
+
+
+# ------------------------------------------------------------------ precision (issue 7)
+
+from ppo_kernels.triton_kernels._math import expm1, expm1_minus_x, kl_term, log1p  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+# tl.exp lowers to ex2.approx(x * log2(e)) on a GPU, whose relative error grows like
+# |x| * 1e-7: the exps of a confident row (d ~ -30) are then ~3e-6 off. The interpreter
+# uses numpy's exp (1 ulp), which is what the tight bounds below assume.
+EXP_RTOL = 2e-6 if DEV == "cpu" else 1e-5
+
+
+# numpy (the interpreter) warns about overflows to -inf that these inputs produce on purpose
+GENUINE_INF = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def stable_stats(logits, temp):
+    """float64 (log_sum, entropy, log p of every entry) of rows of raw logits [..., V],
+    with the non-top mass kept apart (log1p), as the kernels do: a float64 softmax rounds
+    1 + 1e-12 to 4 digits, too coarse to check a confident row against."""
+    x = ref.as_f64(logits)
+    d = (x - x.max(-1, keepdims=True)) / temp
+    e = np.exp(d)
+    top = d == 0
+    rest = np.where(top, 0.0, e).sum(-1) + (top.sum(-1) - 1.0)
+    log_sum = np.log1p(rest)
+    t = (e * np.where(e > 0, d, 0.0)).sum(-1)
+    return log_sum, log_sum - t / (1.0 + rest), d - log_sum[..., None]
+
+
+def rel_err(actual, expected):
+    a = actual.detach().cpu().double().numpy() if torch.is_tensor(actual) else actual
+    e = np.asarray(expected, dtype=np.float64)
+    return float(np.max(np.abs(a - e) / np.maximum(np.abs(e), 1e-300)))
+
+
+@GENUINE_INF
+@pytest.mark.parametrize("temp", [1.0, 0.7])
+@pytest.mark.parametrize("ent_coef", [0.0, 0.05])
+def test_finfo_min_leading_block_is_finite(temp, ent_coef):
+    """Review C1: a leading vocabulary block masked with finfo.min (HF-style masks) and the
+    token in a later block: the merge must not form 0 * inf. Entropy, loss and dlogits are
+    finite and equal to the reference, also with entropy_coef = 0 (where a NaN entropy
+    used to leak into the loss and dlogits through 0 * NaN)."""
+    B, T, V = 2, 3, 96  # the interpreter's block is 32: two finfo.min blocks, then a mixed one
+    logits, tokens, mask = make_case(B=B, T=T, V=V, padding="none", seed=11)
+    logits[..., :72] = torch.finfo(torch.float32).min
+    gen = torch.Generator().manual_seed(12)
+    tokens = torch.randint(72, V, (B, T), generator=gen).to(DEV)
+    logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp,
+                                                                 True)
+    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
+    close(logp, rl, 1e-5, 1e-6, "logprobs")
+    close(ent, re_, 1e-5, 1e-6, "entropy")
+    g = rand_tok(B, T, torch.float32, 13)
+    d = OPS.triton_token_logprobs_bwd(g, g, logits, tokens, mask, row_max, log_sum, ent, temp)
+    rd = ref.token_logprobs_grad(logits, tokens, mask, temp, g, g)
+    close(d, rd, *grad_tol(torch.float32, rd), "token_logprobs dlogits")
+    assert (d[..., :72] == 0).all()
+    inp = _ppo_inputs(logits, tokens, mask, seed=14)
+    out = _run_ppo(logits, tokens, mask, inp, ent_coef=ent_coef, temp=temp)
+    rout = _ref_ppo(logits, tokens, mask, inp, ent_coef=ent_coef, temp=temp)
+    _check_ppo(out, rout, logits, tokens, mask, torch.float32, temp=temp)
+    assert torch.isfinite(out[0]) and (out[4][..., :72] == 0).all()
+
+
+CONFIDENT = (1e-3, 1e-5, 1e-7, 1e-9, 1e-11, 1e-12)  # 1 - p of the top token, one per row
+
+
+def confident_case(V, temp, seed):
+    """float32 logits [1, 6, V] whose top entry (the token) has 1 - p = CONFIDENT[i] on
+    row i (computed from the rounded logits, so it is only close to those values)."""
+    gen = np.random.default_rng(seed)
+    x = gen.normal(0.0, 1.0, (1, len(CONFIDENT), V))
+    top = gen.integers(0, V, len(CONFIDENT))
+    for i, q in enumerate(CONFIDENT):
+        others = np.delete(x[0, i], top[i])
+        # sum over v != top of exp((x_v - L) / temp) = q
+        x[0, i, top[i]] = temp * (np.log(np.exp(others / temp).sum()) - np.log(q))
+    logits = torch.tensor(x, dtype=torch.float32).to(DEV)
+    tokens = torch.tensor(top[None], dtype=torch.int64).to(DEV)
+    mask = torch.ones(1, len(CONFIDENT), dtype=torch.bool, device=DEV)
+    return logits, tokens, mask
+
+
+@pytest.mark.parametrize("temp", [1.0, 0.7])
+def test_confident_tokens_keep_their_digits(temp):
+    """Spec section 2: with 1 - p from 1e-3 down to 1e-12 (far below float32 epsilon),
+    logp (= -log1p(rest)), the entropy and the token's dlogit (dlogp (1 - p)) keep their
+    relative digits, and a row's gradient still sums to ~0 relative to its token entry.
+    With log(1 + rest) logp came back 0 and the entropy lost percents."""
+    logits, tokens, mask = confident_case(100, temp, seed=15)
+    log_sum, ent64, logp_all = stable_stats(logits, temp)
+    tok = tokens.cpu().numpy()
+    logp64 = np.take_along_axis(logp_all, tok[..., None], -1)[..., 0]
+    logp, ent, row_max, ls = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp, True)
+    assert (logp < 0).all(), "a confident token's logp must not round to 0"
+    assert rel_err(logp, logp64) < EXP_RTOL, "logprobs"
+    assert rel_err(ls, log_sum) < EXP_RTOL, "log_sum"
+    assert rel_err(ent, ent64) < EXP_RTOL, "entropy"
+    # backward of sum(logp): token entry (1 - p) / T = -expm1(logp) / T, others -p_v / T
+    one = torch.ones(1, len(CONFIDENT), device=DEV)
+    d = OPS.triton_token_logprobs_bwd(one, None, logits, tokens, mask, row_max, ls, ent, temp)
+    d64 = d.double().cpu().numpy()
+    g_tok = np.take_along_axis(d64, tok[..., None], -1)[..., 0]
+    assert rel_err(g_tok, -np.expm1(logp64) / temp) < EXP_RTOL, "token dlogit"
+    assert (np.abs(d64.sum(-1)) < 1e-5 * np.abs(g_tok)).all(), "row gradient sums to 0"
+    # the fused loss: rho = 1, A = 1, an entropy bonus; w = 1 on every row
+    inp = dict(old=logp64, adv=np.ones_like(logp64), ref=None, isw=None,
+               w=np.ones_like(logp64), acc=torch.float32)
+    _, _, lp2, ent2, dl = _run_ppo(logits, tokens, mask, inp, eps_low=0.2, eps_high=0.2,
+                                   kl_coef=0.0, ent_coef=0.01, temp=temp)
+    assert rel_err(lp2, logp64) < EXP_RTOL and rel_err(ent2, ent64) < EXP_RTOL
+    p64 = np.exp(logp64)
+    dlogp, dent = -1.0, -0.01  # d loss / d logp = -rho A w, d loss / d H = -w entropy_coef
+    want = (-dlogp * np.expm1(logp64) - p64 * dent * (logp64 + ent64)) / temp
+    got = np.take_along_axis(dl.double().cpu().numpy(), tok[..., None], -1)[..., 0]
+    assert rel_err(got, want) < EXP_RTOL, "fused loss: token dlogit"
+
+
+C4_ROWS = [[1.5410, -0.2934, -2.1788, 0.5684, -1.0845],  # review C4 (from test_adversarial)
+           [1.5410, 1.5405, 1.5400, 0.5684, -1.0845]]    # close maxima: p non-trivial
+
+
+@GENUINE_INF
+@pytest.mark.parametrize("temp", [1e-3, 1e-10])
+def test_token_logprobs_bwd_small_temperature(temp):
+    """Review C4: the backward rebuilds log p_v = (x_v - row_max) / T - log_sum from the
+    forward's (row_max, log_sum), never x_v / T - lse: at T = 1e-10 the max entry's
+    log p came back +213.8 (p = inf) on a GPU, at 1e-3 8.6e-6 off."""
+    logits = torch.tensor([C4_ROWS], dtype=torch.float32).to(DEV)
+    tokens = torch.tensor([[2, 0]], device=DEV)
+    mask = torch.ones(1, 2, dtype=torch.bool, device=DEV)
+    logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp,
+                                                                 True)
+    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
+    close(logp, rl, 1e-6, 0, "logprobs")
+    assert (logp <= 0).all()
+    g = torch.tensor([[1.0, -0.5]], device=DEV)
+    gh = torch.tensor([[0.25, 0.5]], device=DEV)
+    d = OPS.triton_token_logprobs_bwd(g, gh, logits, tokens, mask, row_max, log_sum, ent, temp)
+    rd = ref.token_logprobs_grad(logits, tokens, mask, temp, g, gh)
+    assert torch.isfinite(d).all()
+    close(d, rd, 1e-6, 1e-6 * np.abs(rd).max(), "dlogits")
+
+
+@pytest.mark.parametrize("temp", [1.0, 30.0])
+def test_token_logprobs_huge_fp16_logits(temp):
+    """Logits at the fp16 limit (65504, spacing 32): forward and backward match the
+    float64 reference (z - lse would lose the digits of d = x - max at this scale)."""
+    row = [65504.0, 65472.0, 65440.0, 60000.0, -65504.0, 0.0, 65504.0 - 96.0]
+    logits = torch.tensor([[row, row[::-1]]], dtype=torch.float16).to(DEV)
+    tokens = torch.tensor([[1, 0]], device=DEV)
+    mask = torch.ones(1, 2, dtype=torch.bool, device=DEV)
+    logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp,
+                                                                 True)
+    assert (row_max == 65504.0).all()
+    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
+    close(logp, rl, 1e-6, 1e-7, "logprobs")
+    close(ent, re_, 1e-6, 1e-7, "entropy")
+    g = torch.tensor([[1.0, 0.5]], device=DEV)
+    d = OPS.triton_token_logprobs_bwd(g, g, logits, tokens, mask, row_max, log_sum, ent, temp)
+    rd = ref.token_logprobs_grad(logits, tokens, mask, temp, g, g)
+    close(d, rd, *grad_tol(torch.float16, rd), "dlogits")
+
+
+@triton.jit
+def _probe_kernel(x_ptr, a_ptr, b_ptr, N, WHICH: tl.constexpr, BLOCK: tl.constexpr):
+    """Elementwise _math helpers on a vector: 0 = kl_term k3 (kl, dkl),
+    1 = (expm1_minus_x, expm1), 2 = (log1p, log1p)."""
+    offs = tl.arange(0, BLOCK)
+    inb = offs < N
+    x = tl.load(x_ptr + offs, mask=inb, other=0.0)
+    if WHICH == 0:
+        a, b = kl_term(x, 2)
+    elif WHICH == 1:
+        a = expm1_minus_x(x)
+        b = expm1(x)
+    else:
+        a = log1p(x)
+        b = a
+    tl.store(a_ptr + offs, a, mask=inb)
+    tl.store(b_ptr + offs, b, mask=inb)
+
+
+def _probe(which, x):
+    x = torch.as_tensor(x, dtype=torch.float32).to(DEV)
+    a, b = torch.empty_like(x), torch.empty_like(x)
+    _probe_kernel[(1,)](x, a, b, x.numel(), WHICH=which,
+                        BLOCK=triton.next_power_of_2(x.numel()))
+    return a.cpu().double().numpy(), b.cpu().double().numpy()
+
+
+def expm1_minus_x64(u):
+    """e^u - 1 - u in float64 to ~1e-16 relative: a 25-term series below |u| = 0.5."""
+    u = np.asarray(u, dtype=np.float64)
+    s = np.zeros_like(u)
+    term = u * u / 2.0
+    for k in range(3, 28):
+        s += term
+        term = term * u / k
+    return np.where(np.abs(u) < 0.5, s, np.expm1(u) - u)
+
+
+def k3_deltas(n, seed):
+    """float32 deltas log-uniform in [1e-6, 20], both signs, plus the edges."""
+    gen = np.random.default_rng(seed)
+    mag = np.exp(gen.uniform(np.log(1e-6), np.log(20.0), n))
+    edges = np.array([1e-6, 1e-4, 0.5, 1.0 - 2**-24, 1.0, 1.0 + 2**-23, 2.0, 20.0])
+    d = np.concatenate([mag, edges])
+    return np.concatenate([d, -d]).astype(np.float32)
+
+
+def test_k3_and_its_derivative_to_float32_rounding():
+    """Spec section 3: k3 = e^-c - 1 + c and d k3 / d delta = 1 - e^-c for float32
+    deltas log-uniform in [1e-6, 20], both signs, within ~4 float32 ulp (5e-7) of float64
+    on the same float32 delta (exp(-c) - 1 + c was 5% off at 1e-3 and 0 below 1e-4).
+    Clamped beyond |delta| = 20: the value at the clamp, derivative 0."""
+    d = k3_deltas(400, seed=16)
+    kl, dkl = _probe(0, d)
+    c = d.astype(np.float64)
+    assert rel_err(kl, expm1_minus_x64(-c)) < 5e-7, "k3"
+    assert rel_err(dkl, -np.expm1(-c)) < 5e-7, "d k3 / d delta"
+    kl, dkl = _probe(0, [25.0, -25.0])
+    assert (dkl == 0).all()
+    assert rel_err(kl, expm1_minus_x64(np.array([-20.0, 20.0]))) < 5e-7
+
+
+@GENUINE_INF
+def test_expm1_helpers_and_log1p():
+    """The tl twins of expm1, expm1_minus_x and log1p, on both sides of their series
+    thresholds (|u| = 1) and over the ranges the kernels feed them."""
+    u = k3_deltas(300, seed=17)
+    a, b = _probe(1, u)
+    u64 = u.astype(np.float64)
+    assert rel_err(a, expm1_minus_x64(u64)) < 5e-7, "expm1_minus_x"
+    assert rel_err(b, np.expm1(u64)) < 5e-7, "expm1"
+    # log1p of a row's non-top mass: from 1e-30 (a very confident row) to V - 1
+    gen = np.random.default_rng(18)
+    r = np.concatenate([np.exp(gen.uniform(np.log(1e-30), np.log(2e5), 300)),
+                        [0.0, 2**-24, 2**-23, 1.0, 3.0]]).astype(np.float32)
+    a, _ = _probe(2, r)
+    assert rel_err(a[r > 0], np.log1p(r[r > 0].astype(np.float64))) < 5e-7, "log1p"
+    assert a[r == 0][0] == 0.0
+    a, _ = _probe(2, [-1.0])
+    assert a[0] == float("-inf")
+
+
+def test_k3_through_the_ops():
+    """k3 (score_rollout's kl, the loss's loss_tok) and its derivative (the fused loss's
+    dlogit of a token with p ~ 1e-13, where it is dlogp exactly) vs float64 on the float32
+    delta = logp - ref the kernel formed."""
+    B, T = 2, 8
+    logits = torch.tensor([0.0, -30.0]).expand(B, T, 2).contiguous().to(DEV)
+    tokens = torch.ones(B, T, dtype=torch.int64, device=DEV)
+    mask = torch.ones(B, T, dtype=torch.bool, device=DEV)
+    logp, _, _, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, False)
+    target = torch.as_tensor(k3_deltas(0, seed=19)).reshape(B, T).to(DEV)  # the 16 edges
+    refl = (logp - target).contiguous()
+    delta = (logp - refl).cpu().double().numpy()  # float32 subtraction, as in the kernel
+    zero = torch.zeros(B, T, device=DEV)
+    out = OPS.triton_score_rollout(logits, tokens, mask, refl, zero, torch.zeros(B, device=DEV),
+                                   1.0, 2, 1.0, 1.0, 1.0)
+    assert torch.equal(out[0], logp)
+    assert rel_err(out[1], expm1_minus_x64(-delta)) < 5e-7, "score_rollout kl"
+    w = torch.ones(B, T, device=DEV)
+    loss, loss_tok, _, _, dl = OPS.triton_ppo_loss_fwd(
+        logits, tokens, mask, logp, zero, w, refl, None, 0.2, 0.2, 0.0, 1.0, 2, 0.0, 1.0, 1.0,
+        True)
+    assert rel_err(loss_tok, expm1_minus_x64(-delta)) < 5e-7, "loss_tok = k3"
+    assert rel_err(dl[..., 1], -np.expm1(-delta)) < 5e-7, "dlogit = d k3 / d delta"
+
+
+# ------------------------------------------------------------------ grad_scale, scale_grad_
+
+@pytest.mark.parametrize("dtype,gs", [(torch.float32, 0.37), (torch.bfloat16, 3.0),
+                                      (torch.float64, 1.0 / 3.0)])
+def test_grad_scale(dtype, gs):
+    """ppo_loss_fwd(grad_scale=s) writes s * dlogits; loss, loss_tok, logprobs and entropy
+    are bitwise those of grad_scale = 1. Same for the in-place variant."""
+    logits, tokens, mask = make_case(B=2, T=4, V=100, dtype=dtype, layout="raw",
+                                     padding="interior", neginf=True, seed=21)
+    inp = _ppo_inputs(logits, tokens, mask, seed=22, with_isw=True)
+    base = _run_ppo(logits, tokens, mask, inp, dual=3.0, ent_coef=0.05)
+    out = _run_ppo(logits, tokens, mask, inp, dual=3.0, ent_coef=0.05, grad_scale=gs)
+    for a, b in zip(out[:4], base[:4]):
+        assert torch.equal(a, b)
+    _, _, rdl = _ref_ppo(logits, tokens, mask, inp, dual=3.0, ent_coef=0.05)
+    close(out[4], gs * rdl, *grad_tol(dtype, gs * rdl), "dlogits")
+    acc = inp["acc"]
+    x = logits.clone()
+    res = OPS.triton_ppo_loss_fwd_inplace(
+        x, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
+        per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
+        0.2, 0.28, 3.0, 0.1, 2, 0.05, 1.0, gs)
+    for a, b in zip(res, base[:4]):
+        close(a, b.cpu().double().numpy(), *TOK_TOL[dtype])
+    close(x, gs * rdl, *grad_tol(dtype, gs * rdl), "in-place dlogits")
+
+
+def _scaled(grad, go, ap):
+    """What scale_grad_ must write: grad * (go / ap) in the accumulation dtype, rounded
+    once to grad's dtype (torch's CPU division is correctly rounded, like the kernel's)."""
+    acc = acc_of(grad.dtype)
+    f = (go.cpu().to(acc) / ap.cpu().to(acc))
+    return (grad.cpu().to(acc) * f).to(grad.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float64])
+def test_scale_grad_(dtype):
+    """f = grad_output / applied: f == 1 leaves grad bitwise untouched (and applied);
+    f != 1 scales grad in place (bitwise: one rounding from the accumulation dtype) and
+    sets applied := grad_output, so a second call with the same grad_output is a no-op."""
+    acc = acc_of(dtype)
+    gen = torch.Generator().manual_seed(23)
+    grad = torch.randn(2, 5, 100, generator=gen).to(dtype).to(DEV)
+    grad[0, 1, 3] = float("inf")
+    before = grad.clone()
+    go = torch.tensor(0.75, dtype=acc, device=DEV)
+    ap = torch.tensor(0.75, dtype=acc, device=DEV)
+    OPS.triton_scale_grad_(grad, go, ap)
+    assert torch.equal(grad, before) and ap.item() == 0.75
+    ap.fill_(0.3)  # f = 2.5 (a power of 2 would round nothing)
+    want = _scaled(before, go, torch.tensor(0.3, dtype=acc))
+    OPS.triton_scale_grad_(grad, go, ap)
+    assert torch.equal(grad.cpu(), want), "grad *= grad_output / applied, rounded once"
+    assert ap.item() == 0.75 and go.item() == 0.75
+    OPS.triton_scale_grad_(grad, go, ap)  # applied == grad_output now: nothing to do
+    assert torch.equal(grad.cpu(), want)
+
+
+@pytest.mark.parametrize("layout", ["view", "bstride"])
+def test_scale_grad_strided_storage(layout):
+    """The in-place path: grad is the logits' own strided storage ([B, Tl, V] view with
+    batch/time strides); only the view's entries change."""
+    full = torch.randn(3, 6, 40, generator=torch.Generator().manual_seed(24)).to(DEV)
+    full2 = full.clone()
+    grad = full[:, :5] if layout == "view" else full.view(3, 2, 3, 40)[:, 0]
+    assert not grad.is_contiguous()
+    before = grad.clone()
+    go = torch.tensor(2.0, device=DEV)
+    ap = torch.tensor(0.3, device=DEV)
+    OPS.triton_scale_grad_(grad, go, ap)
+    assert torch.equal(grad.cpu(), _scaled(before, go, torch.tensor(0.3)))
+    untouched = torch.ones_like(full, dtype=torch.bool)
+    if layout == "view":
+        untouched[:, :5] = False
+    else:
+        untouched.view(3, 2, 3, 40)[:, 0] = False
+    assert torch.equal(full[untouched], full2[untouched])
+    assert ap.item() == 2.0
+    # an empty gradient still commits applied
+    ap2 = torch.tensor(1.0, device=DEV)
+    OPS.triton_scale_grad_(torch.empty(0, 3, 40, device=DEV), go, ap2)
+    assert ap2.item() == 2.0
+
+
+# ------------------------------------------------------------------ batch invariance
+
+def _row_outputs(logits, tokens, mask, inp, rows):
+    """For each (b, t) in rows: (logp, entropy, loss_tok, dlogits row) of the fused loss
+    run on that row alone (a [1, 1, V] view of the same logits), plus token_logprobs."""
+    acc = inp["acc"]
+    res = []
+    for b, t in rows:
+        sub = {k: (None if inp[k] is None else np.asarray(inp[k])[b:b + 1, t:t + 1])
+               for k in ("old", "adv", "ref", "isw", "w")}
+        sub["acc"] = acc
+        out = _run_ppo(logits[b:b + 1, t:t + 1], tokens[b:b + 1, t:t + 1].contiguous(),
+                       mask[b:b + 1, t:t + 1].contiguous(), sub, ent_coef=0.05)
+        lp = OPS.triton_token_logprobs_fwd(logits[b:b + 1, t:t + 1],
+                                           tokens[b:b + 1, t:t + 1].contiguous(),
+                                           mask[b:b + 1, t:t + 1].contiguous(), 1.0, True)
+        res.append((out[2][0, 0], out[3][0, 0], out[1][0, 0], out[4][0, 0], lp[0][0, 0],
+                    lp[1][0, 0]))
+    return res
+
+
+def test_batch_invariance_bitwise():
+    """Spec section 6: a row's logp, entropy, loss_tok and dlogits are bitwise the same
+    alone, in a permuted batch, and inside a bigger batch (one program per row; the
+    autotune key has no row count, so the block size - the reduction order - is that of V
+    alone)."""
+    logits, tokens, mask = make_case(B=3, T=4, V=100, padding="none", neginf=True, seed=25)
+    inp = _ppo_inputs(logits, tokens, mask, seed=26, with_isw=True)
+    full = _run_ppo(logits, tokens, mask, inp, ent_coef=0.05)
+    lp_full = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, True)
+    rows = [(0, 0), (1, 2), (2, 3)]
+    for (b, t), alone in zip(rows, _row_outputs(logits, tokens, mask, inp, rows)):
+        want = (full[2][b, t], full[3][b, t], full[1][b, t], full[4][b, t], lp_full[0][b, t],
+                lp_full[1][b, t])
+        for a, w in zip(alone, want):
+            assert torch.equal(a, w), (b, t)
+    perm = torch.tensor([2, 0, 1])
+    pinp = {k: (v if k == "acc" or v is None else np.asarray(v)[perm.numpy()])
+            for k, v in inp.items()}
+    pout = _run_ppo(logits[perm], tokens[perm], mask[perm], pinp, ent_coef=0.05)
+    for i in (1, 2, 3, 4):
+        assert torch.equal(pout[i], full[i][perm]), i
+    # a bigger batch: the same rows after three more sequences
+    more, mtok, mmask = make_case(B=3, T=4, V=100, padding="none", seed=27)
+    big = torch.cat([more, logits]), torch.cat([mtok, tokens]), torch.cat([mmask, mask])
+    minp = _ppo_inputs(more, mtok, mmask, seed=28, with_isw=True)
+    binp = {k: (v if k == "acc" else np.concatenate([minp[k], inp[k]])) for k, v in inp.items()}
+    bout = _run_ppo(*big, binp, ent_coef=0.05)
+    for i in (1, 2, 3, 4):
+        assert torch.equal(bout[i][3:], full[i]), i
 
 
 # ------------------------------------------------------------------ gae
@@ -557,10 +975,25 @@ def test_bad_input_raises():
     z = torch.zeros(2, 3, device=DEV)
     with pytest.raises((ValueError, TypeError), match="advantages"):
         OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z.double(), z, None, None,
-                                0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, False)
+                                0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, False)
     with pytest.raises(ValueError, match="kl_estimator"):
         OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, z, None,
-                                0.2, 0.2, 0.0, 0.1, 7, 0.0, 1.0, False)
+                                0.2, 0.2, 0.0, 0.1, 7, 0.0, 1.0, 1.0, False)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="grad_scale"):
+            OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, None, None,
+                                    0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, bad, False)
+    # a temperature whose reciprocal overflows float32 (C9), or not positive
+    for bad in (1e-40, 0.0, -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            OPS.triton_token_logprobs_fwd(logits, tokens, mask, bad, False)
+    one = torch.ones((), device=DEV)
+    with pytest.raises((ValueError, TypeError), match="grad_output"):
+        OPS.triton_scale_grad_(logits.clone(), one.double(), one.clone())
+    with pytest.raises((ValueError, TypeError), match="applied"):
+        OPS.triton_scale_grad_(logits.clone(), one, torch.ones(1, device=DEV))
+    with pytest.raises((ValueError, TypeError), match="grad"):
+        OPS.triton_scale_grad_(logits[0].clone(), one, one.clone())
     with pytest.raises((ValueError, TypeError), match="bootstrap_values"):
         OPS.triton_gae(z, z, mask, torch.zeros(3, device=DEV), 1.0, 0.9)
 
@@ -576,14 +1009,16 @@ def _opcheck_cases():
     z = torch.randn(B, T, generator=gen).to(DEV)
     w = (m.float() / m.sum()).contiguous()
     s = torch.randn(B, generator=gen).to(DEV)
-    _, ent, lse = OPS.triton_token_logprobs_fwd(L, t, m, 1.0, True)
+    _, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(L, t, m, 1.0, True)
     return {
         "triton_token_logprobs_fwd": (L, t, m, 0.9, True),
-        "triton_token_logprobs_bwd": (z, z.clone(), L, t, m, lse, ent, 0.9),
+        "triton_token_logprobs_bwd": (z, z.clone(), L, t, m, row_max, log_sum, ent, 0.9),
         "triton_ppo_loss_fwd": (L, t, m, z, z, w, z, None, 0.2, 0.2, 3.0, 0.1, 2, 0.01, 1.0,
-                                True),
+                                0.5, True),
         "triton_ppo_loss_fwd_inplace": (L.clone(), t, m, z, z, w, z, None, 0.2, 0.2, 0.0, 0.1,
-                                        2, 0.01, 1.0),
+                                        2, 0.01, 1.0, 2.0),
+        "triton_scale_grad_": (L.clone(), torch.tensor(0.25, device=DEV),
+                               torch.tensor(2.0, device=DEV)),
         "triton_gae": (z, z.clone(), m, s, 0.9, 0.95),
         "triton_score_rollout": (L, t, m, z, z, s, 0.1, 2, 1.0, 0.95, 1.0),
     }
@@ -591,7 +1026,8 @@ def _opcheck_cases():
 
 @pytest.mark.parametrize("name", ["triton_token_logprobs_fwd", "triton_token_logprobs_bwd",
                                   "triton_ppo_loss_fwd", "triton_ppo_loss_fwd_inplace",
-                                  "triton_gae", "triton_score_rollout"])
+                                  "triton_scale_grad_", "triton_gae",
+                                  "triton_score_rollout"])
 def test_opcheck(name):
     """torch.library.opcheck of each op with the fake/autograd registrations of
     ppo_kernels/_ops.py: the schema's mutation annotations are honest (only the in-place

@@ -2,9 +2,14 @@
 
 The row kernels stream a row of V logits once (statistics) and, with a gradient, once more
 (dlogits); they are bound by memory bandwidth, so the knobs are the vocabulary block
-(bytes in flight per program), the warps that issue it, and the software-pipelining depth
-of the block loop. The configs below suit Hopper (H100/H200: 228 KiB shared memory per SM,
-up to 64 warps per SM): blocks of 2-16 Ki elements, 4-16 warps, 1-3 stages.
+(bytes in flight per program) and the warps that issue it. The configs below suit Hopper
+(H100/H200: 228 KiB shared memory per SM, up to 64 warps per SM): blocks of 1-16 Ki
+elements, 4-16 warps.
+
+The autotune keys hold V and the kernel flags, never the row count (review S4): the block
+size fixes the order of a row's reductions, hence its bits, and a row must come out
+bitwise the same alone or in any batch (batch invariance). Within a process the first
+call's choice for a V is kept for every batch size.
 
 Under TRITON_INTERPRET=1 autotuning would run every config through the (slow) interpreter,
 so there is one config, with a block small enough that the test shapes (V = 100, 257)
@@ -25,29 +30,30 @@ INTERPRET_BLOCK_V = 32
 INTERPRET_BLOCK_T = 8
 
 _HOPPER_ROW_CONFIGS = [
-    # (BLOCK_V, num_warps, num_stages)
-    (1024, 4, 2),
-    (2048, 8, 2),
-    (4096, 8, 2),
-    (4096, 16, 3),
-    (8192, 16, 2),
-    (8192, 8, 1),
-    (16384, 16, 1),
+    # (BLOCK_V, num_warps). No num_stages: the vocabulary loop has no tl.dot, so triton
+    # does not pipeline its loads and the PTX is identical for 1, 2 or 3 stages (review
+    # C7); the load latency is hidden by occupancy only.
+    (1024, 4),
+    (2048, 8),
+    (4096, 8),
+    (4096, 16),
+    (8192, 8),
+    (8192, 16),
+    (16384, 16),
 ]
 
 
 def row_configs():
     """Candidate configs of the row kernels (one under the interpreter)."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_V": INTERPRET_BLOCK_V}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_V": bv}, num_warps=w, num_stages=s)
-            for bv, w, s in _HOPPER_ROW_CONFIGS]
+        return [triton.Config({"BLOCK_V": INTERPRET_BLOCK_V}, num_warps=1)]
+    return [triton.Config({"BLOCK_V": bv}, num_warps=w) for bv, w in _HOPPER_ROW_CONFIGS]
 
 
 def prune_row_configs(configs, named_args, **kwargs):
     """Drop blocks far larger than the vocabulary (V = 7 needs no 16 Ki-lane block): cap
     BLOCK_V at next_pow2(V) (at least 128: one warp's worth of 4-wide lanes) and keep one
-    config per distinct (block, warps, stages)."""
+    config per distinct (block, warps)."""
     if INTERPRET:
         return configs
     cap = max(128, triton.next_power_of_2(int(named_args["V"])))
@@ -55,21 +61,20 @@ def prune_row_configs(configs, named_args, **kwargs):
     for c in configs:
         bv = min(c.kwargs["BLOCK_V"], cap)
         warps = max(1, min(c.num_warps, bv // 128))
-        key = (bv, warps, c.num_stages)
-        if key not in seen:
-            seen.add(key)
-            out.append(triton.Config({**c.kwargs, "BLOCK_V": bv}, num_warps=warps,
-                                     num_stages=c.num_stages))
+        if (bv, warps) not in seen:
+            seen.add((bv, warps))
+            out.append(triton.Config({**c.kwargs, "BLOCK_V": bv}, num_warps=warps))
     return out
 
 
 def inplace_row_config(V):
-    """Launch options of the in-place loss kernel, which is not autotuned (its trials would
-    overwrite the logits): a mid config of the list above, the block capped near V."""
+    """Launch options of the kernels that write their input in place (the in-place loss,
+    scale_grad_), which are not autotuned (their trials would overwrite the data): a mid
+    config of the list above, the block capped near V."""
     if INTERPRET:
-        return {"BLOCK_V": INTERPRET_BLOCK_V, "num_warps": 1, "num_stages": 1}
+        return {"BLOCK_V": INTERPRET_BLOCK_V, "num_warps": 1}
     bv = min(4096, max(128, triton.next_power_of_2(int(V))))
-    return {"BLOCK_V": bv, "num_warps": max(1, min(8, bv // 128)), "num_stages": 2}
+    return {"BLOCK_V": bv, "num_warps": max(1, min(8, bv // 128))}
 
 
 def gae_block_t(T):

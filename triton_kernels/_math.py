@@ -8,10 +8,19 @@ Divergence".
 
 The helpers are scalar-agnostic: they work on 0-d values (one token per program) and on
 blocks alike. ``ACC`` is the accumulation dtype, ``tl.float32`` or ``tl.float64``.
+
+The vocabulary-wide helpers (block_stats, stats_merge, row_stats, row_grad) are the twins of
+csrc/cpu/row_kernels.h and csrc/cuda/row_reduce.cuh: the row statistics (m, rest, t) of the
+issue 7 spec, section 2. tl has no expm1 / log1p in every triton version: expm1,
+expm1_minus_x and log1p below are written from tl.exp / tl.log (accurate, no libdevice).
 """
+
+import math
 
 import triton
 import triton.language as tl
+
+from . import _config
 
 # |log-ratio| beyond this is clamped (ppo_math.h: kLogRatioClamp).
 LOG_RATIO_CLAMP = tl.constexpr(20.0)
@@ -20,6 +29,20 @@ KL_K1 = tl.constexpr(0)
 KL_K2 = tl.constexpr(1)
 KL_K3 = tl.constexpr(2)
 KL_ABS = tl.constexpr(3)
+# Running under TRITON_INTERPRET=1 (numpy), decided at import as triton.jit decides it.
+INTERPRETED = tl.constexpr(_config.INTERPRET)
+# 1 / k! for k = 2..12: the coefficients of the e^u - 1 - u series (expm1_minus_x).
+_F2 = tl.constexpr(1.0 / math.factorial(2))
+_F3 = tl.constexpr(1.0 / math.factorial(3))
+_F4 = tl.constexpr(1.0 / math.factorial(4))
+_F5 = tl.constexpr(1.0 / math.factorial(5))
+_F6 = tl.constexpr(1.0 / math.factorial(6))
+_F7 = tl.constexpr(1.0 / math.factorial(7))
+_F8 = tl.constexpr(1.0 / math.factorial(8))
+_F9 = tl.constexpr(1.0 / math.factorial(9))
+_F10 = tl.constexpr(1.0 / math.factorial(10))
+_F11 = tl.constexpr(1.0 / math.factorial(11))
+_F12 = tl.constexpr(1.0 / math.factorial(12))
 
 
 @triton.jit
@@ -68,11 +91,66 @@ def pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, HAS_DUAL: tl.constex
 
 
 @triton.jit
+def expm1_minus_x(u):
+    """ppo_math.h expm1_minus_x: e^u - 1 - u without cancellation.
+
+    |u| < 1: the Taylor series u^2 (1/2! + u (1/3! + ... + u / 12!)) by Horner (11
+    coefficients, as ppo_math.h; truncation below 5e-10 relative at |u| -> 1: far under
+    float32 rounding, not float64's); beyond, (e^u - 1) - u, where nothing cancels badly
+    (e^u - 1 - u > |u| / 3 there). Works on 0-d values and blocks alike.
+    """
+    p = _F11 + u * _F12
+    p = _F10 + u * p
+    p = _F9 + u * p
+    p = _F8 + u * p
+    p = _F7 + u * p
+    p = _F6 + u * p
+    p = _F5 + u * p
+    p = _F4 + u * p
+    p = _F3 + u * p
+    p = _F2 + u * p
+    small = (u > -1.0) & (u < 1.0)
+    return tl.where(small, u * u * p, (tl.exp(u) - 1.0) - u)
+
+
+@triton.jit
+def expm1(u):
+    """e^u - 1 (ppo_math.h ppo_expm1; tl has no expm1 in every triton version).
+
+    |u| < 1: u + expm1_minus_x(u), a few ulp: the two terms have the same sign for u > 0,
+    and for u < 0 the second is below |u| / 2, so the sum keeps at least half of |u|;
+    beyond, exp(u) - 1.
+    """
+    small = (u > -1.0) & (u < 1.0)
+    return tl.where(small, u + expm1_minus_x(u), tl.exp(u) - 1.0)
+
+
+@triton.jit
+def log1p(r):
+    """log(1 + r) for r >= -1 (the row's log_sum, spec section 2), without libdevice.
+
+    Kahan's formula (Goldberg 1991, "What every computer scientist should know about
+    floating-point arithmetic", Theorem 4): with u = fl(1 + r), log1p(r) = r where u == 1,
+    else log(u) * (r / (u - 1)); the ratio corrects the rounding of 1 + r, so the result
+    keeps r's relative digits (a few ulp) for every r, e.g. rest = 1e-12 in float32.
+    tl.log lowers to libdevice's accurate __nv_logf / __nv_log. Why not
+    tl.extra.libdevice.log1p: its import path moved between triton releases, and this
+    formula is exact enough everywhere. r = -1 (an all -inf row) gives -inf, as log1p.
+    """
+    u = 1.0 + r
+    tiny = u == 1.0
+    # the select on the divisor keeps the discarded lane free of 0 / 0 as well
+    return tl.where(tiny, r, tl.log(u) * (r / tl.where(tiny, 1.0, u - 1.0)))
+
+
+@triton.jit
 def kl_term(delta, KL_EST: tl.constexpr):
     """KL estimate from one sample, delta = logp - ref_logp, and d kl / d delta.
 
     ppo_math.h kl_term: k1 delta | k2 delta^2 / 2 | abs |delta| (derivative sign(delta))
-    | k3 exp(-c) - 1 + c with c = clamp(delta, -20, 20) (derivative 0 where clamped).
+    | k3 e^-c - 1 + c = expm1_minus_x(-c), c = clamp(delta, -20, 20), derivative
+    1 - e^-c = -expm1(-c) (0 where clamped): both without the cancellation of
+    exp(-c) - 1 + c at small c (5% off at 1e-3, 0 below 1e-4 in float32).
     """
     if KL_EST == KL_K1:
         kl = delta
@@ -86,9 +164,8 @@ def kl_term(delta, KL_EST: tl.constexpr):
     else:  # KL_K3: the only estimator with an exp to guard
         clamped = (delta < -LOG_RATIO_CLAMP) | (delta > LOG_RATIO_CLAMP)
         c = clampv(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        e = tl.exp(-c)
-        kl = e - 1.0 + c
-        dkl = tl.where(clamped, 0.0, 1.0 - e)
+        kl = expm1_minus_x(-c)
+        dkl = tl.where(clamped, 0.0, 0.0 - expm1(-c))
     return kl, dkl
 
 
@@ -113,103 +190,188 @@ def token_loss(logp, ent, old_logp, adv, ref_logp, is_w, w, eps_low, eps_high, d
 
 
 @triton.jit
-def dlogit(z, lse, ent, dlogp, dent, inv_temp, is_token):
-    """ppo_math.h dlogit, on a block of z = logits / temperature:
+def dlogit_dense(logp_v, pv, entropy, dlogp, dent):
+    """ppo_math.h dlogit_dense: d loss / d z_v = -p_v (dlogp + dent (log p_v + H)) of
+    every entry v but the token (times inv_temp for d / d logits)."""
+    return 0.0 - pv * (dlogp + dent * (logp_v + entropy))
 
-    (onehot_v * dlogp - p_v * (dlogp + dent * (log p_v + H))) / temperature, the token's
-    own entry computed as in dlogit_token,
-    p_v = exp(z_v - lse). A banned entry (z_v = -inf) has p_v = 0 and gets exactly 0,
-    never 0 * inf = NaN; so do the out-of-range lanes, which load as -inf.
+
+@triton.jit
+def dlogit_token(logp, p, entropy, dlogp, dent):
+    """ppo_math.h dlogit_token: the token's own entry, dlogp (1 - p) - dent p (log p + H),
+    with 1 - p = -expm1(log p): a confident token (p -> 1) keeps its digits and V = 1
+    gives exactly 0; a token whose logit is -inf (p = 0) gets dlogp, never NaN."""
+    ent_part = tl.where(p == 0.0, 0.0, p * dent * (logp + entropy))
+    return 0.0 - dlogp * expm1(logp) - ent_part
+
+
+@triton.jit
+def block_stats(x, inv_temp, NEED_ENT: tl.constexpr):
+    """Partial row statistics (m, rest, t) of one block of raw logits x (ACC; lanes past V
+    hold -inf), spec section 2:
+
+    m = max x (raw units), d = (x - m) inv_temp (exactly 0 on the entries equal to m),
+    rest = sum exp(d) - 1 computed without adding the top entries' 1s (their exp is 1
+    exactly: they are counted instead), t = sum exp(d) d (0 unless NEED_ENT).
+    An all -inf block is the empty state (-inf, -1, 0): its shift is 0, not -inf - -inf.
+    A NaN entry makes rest NaN (tl.max skips NaN, the sums do not): loud, never dropped.
     """
-    logp_raw = z - lse
-    pv = tl.exp(logp_raw)
-    # log p_v is -inf where p_v == 0: zero it first so no lane ever forms 0 * inf
-    logp_v = tl.where(pv == 0.0, 0.0, logp_raw)
-    g = -pv * (dlogp + dent * (logp_v + ent))
-    # the token's entry, ppo_math.h dlogit_token: dlogp (1 - p) with 1 - p = -expm1(log p)
-    # (a Taylor series near 0, where 1 - exp would cancel; exact 0 for V = 1)
-    x = logp_raw
-    series = -x * (1.0 + x * (0.5 + x * (1.0 / 6.0 + x * (1.0 / 24.0 + x * (1.0 / 120.0)))))
-    one_minus_p = tl.where(x > -0.1, series, 1.0 - pv)
-    g_tok = dlogp * one_minus_p - pv * dent * (logp_v + ent)
-    g = tl.where(is_token, g_tok, g)
-    return g * inv_temp
+    m = tl.max(x, axis=0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    d = (x - m_safe) * inv_temp
+    e = tl.exp(d)
+    top = d == 0.0
+    # (ties - 1) first: an exact small integer, so the tiny sum is never added to a 1
+    rest = tl.sum(tl.where(top, 0.0, e), axis=0) + (tl.sum(top.to(x.dtype), axis=0) - 1.0)
+    if NEED_ENT:
+        # -inf entries: e = 0, and zeroing their d keeps 0 * -inf = NaN out of t
+        t = tl.sum(e * tl.where(e > 0.0, d, 0.0), axis=0)
+    else:
+        t = tl.zeros([], x.dtype)
+    return m, rest, t
+
+
+@triton.jit
+def stats_merge(m_a, r_a, t_a, m_b, r_b, t_b, inv_temp):
+    """(m, rest, t) of the union of two disjoint sets of entries (spec section 2).
+
+    With hi the side of the larger max and lo the other: dm = (m_lo - m_hi) inv_temp <= 0,
+    al = exp(dm) <= 1, s_lo = 1 + r_lo (no cancellation issue: al * s_lo <= al);
+    rest = r_hi + al s_lo, t = t_hi + al (t_lo + dm s_lo); equal maxes add the rests
+    directly, r_a + r_b + 1, so that a tiny rest is never rounded into 1 + rest.
+    Review C1: al == 0 (a side at finfo.min, or empty, under a normal max: dm is then huge
+    or -inf and dm * s_lo = -inf) contributes exactly 0 to t, never 0 * inf = NaN. An
+    empty side (m = -inf, rest = -1) gets dm = -inf without forming -inf - -inf, so merging
+    it changes nothing, and two empty sides stay empty.
+    """
+    a_hi = m_a >= m_b
+    m_hi = tl.where(a_hi, m_a, m_b)
+    m_lo = tl.where(a_hi, m_b, m_a)
+    r_hi = tl.where(a_hi, r_a, r_b)
+    r_lo = tl.where(a_hi, r_b, r_a)
+    t_hi = tl.where(a_hi, t_a, t_b)
+    t_lo = tl.where(a_hi, t_b, t_a)
+    # an empty low side: -inf - 0 = -inf, never -inf - -inf
+    dm = (m_lo - tl.where(m_lo == float("-inf"), 0.0, m_hi)) * inv_temp
+    al = tl.exp(dm)
+    s_lo = 1.0 + r_lo
+    rest = tl.where(dm == 0.0, r_hi + r_lo + 1.0, r_hi + al * s_lo)
+    # the C1 guard; selecting the shift too keeps even the discarded lane finite
+    shift = tl.where(al > 0.0, dm, 0.0)
+    t = t_hi + tl.where(al > 0.0, al * (t_lo + shift * s_lo), 0.0)
+    return m_hi, rest, t
 
 
 @triton.jit
 def row_stats(in_row, V, inv_temp, ACC: tl.constexpr, NEED_ENT: tl.constexpr,
               BLOCK_V: tl.constexpr):
-    """One pass over a row of V logits x: (xmax, log_s, lse, H), in ACC, of
-    z = x * inv_temp, with d_v = (x_v - xmax) * inv_temp, s = sum exp(d_v),
-    log_s = log s, lse = xmax * inv_temp + log_s.
+    """One pass over a row of V raw logits x: (row_max, log_sum, H) in ACC (spec 2).
 
-    Online over blocks of BLOCK_V (V need not be a multiple): the running max is kept in
-    raw logit units and subtracted BEFORE scaling, so the max entry gets d = 0 exactly at
-    any temperature and logp = d_token - log_s keeps the digits that z - lse would lose
-    when |z| is large (as csrc/cpu/row_kernels.h). For the entropy,
-    t = sum exp(d) d <= 0, H = log s - t / s with no cancellation between large numbers.
-    When the max moves from m to m', the old sums are rescaled by
-    alpha = exp((m - m') inv_temp), and t also picks up s (m - m') inv_temp.
-    -inf entries (banned tokens; also the lanes past V) have exp = 0 and add nothing;
-    while every entry so far is -inf, a shift of 0 keeps exp() away from -inf - -inf.
+    row_max = max x (0 for an all -inf row), d_v = (x_v - row_max) inv_temp,
+    log_sum = log sum exp(d) = log1p(rest), H = log_sum - t / (1 + rest) (0 unless
+    NEED_ENT), with (m, rest, t) merged block by block (block_stats, stats_merge).
+    Keeping the non-top mass `rest` apart keeps the digits of a confident row: when
+    1 - p is below float32 epsilon, log(1 + rest) would round rest away (logp = 0,
+    entropy off by percents); log1p(rest) keeps them down to 1 - p ~ 1e-12. The max is
+    kept in raw units and subtracted BEFORE scaling, so the max entry has d = 0 exactly at
+    any temperature and logp = d_token - log_sum loses nothing at large |x| (as
+    csrc/cpu/row_kernels.h). All -inf rows give rest = -1 and NaN logp / H (as before).
+
+    The blocks are merged in a fixed order set by V and BLOCK_V alone: a row's bits never
+    depend on the other rows of the batch.
     """
     offs = tl.arange(0, BLOCK_V)
     m = tl.full([], float("-inf"), ACC)
-    s = tl.zeros([], ACC)
+    rest = tl.full([], -1.0, ACC)
     t = tl.zeros([], ACC)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         x = tl.load(in_row + cols, mask=cols < V, other=float("-inf")).to(ACC)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        shift = (m - m_safe) * inv_temp
-        alpha = tl.exp(shift)
-        d = (x - m_safe) * inv_temp
-        e = tl.exp(d)
-        if NEED_ENT:
-            dz = tl.where(e > 0.0, d, 0.0)
-            t = alpha * (t + s * tl.where(s > 0.0, shift, 0.0)) + tl.sum(e * dz, axis=0)
-        s = alpha * s + tl.sum(e, axis=0)
-        m = m_new
-    log_s = tl.log(s)
-    xmax = tl.where(m == float("-inf"), 0.0, m)
-    lse = xmax * inv_temp + log_s
+        m_b, r_b, t_b = block_stats(x, inv_temp, NEED_ENT)
+        m, rest, t = stats_merge(m, rest, t, m_b, r_b, t_b, inv_temp)
+    row_max = tl.where(m == float("-inf"), 0.0, m)
+    log_sum = log1p(rest)
     if NEED_ENT:
-        ent = log_s - t / s
+        ent = log_sum - t / (1.0 + rest)
     else:
         ent = tl.zeros([], ACC)
-    return xmax, log_s, lse, ent
+    return row_max, log_sum, ent
 
 
 @triton.jit
-def token_logp(in_row, tok, V, inv_temp, xmax, log_s, ACC: tl.constexpr):
-    """logp of the row's token, (x[token] - xmax) * inv_temp - log_s (see row_stats). An
-    out-of-range id (the Python layer rejects those on valid positions) is never read out
-    of bounds: it gives NaN, never garbage from memory."""
+def token_logit(in_row, tok, V, ACC: tl.constexpr):
+    """x[token] of a row, in ACC. An out-of-range id (the Python layer rejects those on
+    valid positions) is never read out of bounds: it gives NaN, never garbage from memory.
+    Loaded before the row's first sweep, so its latency hides behind that sweep."""
     ok = (tok >= 0) & (tok < V)
-    x = tl.load(in_row + tok, mask=ok, other=float("nan")).to(ACC)
-    return (x - xmax) * inv_temp - log_s
+    return tl.load(in_row + tok, mask=ok, other=float("nan")).to(ACC)
 
 
 @triton.jit
-def row_grad(in_row, out_row, V, tok, xmax, log_s, ent, dlogp, dent, inv_temp,
-             ACC: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Second sweep over a row: out_row[v] = dlogit of d_v = (x_v - xmax) * inv_temp with
-    log_s (row_stats; log p_v = d_v - log_s keeps its digits at large |z|; a caller that
-    only has the lse passes xmax = 0, log_s = lse), in out_row's dtype.
+def token_logp(x_tok, row_max, log_sum, inv_temp):
+    """logp of the row's token, (x[token] - row_max) * inv_temp - log_sum (row_stats)."""
+    return (x_tok - row_max) * inv_temp - log_sum
+
+
+@triton.jit
+def token_col(tok, V):
+    """The token id as the int32 column the gradient sweep compares against (cast once,
+    not per lane); -1 (no column) for an out-of-range id."""
+    return tl.where((tok >= 0) & (tok < V), tok, -1).to(tl.int32)
+
+
+@triton.jit
+def row_grad(in_row, out_row, V, tok_col, logp_tok, row_max, log_sum, ent, dlogp, dent,
+             inv_temp, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Second sweep over a row: out_row[v] = d loss / d logits_v in out_row's dtype, from
+    log p_v = (x_v - row_max) inv_temp - log_sum (row_stats), dlogp = d loss / d logp and
+    dent = d loss / d H of the row's token (column tok_col, logp logp_tok).
+
+    Dense entries use dlogit_dense; the token's entry is computed once, as a scalar, by
+    dlogit_token and put in its lane by a select (review C8). A banned entry (p_v = 0,
+    also the lanes past V) gets exactly 0, never 0 * inf. dlogp == dent == 0 (a clipped
+    token without KL/entropy terms, or weight 0) skips the sweep: the row is all zeros.
 
     The blocks go from the last to the first: the first sweep ended on the last blocks,
     so they are the likeliest still to be in L1/L2. in_row and out_row may be the same
-    row (in-place backward): each block is read before it is written, by the same lanes.
+    row (in-place backward): each block is read before it is written, by the same lanes,
+    and the token's logit was read before the first sweep.
     """
-    offs = tl.arange(0, BLOCK_V)
-    nblk = tl.cdiv(V, BLOCK_V)
-    for i in range(0, nblk):
-        cols = (nblk - 1 - i) * BLOCK_V + offs
-        inb = cols < V
-        d = (tl.load(in_row + cols, mask=inb, other=float("-inf")).to(ACC) - xmax) * inv_temp
-        g = dlogit(d, log_s, ent, dlogp, dent, inv_temp, cols == tok)
-        tl.store(out_row + cols, g.to(out_row.dtype.element_ty), mask=inb)
+    if (dlogp == 0.0) & (dent == 0.0):
+        row_zero(out_row, V, BLOCK_V)
+    else:
+        g_tok = dlogit_token(logp_tok, tl.exp(logp_tok), ent, dlogp, dent)
+        offs = tl.arange(0, BLOCK_V)
+        nblk = tl.cdiv(V, BLOCK_V)
+        for i in range(0, nblk):
+            cols = (nblk - 1 - i) * BLOCK_V + offs
+            inb = cols < V
+            x = tl.load(in_row + cols, mask=inb, other=float("-inf")).to(ACC)
+            logp_v = (x - row_max) * inv_temp - log_sum
+            pv = tl.exp(logp_v)
+            # p_v == 0: log p_v = -inf is zeroed first, so the entry is 0 - 0 = +0 exactly
+            g = dlogit_dense(tl.where(pv == 0.0, 0.0, logp_v), pv, ent, dlogp, dent)
+            g = tl.where(cols == tok_col, g_tok, g) * inv_temp
+            tl.store(out_row + cols, round_to(g, out_row.dtype.element_ty), mask=inb)
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """x (ACC) rounded to nearest-even into DTYPE, the dtype of a gradient store.
+
+    A GPU rounds float32 -> bfloat16 to nearest (cvt.rn.bf16.f32). The triton interpreter
+    truncates instead (a -0.3% mean bias over a gradient, which
+    tests/test_backward_scale.py sees), so there the bits are rounded by hand: add
+    0x7FFF plus the lowest kept bit, keep the high half (NaN passes through the plain cast).
+    """
+    if INTERPRETED and DTYPE == tl.bfloat16:
+        x32 = x.to(tl.float32)
+        bits = x32.to(tl.uint32, bitcast=True)
+        high = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        y = high.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return tl.where(x32 != x32, x32.to(tl.bfloat16), y)
+    else:
+        return x.to(DTYPE)
 
 
 @triton.jit

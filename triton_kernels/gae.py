@@ -28,7 +28,7 @@ from torch.library import wrap_triton
 from . import _config
 from ._math import as_acc
 from .logprobs import (_check_logits, _logprobs_fwd_kernel, acc_dtype, check_kl_estimator,
-                       check_per_token, tl_acc)
+                       check_per_token, device_guard, inv_temperature, tl_acc)
 
 
 @triton.jit
@@ -101,15 +101,16 @@ def _launch_gae(rewards, values, mask, bootstrap_values, scores, rew_out, gamma,
     adv = torch.empty_like(rewards)
     ret = torch.empty_like(rewards)
     if B * T > 0:
-        wrap_triton(_gae_kernel)[(B,)](
-            rewards, values, mask,
-            bootstrap_values if bootstrap_values is not None else rewards,
-            scores if scores is not None else rewards,
-            adv, ret, rew_out if rew_out is not None else rewards,
-            T, float(gamma), float(lam),
-            ACC=tl_acc(rewards.dtype), HAS_BOOT=bootstrap_values is not None,
-            HAS_SCORES=scores is not None,
-            BLOCK_T=block_t or _config.gae_block_t(T), num_warps=4)
+        with device_guard(rewards):
+            wrap_triton(_gae_kernel)[(B,)](
+                rewards, values, mask,
+                bootstrap_values if bootstrap_values is not None else rewards,
+                scores if scores is not None else rewards,
+                adv, ret, rew_out if rew_out is not None else rewards,
+                T, float(gamma), float(lam),
+                ACC=tl_acc(rewards.dtype), HAS_BOOT=bootstrap_values is not None,
+                HAS_SCORES=scores is not None,
+                BLOCK_T=block_t or _config.gae_block_t(T), num_warps=4)
     return adv, ret
 
 
@@ -149,15 +150,17 @@ def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, k
     check_per_token("values", values, (B, T), acc, dev)
     check_per_token("scores", scores, (B,), acc, dev)
     check_kl_estimator(kl_estimator)
+    inv = inv_temperature(temperature, acc)
     logp = torch.empty((B, T), dtype=acc, device=dev)
-    lse = torch.empty((B, T), dtype=acc, device=dev)
     kl = torch.empty((B, T), dtype=acc, device=dev)
     rewards = torch.empty((B, T), dtype=acc, device=dev)
     if B * T > 0:
-        wrap_triton(_logprobs_fwd_kernel)[(B * T,)](
-            logits, logits.stride(0), logits.stride(1), tokens, mask,
-            logp, logp, lse, ref_logprobs, kl, rewards,
-            T, V, float(temperature), float(kl_coef),
-            ACC=tl_acc(acc), NEED_ENT=False, SCORE=True, KL_EST=int(kl_estimator))
+        with device_guard(logits):
+            wrap_triton(_logprobs_fwd_kernel)[(B * T,)](
+                logits, logits.stride(0), logits.stride(1), tokens, mask,
+                logp, logp, logp, logp,  # entropy / row_max / log_sum: unused with SCORE
+                ref_logprobs, kl, rewards,
+                T, V, inv, float(kl_coef),
+                ACC=tl_acc(acc), NEED_ENT=False, SCORE=True, KL_EST=int(kl_estimator))
     adv, ret = _launch_gae(rewards, values, mask, None, scores, rewards, gamma, lam, block_t)
     return logp, kl, rewards, adv, ret

@@ -6,10 +6,14 @@ strides on B and Tl (read in place, never copied), Tl >= T; tokens int64 [B, T];
 float64 logits, else float32). One program per row (token position), on grid axis 0 only
 (2^31 - 1 programs; axes 1/2 would stop at 65,535). Masked rows never read their token.
 
-Math (DESIGN.md): z = logits / temperature, lse = logsumexp z, logp = z[token] - lse,
-H = lse - sum p z; d/dz of sum(g_logp * logp + g_H * H) is
-g_logp (onehot - p) - g_H p (log p + H), divided by the temperature for d/dlogits.
+Math (DESIGN.md; issue 7 spec section 2): z = logits / temperature, with the row's raw max
+row_max and d_v = (x_v - row_max) / temperature, log_sum = log sum exp(d) (computed as
+log1p of the non-top mass), logp = d[token] - log_sum, H = log_sum - sum p d;
+d/dz of sum(g_logp * logp + g_H * H) is g_logp (onehot - p) - g_H p (log p + H), divided by
+the temperature for d/dlogits. The forward returns (row_max, log_sum) for the backward.
 """
+
+import contextlib
 
 import torch
 import triton
@@ -17,7 +21,8 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from . import _config
-from ._math import as_acc, kl_term, row_grad, row_stats, row_zero, token_logp
+from ._math import (as_acc, kl_term, row_grad, row_stats, row_zero, token_col, token_logit,
+                    token_logp)
 
 
 def acc_dtype(logits):
@@ -29,51 +34,80 @@ def tl_acc(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def device_guard(t):
+    """Context of a launch on t's device (review S1): triton launches on the current CUDA
+    device, so tensors on cuda:1 while device 0 is current need the guard. CPU tensors
+    (the interpreter) need none."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def inv_temperature(temperature, acc):
+    """1 / temperature in double on the host, the one rounding to ACC left to the kernel
+    (review C9: not a 2-ulp float32 division on the device). A temperature that is not
+    positive or whose reciprocal overflows ACC is a ValueError (the Python layer,
+    ppo_kernels/_checks.py, rejects those first; this guards the raw ops)."""
+    t = float(temperature)
+    limit = torch.finfo(acc).max
+    if not (t > 0.0) or t == float("inf") or 1.0 / t > limit:
+        raise ValueError(f"temperature: expected a positive finite number whose reciprocal "
+                         f"fits {acc}, got {temperature}")
+    return 1.0 / t
+
+
+# Autotuning is keyed on V and the flags, never on the row count: the block size sets the
+# order of a row's reductions and so its bits, and a key with the row count could pick a
+# different BLOCK_V for a bigger batch, breaking batch invariance (spec section 6; review S4
+# asked for a row-count bucket - rejected for this reason).
 @triton.autotune(configs=_config.row_configs(), key=["V", "NEED_ENT", "SCORE"],
                  prune_configs_by={"early_config_prune": _config.prune_row_configs})
 @triton.jit
 def _logprobs_fwd_kernel(
     logits_ptr, stride_lb, stride_lt,
     tokens_ptr, mask_ptr,
-    logp_ptr, ent_ptr, lse_ptr,
+    logp_ptr, ent_ptr, max_ptr, lsum_ptr,
     ref_ptr, kl_ptr, rew_ptr,
     T, V,
-    temperature: tl.float64, kl_coef: tl.float64,
+    inv_temp: tl.float64, kl_coef: tl.float64,
     ACC: tl.constexpr, NEED_ENT: tl.constexpr, SCORE: tl.constexpr, KL_EST: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Row r = b * T + t: logp, (entropy), lse of token (b, t); 0 on masked rows.
+    """Row r = b * T + t: logp, (entropy), row_max, log_sum of token (b, t); 0 on masked
+    rows.
 
-    SCORE (score_rollout's first half): also kl = kl_term(logp - ref) and the KL part of the
-    reward, -kl_coef * kl, both 0 on masked rows.
+    SCORE (score_rollout's first half): kl = kl_term(logp - ref) and the KL part of the
+    reward, -kl_coef * kl, both 0 on masked rows, instead of row_max / log_sum.
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
-    inv_temp = 1.0 / as_acc(temperature, ACC)
     valid = tl.load(mask_ptr + row)
     if valid:
+        inv = as_acc(inv_temp, ACC)
         in_row = logits_ptr + b * stride_lb + t * stride_lt
-        tok = tl.load(tokens_ptr + row)
-        xmax, log_s, lse, ent = row_stats(in_row, V, inv_temp, ACC, NEED_ENT, BLOCK_V)
-        logp = token_logp(in_row, tok, V, inv_temp, xmax, log_s, ACC)
+        x_tok = token_logit(in_row, tl.load(tokens_ptr + row), V, ACC)
+        row_max, log_sum, ent = row_stats(in_row, V, inv, ACC, NEED_ENT, BLOCK_V)
+        logp = token_logp(x_tok, row_max, log_sum, inv)
         tl.store(logp_ptr + row, logp)
-        tl.store(lse_ptr + row, lse)
         if NEED_ENT:
             tl.store(ent_ptr + row, ent)
         if SCORE:
             kl, _ = kl_term(logp - tl.load(ref_ptr + row).to(ACC), KL_EST)
             tl.store(kl_ptr + row, kl)
             tl.store(rew_ptr + row, -as_acc(kl_coef, ACC) * kl)
+        else:
+            tl.store(max_ptr + row, row_max)
+            tl.store(lsum_ptr + row, log_sum)
     else:
         zero = tl.zeros([], ACC)
         tl.store(logp_ptr + row, zero)
-        tl.store(lse_ptr + row, zero)
         if NEED_ENT:
             tl.store(ent_ptr + row, zero)
         if SCORE:
             tl.store(kl_ptr + row, zero)
             tl.store(rew_ptr + row, zero)
+        else:
+            tl.store(max_ptr + row, zero)
+            tl.store(lsum_ptr + row, zero)
 
 
 @triton.autotune(configs=_config.row_configs(), key=["V", "HAS_GENT"],
@@ -81,15 +115,19 @@ def _logprobs_fwd_kernel(
 @triton.jit
 def _logprobs_bwd_kernel(
     logits_ptr, stride_lb, stride_lt,
-    tokens_ptr, mask_ptr, lse_ptr, ent_ptr, glogp_ptr, gent_ptr,
+    tokens_ptr, mask_ptr, max_ptr, lsum_ptr, ent_ptr, glogp_ptr, gent_ptr,
     grad_ptr,
     T, TL, V,
-    temperature: tl.float64,
+    inv_temp: tl.float64,
     ACC: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Row r = b * Tl + t of dlogits [B, Tl, V] (contiguous): the gradient of
     sum(g_logp * logp + g_H * H) on valid rows, zeros on masked rows and rows t >= T
-    (writing those zeros here saves a separate memset pass over [B, Tl, V])."""
+    (writing those zeros here saves a separate memset pass over [B, Tl, V]).
+
+    log p_v = (x_v - row_max) inv_temp - log_sum, from the forward's row_max and log_sum
+    (review C4: rebuilding it from lse alone, x_v inv_temp - lse, loses the digits of the
+    max entry at small temperatures or huge logits: p = inf at T = 1e-10)."""
     row = tl.program_id(0).to(tl.int64)
     b = row // TL
     t = row % TL
@@ -98,10 +136,12 @@ def _logprobs_bwd_kernel(
     tok_idx = b * T + t
     valid = tl.load(mask_ptr + tok_idx, mask=in_seq, other=0) != 0
     if valid:
-        inv_temp = 1.0 / as_acc(temperature, ACC)
+        inv = as_acc(inv_temp, ACC)
         in_row = logits_ptr + b * stride_lb + t * stride_lt
         tok = tl.load(tokens_ptr + tok_idx)
-        lse = tl.load(lse_ptr + tok_idx).to(ACC)
+        x_tok = token_logit(in_row, tok, V, ACC)
+        row_max = tl.load(max_ptr + tok_idx).to(ACC)
+        log_sum = tl.load(lsum_ptr + tok_idx).to(ACC)
         dlogp = tl.load(glogp_ptr + tok_idx).to(ACC)
         if HAS_GENT:
             ent = tl.load(ent_ptr + tok_idx).to(ACC)
@@ -109,8 +149,9 @@ def _logprobs_bwd_kernel(
         else:
             ent = tl.zeros([], ACC)
             dent = tl.zeros([], ACC)
-        # only the saved lse is known here: xmax = 0, log_s = lse
-        row_grad(in_row, out_row, V, tok, 0.0, lse, ent, dlogp, dent, inv_temp, ACC, BLOCK_V)
+        logp_tok = token_logp(x_tok, row_max, log_sum, inv)
+        row_grad(in_row, out_row, V, token_col(tok, V), logp_tok, row_max, log_sum, ent,
+                 dlogp, dent, inv, ACC, BLOCK_V)
     else:
         row_zero(out_row, V, BLOCK_V)
 
@@ -162,34 +203,46 @@ def check_kl_estimator(kl_estimator):
 
 
 def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
-    """logprobs [B, T], entropy [B, T] (numel 0 unless return_entropy), lse [B, T]; ACC."""
+    """(logprobs, entropy, row_max, log_sum), each [B, T] of ACC, 0 on masked rows;
+    entropy has numel 0 unless return_entropy.
+
+    row_max is the raw (un-tempered) max logit of the row, log_sum =
+    log sum_v exp((x_v - row_max) / temperature): what token_logprobs_bwd needs.
+    """
     _check_logits(logits, tokens, mask)
     B, T = tokens.shape
     V = logits.shape[2]
     acc = acc_dtype(logits)
-    logp = torch.empty((B, T), dtype=acc, device=logits.device)
-    lse = torch.empty((B, T), dtype=acc, device=logits.device)
-    ent = (torch.empty((B, T), dtype=acc, device=logits.device) if return_entropy
-           else torch.empty((0,), dtype=acc, device=logits.device))
+    inv = inv_temperature(temperature, acc)
+    dev = logits.device
+    logp = torch.empty((B, T), dtype=acc, device=dev)
+    row_max = torch.empty((B, T), dtype=acc, device=dev)
+    log_sum = torch.empty((B, T), dtype=acc, device=dev)
+    ent = (torch.empty((B, T), dtype=acc, device=dev) if return_entropy
+           else torch.empty((0,), dtype=acc, device=dev))
     if B * T > 0:
-        wrap_triton(_logprobs_fwd_kernel)[(B * T,)](
-            logits, logits.stride(0), logits.stride(1), tokens, mask,
-            logp, ent if return_entropy else logp, lse,
-            logp, logp, logp,  # ref / kl / rewards: unused without SCORE
-            T, V, float(temperature), 0.0,
-            ACC=tl_acc(acc), NEED_ENT=bool(return_entropy), SCORE=False, KL_EST=0)
-    return logp, ent, lse
+        with device_guard(logits):
+            wrap_triton(_logprobs_fwd_kernel)[(B * T,)](
+                logits, logits.stride(0), logits.stride(1), tokens, mask,
+                logp, ent if return_entropy else logp, row_max, log_sum,
+                logp, logp, logp,  # ref / kl / rewards: unused without SCORE
+                T, V, inv, 0.0,
+                ACC=tl_acc(acc), NEED_ENT=bool(return_entropy), SCORE=False, KL_EST=0)
+    return logp, ent, row_max, log_sum
 
 
-def token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, lse, entropy,
-                       temperature):
+def token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_max, log_sum,
+                       entropy, temperature):
     """dlogits [B, Tl, V] (logits' dtype, contiguous) of
-    sum(grad_logprobs * logp + grad_entropy * H); grad_entropy may be None."""
+    sum(grad_logprobs * logp + grad_entropy * H); grad_entropy may be None. row_max,
+    log_sum (and entropy, with grad_entropy) [B, T] of ACC: token_logprobs_fwd's."""
     _check_logits(logits, tokens, mask)
     B, T = tokens.shape
     TL, V = logits.shape[1], logits.shape[2]
     acc = acc_dtype(logits)
-    for name, x in (("grad_logprobs", grad_logprobs), ("lse", lse)):
+    inv = inv_temperature(temperature, acc)
+    for name, x in (("grad_logprobs", grad_logprobs), ("row_max", row_max),
+                    ("log_sum", log_sum)):
         check_per_token(name, x, (B, T), acc, logits.device)
     has_gent = grad_entropy is not None
     if has_gent:
@@ -197,10 +250,11 @@ def token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, lse, e
         check_per_token("entropy", entropy, (B, T), acc, logits.device)
     grad = torch.empty((B, TL, V), dtype=logits.dtype, device=logits.device)
     if B * TL > 0:
-        wrap_triton(_logprobs_bwd_kernel)[(B * TL,)](
-            logits, logits.stride(0), logits.stride(1), tokens, mask, lse,
-            entropy if has_gent else lse, grad_logprobs,
-            grad_entropy if has_gent else grad_logprobs,
-            grad, T, TL, V, float(temperature),
-            ACC=tl_acc(acc), HAS_GENT=has_gent)
+        with device_guard(logits):
+            wrap_triton(_logprobs_bwd_kernel)[(B * TL,)](
+                logits, logits.stride(0), logits.stride(1), tokens, mask, row_max, log_sum,
+                entropy if has_gent else log_sum, grad_logprobs,
+                grad_entropy if has_gent else grad_logprobs,
+                grad, T, TL, V, inv,
+                ACC=tl_acc(acc), HAS_GENT=has_gent)
     return grad

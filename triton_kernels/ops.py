@@ -23,6 +23,7 @@ from .logprobs import token_logprobs_bwd as _token_logprobs_bwd
 from .logprobs import token_logprobs_fwd as _token_logprobs_fwd
 from .ppo_loss import ppo_loss_fwd as _ppo_loss_fwd
 from .ppo_loss import ppo_loss_fwd_inplace as _ppo_loss_fwd_inplace
+from .ppo_loss import scale_grad_ as _scale_grad_
 
 NAMESPACE = "ppo_kernels"
 
@@ -30,22 +31,28 @@ NAMESPACE = "ppo_kernels"
 SCHEMAS = {
     "triton_token_logprobs_fwd":
         "(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
-        "bool return_entropy) -> (Tensor logprobs, Tensor entropy, Tensor lse)",
+        "bool return_entropy) "
+        "-> (Tensor logprobs, Tensor entropy, Tensor row_max, Tensor log_sum)",
     "triton_token_logprobs_bwd":
         "(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
-        "Tensor tokens, Tensor mask, Tensor lse, Tensor entropy, float temperature) -> Tensor",
+        "Tensor tokens, Tensor mask, Tensor row_max, Tensor log_sum, Tensor entropy, "
+        "float temperature) -> Tensor",
     "triton_ppo_loss_fwd":
         "(Tensor logits, Tensor tokens, Tensor mask, Tensor old_logprobs, "
         "Tensor advantages, Tensor weights, Tensor? ref_logprobs, Tensor? rollout_is_weights, "
         "float clip_eps_low, float clip_eps_high, float dual_clip_c, float kl_coef, "
-        "int kl_estimator, float entropy_coef, float temperature, bool compute_grad) "
+        "int kl_estimator, float entropy_coef, float temperature, float grad_scale, "
+        "bool compute_grad) "
         "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy, Tensor dlogits)",
     "triton_ppo_loss_fwd_inplace":
         "(Tensor(a!) logits, Tensor tokens, Tensor mask, "
         "Tensor old_logprobs, Tensor advantages, Tensor weights, Tensor? ref_logprobs, "
         "Tensor? rollout_is_weights, float clip_eps_low, float clip_eps_high, "
         "float dual_clip_c, float kl_coef, int kl_estimator, float entropy_coef, "
-        "float temperature) -> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)",
+        "float temperature, float grad_scale) "
+        "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)",
+    "triton_scale_grad_":
+        "(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()",
     "triton_gae":
         "(Tensor rewards, Tensor values, Tensor mask, Tensor? bootstrap_values, "
         "float gamma, float lam) -> (Tensor advantages, Tensor returns)",
@@ -58,39 +65,43 @@ SCHEMAS = {
 
 
 def token_logprobs_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, temperature: float,
-                       return_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+                       return_entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy)
 
 
 def token_logprobs_bwd(grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits: Tensor,
-                       tokens: Tensor, mask: Tensor, lse: Tensor, entropy: Tensor,
-                       temperature: float) -> Tensor:
-    return _token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask,
-                                        lse, entropy, temperature)
+                       tokens: Tensor, mask: Tensor, row_max: Tensor, log_sum: Tensor,
+                       entropy: Tensor, temperature: float) -> Tensor:
+    return _token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_max,
+                               log_sum, entropy, temperature)
 
 
 def ppo_loss_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, old_logprobs: Tensor,
                  advantages: Tensor, weights: Tensor, ref_logprobs: Optional[Tensor],
                  rollout_is_weights: Optional[Tensor], clip_eps_low: float,
                  clip_eps_high: float, dual_clip_c: float, kl_coef: float, kl_estimator: int,
-                 entropy_coef: float, temperature: float, compute_grad: bool
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 entropy_coef: float, temperature: float, grad_scale: float,
+                 compute_grad: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights,
-                                  ref_logprobs, rollout_is_weights, clip_eps_low,
-                                  clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
-                                  entropy_coef, temperature, compute_grad)
+                         ref_logprobs, rollout_is_weights, clip_eps_low, clip_eps_high,
+                         dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
+                         grad_scale, compute_grad)
 
 
 def ppo_loss_fwd_inplace(logits: Tensor, tokens: Tensor, mask: Tensor, old_logprobs: Tensor,
                          advantages: Tensor, weights: Tensor, ref_logprobs: Optional[Tensor],
                          rollout_is_weights: Optional[Tensor], clip_eps_low: float,
                          clip_eps_high: float, dual_clip_c: float, kl_coef: float,
-                         kl_estimator: int, entropy_coef: float, temperature: float
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _ppo_loss_fwd_inplace(logits, tokens, mask, old_logprobs, advantages,
-                                          weights, ref_logprobs, rollout_is_weights,
-                                          clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                                          kl_estimator, entropy_coef, temperature)
+                         kl_estimator: int, entropy_coef: float, temperature: float,
+                         grad_scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _ppo_loss_fwd_inplace(logits, tokens, mask, old_logprobs, advantages, weights,
+                                 ref_logprobs, rollout_is_weights, clip_eps_low,
+                                 clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
+                                 entropy_coef, temperature, grad_scale)
+
+
+def scale_grad_(grad: Tensor, grad_output: Tensor, applied: Tensor) -> None:
+    _scale_grad_(grad, grad_output, applied)
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, bootstrap_values: Optional[Tensor],
@@ -103,7 +114,7 @@ def score_rollout(logits: Tensor, tokens: Tensor, mask: Tensor, ref_logprobs: Te
                   gamma: float, lam: float, temperature: float
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
-                              kl_estimator, gamma, lam, temperature)
+                          kl_estimator, gamma, lam, temperature)
 
 
 _IMPLS = {
@@ -111,6 +122,7 @@ _IMPLS = {
     "triton_token_logprobs_bwd": (token_logprobs_bwd, ()),
     "triton_ppo_loss_fwd": (ppo_loss_fwd, ()),
     "triton_ppo_loss_fwd_inplace": (ppo_loss_fwd_inplace, ("logits",)),
+    "triton_scale_grad_": (scale_grad_, ("grad", "applied")),
     "triton_gae": (gae, ()),
     "triton_score_rollout": (score_rollout, ()),
 }

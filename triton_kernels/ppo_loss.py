@@ -4,16 +4,18 @@ Shapes and dtypes (csrc/ops.cpp): logits [B, Tl, V] (stride(2) == 1, any B/Tl st
 Tl >= T); tokens int64, mask bool, old_logprobs, advantages, weights, ref_logprobs,
 rollout_is_weights [B, T] contiguous of the accumulation dtype ACC (float64 for float64
 logits, else float32). Outputs: loss 0-d = sum(weights * loss_tok); loss_tok, logprobs,
-entropy [B, T] of ACC (0 on masked rows); dlogits like logits (contiguous, zeros on masked
-rows and rows t >= T), or numel 0 when compute_grad is False; the in-place variant writes
-dlogits over the logits instead.
+entropy [B, T] of ACC (0 on masked rows); dlogits = grad_scale * d loss / d logits like
+logits (contiguous, zeros on masked rows and rows t >= T), or numel 0 when compute_grad is
+False; the in-place variant writes dlogits over the logits instead. scale_grad_ rescales
+such a gradient in place by grad_output / applied (autograd's backward), with no host read.
 
 One program per row of [B, Tl] on grid axis 0. Pass 1 streams the row once for
 (lse, H); the per-token math of csrc/ppo_math.h (token_loss) gives dlogp and dent; pass 2
 streams the row again (still in L2: it was just read) and writes the gradient. The loss
 is a scalar whose weights w_i are known before the launch, so the gradient can be written
-now and autograd's backward only scales it by grad_output: one read of the logits for the
-forward, one read and one write for the gradient, no [N, V] intermediate.
+now and autograd's backward only scales it by grad_output / grad_scale (nothing at all when
+the forward's grad_scale was the grad_output): one read of the logits for the forward, one
+read and one write for the gradient, no [N, V] intermediate.
 """
 
 import torch
@@ -22,8 +24,10 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from . import _config
-from ._math import as_acc, row_grad, row_stats, row_zero, token_logp, token_loss
-from .logprobs import _check_logits, acc_dtype, check_kl_estimator, check_per_token, tl_acc
+from ._math import (as_acc, round_to, row_grad, row_stats, row_zero, token_col, token_logit,
+                    token_logp, token_loss)
+from .logprobs import (_check_logits, acc_dtype, check_kl_estimator, check_per_token,
+                       device_guard, inv_temperature, tl_acc)
 
 
 def _ppo_loss_kernel_fn(
@@ -33,14 +37,17 @@ def _ppo_loss_kernel_fn(
     grad_ptr, stride_gb, stride_gt,
     T, TG, V,
     clip_eps_low: tl.float64, clip_eps_high: tl.float64, dual_clip_c: tl.float64,
-    kl_coef: tl.float64, entropy_coef: tl.float64, temperature: tl.float64,
+    kl_coef: tl.float64, entropy_coef: tl.float64, inv_temp: tl.float64,
+    grad_scale: tl.float64,
     ACC: tl.constexpr, KL_EST: tl.constexpr, HAS_REF: tl.constexpr, HAS_ISW: tl.constexpr,
     HAS_DUAL: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Row r = b * TG + t (TG = Tl with a gradient, so that rows t >= T get their zeros,
     else T). grad_ptr/stride_g* address the gradient rows: a fresh contiguous buffer, or
     the logits themselves in place (each row is fully read in pass 1 before pass 2
-    overwrites it, and no other program touches that row)."""
+    overwrites it, and no other program touches that row). The gradient written is
+    grad_scale * d loss / d logits (dlogp and dent scaled before the sweep); the per-token
+    outputs are not scaled."""
     row = tl.program_id(0).to(tl.int64)
     b = row // TG
     t = row % TG
@@ -49,11 +56,11 @@ def _ppo_loss_kernel_fn(
     valid = tl.load(mask_ptr + idx, mask=in_seq, other=0) != 0
     out_row = grad_ptr + b * stride_gb + t * stride_gt
     if valid:
-        inv_temp = 1.0 / as_acc(temperature, ACC)
+        inv = as_acc(inv_temp, ACC)
         in_row = logits_ptr + b * stride_lb + t * stride_lt
+        # every per-token load is issued before the sweep, which hides its latency (S5)
         tok = tl.load(tokens_ptr + idx)
-        xmax, log_s, lse, ent = row_stats(in_row, V, inv_temp, ACC, True, BLOCK_V)
-        logp = token_logp(in_row, tok, V, inv_temp, xmax, log_s, ACC)
+        x_tok = token_logit(in_row, tok, V, ACC)
         old = tl.load(old_ptr + idx).to(ACC)
         adv = tl.load(adv_ptr + idx).to(ACC)
         w = tl.load(w_ptr + idx).to(ACC)
@@ -65,6 +72,8 @@ def _ppo_loss_kernel_fn(
             is_w = tl.load(isw_ptr + idx).to(ACC)
         else:
             is_w = tl.full([], 1.0, ACC)
+        row_max, log_sum, ent = row_stats(in_row, V, inv, ACC, True, BLOCK_V)
+        logp = token_logp(x_tok, row_max, log_sum, inv)
         loss, dlogp, dent = token_loss(
             logp, ent, old, adv, ref, is_w, w,
             as_acc(clip_eps_low, ACC), as_acc(clip_eps_high, ACC), as_acc(dual_clip_c, ACC),
@@ -73,8 +82,9 @@ def _ppo_loss_kernel_fn(
         tl.store(logp_ptr + idx, logp)
         tl.store(ent_ptr + idx, ent)
         if COMPUTE_GRAD:
-            row_grad(in_row, out_row, V, tok, xmax, log_s, ent, dlogp, dent, inv_temp, ACC,
-                     BLOCK_V)
+            gs = as_acc(grad_scale, ACC)
+            row_grad(in_row, out_row, V, token_col(tok, V), logp, row_max, log_sum, ent,
+                     dlogp * gs, dent * gs, inv, ACC, BLOCK_V)
     else:
         zero = tl.zeros([], ACC)
         tl.store(loss_tok_ptr + idx, zero, mask=in_seq)
@@ -84,6 +94,7 @@ def _ppo_loss_kernel_fn(
             row_zero(out_row, V, BLOCK_V)
 
 
+# Keyed on V and the flags, not on the row count: see logprobs.py (batch invariance).
 _KEY = ["V", "COMPUTE_GRAD", "HAS_REF", "KL_EST"]
 _PRUNE = {"early_config_prune": _config.prune_row_configs}
 _ppo_loss_jit = triton.jit(_ppo_loss_kernel_fn)
@@ -95,9 +106,17 @@ _ppo_loss_kernel = triton.autotune(configs=_config.row_configs(), key=_KEY,
 # (_config.inplace_row_config).
 
 
+def check_grad_scale(grad_scale):
+    """grad_scale as the ops take it: a positive finite number (1.0: the plain gradient)."""
+    g = float(grad_scale)
+    if not (0.0 < g < float("inf")):
+        raise ValueError(f"grad_scale: expected a positive finite number, got {grad_scale}")
+    return g
+
+
 def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
             rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-            kl_estimator, entropy_coef, temperature, grad, inplace):
+            kl_estimator, entropy_coef, temperature, grad_scale, grad, inplace):
     _check_logits(logits, tokens, mask)
     B, T = tokens.shape
     TL, V = logits.shape[1], logits.shape[2]
@@ -109,6 +128,8 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
         if x is not None:
             check_per_token(name, x, (B, T), acc, dev)
     check_kl_estimator(kl_estimator)
+    inv = inv_temperature(temperature, acc)
+    gs = check_grad_scale(grad_scale)
     loss_tok = torch.empty((B, T), dtype=acc, device=dev)
     logp = torch.empty((B, T), dtype=acc, device=dev)
     ent = torch.empty((B, T), dtype=acc, device=dev)
@@ -119,19 +140,20 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
         if inplace:
             kernel, launch = _ppo_loss_jit, _config.inplace_row_config(V)
         g = grad if compute_grad else logits
-        wrap_triton(kernel)[(rows,)](
-            logits, logits.stride(0), logits.stride(1),
-            tokens, mask, old_logprobs, advantages, weights,
-            ref_logprobs if ref_logprobs is not None else old_logprobs,
-            rollout_is_weights if rollout_is_weights is not None else old_logprobs,
-            loss_tok, logp, ent,
-            g, g.stride(0), g.stride(1),
-            T, TL if compute_grad else T, V,
-            float(clip_eps_low), float(clip_eps_high), float(dual_clip_c), float(kl_coef),
-            float(entropy_coef), float(temperature),
-            ACC=tl_acc(acc), KL_EST=int(kl_estimator), HAS_REF=ref_logprobs is not None,
-            HAS_ISW=rollout_is_weights is not None, HAS_DUAL=float(dual_clip_c) > 0.0,
-            COMPUTE_GRAD=compute_grad, **launch)
+        with device_guard(logits):
+            wrap_triton(kernel)[(rows,)](
+                logits, logits.stride(0), logits.stride(1),
+                tokens, mask, old_logprobs, advantages, weights,
+                ref_logprobs if ref_logprobs is not None else old_logprobs,
+                rollout_is_weights if rollout_is_weights is not None else old_logprobs,
+                loss_tok, logp, ent,
+                g, g.stride(0), g.stride(1),
+                T, TL if compute_grad else T, V,
+                float(clip_eps_low), float(clip_eps_high), float(dual_clip_c),
+                float(kl_coef), float(entropy_coef), inv, gs,
+                ACC=tl_acc(acc), KL_EST=int(kl_estimator), HAS_REF=ref_logprobs is not None,
+                HAS_ISW=rollout_is_weights is not None, HAS_DUAL=float(dual_clip_c) > 0.0,
+                COMPUTE_GRAD=compute_grad, **launch)
     # sum(w * loss_tok) over [B, T] in a deterministic order (no atomics): this reads
     # 8 bytes per token, nothing next to the [B, T, V] sweep.
     loss = torch.dot(weights.reshape(-1), loss_tok.reshape(-1))
@@ -140,23 +162,90 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
 
 def ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
                  rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                 kl_estimator, entropy_coef, temperature, compute_grad):
-    """(loss, loss_tok, logprobs, entropy, dlogits); dlogits has numel 0 unless
-    compute_grad."""
+                 kl_estimator, entropy_coef, temperature, grad_scale, compute_grad):
+    """(loss, loss_tok, logprobs, entropy, dlogits); dlogits (like logits, contiguous) is
+    grad_scale * d loss / d logits, numel 0 unless compute_grad."""
     grad = (torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             if compute_grad else torch.empty((0,), dtype=logits.dtype, device=logits.device))
     loss, loss_tok, logp, ent = _launch(
         logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
         rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
-        entropy_coef, temperature, grad if compute_grad else None, inplace=False)
+        entropy_coef, temperature, grad_scale, grad if compute_grad else None,
+        inplace=False)
     return loss, loss_tok, logp, ent, grad
 
 
 def ppo_loss_fwd_inplace(logits, tokens, mask, old_logprobs, advantages, weights,
                          ref_logprobs, rollout_is_weights, clip_eps_low, clip_eps_high,
-                         dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature):
-    """(loss, loss_tok, logprobs, entropy); the logits now hold dlogits (zeros on masked
-    rows and rows t >= T), in their own dtype and strides."""
+                         dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
+                         grad_scale):
+    """(loss, loss_tok, logprobs, entropy); the logits now hold grad_scale * dlogits
+    (zeros on masked rows and rows t >= T), in their own dtype and strides."""
     return _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
                    rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                   kl_estimator, entropy_coef, temperature, logits, inplace=True)
+                   kl_estimator, entropy_coef, temperature, grad_scale, logits, inplace=True)
+
+
+# ------------------------------------------------------------------ scale_grad_
+
+@triton.jit
+def _scale_grad_kernel(grad_ptr, stride_gb, stride_gt, go_ptr, applied_ptr, TL, V,
+                       ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Row r = b * Tl + t of grad: grad *= grad_output / applied, in ACC, rounded once to
+    grad's dtype; nothing is written when the two scalars are equal (f == 1: for
+    correctly rounded division f == 1 exactly when they are equal). Reads `applied` only;
+    _scale_grad_commit_kernel updates it after every program here has run."""
+    go = tl.load(go_ptr).to(ACC)
+    ap = tl.load(applied_ptr).to(ACC)
+    if go != ap:
+        # float32: div_rn, not the approximate (2-ulp) division `/` lowers to on a GPU
+        if ACC == tl.float64:
+            f = go / ap
+        else:
+            f = tl.math.div_rn(go, ap)
+        row = tl.program_id(0).to(tl.int64)
+        g_row = grad_ptr + (row // TL) * stride_gb + (row % TL) * stride_gt
+        offs = tl.arange(0, BLOCK_V)
+        for start in range(0, V, BLOCK_V):
+            cols = start + offs
+            inb = cols < V
+            g = tl.load(g_row + cols, mask=inb, other=0.0).to(ACC)
+            tl.store(g_row + cols, round_to(g * f, grad_ptr.dtype.element_ty), mask=inb)
+
+
+@triton.jit
+def _scale_grad_commit_kernel(go_ptr, applied_ptr):
+    """One program, launched after _scale_grad_kernel on the same stream (so after every
+    one of its programs read `applied`): applied := grad_output where they differ."""
+    go = tl.load(go_ptr)
+    if go != tl.load(applied_ptr):
+        tl.store(applied_ptr, go)
+
+
+def scale_grad_(grad, grad_output, applied):
+    """In place, without a host read: f = grad_output / applied; where f != 1, grad *= f
+    and applied := grad_output (autograd's backward of the fused loss: the forward wrote
+    grad_scale * dlogits and applied = grad_scale, so a matching grad_output costs nothing).
+
+    grad: [B, Tl, V] of any float dtype, unit vocabulary stride, any batch/time strides
+    (a contiguous dlogits, or the logits' own storage after the in-place forward).
+    grad_output, applied: 0-d tensors of the accumulation dtype (float64 for float64 grad,
+    else float32) on grad's device. Returns None.
+    """
+    if grad.dim() != 3:
+        raise ValueError(f"grad: expected [B, Tl, V], got shape {tuple(grad.shape)}")
+    if grad.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise TypeError(f"grad: expected a float32/bfloat16/float16/float64 tensor, "
+                        f"got {grad.dtype}")
+    B, TL, V = grad.shape
+    if V > 1 and grad.stride(2) != 1:
+        raise ValueError(f"grad: expected stride(2) == 1, got strides {grad.stride()}")
+    acc = acc_dtype(grad)
+    for name, x in (("grad_output", grad_output), ("applied", applied)):
+        check_per_token(name, x, (), acc, grad.device)
+    with device_guard(grad):
+        if B * TL * V > 0:
+            wrap_triton(_scale_grad_kernel)[(B * TL,)](
+                grad, grad.stride(0), grad.stride(1), grad_output, applied, TL, V,
+                ACC=tl_acc(acc), **_config.inplace_row_config(V))
+        wrap_triton(_scale_grad_commit_kernel)[(1,)](grad_output, applied, num_warps=1)
