@@ -48,7 +48,7 @@ def extensions():
             "ppo_kernels._C", c_sources + rel("csrc/cuda/*.cu"), include_dirs=include,
             define_macros=macros,
             extra_compile_args={"cxx": CXX_FLAGS,
-                                "nvcc": ["-O3", "-std=c++20", "--use_fast_math",
+                                "nvcc": ["-O3", "-std=c++20",
                                          "-lineinfo", "--expt-relaxed-constexpr"]})
     else:
         ext = cpp_extension.CppExtension("ppo_kernels._C", c_sources, include_dirs=include,

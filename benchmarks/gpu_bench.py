@@ -16,7 +16,8 @@ Also: long-T GAE (B = 8, T = 32768) per backend, and peak memory over the inputs
     python benchmarks/gpu_bench.py --device cpu --small  # CPU smoke run of this script
 
 Tuning knobs of the CUDA backend (csrc/cuda/launch.h) can be swept with
---cuda-variants "default;PPO_CUDA_THREADS=512;PPO_CUDA_ROWS_PER_SM=2" (each a row).
+--cuda-variants "default;PPO_CUDA_THREADS=256;PPO_CUDA_ROWS_PER_SM=1" (each a row; none
+changes a result bit: the reduction tree is a function of V only, csrc/cuda/NOTES.md).
 """
 
 from __future__ import annotations

@@ -2,9 +2,12 @@
 // Python layer validates first, with friendlier messages), device properties, launch knobs.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -16,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "ppo_math.h"
+#include "row_reduce.cuh"
 
 namespace ppo_cuda {
 
@@ -69,10 +73,14 @@ inline void check_temperature(double temperature, at::ScalarType dt) {
               "finite in the accumulation dtype ", acc_dtype(dt), ", got ", temperature);
 }
 
-// 1 / temperature in the accumulation dtype A (after check_temperature).
+// The temperature the kernels use (row_reduce.cuh, Temp): 1 / T and log2(e) / T computed in
+// double and rounded once to the accumulation dtype A (after check_temperature); the base-2
+// scale is capped at A's largest finite value (see Temp).
 template <typename A>
-inline A inv_temperature(double temperature) {
-  return static_cast<A>(1.0 / temperature);
+inline Temp<A> make_temp(double temperature) {
+  const double inv = 1.0 / temperature;
+  const double inv2 = std::min(inv * kLog2e, static_cast<double>(std::numeric_limits<A>::max()));
+  return {static_cast<A>(inv), static_cast<A>(inv2)};
 }
 
 // kl_estimator: the integer code of ppo_kernels/_checks.py (ppo::KlEstimator).
@@ -108,32 +116,32 @@ inline const A* ptr_or_null(const std::optional<at::Tensor>& x) {
   return x.has_value() ? x->data_ptr<A>() : nullptr;
 }
 
+// Multiprocessor count of a device, cached per device. Relaxed atomics (review S7): two
+// threads may both query the driver once, never race on the value.
 inline int sm_count(int device) {
-  static int cached[64] = {0};
-  if (device >= 0 && device < 64 && cached[device] > 0) return cached[device];
+  static std::atomic<int> cached[64] = {};
+  const bool slot = device >= 0 && device < 64;
+  if (slot) {
+    const int c = cached[device].load(std::memory_order_relaxed);
+    if (c > 0) return c;
+  }
   int n = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (device >= 0 && device < 64) cached[device] = n;
+  if (slot) cached[device].store(n, std::memory_order_relaxed);
   return n;
 }
 
-// Tuning knobs, read at every call so that one benchmark process can sweep them:
-//   PPO_CUDA_THREADS      threads per row block of the fused kernel (32..1024, power of 2)
-//   PPO_CUDA_SPLIT        0 auto, 1 never split the vocabulary, k > 1 always split in k
-//   PPO_CUDA_ROWS_PER_SM  cap the fused grid at k blocks per SM (rows loop); 0 = one per row
+// Tuning knobs (row_kernels.cuh, plan_rows): PPO_CUDA_THREADS, PPO_CUDA_SPLIT,
+// PPO_CUDA_ROWS_PER_SM. Read with getenv at every call ON PURPOSE: one benchmark process
+// sweeps them (gpu_bench.py --cuda-variants). getenv is thread-safe as long as nobody calls
+// setenv concurrently, and costs ~100 ns next to a launch. None of them changes any bit of
+// the results (the reduction tree is a function of V only).
 inline int64_t env_int(const char* name, int64_t dflt) {
   const char* s = std::getenv(name);
   if (s == nullptr || *s == '\0') return dflt;
   char* end = nullptr;
   const long long v = std::strtoll(s, &end, 10);
   return (end != nullptr && *end == '\0') ? static_cast<int64_t>(v) : dflt;
-}
-
-// Threads for a block that walks nvec packs: about four packs per thread, 32..cap.
-inline int threads_for(int64_t nvec, int cap) {
-  int t = 32;
-  while (t < cap && static_cast<int64_t>(t) * 4 < nvec) t *= 2;
-  return t;
 }
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -4,7 +4,10 @@
 // per-token loss and its derivatives (ppo::token_loss), and, when a gradient is wanted,
 // writes dlogits in a second sweep of the same row while it is in L2 (row_kernels.cuh).
 // Since loss = sum_i w_i loss_i with w known up front, the autograd backward only scales
-// this dlogits by grad_output: one DRAM read and one DRAM write of [N, V] in total.
+// this dlogits by grad_output: one DRAM read and one DRAM write of [N, V] in total. The
+// dlogits written are grad_scale * d loss / d logits (dlogp and dent times grad_scale in the
+// token epilogue), so a known loss scale (gradient accumulation) costs no pass at all, and
+// any other grad_output one in-place pass (scale_grad.cu), never an [N, V] allocation.
 // A second tiny launch reduces loss = sum(w * loss_tok) in a fixed order (deterministic).
 #include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
@@ -25,8 +28,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
     const Tensor& old_logprobs, const Tensor& advantages, const Tensor& weights,
     const OptTensor& ref_logprobs, const OptTensor& rollout_is_weights, double clip_eps_low,
     double clip_eps_high, double dual_clip_c, double kl_coef, int64_t kl_estimator,
-    double entropy_coef, double temperature, bool compute_grad, bool inplace) {
+    double entropy_coef, double temperature, double grad_scale, bool compute_grad,
+    bool inplace) {
   check_logits(logits, tokens_in, mask_in);
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0,
+              "ppo_kernels (CUDA): grad_scale: expected a finite number > 0, got ", grad_scale);
   check_temperature(temperature, logits.scalar_type());
   check_kl_estimator(kl_estimator);
   c10::cuda::CUDAGuard guard(logits.device());
@@ -90,7 +96,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
         io.logp = logp.data_ptr<A>();
         io.entropy = ent.data_ptr<A>();
         io.loss_tok = loss_tok.data_ptr<A>();
-        run_rows<scalar_t>(rv, io, inv_temperature<A>(temperature), acc_opts, device, stream);
+        io.grad_scale = static_cast<A>(grad_scale);
+        run_rows<scalar_t>(rv, io, make_temp<A>(temperature), acc_opts, device, stream);
         weighted_sum_kernel<A><<<1, kMaxThreads, 0, stream>>>(
             w.data_ptr<A>(), loss_tok.data_ptr<A>(), B * T, loss.data_ptr<A>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -103,10 +110,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_cuda(
     const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
     const OptTensor& rollout_is_weights, double clip_eps_low, double clip_eps_high,
     double dual_clip_c, double kl_coef, int64_t kl_estimator, double entropy_coef,
-    double temperature, bool compute_grad) {
+    double temperature, double grad_scale, bool compute_grad) {
   return ppo_loss_impl(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
                        rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                       kl_estimator, entropy_coef, temperature, compute_grad, false);
+                       kl_estimator, entropy_coef, temperature, grad_scale, compute_grad,
+                       false);
 }
 
 // Tensor(a!) in the schema: the dispatcher wants `Tensor&` here, the same C++ signature as
@@ -116,11 +124,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_inplace_cuda(
     const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
     const OptTensor& rollout_is_weights, double clip_eps_low, double clip_eps_high,
     double dual_clip_c, double kl_coef, int64_t kl_estimator, double entropy_coef,
-    double temperature) {
+    double temperature, double grad_scale) {
   auto [loss, loss_tok, logp, ent, unused] = ppo_loss_impl(
       logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
       rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
-      entropy_coef, temperature, true, true);
+      entropy_coef, temperature, grad_scale, true, true);
   (void)unused;
   return {loss, loss_tok, logp, ent};
 }

@@ -1,16 +1,21 @@
 // The vocabulary-row kernels shared by token_logprobs, ppo_loss and score_rollout.
 //
-// A "row" is one position (b, t) of logits [B, Tl, V]. Two ways to cover the rows:
+// A "row" is one position (b, t) of logits [B, Tl, V]. Every row is reduced as the same
+// fixed CHUNKS (chunk_plan: a function of V and the dtype only), each by the same number of
+// threads in the same order, and the chunk results are merged by one warp in the same order.
+// Two ways to schedule that work:
 //
-//  fused   one block per row (grid-stride over rows). Sweep 1 reads the row once and merges
-//          the online (max, sum, entropy-sum) statistics; thread 0 computes the token's
-//          logprob, entropy and the per-token epilogue (loss, KL, ...) through ppo_math.h;
-//          sweep 2 (only when a gradient is wanted) writes dlogits from the row while it is
-//          still in L2, backwards (see grad_range). One DRAM read + one DRAM write of [N, V].
+//  fused   one block per row (grid-stride over rows), `groups` groups of chunk_plan().threads
+//          threads taking the chunks in turn (sweep 1); warp 0 merges the chunks and thread 0
+//          computes the token's logprob, entropy and the per-token epilogue (loss, KL, ...)
+//          through ppo_math.h; sweep 2 (only when a gradient is wanted) writes dlogits from
+//          the row while it is still in L2, backwards. One DRAM read + one write of [N, V].
 //  split   for few rows and a large V, where one block per row leaves most multiprocessors
-//          idle: grid (row, chunk) blocks each write a partial statistic; a combine kernel
+//          idle: grid (row, chunk) blocks each write a chunk's statistics; a combine kernel
 //          (one warp per row) merges them and runs the epilogue; a grad kernel (row, chunk)
 //          writes dlogits. The second read is from L2 as long as the few rows fit there.
+// Both give a row the same bits (batch invariance, NOTES.md): which path runs depends on
+// the row count, the reduction tree does not.
 //
 // Masked rows: the kernels read mask first and never read the token id, logits or any
 // per-token input of a masked row; its outputs are 0 and its gradient row is written 0.
@@ -27,15 +32,19 @@ template <typename scalar_t>
 struct RowsView {
   const scalar_t* logits;
   int64_t sB, sT;  // element strides of logits over B and Tl
-  scalar_t* out;          // gradient destination, or nullptr for no gradient
+  scalar_t* out;   // gradient destination, or nullptr for no gradient
   int64_t oB, oT;  // element strides of out (dlogits contiguous, or logits' own in place)
   const int64_t* tokens;  // [B, T] contiguous
   const bool* mask;       // [B, T] contiguous
   int64_t B, T, Tl, V;
 };
 
-// Most threads a (row, chunk) block of the split / grad-chunk kernels is launched with.
-constexpr int kChunkThreads = 256;
+// Most threads of a fused block (review S2: 512 x 64 registers leaves room for two blocks
+// per multiprocessor, so one block's epilogue overlaps the other's sweep; also fp64 gets
+// 128 registers and no spills, review C10).
+constexpr int kFusedMaxThreads = 512;
+
+// ---------------------------------------------------------------- per-token epilogue
 
 enum RowMode : int { kModeLogprobs = 0, kModePpo = 1, kModeScore = 2 };
 
@@ -50,6 +59,7 @@ struct TokenIO {
   const A* weights;
   const A* is_w;  // null: 1
   ppo::PolicyParams params;
+  A grad_scale;   // dlogp and dent are multiplied by it (1 outside kModePpo)
   // kModePpo (when params.has_ref) and kModeScore
   const A* ref_logp;
   // kModeScore
@@ -58,55 +68,114 @@ struct TokenIO {
   // outputs
   A* logp;
   A* entropy;
-  A* lse;
+  A* row_max;
+  A* log_sum;
   A* loss_tok;
   A* kl;
   A* rewards;
 };
 
+// What the epilogue reads of one row, fetched by its thread at the START of the row (review
+// S2) so that the loads are in flight during sweep 1, not after its barriers.
 template <typename A>
-__device__ __forceinline__ void token_epilogue(const TokenIO<A>& io, int64_t i, A logp, A lse,
-                                               A ent, A& dlogp, A& dent) {
-  dlogp = A(0);
-  dent = A(0);
-  if (io.logp) io.logp[i] = logp;
-  if (io.entropy) io.entropy[i] = ent;
-  if (io.lse) io.lse[i] = lse;
+struct TokenIn {
+  int64_t tok;
+  bool tok_ok;
+  A x_tok, old_logp, adv, w, ref, isw;
+};
+
+template <typename scalar_t, typename A>
+__device__ __forceinline__ TokenIn<A> fetch_token(const TokenIO<A>& io,
+                                                  const RowsView<scalar_t>& rv,
+                                                  const scalar_t* row, int64_t i) {
+  TokenIn<A> in{};
+  in.tok = rv.tokens[i];
+  in.tok_ok = in.tok >= 0 && in.tok < rv.V;
+  in.x_tok = in.tok_ok ? static_cast<A>(row[in.tok]) : A(0);
+  in.isw = A(1);
   if (io.mode == kModePpo) {
-    const A ref = io.params.has_ref ? io.ref_logp[i] : A(0);
-    const A isw = io.is_w ? io.is_w[i] : A(1);
-    const ppo::TokenLoss<A> tl =
-        ppo::token_loss(logp, ent, io.old_logp[i], io.adv[i], ref, isw, io.weights[i], io.params);
-    io.loss_tok[i] = tl.loss;
-    dlogp = tl.dlogp;
-    dent = tl.dent;
+    in.old_logp = io.old_logp[i];
+    in.adv = io.adv[i];
+    in.w = io.weights[i];
+    if (io.params.has_ref) in.ref = io.ref_logp[i];
+    if (io.is_w) in.isw = io.is_w[i];
   } else if (io.mode == kModeScore) {
-    const ppo::KlTerm<A> k = ppo::kl_term(logp - io.ref_logp[i], io.kl_estimator);
+    in.ref = io.ref_logp[i];
+  }
+  return in;
+}
+
+// Writes the row's per-token outputs and returns what its gradient sweep needs (dlogp and
+// dent already times grad_scale: the token epilogue is where the known loss scale enters).
+template <typename A>
+__device__ __forceinline__ GradRow<A> token_epilogue(const TokenIO<A>& io, int64_t i,
+                                                     const TokenIn<A>& in,
+                                                     const RowStats<A>& rs, Temp<A> tp) {
+  const A logp = in.tok_ok ? token_logp(in.x_tok, rs.xmax, rs.log_s, tp.inv) : quiet_nan<A>();
+  if (io.logp) io.logp[i] = logp;
+  if (io.entropy) io.entropy[i] = rs.entropy;
+  if (io.row_max) io.row_max[i] = rs.xmax;
+  if (io.log_sum) io.log_sum[i] = rs.log_s;
+  A dlogp = A(0), dent = A(0);
+  if (io.mode == kModePpo) {
+    const ppo::TokenLoss<A> tl = ppo::token_loss(logp, rs.entropy, in.old_logp, in.adv, in.ref,
+                                                 in.isw, in.w, io.params);
+    io.loss_tok[i] = tl.loss;
+    dlogp = tl.dlogp * io.grad_scale;
+    dent = tl.dent * io.grad_scale;
+  } else if (io.mode == kModeScore) {
+    const ppo::KlTerm<A> k = ppo::kl_term(logp - in.ref, io.kl_estimator);
     io.kl[i] = k.kl;
     io.rewards[i] = -io.kl_coef * k.kl;
   }
+  GradRow<A> g;
+  g.xmax = rs.xmax;
+  g.log_s2 = rs.log_s2;
+  g.entropy = rs.entropy;
+  g.dlogp = dlogp;
+  g.dent = dent;
+  g.g_tok = token_grad(logp, rs.entropy, dlogp, dent, tp.inv);
+  g.tok = in.tok;
+  return g;
 }
 
 template <typename A>
 __device__ __forceinline__ void token_epilogue_masked(const TokenIO<A>& io, int64_t i) {
   if (io.logp) io.logp[i] = A(0);
   if (io.entropy) io.entropy[i] = A(0);
-  if (io.lse) io.lse[i] = A(0);
+  if (io.row_max) io.row_max[i] = A(0);
+  if (io.log_sum) io.log_sum[i] = A(0);
   if (io.loss_tok) io.loss_tok[i] = A(0);
   if (io.kl) io.kl[i] = A(0);
   if (io.rewards) io.rewards[i] = A(0);
 }
 
+template <typename A>
+PPO_CUDA_HD bool grad_is_zero(const GradRow<A>& g) {
+  return g.dlogp == A(0) && g.dent == A(0);  // e.g. a clipped token: no need to read again
+}
+
 // ---------------------------------------------------------------- fused: one block per row
 
+// __launch_bounds__(512, 2): at most 64 registers, two blocks per multiprocessor (S2);
+// float64 (gradcheck only) gets one block and 128 registers instead of spilling (C10).
 template <typename scalar_t>
-__global__ void __launch_bounds__(kMaxThreads)
-    fused_rows_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> io, acc_of<scalar_t> inv_temp) {
+constexpr int kFusedMinBlocks = sizeof(scalar_t) == 8 ? 1 : 2;
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
+    fused_rows_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> io,
+                      Temp<acc_of<scalar_t>> tp, ChunkPlan cp) {
   using A = acc_of<scalar_t>;
-  __shared__ Stats<A> red[33];
-  __shared__ A bcast[5];
+  __shared__ Stats<A> wsm[kFusedMaxThreads / kWarpSize];
+  __shared__ Stats<A> cs[kMaxChunks];
+  __shared__ GradRow<A> bc;
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
+  const int G = cp.threads;
+  const int groups = nthr / G;
+  const int group = tid / G;
+  const int lt = tid - group * G;
   const int64_t nrows = rv.B * rv.Tl;
   for (int64_t r = blockIdx.x; r < nrows; r += gridDim.x) {
     const int64_t b = r / rv.Tl;
@@ -123,69 +192,66 @@ __global__ void __launch_bounds__(kMaxThreads)
       if (orow) zero_range(orow, 0, rv.V, tid, nthr);
       continue;
     }
-    const int64_t tok = rv.tokens[i];
-    const bool tok_ok = tok >= 0 && tok < rv.V;
-    A xtok = A(0);
-    if (tid == 0 && tok_ok) xtok = static_cast<A>(row[tok]);  // in flight early
-    Stats<A> st = range_stats(row, 0, rv.V, inv_temp, tid, nthr);
-    st = block_merge(st, red, inv_temp);
-    if (tid == 0) {
-      A dlogp, dent;
-      const RowStats<A> rs = stats_finish(st, inv_temp);
-      const A logp = tok_ok ? token_logp(rs, xtok, inv_temp) : quiet_nan<A>();
-      token_epilogue(io, i, logp, rs.lse, rs.entropy, dlogp, dent);
-      bcast[0] = rs.xmax;
-      bcast[1] = rs.log_s;
-      bcast[2] = rs.entropy;
-      bcast[3] = dlogp;
-      bcast[4] = dent;
+    TokenIn<A> tin{};
+    if (tid == 0) tin = fetch_token(io, rv, row, i);  // in flight during sweep 1
+    // Sweep 1: the groups take the chunks in turn; a uniform trip count (every thread
+    // reaches group_merge's barriers), the chunk's statistics to cs[c].
+    for (int64_t c0 = 0; c0 < cp.S; c0 += groups) {
+      const int64_t c = c0 + group;
+      Stats<A> st = stats_empty<A>();
+      if (c < cp.S)
+        st = range_stats(row, c * cp.chunk, imin(rv.V, (c + 1) * cp.chunk), rv.V, tp.inv2, lt, G);
+      st = group_merge(st, wsm, G, tp.inv2);
+      if (lt == 0 && c < cp.S) cs[c] = st;
     }
     __syncthreads();
-    const A xmax = bcast[0], log_s = bcast[1], ent = bcast[2], dlogp = bcast[3],
-            dent = bcast[4];
-    // No barrier needed before the next row: bcast is rewritten only after the next
-    // row's block_merge barriers, which every thread reaches after reading it here.
+    if (tid < kWarpSize) {
+      const Stats<A> st = merge_chunks(cs, cp.S, tp.inv2);
+      if (tid == 0) bc = token_epilogue(io, i, tin, stats_finish(st), tp);
+    }
+    __syncthreads();
+    const GradRow<A> g = bc;
+    // No barrier needed before the next row: cs and bc are rewritten only after the next
+    // row's barriers, which every thread reaches after reading them here.
     if (orow) {
-      if (dlogp == A(0) && dent == A(0)) {  // e.g. a clipped token: no need to read again
+      if (grad_is_zero(g))
         zero_range(orow, 0, rv.V, tid, nthr);
-      } else {
-        grad_range(row, orow, 0, rv.V, tok, xmax, log_s, ent, dlogp, dent, inv_temp, tid,
-                   nthr);
-      }
+      else
+        grad_range(row, orow, 0, rv.V, rv.V, g, tp, tid, nthr);
     }
   }
 }
 
 // ---------------------------------------------------------------- split vocabulary
 
-// grid (B * T, S): the partial statistics of chunk blockIdx.y of row blockIdx.x.
+// grid (B * T, S), cp.threads threads: the statistics of chunk blockIdx.y of row blockIdx.x.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kChunkThreads)
-    partial_stats_kernel(RowsView<scalar_t> rv, acc_of<scalar_t> inv_temp, int64_t chunk,
+    partial_stats_kernel(RowsView<scalar_t> rv, Temp<acc_of<scalar_t>> tp, ChunkPlan cp,
                          Stats<acc_of<scalar_t>>* ws) {
   using A = acc_of<scalar_t>;
-  __shared__ Stats<A> red[33];
+  __shared__ Stats<A> wsm[kChunkThreads / kWarpSize];
   const int64_t i = blockIdx.x;
   if (!rv.mask[i]) return;  // combine never reads a masked row's partials
   const int64_t b = i / rv.T;
   const int64_t t = i - b * rv.T;
   const scalar_t* row = rv.logits + b * rv.sB + t * rv.sT;
   const int64_t c = blockIdx.y;
-  const int64_t begin = c * chunk;
-  const int64_t end = min(rv.V, begin + chunk);
-  Stats<A> st = range_stats(row, begin, end, inv_temp, threadIdx.x, blockDim.x);
-  st = block_merge(st, red, inv_temp);
-  if (threadIdx.x == 0) ws[i * gridDim.y + c] = st;
+  Stats<A> st = range_stats(row, c * cp.chunk, imin(rv.V, (c + 1) * cp.chunk), rv.V, tp.inv2,
+                            static_cast<int>(threadIdx.x), cp.threads);
+  st = group_merge(st, wsm, cp.threads, tp.inv2);
+  if (threadIdx.x == 0) ws[i * cp.S + c] = st;
 }
 
 // Per-row values the combine kernel leaves for the grad kernel: info[i * kInfo + ...].
-enum InfoSlot : int { kInfoXmax = 0, kInfoLogS, kInfoEnt, kInfoDlogp, kInfoDent, kInfo };
+enum InfoSlot : int { kInfoXmax = 0, kInfoLogS2, kInfoEnt, kInfoDlogp, kInfoDent, kInfoGtok, kInfo };
 
-// One warp per row: merge the S partials, run the epilogue, leave (xmax, log s, H, dlogp,
-// dent) in info[i * kInfo ..] for the grad kernel (when info is not null).
+// One warp per row: merge the S chunk statistics (merge_chunks, as the fused kernel), run
+// the epilogue, leave the GradRow in info[i * kInfo ..] for the grad kernel (when not null).
 template <typename scalar_t>
-__global__ void combine_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> io, acc_of<scalar_t> inv_temp,
-                               int64_t S, const Stats<acc_of<scalar_t>>* ws, acc_of<scalar_t>* info) {
+__global__ void combine_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> io,
+                               Temp<acc_of<scalar_t>> tp, int64_t S,
+                               const Stats<acc_of<scalar_t>>* ws, acc_of<scalar_t>* info) {
   using A = acc_of<scalar_t>;
   const int lane = threadIdx.x % kWarpSize;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarpSize) +
@@ -199,84 +265,91 @@ __global__ void combine_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> 
     }
     return;
   }
-  Stats<A> st = stats_empty<A>();
-  for (int64_t c = lane; c < S; c += kWarpSize) stats_merge(st, ws[i * S + c], inv_temp);
-  st = warp_merge(st, inv_temp);
+  const Stats<A> st = merge_chunks(ws + i * S, S, tp.inv2);
   if (lane == 0) {
     const int64_t b = i / rv.T;
     const int64_t t = i - b * rv.T;
-    const int64_t tok = rv.tokens[i];
-    const bool tok_ok = tok >= 0 && tok < rv.V;
-    const A xtok = tok_ok ? static_cast<A>(rv.logits[b * rv.sB + t * rv.sT + tok]) : A(0);
-    A dlogp, dent;
-    const RowStats<A> rs = stats_finish(st, inv_temp);
-    const A logp = tok_ok ? token_logp(rs, xtok, inv_temp) : quiet_nan<A>();
-    token_epilogue(io, i, logp, rs.lse, rs.entropy, dlogp, dent);
+    const TokenIn<A> tin = fetch_token(io, rv, rv.logits + b * rv.sB + t * rv.sT, i);
+    const GradRow<A> g = token_epilogue(io, i, tin, stats_finish(st), tp);
     if (info) {
-      info[i * kInfo + kInfoXmax] = rs.xmax;
-      info[i * kInfo + kInfoLogS] = rs.log_s;
-      info[i * kInfo + kInfoEnt] = rs.entropy;
-      info[i * kInfo + kInfoDlogp] = dlogp;
-      info[i * kInfo + kInfoDent] = dent;
+      A* o = info + i * kInfo;
+      o[kInfoXmax] = g.xmax;
+      o[kInfoLogS2] = g.log_s2;
+      o[kInfoEnt] = g.entropy;
+      o[kInfoDlogp] = g.dlogp;
+      o[kInfoDent] = g.dent;
+      o[kInfoGtok] = g.g_tok;
     }
   }
 }
 
-// Where the grad kernel finds a row's (xmax, log s, H, dlogp, dent): the combine kernel's
-// info, or (token_logprobs_bwd) the saved lse / entropy and the incoming gradients; from
-// the lse alone it takes xmax = 0, log s = lse (logp_v = x_v * inv_temp - lse).
+// Where the grad kernel finds a row's GradRow: the combine kernel's info, or
+// (token_logprobs_bwd) the saved row_max / log_sum / entropy and the incoming gradients
+// (review C4: the raw max and log_sum, never lse, so the max entry's d2 is exactly 0).
 template <typename A>
 struct GradSource {
   const A* info;     // [B * T, kInfo], or null: use the arrays below
-  const A* lse;      // [B, T]
+  const A* row_max;  // [B, T]
+  const A* log_sum;  // [B, T]
   const A* entropy;  // [B, T]; may be null when gent is null
   const A* glp;      // [B, T] d loss / d logprob
   const A* gent;     // [B, T] d loss / d entropy, or null
 };
 
+template <typename scalar_t, typename A>
+__device__ __forceinline__ GradRow<A> grad_row_of(const GradSource<A>& src,
+                                                  const RowsView<scalar_t>& rv,
+                                                  const scalar_t* row, int64_t i, Temp<A> tp) {
+  GradRow<A> g;
+  g.tok = rv.tokens[i];  // out of range: matches no entry (and is not read)
+  if (src.info) {
+    const A* o = src.info + i * kInfo;
+    g.xmax = o[kInfoXmax];
+    g.log_s2 = o[kInfoLogS2];
+    g.entropy = o[kInfoEnt];
+    g.dlogp = o[kInfoDlogp];
+    g.dent = o[kInfoDent];
+    g.g_tok = o[kInfoGtok];
+    return g;
+  }
+  const A log_s = src.log_sum[i];
+  g.xmax = src.row_max[i];
+  g.log_s2 = log_s * A(kLog2e);  // the same rounding as stats_finish
+  g.dlogp = src.glp[i];
+  g.dent = src.gent ? src.gent[i] : A(0);
+  g.entropy = (src.gent && src.entropy) ? src.entropy[i] : A(0);
+  const bool tok_ok = g.tok >= 0 && g.tok < rv.V;
+  const A logp = tok_ok ? token_logp(static_cast<A>(row[g.tok]), g.xmax, log_s, tp.inv)
+                        : quiet_nan<A>();
+  g.g_tok = token_grad(logp, g.entropy, g.dlogp, g.dent, tp.inv);
+  return g;
+}
+
 // grid (B * Tl, S): the gradient of chunk blockIdx.y of row blockIdx.x.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kChunkThreads)
-    grad_chunks_kernel(RowsView<scalar_t> rv, acc_of<scalar_t> inv_temp, int64_t chunk,
+    grad_chunks_kernel(RowsView<scalar_t> rv, Temp<acc_of<scalar_t>> tp, int64_t chunk,
                        GradSource<acc_of<scalar_t>> src) {
   using A = acc_of<scalar_t>;
   const int64_t r = blockIdx.x;
   const int64_t b = r / rv.Tl;
   const int64_t t = r - b * rv.Tl;
   const int64_t begin = static_cast<int64_t>(blockIdx.y) * chunk;
-  const int64_t end = min(rv.V, begin + chunk);
+  const int64_t end = imin(rv.V, begin + chunk);
   scalar_t* orow = rv.out + b * rv.oB + t * rv.oT;
   const int tid = threadIdx.x, nthr = blockDim.x;
-  if (t >= rv.T) {
-    zero_range(orow, begin, end, tid, nthr);
-    return;
-  }
   const int64_t i = b * rv.T + t;
-  if (!rv.mask[i]) {
+  if (t >= rv.T || !rv.mask[i]) {
     zero_range(orow, begin, end, tid, nthr);
     return;
   }
-  A xmax, log_s, ent, dlogp, dent;
-  if (src.info) {
-    xmax = src.info[i * kInfo + kInfoXmax];
-    log_s = src.info[i * kInfo + kInfoLogS];
-    ent = src.info[i * kInfo + kInfoEnt];
-    dlogp = src.info[i * kInfo + kInfoDlogp];
-    dent = src.info[i * kInfo + kInfoDent];
-  } else {
-    xmax = A(0);
-    log_s = src.lse[i];
-    dlogp = src.glp[i];
-    dent = src.gent ? src.gent[i] : A(0);
-    ent = (src.gent && src.entropy) ? src.entropy[i] : A(0);
-  }
-  if (dlogp == A(0) && dent == A(0)) {
-    zero_range(orow, begin, end, tid, nthr);
-    return;
-  }
-  const int64_t tok = rv.tokens[i];  // out of range: matches no entry (no read by token id)
   const scalar_t* row = rv.logits + b * rv.sB + t * rv.sT;
-  grad_range(row, orow, begin, end, tok, xmax, log_s, ent, dlogp, dent, inv_temp, tid, nthr);
+  const GradRow<A> g = grad_row_of(src, rv, row, i, tp);
+  if (grad_is_zero(g)) {
+    zero_range(orow, begin, end, tid, nthr);
+    return;
+  }
+  grad_range(row, orow, begin, end, rv.V, g, tp, tid, nthr);
 }
 
 // out[0] = sum_i w[i] * x[i], one block, double accumulation, a fixed order: deterministic.
@@ -295,41 +368,38 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 struct RowPlan {
   bool split = false;
-  int64_t S = 1;      // chunks per row (split)
-  int64_t chunk = 0;  // elements per chunk (split)
-  int threads = 32;
+  ChunkPlan cp{};
+  int threads = 32;  // fused block: groups * cp.threads
   int64_t grid = 0;  // fused grid
 };
 
+// Path and launch shape. None of it changes a row's bits: the knobs only move work around.
+//   PPO_CUDA_SPLIT       0 auto, 1 never split, >= 2 always split (the chunks are
+//                        chunk_plan's either way: the value no longer sets their number)
+//   PPO_CUDA_THREADS     fused block size, rounded to a multiple of chunk_plan().threads
+//                        (1 .. 512 / threads groups); default: min(S, 512 / threads) groups
+//   PPO_CUDA_ROWS_PER_SM cap the fused grid at k blocks per SM (rows loop); 0 = one per row
 template <typename scalar_t>
 RowPlan plan_rows(int64_t B, int64_t Tn, int64_t Tl, int64_t V, bool grad, int device) {
-  constexpr int64_t N = Pack<scalar_t>::N;
   RowPlan p;
+  p.cp = chunk_plan<scalar_t>(V);
   const int64_t sms = sm_count(device);
   const int64_t nrows = B * Tn;
   const int64_t forced = env_int("PPO_CUDA_SPLIT", 0);
-  int64_t S = 1;
-  if (forced > 1) {
-    S = forced;
-  } else if (forced == 0 && nrows > 0 && V >= 8192) {
+  if (forced >= 2) {
+    p.split = true;
+  } else if (forced == 0 && nrows > 0 && p.cp.S >= 2) {
     // With a gradient the grad kernel re-reads the rows: split only while they are so few
     // that they (mostly) stay in L2. Without one there is no re-read.
-    const int64_t limit = grad ? sms : 2 * sms;
-    if (nrows <= limit) S = std::min(ceil_div(4 * sms, nrows), ceil_div(V, 2048));
+    p.split = nrows <= (grad ? sms : 2 * sms);
   }
-  if (S >= 2) {
-    int64_t chunk = ceil_div(ceil_div(V, S), N) * N;
-    chunk = std::max(chunk, ceil_div(ceil_div(V, int64_t(65535)), N) * N);  // gridDim.y
-    p.split = true;
-    p.chunk = chunk;
-    p.S = ceil_div(V, chunk);
-    p.threads = threads_for(ceil_div(chunk, N), kChunkThreads);
-    return p;
-  }
-  const int64_t forced_threads = env_int("PPO_CUDA_THREADS", 0);
-  p.threads = forced_threads >= 32 && forced_threads <= kMaxThreads
-                  ? static_cast<int>(forced_threads / 32 * 32)
-                  : threads_for(ceil_div(V, N), kMaxThreads);
+  p.threads = p.cp.threads;
+  if (p.split) return p;
+  const int64_t max_groups = kFusedMaxThreads / p.cp.threads;
+  const int64_t want = env_int("PPO_CUDA_THREADS", 0);
+  const int64_t groups = want > 0 ? std::max<int64_t>(1, want / p.cp.threads)
+                                  : std::min<int64_t>(p.cp.S, max_groups);
+  p.threads = static_cast<int>(std::min(groups, max_groups) * p.cp.threads);
   p.grid = B * Tl;
   const int64_t cap = env_int("PPO_CUDA_ROWS_PER_SM", 0);
   if (cap > 0) p.grid = std::min(p.grid, cap * sms);
@@ -340,50 +410,52 @@ RowPlan plan_rows(int64_t B, int64_t Tn, int64_t Tl, int64_t V, bool grad, int d
 // Runs the row pass: per-token outputs through io, and the gradient into rv.out when it is
 // not null. acc_opts: tensor options of the accumulation dtype on the right device.
 template <typename scalar_t>
-void run_rows(const RowsView<scalar_t>& rv, const TokenIO<acc_of<scalar_t>>& io, acc_of<scalar_t> inv_temp,
-              const at::TensorOptions& acc_opts, int device, cudaStream_t stream) {
+void run_rows(const RowsView<scalar_t>& rv, const TokenIO<acc_of<scalar_t>>& io,
+              Temp<acc_of<scalar_t>> tp, const at::TensorOptions& acc_opts, int device,
+              cudaStream_t stream) {
   using A = acc_of<scalar_t>;
   const bool grad = rv.out != nullptr;
   const int64_t nrows = rv.B * rv.T;
   if (rv.B * rv.Tl == 0) return;
   const RowPlan p = plan_rows<scalar_t>(rv.B, rv.T, rv.Tl, rv.V, grad, device);
   if (!p.split) {
-    fused_rows_kernel<scalar_t><<<static_cast<unsigned>(p.grid), p.threads, 0, stream>>>(rv, io,
-                                                                                  inv_temp);
+    fused_rows_kernel<scalar_t>
+        <<<static_cast<unsigned>(p.grid), p.threads, 0, stream>>>(rv, io, tp, p.cp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
-  TORCH_CHECK(p.S <= 65535, "ppo_kernels (CUDA): internal: too many vocabulary chunks");
+  TORCH_CHECK(rv.B * rv.Tl <= 0x7fffffff, "ppo_kernels (CUDA): too many rows for the split path");
   at::Tensor ws, info;
   if (nrows > 0) {
     static_assert(sizeof(Stats<A>) == 3 * sizeof(A), "Stats must be three packed scalars");
-    ws = at::empty({nrows * p.S * 3}, acc_opts);
+    ws = at::empty({nrows * p.cp.S * 3}, acc_opts);
     if (grad) info = at::empty({nrows * kInfo}, acc_opts);
     auto* wsp = reinterpret_cast<Stats<A>*>(ws.data_ptr<A>());
-    partial_stats_kernel<scalar_t><<<dim3(static_cast<unsigned>(nrows), static_cast<unsigned>(p.S)),
-                              p.threads, 0, stream>>>(rv, inv_temp, p.chunk, wsp);
+    partial_stats_kernel<scalar_t>
+        <<<dim3(static_cast<unsigned>(nrows), static_cast<unsigned>(p.cp.S)), p.cp.threads, 0,
+           stream>>>(rv, tp, p.cp, wsp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     constexpr int kCombineThreads = 256;
     constexpr int kRowsPerBlock = kCombineThreads / kWarpSize;
-    combine_kernel<scalar_t><<<static_cast<unsigned>(ceil_div(nrows, kRowsPerBlock)), kCombineThreads,
-                        0, stream>>>(rv, io, inv_temp, p.S, wsp,
-                                     grad ? info.data_ptr<A>() : nullptr);
+    combine_kernel<scalar_t>
+        <<<static_cast<unsigned>(ceil_div(nrows, kRowsPerBlock)), kCombineThreads, 0, stream>>>(
+            rv, io, tp, p.cp.S, wsp, grad ? info.data_ptr<A>() : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   if (grad) {
     GradSource<A> src{nrows > 0 ? info.data_ptr<A>() : nullptr, nullptr, nullptr, nullptr,
-                      nullptr};
+                      nullptr, nullptr};
     // With T == 0 every row is t >= T: the kernel only writes zeros and never reads src.
-    grad_chunks_kernel<scalar_t><<<dim3(static_cast<unsigned>(rv.B * rv.Tl),
-                                 static_cast<unsigned>(p.S)),
-                            p.threads, 0, stream>>>(rv, inv_temp, p.chunk, src);
+    grad_chunks_kernel<scalar_t>
+        <<<dim3(static_cast<unsigned>(rv.B * rv.Tl), static_cast<unsigned>(p.cp.S)),
+           p.cp.threads, 0, stream>>>(rv, tp, p.cp.chunk, src);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
 template <typename scalar_t>
 RowsView<scalar_t> make_view(const at::Tensor& logits, const at::Tensor& tokens,
-                      const at::Tensor& mask) {
+                             const at::Tensor& mask) {
   RowsView<scalar_t> rv;
   rv.logits = logits.data_ptr<scalar_t>();
   rv.sB = logits.stride(0);
@@ -403,6 +475,7 @@ template <typename A>
 TokenIO<A> empty_io(int mode) {
   TokenIO<A> io{};
   io.mode = mode;
+  io.grad_scale = A(1);
   return io;
 }
 

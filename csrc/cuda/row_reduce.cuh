@@ -1,16 +1,22 @@
 // Device building blocks of the vocabulary-row kernels: the online softmax statistics of a
-// range of one logits row (max, sum of exp, entropy sum), their warp/block merge, and the
-// gradient / zero sweeps that write a range of a dlogits row.
+// range of one logits row (max, non-top mass, entropy sum), their warp/group merge, and the
+// gradient / zero / scale sweeps that write a range of a dlogits row.
 //
-// Every routine works on an arbitrary range [begin, end) of a row whose start may have any
-// alignment: it walks a scalar head up to the first 16-byte boundary, then 16-byte packs
-// (8 bf16/half, 4 float, 2 double per load), then a scalar tail. So a row of an odd V, or a
-// strided view such as logits[:, :-1], is read in place with wide loads on its body.
+// Reduction order (batch invariance, NOTES.md): sweep 1 walks LOGICAL packs of N elements
+// counted from the row's first element (N = 16 bytes / sizeof(T)), never packs counted from
+// the first 16-byte boundary. So which thread adds which element, and in which order, is a
+// function of V alone: the same row gives the same bits at any address phase, in any batch.
+// A row that is not 16-byte aligned reads its interior packs with two aligned 16-byte loads
+// and a funnel shift (ld_pack_shifted); only its first and last packs go element by element.
+// The writing sweeps (gradient, zero, scale) have no reduction: they vectorize on the
+// OUTPUT's alignment (review C6) and fetch the matching input with the same shifted load.
 //
-// The per-token PPO math is NOT here: the gradient sweep calls ppo::dlogit (ppo_math.h).
+// The per-token PPO math is NOT here: the gradient entries call ppo::dlogit_dense /
+// dlogit_token (ppo_math.h).
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include <cuda_runtime.h>
 
@@ -35,8 +41,19 @@ using ppo::acc_of;  // accumulation dtype (ppo_math.h)
 constexpr int kWarpSize = 32;
 constexpr int kMaxThreads = 1024;
 
-PPO_CUDA_HD float vlog(float x) { return logf(x); }
-PPO_CUDA_HD double vlog(double x) { return log(x); }
+// ---------------------------------------------------------------- math of the sweeps
+//
+// No --use_fast_math (review C5): every libm call keeps its documented accuracy. The one
+// per-element exponential of each sweep is exp2 of a base-2 shifted logit
+// d2 = (x - xmax) * inv_temp * log2(e): CUDA's exp2f is a single MUFU.EX2 (plus a denormal
+// fix-up), max error 2 ulp over the whole range (CUDA C Programming Guide, "Mathematical
+// Functions": exp2f 2 ulp), i.e. as fast as __expf without __expf's (2 + 1.16|x|) ulp.
+// The host emulation runs the same vexp2 (glibc exp2f, < 1 ulp). Once-per-row calls stay
+// accurate: log1pf (1 ulp), expm1f (1 ulp), expf (2 ulp) for the token's own entry.
+PPO_CUDA_HD float vexp2(float x) { return exp2f(x); }
+PPO_CUDA_HD double vexp2(double x) { return exp2(x); }
+PPO_CUDA_HD float vlog1p(float x) { return log1pf(x); }
+PPO_CUDA_HD double vlog1p(double x) { return log1p(x); }
 PPO_CUDA_HD float vmax(float a, float b) { return fmaxf(a, b); }
 PPO_CUDA_HD double vmax(double a, double b) { return fmax(a, b); }
 template <typename A>
@@ -47,6 +64,18 @@ template <typename A>
 PPO_CUDA_HD A quiet_nan() {
   return static_cast<A>(NAN);
 }
+constexpr double kLog2e = 1.4426950408889634074;
+constexpr double kLn2 = 0.69314718055994530942;
+
+// The temperature as the kernels use it, computed on the host in double, rounded once:
+// inv = 1 / T (the token's logp, the gradient's final scale) and inv2 = log2(e) / T (the
+// base-2 shifted logits of the sweeps). inv2 is capped at the largest finite value: when
+// log2(e) / T overflows while 1 / T does not, every non-max entry is 0 either way and the
+// max entries keep d2 = 0 * cap = 0 (never 0 * inf).
+template <typename A>
+struct Temp {
+  A inv, inv2;
+};
 
 // ---------------------------------------------------------------- 16-byte packs
 
@@ -56,29 +85,105 @@ struct alignas(16) Pack {
   T v[N];
 };
 
-// Default-cached load: the first sweep wants the row to stay in L2 for the second one.
 template <typename T>
-PPO_CUDA_HD Pack<T> ld_pack(const T* p) {
-  return *reinterpret_cast<const Pack<T>*>(p);
+PPO_CUDA_HD bool aligned16(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
-// Streaming (evict-first) load and store for the last touch of a row: the gradient sweep's
-// reads and every dlogits write, so that they do not push other rows' logits out of L2
-// before those rows' own second sweep.
-template <typename T>
-PPO_CUDA_HD Pack<T> ld_pack_last(const T* p) {
+
+// One aligned 16-byte block as four words; `last` = streaming (evict-first) load, for the
+// final touch of a row (the gradient sweep), so it does not push other rows out of L2.
+PPO_CUDA_HD uint4 ld_block(const void* p, bool last) {
 #ifdef __CUDA_ARCH__
-  uint4 r = __ldcs(reinterpret_cast<const uint4*>(p));
-  return *reinterpret_cast<Pack<T>*>(&r);
+  return last ? __ldcs(reinterpret_cast<const uint4*>(p)) : *reinterpret_cast<const uint4*>(p);
 #else
-  return *reinterpret_cast<const Pack<T>*>(p);
+  (void)last;
+#ifdef PPO_CUDA_HOST_CHECK_LOAD  // host_check/emulate_rows.cu: every 16-byte block read
+  PPO_CUDA_HOST_CHECK_LOAD(p);   // must lie inside the row being swept
+#endif
+  uint4 r;
+  std::memcpy(&r, p, 16);
+  return r;
 #endif
 }
+
+template <typename T>
+PPO_CUDA_HD Pack<T> to_pack(const uint4& w) {
+  Pack<T> r;
+  memcpy(&r, &w, 16);  // no type punning through pointers (review S7)
+  return r;
+}
+
+// Aligned pack at p (p 16-byte aligned).
+template <typename T>
+PPO_CUDA_HD Pack<T> ld_pack(const T* p, bool last = false) {
+  return to_pack<T>(ld_block(p, last));
+}
+
+PPO_CUDA_HD uint32_t funnel_r(uint32_t lo, uint32_t hi, uint32_t sh) {
+#ifdef __CUDA_ARCH__
+  return __funnelshift_r(lo, hi, sh);
+#else
+  return sh == 0 ? lo : (lo >> sh) | (hi << (32 - sh));
+#endif
+}
+
+// The N elements at p, p NOT 16-byte aligned, from the two aligned blocks around it. Both
+// blocks must be readable (the caller's interior() test): no byte outside the row is read,
+// so memcheck/initcheck see nothing. The word offset q is selected with two levels of
+// selects, not a runtime array index (which would put w[] in local memory).
+template <typename T>
+PPO_CUDA_HD Pack<T> ld_pack_shifted(const T* p, bool last) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t a = addr & ~uintptr_t(15);
+  const uint32_t off = static_cast<uint32_t>(addr - a);  // bytes, sizeof(T) | off, 0 < off < 16
+  const uint4 b0 = ld_block(reinterpret_cast<const void*>(a), last);
+  const uint4 b1 = ld_block(reinterpret_cast<const void*>(a + 16), last);
+  const uint32_t w[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+  const uint32_t q = off >> 2, sh = (off & 3) * 8;
+  uint32_t u[6], v[5];
+#pragma unroll
+  for (int i = 0; i < 6; ++i) u[i] = (q & 2) ? w[i + 2] : w[i];
+#pragma unroll
+  for (int i = 0; i < 5; ++i) v[i] = (q & 1) ? u[i + 1] : u[i];
+  uint4 r;
+  r.x = funnel_r(v[0], v[1], sh);
+  r.y = funnel_r(v[1], v[2], sh);
+  r.z = funnel_r(v[2], v[3], sh);
+  r.w = funnel_r(v[3], v[4], sh);
+  return to_pack<T>(r);
+}
+
+// May the N elements at row element e0 be read with ld_pack_shifted? Its two blocks stay
+// inside the row when a whole pack precedes e0 and two whole packs start at e0.
+template <typename T>
+PPO_CUDA_HD bool interior(int64_t e0, int64_t V) {
+  constexpr int N = Pack<T>::N;
+  return e0 >= N && e0 + 2 * N <= V;
+}
+
+// The N elements row[e0 .. e0 + N): one aligned load, two aligned loads and a shift, or
+// (first / last pack of a misaligned row) element by element. `row_aligned`: row is
+// 16-byte aligned and N | e0.
+template <typename T>
+PPO_CUDA_HD Pack<T> ld_elems(const T* row, int64_t e0, int64_t V, bool row_aligned,
+                             bool last) {
+  if (row_aligned) return ld_pack(row + e0, last);
+  if (interior<T>(e0, V)) return ld_pack_shifted(row + e0, last);
+  Pack<T> r;
+#pragma unroll
+  for (int k = 0; k < Pack<T>::N; ++k) r.v[k] = row[e0 + k];
+  return r;
+}
+
+// Streaming (evict-first) store of a pack at an aligned address.
 template <typename T>
 PPO_CUDA_HD void st_pack_stream(T* p, const Pack<T>& v) {
+  uint4 w;
+  memcpy(&w, &v, 16);
 #ifdef __CUDA_ARCH__
-  __stcs(reinterpret_cast<uint4*>(p), *reinterpret_cast<const uint4*>(&v));
+  __stcs(reinterpret_cast<uint4*>(p), w);
 #else
-  *reinterpret_cast<Pack<T>*>(p) = v;
+  std::memcpy(p, &w, 16);
 #endif
 }
 
@@ -89,42 +194,81 @@ PPO_CUDA_HD int64_t head_len(const T* p) {
   return static_cast<int64_t>(((16 - (a & 15)) & 15) / sizeof(T));
 }
 
-// ---------------------------------------------------------------- softmax statistics
+// ---------------------------------------------------------------- the reduction tree
 
-// Online statistics of a set of entries x (RAW logits, before the temperature), relative
-// to their running max m, itself kept in raw logit units:
-//   d = (x - m) * inv_temp,  s = sum exp(d),  t = sum exp(d) * d
-// so with log_s = log s: logp_v = d_v - log_s, lse = m * inv_temp + log_s and
-// H = log_s - t / s. The raw max is subtracted BEFORE scaling: the max entry gets d = 0
-// exactly (no FMA-contraction residue of x * inv_temp - m, which is +inf at temperature
-// 1e-10), and logp never goes through lse, whose rounding at |z| ~ 65504 (fp16) or 3e38
-// would swamp it. Keeping t relative to m (not sum e*z) avoids the cancellation
-// lse - sum p z. Empty: m = -inf, s = 0.
+// Most threads of a chunk (and of every (row, chunk) block); at most 64 chunks per row.
+constexpr int kChunkThreads = 256;
+constexpr int kMaxChunks = 64;
+// How a row of V entries of type T is reduced: S chunks of `chunk` elements (a multiple of
+// the pack size N, so every chunk starts at a logical pack), `threads` threads per chunk
+// (about four packs each). A function of (T, V) only.
+struct ChunkPlan {
+  int threads;
+  int64_t chunk;
+  int64_t S;
+};
+
+template <typename T>
+PPO_CUDA_HD ChunkPlan chunk_plan(int64_t V) {
+  constexpr int64_t N = Pack<T>::N;
+  const int64_t nvec = (V + N - 1) / N;
+  ChunkPlan p;
+  p.threads = kWarpSize;
+  while (p.threads < kChunkThreads && static_cast<int64_t>(p.threads) * 4 < nvec) p.threads *= 2;
+  p.chunk = static_cast<int64_t>(p.threads) * 4 * N;
+  p.S = (V + p.chunk - 1) / p.chunk;
+  if (p.S > kMaxChunks) {  // very large V: longer chunks (more packs per thread)
+    p.chunk = ((V + kMaxChunks - 1) / kMaxChunks + N - 1) / N * N;
+    p.S = (V + p.chunk - 1) / p.chunk;
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------- softmax statistics
+//
+// Statistics of a set of entries x (RAW logits) relative to its max m (raw units), in base 2:
+//   d2_v = (x_v - m) * inv2          exactly 0 for the entries equal to m
+//   rest = sum_v 2^d2_v - 1          computed WITHOUT adding the top entry's 1: the first
+//                                    entry equal to m adds 0, every other entry 2^d2
+//   t2   = sum_v 2^d2_v * d2_v       (0 for the top entries and for -inf entries)
+// so log_sum = log1p(rest), H = log_sum - ln2 t2 / (1 + rest), logp = d_tok - log_sum
+// (issue 7 spec, section 2, with t = ln2 t2). Why rest and not s = 1 + rest: when
+// 1 - p_top is below float epsilon, log(s) with s rounded drops rest, so the confident
+// token's logp came back 0 and the entropy lost percents; log1p(rest) keeps their relative
+// digits down to 1 - p ~ 1e-12.
+// Empty set: m = -inf, rest = -1, t2 = 0 (rest == -1 marks it: a non-empty set has rest >= 0;
+// a NaN rest is not empty, so NaN propagates through every merge).
 template <typename A>
 struct Stats {
-  A m, s, t;
+  A m, rest, t;
 };
 
 template <typename A>
 PPO_CUDA_HD Stats<A> stats_empty() {
-  return {neg_inf<A>(), A(0), A(0)};
+  return {neg_inf<A>(), A(-1), A(0)};
 }
 
-// Rescale (s, t) from reference max m_old to m_new >= m_old: dm = (m_old - m_new) * inv_temp,
-// a = exp(dm), t' = a (t + dm s), s' = a s. When a underflows to 0 (dm may be -inf when
-// m_old - m_new overflows) t' is 0 without evaluating 0 * inf; s' = a * s keeps a NaN s.
 template <typename A>
-PPO_CUDA_HD void stats_rescale(A& s, A& t, A m_old, A m_new, A inv_temp) {
-  const A dm = (m_old - m_new) * inv_temp;
-  const A a = ppo::ppo_exp(dm);
-  t = a > A(0) ? a * (t + dm * s) : A(0);
-  s = a * s;
+PPO_CUDA_HD bool stats_is_empty(const Stats<A>& s) {
+  return s.rest == A(-1);
 }
 
-// Adds K raw entries x[0..K) to st. A -inf entry (banned token) has p = 0 and adds nothing;
-// the select keeps 0 * (-inf) out of t. A NaN entry makes s NaN (loud, never dropped).
+// Rebases a non-top part of mass s = 1 + rest, entropy sum t, from max m_old to m_new > m_old
+// (al = 2^dm2 < 1, dm2 = (m_old - m_new) inv2): s' = al s, t' = al (t + dm2 s). When al
+// underflows to 0 (dm2 may be -inf: finfo.min entries, review C1) t' is 0 without 0 * inf.
+// A NaN s stays NaN (al * NaN), also when al is 0.
+template <typename A>
+PPO_CUDA_HD void rebase(A& s, A& t, A m_old, A m_new, A inv2) {
+  const A dm = (m_old - m_new) * inv2;
+  const A al = vexp2(dm);
+  t = al > A(0) ? al * (t + dm * s) : A(0);
+  s = al * s;
+}
+
+// Adds K raw entries x[0..K) to st. A -inf entry (banned token) adds nothing; the select
+// keeps 0 * (-inf) out of t. A NaN entry makes rest NaN (loud, never dropped).
 template <typename A, int K>
-PPO_CUDA_HD void stats_add(Stats<A>& st, const A (&x)[K], A inv_temp) {
+PPO_CUDA_HD void stats_add(Stats<A>& st, const A (&x)[K], A inv2) {
   A cmax = x[0];
 #pragma unroll
   for (int k = 1; k < K; ++k) cmax = vmax(cmax, x[k]);
@@ -133,95 +277,162 @@ PPO_CUDA_HD void stats_add(Stats<A>& st, const A (&x)[K], A inv_temp) {
     bool nan = false;
 #pragma unroll
     for (int k = 0; k < K; ++k) nan |= x[k] != x[k];
-    if (nan) st.s = quiet_nan<A>();
+    if (nan) st.rest = quiet_nan<A>();
     return;
   }
   if (cmax > st.m) {
-    if (st.s > A(0)) stats_rescale(st.s, st.t, st.m, cmax, inv_temp);
+    // A new max (rare after a thread's first packs). The old set's whole mass 1 + rest is
+    // rebased to cmax (for the empty set: 0 * 0 = 0); the first entry equal to cmax becomes
+    // the top and adds 0, every other entry adds 2^d2.
+    A s = st.rest + A(1);
+    A t = st.t;
+    rebase(s, t, st.m, cmax, inv2);
+    bool top_seen = false;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const A d = (x[k] - cmax) * inv2;
+      const A e = vexp2(d);
+      const bool is_top = !top_seen && d == A(0);
+      top_seen |= is_top;
+      s += is_top ? A(0) : e;
+      t += e > A(0) ? e * d : A(0);
+    }
     st.m = cmax;
+    st.rest = s;
+    st.t = t;
+    return;
   }
+  // No new max: every entry adds 2^d2 (a tie with the max adds exactly 1).
 #pragma unroll
   for (int k = 0; k < K; ++k) {
-    const A d = (x[k] - st.m) * inv_temp;
-    const A e = ppo::ppo_exp(d);
-    st.s += e;
+    const A d = (x[k] - st.m) * inv2;
+    const A e = vexp2(d);
+    st.rest += e;
     st.t += e > A(0) ? e * d : A(0);
   }
 }
 
-// a := a merged with b (both relative to their own raw max).
+// a := a merged with b (spec section 2). Symmetric bit for bit (merge(a, b) == merge(b, a):
+// the larger max is always the base, sums commute), so butterfly lanes agree exactly.
 template <typename A>
-PPO_CUDA_HD void stats_merge(Stats<A>& a, const Stats<A>& b, A inv_temp) {
-  if (b.s == A(0)) return;  // b empty (a NaN s is not 0: it propagates below)
-  if (a.s == A(0)) {
+PPO_CUDA_HD void stats_merge(Stats<A>& a, const Stats<A>& b, A inv2) {
+  if (stats_is_empty(b)) return;
+  if (stats_is_empty(a)) {
     a = b;
     return;
   }
-  const A m = vmax(a.m, b.m);
-  A sa = a.s, ta = a.t, sb = b.s, tb = b.t;
-  stats_rescale(sa, ta, a.m, m, inv_temp);
-  stats_rescale(sb, tb, b.m, m, inv_temp);
-  a.s = sa + sb;
-  a.t = ta + tb;
-  a.m = m;
+  if (a.m == b.m) {  // both tops count: one of them is no longer "the" top
+    a.rest = a.rest + b.rest + A(1);
+    a.t = a.t + b.t;
+    return;
+  }
+  // Select values, not references: a reference select would put both structs in local memory.
+  const bool a_hi = a.m > b.m;
+  const A hm = a_hi ? a.m : b.m, hr = a_hi ? a.rest : b.rest, ht = a_hi ? a.t : b.t;
+  const A lm = a_hi ? b.m : a.m;
+  A s = A(1) + (a_hi ? b.rest : a.rest), t = a_hi ? b.t : a.t;
+  rebase(s, t, lm, hm, inv2);
+  a.m = hm;
+  a.rest = hr + s;
+  a.t = ht + t;
 }
 
+// Butterfly merge over a warp: every lane ends with the same bits (stats_merge symmetric).
 template <typename A>
-__device__ __forceinline__ Stats<A> warp_merge(Stats<A> st, A inv_temp) {
+__device__ __forceinline__ Stats<A> warp_merge(Stats<A> st, A inv2) {
 #pragma unroll
   for (int off = kWarpSize / 2; off > 0; off >>= 1) {
     Stats<A> o;
     o.m = __shfl_xor_sync(0xffffffffu, st.m, off);
-    o.s = __shfl_xor_sync(0xffffffffu, st.s, off);
+    o.rest = __shfl_xor_sync(0xffffffffu, st.rest, off);
     o.t = __shfl_xor_sync(0xffffffffu, st.t, off);
-    stats_merge(st, o, inv_temp);
+    stats_merge(st, o, inv2);
   }
   return st;
 }
 
-// Block-wide merge; every thread gets the result. blockDim.x a multiple of 32, <= 1024.
-// smem: 33 slots. Ends with a barrier-protected broadcast so smem can be reused at once.
+// The merge of a group of G threads (G a multiple of 32, the group's threads consecutive
+// and starting at group * G): warp butterflies, then the group's first warp merges its
+// warps' results in warp order (lanes >= #warps empty) by another butterfly. Every block
+// that reduces a chunk calls exactly this (fused_rows_kernel with several groups per block,
+// partial_stats_kernel with one), so a chunk's statistics have the same bits in both paths.
+// Valid in lane 0 of the group's first warp. wsm: one slot per warp of the block. When
+// G > 32 it holds two barriers: every thread of the block must call it.
 template <typename A>
-__device__ __forceinline__ Stats<A> block_merge(Stats<A> st, Stats<A>* smem, A inv_temp) {
+__device__ __forceinline__ Stats<A> group_merge(Stats<A> st, Stats<A>* wsm, int G, A inv2) {
+  st = warp_merge(st, inv2);
+  if (G == kWarpSize) return st;
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
-  const int nwarps = blockDim.x / kWarpSize;
-  st = warp_merge(st, inv_temp);
-  if (nwarps == 1) return st;  // every lane already holds the merge
-  if (lane == 0) smem[warp] = st;
+  const int gw = G / kWarpSize;     // warps per group
+  const int first = warp / gw * gw; // the group's first warp
+  if (lane == 0) wsm[warp] = st;
   __syncthreads();
-  if (warp == 0) {
-    Stats<A> w = lane < nwarps ? smem[lane] : stats_empty<A>();
-    w = warp_merge(w, inv_temp);
-    if (lane == 0) smem[32] = w;
+  if (warp == first) {
+    Stats<A> w = lane < gw ? wsm[first + lane] : stats_empty<A>();
+    st = warp_merge(w, inv2);
   }
-  __syncthreads();
-  return smem[32];
+  __syncthreads();  // wsm may be rewritten at once
+  return st;
 }
 
-// What a row's merged statistics give: the raw max and log s (the gradient sweep's
-// logp_v = (x_v - xmax) * inv_temp - log_s), lse = xmax * inv_temp + log_s (saved for
-// token_logprobs_bwd) and the entropy.
+// Merges the S chunk statistics of a row as one warp does it (lane l merges chunks l, l + 32,
+// ... in order, then a butterfly): combine_kernel and fused_rows_kernel both call this.
+template <typename A>
+__device__ __forceinline__ Stats<A> merge_chunks(const Stats<A>* cs, int64_t S, A inv2) {
+  const int lane = threadIdx.x % kWarpSize;
+  Stats<A> st = stats_empty<A>();
+  for (int64_t c = lane; c < S; c += kWarpSize) stats_merge(st, cs[c], inv2);
+  return warp_merge(st, inv2);
+}
+
+// What a row's merged statistics give: the raw max, log_sum = log1p(rest), the same in
+// base 2 for the gradient sweep's exp2 (rounded once), and the entropy.
 template <typename A>
 struct RowStats {
-  A xmax, log_s, lse, entropy;
+  A xmax, log_s, log_s2, entropy;
 };
 
 template <typename A>
-PPO_CUDA_HD RowStats<A> stats_finish(const Stats<A>& st, A inv_temp) {
+PPO_CUDA_HD RowStats<A> stats_finish(const Stats<A>& st) {
   RowStats<A> r;
   r.xmax = st.m;
-  r.log_s = vlog(st.s);
-  r.lse = st.m * inv_temp + r.log_s;
-  r.entropy = r.log_s - st.t / st.s;
+  r.log_s = vlog1p(st.rest);
+  r.log_s2 = r.log_s * A(kLog2e);
+  r.entropy = r.log_s - (A(kLn2) * st.t) / (A(1) + st.rest);
   return r;
 }
 
-// logp of the token whose raw logit is x_tok: the shifted difference first, then log s.
+// logp of the token whose raw logit is x_tok: the shifted difference first (exactly 0 at the
+// max: no FMA residue of x * inv - m), then log_sum.
 template <typename A>
-PPO_CUDA_HD A token_logp(const RowStats<A>& r, A x_tok, A inv_temp) {
-  return (x_tok - r.xmax) * inv_temp - r.log_s;
+PPO_CUDA_HD A token_logp(A x_tok, A xmax, A log_s, A inv) {
+  return (x_tok - xmax) * inv - log_s;
 }
+
+// The token's own dlogits entry, computed once per row (not per vocabulary lane): 1 - p as
+// -expm1(logp) (ppo::dlogit_token), times 1 / temperature.
+template <typename A>
+PPO_CUDA_HD A token_grad(A logp, A entropy, A dlogp, A dent, A inv) {
+  return ppo::dlogit_token(logp, ppo::ppo_exp(logp), entropy, dlogp, dent) * inv;
+}
+
+// A dense dlogits entry: p_v = 2^(d2_v - log_s2), logp_v = ln2 (d2_v - log_s2). A banned
+// entry (p_v = 0) gets exactly 0, never 0 * inf = NaN.
+template <typename A>
+PPO_CUDA_HD A dense_grad(A x, A xmax, A log_s2, A entropy, A dlogp, A dent, A inv, A inv2) {
+  const A l2 = (x - xmax) * inv2 - log_s2;
+  const A p = vexp2(l2);
+  return p == A(0) ? A(0) : ppo::dlogit_dense(A(kLn2) * l2, p, entropy, dlogp, dent) * inv;
+}
+
+// Everything the gradient sweep needs of one row.
+template <typename A>
+struct GradRow {
+  A xmax, log_s2, entropy, dlogp, dent;
+  A g_tok;      // the token's own entry (token_grad)
+  int64_t tok;  // the token id; out of [0, V) matches no entry
+};
 
 // Block sum in double (deterministic order for a given block size). smem: 33 doubles.
 __device__ __forceinline__ double block_sum(double x, double* smem) {
@@ -245,58 +456,104 @@ __device__ __forceinline__ double block_sum(double x, double* smem) {
 
 // ---------------------------------------------------------------- range sweeps
 
-// This thread's share (thread tid of nthr) of the statistics of row[v] / temperature over
-// v in [begin, end). Four 16-byte loads are issued before the first is used, so that a
-// 1024-thread block keeps ~64 KB in flight per multiprocessor (enough for HBM3e latency).
 template <typename T, typename A>
-PPO_CUDA_HD Stats<A> range_stats(const T* row, int64_t begin, int64_t end,
-                                                A inv_temp, int tid, int nthr) {
+PPO_CUDA_HD void add_pack(Stats<A>& st, const Pack<T>& x, A inv2) {
+  A z[Pack<T>::N];
+#pragma unroll
+  for (int k = 0; k < Pack<T>::N; ++k) z[k] = static_cast<A>(x.v[k]);
+  stats_add(st, z, inv2);
+}
+
+// Thread lt's share (of G) of the statistics of row[v] over v in [begin, end), begin a
+// multiple of N (a chunk start). Logical packs p = begin / N + j, j = lt, lt + G, ... in
+// increasing order, then the elements after the last whole pack of the range (the row's
+// tail, V % N elements, in the last chunk only). Four packs are loaded before the first is
+// used (the kernels size a chunk as four packs per thread), which keeps ~32 KB in flight
+// per 512-thread block.
+template <typename T, typename A>
+PPO_CUDA_HD Stats<A> range_stats(const T* row, int64_t begin, int64_t end, int64_t V, A inv2,
+                                 int lt, int G) {
   constexpr int N = Pack<T>::N;
   constexpr int U = 4;
   Stats<A> st = stats_empty<A>();
-  const T* in = row + begin;
   const int64_t n = end - begin;
   if (n <= 0) return st;
-  const int64_t h = imin(n, head_len(in));
-  const int64_t nv = (n - h) / N;
-  const int64_t tail0 = h + nv * N;
-  for (int64_t k = tid; k < h; k += nthr) {
-    const A x[1] = {static_cast<A>(in[k])};
-    stats_add(st, x, inv_temp);
-  }
-  for (int64_t k = tail0 + tid; k < n; k += nthr) {
-    const A x[1] = {static_cast<A>(in[k])};
-    stats_add(st, x, inv_temp);
-  }
-  const T* vin = in + h;
-  int64_t j = tid;
-  for (; j + (U - 1) * static_cast<int64_t>(nthr) < nv; j += U * static_cast<int64_t>(nthr)) {
+  const bool al = aligned16(row);
+  const int64_t nv = n / N;
+  int64_t j = lt;
+  for (; j + (U - 1) * static_cast<int64_t>(G) < nv; j += U * static_cast<int64_t>(G)) {
     Pack<T> x[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) x[u] = ld_pack(vin + (j + u * static_cast<int64_t>(nthr)) * N);
+    for (int u = 0; u < U; ++u)
+      x[u] = ld_elems(row, begin + (j + u * static_cast<int64_t>(G)) * N, V, al, false);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      A z[N];
-#pragma unroll
-      for (int k = 0; k < N; ++k) z[k] = static_cast<A>(x[u].v[k]);
-      stats_add(st, z, inv_temp);
-    }
+    for (int u = 0; u < U; ++u) add_pack(st, x[u], inv2);
   }
-  for (; j < nv; j += nthr) {
-    const Pack<T> x = ld_pack(vin + j * N);
-    A z[N];
-#pragma unroll
-    for (int k = 0; k < N; ++k) z[k] = static_cast<A>(x.v[k]);
-    stats_add(st, z, inv_temp);
+  for (; j < nv; j += G) add_pack(st, ld_elems(row, begin + j * N, V, al, false), inv2);
+  for (int64_t k = begin + nv * N + lt; k < end; k += G) {
+    const A x[1] = {static_cast<A>(row[k])};
+    stats_add(st, x, inv2);
   }
   return st;
+}
+
+// Applies f(k, x) -> y to out[k] for k in [begin, end) (k relative to the row), x = in_row[k]
+// in A, packs aligned to OUT (the input fetched with ld_elems' shifted load when its phase
+// differs). `backwards`: the gradient sweep runs from the end of the range (the first sweep
+// read it forwards, so its last entries are the likeliest to still be in L2). out may alias
+// in (in place): each element is read, then written, by one thread. Two packs are in flight
+// per thread. No reduction here: the thread split does not change any output bit.
+template <typename T, typename A, typename F>
+PPO_CUDA_HD void map_range(const T* in_row, T* out_row, int64_t begin, int64_t end, int64_t V,
+                           int tid, int nthr, bool backwards, F f) {
+  constexpr int N = Pack<T>::N;
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  T* out = out_row + begin;
+  const int64_t h = imin(n, head_len(out));
+  const int64_t nv = (n - h) / N;
+  const int64_t tail0 = h + nv * N;
+  const bool same_phase = (((reinterpret_cast<uintptr_t>(in_row + begin) ^
+                             reinterpret_cast<uintptr_t>(out)) & 15) == 0);
+  auto one = [&](int64_t k) {  // k relative to begin
+    out[k] = static_cast<T>(f(begin + k, static_cast<A>(in_row[begin + k])));
+  };
+  auto load = [&](int64_t j) {
+    const int64_t e0 = begin + h + j * N;
+    return same_phase ? ld_pack(in_row + e0, true) : ld_elems(in_row, e0, V, false, true);
+  };
+  auto store = [&](int64_t j, const Pack<T>& x) {
+    Pack<T> y;
+    const int64_t e0 = begin + h + j * N;
+#pragma unroll
+    for (int k = 0; k < N; ++k) y.v[k] = static_cast<T>(f(e0 + k, static_cast<A>(x.v[k])));
+    st_pack_stream(out + h + j * N, y);
+  };
+  for (int64_t k = tail0 + tid; k < n; k += nthr) one(k);
+  if (backwards) {
+    int64_t j = nv - 1 - tid;
+    for (; j - nthr >= 0; j -= 2 * static_cast<int64_t>(nthr)) {
+      const Pack<T> x0 = load(j), x1 = load(j - nthr);
+      store(j, x0);
+      store(j - nthr, x1);
+    }
+    if (j >= 0) store(j, load(j));
+  } else {
+    int64_t j = tid;
+    for (; j + nthr < nv; j += 2 * static_cast<int64_t>(nthr)) {
+      const Pack<T> x0 = load(j), x1 = load(j + nthr);
+      store(j, x0);
+      store(j + nthr, x1);
+    }
+    if (j < nv) store(j, load(j));
+  }
+  for (int64_t k = tid; k < h; k += nthr) one(k);
 }
 
 // Writes zeros over out[begin, end) (masked rows, positions t >= T, rows whose gradient
 // coefficients are both 0): no read of the logits at all.
 template <typename T>
-PPO_CUDA_HD void zero_range(T* out_row, int64_t begin, int64_t end, int tid,
-                                           int nthr) {
+PPO_CUDA_HD void zero_range(T* out_row, int64_t begin, int64_t end, int tid, int nthr) {
   constexpr int N = Pack<T>::N;
   T* out = out_row + begin;
   const int64_t n = end - begin;
@@ -314,59 +571,22 @@ PPO_CUDA_HD void zero_range(T* out_row, int64_t begin, int64_t end, int tid,
   for (int64_t j = tid; j < nv; j += nthr) st_pack_stream(vout + j * N, zp);
 }
 
-// The gradient of one row over [begin, end): with d_v = (row[v] - xmax) * inv_temp,
-// out[v] = ppo::dlogit(d_v, log_s, ...) (logp_v = d_v - log_s; ppo_math.h holds the formula),
-// with the per-token coefficients dlogp, dent of this row. Callers that only have the saved
-// lse (token_logprobs_bwd) pass xmax = 0, log_s = lse: logp_v = row[v] * inv_temp - lse.
-// The sweep runs BACKWARDS through the range: the first sweep read it forwards, so the
-// entries it read last are the likeliest to still be in L2 and are re-read first.
-// out may alias row (in-place backward): each element is read, then written, by one thread.
-// When row and out differ in their 16-byte phase no common pack split exists: scalar path.
+// The gradient of one row over [begin, end): dense_grad for every entry, g.g_tok for the
+// token's own (ppo_math.h holds the formulas), written backwards (map_range).
 template <typename T, typename A>
-PPO_CUDA_HD void grad_range(const T* row, T* out_row, int64_t begin,
-                                           int64_t end, int64_t tok, A xmax, A log_s, A entropy,
-                                           A dlogp, A dent, A inv_temp, int tid, int nthr) {
-  constexpr int N = Pack<T>::N;
-  const T* in = row + begin;
-  T* out = out_row + begin;
-  const int64_t n = end - begin;
-  if (n <= 0) return;
-  const int64_t tok_rel = tok - begin;  // outside [0, n) when the token is not in range
-  auto one = [&](int64_t k) {
-    const A d = (static_cast<A>(in[k]) - xmax) * inv_temp;
-    out[k] = static_cast<T>(ppo::dlogit(d, log_s, entropy, dlogp, dent, inv_temp, k == tok_rel));
-  };
-  if (((reinterpret_cast<uintptr_t>(in) ^ reinterpret_cast<uintptr_t>(out)) & 15) != 0) {
-    for (int64_t k = n - 1 - tid; k >= 0; k -= nthr) one(k);
-    return;
-  }
-  const int64_t h = imin(n, head_len(in));
-  const int64_t nv = (n - h) / N;
-  const int64_t tail0 = h + nv * N;
-  for (int64_t k = tail0 + tid; k < n; k += nthr) one(k);
-  const T* vin = in + h;
-  T* vout = out + h;
-  auto pack = [&](int64_t j, const Pack<T>& x) {
-    Pack<T> y;
-    const int64_t k0 = h + j * N;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const A d = (static_cast<A>(x.v[k]) - xmax) * inv_temp;
-      y.v[k] = static_cast<T>(
-          ppo::dlogit(d, log_s, entropy, dlogp, dent, inv_temp, k0 + k == tok_rel));
-    }
-    st_pack_stream(vout + j * N, y);
-  };
-  int64_t j = nv - 1 - tid;
-  // two packs in flight per thread (the reads mostly hit L2, whose latency is shorter)
-  for (; j - nthr >= 0; j -= 2 * static_cast<int64_t>(nthr)) {
-    const Pack<T> x0 = ld_pack_last(vin + j * N);
-    const Pack<T> x1 = ld_pack_last(vin + (j - nthr) * N);
-    pack(j, x0);
-    pack(j - nthr, x1);
-  }
-  if (j >= 0) pack(j, ld_pack_last(vin + j * N));
-  for (int64_t k = tid; k < h; k += nthr) one(k);
+PPO_CUDA_HD void grad_range(const T* row, T* out_row, int64_t begin, int64_t end, int64_t V,
+                            const GradRow<A>& g, Temp<A> tp, int tid, int nthr) {
+  map_range<T, A>(row, out_row, begin, end, V, tid, nthr, true, [&](int64_t v, A x) {
+    const A d = dense_grad(x, g.xmax, g.log_s2, g.entropy, g.dlogp, g.dent, tp.inv, tp.inv2);
+    return v == g.tok ? g.g_tok : d;
+  });
+}
+
+// row[v] *= f over [begin, end) in A, rounded once (scale_grad_), in place.
+template <typename T, typename A>
+PPO_CUDA_HD void scale_range(T* row, int64_t begin, int64_t end, int64_t V, A f, int tid,
+                             int nthr) {
+  map_range<T, A>(row, row, begin, end, V, tid, nthr, false, [&](int64_t, A x) { return x * f; });
 }
 
 }  // namespace ppo_cuda

@@ -56,7 +56,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
         io.logp = logp.data_ptr<A>();
         io.kl = kl.data_ptr<A>();
         io.rewards = rewards.data_ptr<A>();
-        run_rows<scalar_t>(rv, io, inv_temperature<A>(temperature), acc_opts, device, stream);
+        run_rows<scalar_t>(rv, io, make_temp<A>(temperature), acc_opts, device, stream);
 
         GaeArgs<A> g;
         g.rewards = rewards.data_ptr<A>();

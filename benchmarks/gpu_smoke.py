@@ -1,0 +1,150 @@
+"""Every CUDA op on small odd shapes vs ppo_kernels/reference.py: strided rows with an odd
+row stride (misaligned 16-byte packs), Tl = T + 1, masked positions holding out-of-range
+token ids, -inf logits, all four dtypes, fused and split-vocabulary paths, grad_scale and
+scale_grad_ (in place, on the strided view too). Called by benchmarks/gpu_check.sh.
+
+    python benchmarks/gpu_smoke.py [quick] [--device cpu] [--prefix triton_]
+
+--device cpu runs the same checks on the CPU kernels (a check of this script); --prefix
+triton_ checks the Triton twins of the ops instead (TRITON_INTERPRET=1 on the CPU)."""
+import os
+import sys
+
+import numpy as np
+import torch
+
+import ppo_kernels  # noqa: F401  (loads the ops)
+from ppo_kernels import reference as R
+
+argv = sys.argv[1:]
+quick = "quick" in argv
+dev = argv[argv.index("--device") + 1] if "--device" in argv else "cuda"
+prefix = argv[argv.index("--prefix") + 1] if "--prefix" in argv else ""
+if prefix:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    import triton_kernels  # noqa: F401  (registers the triton_* ops)
+
+
+class _Ops:
+    def __getattr__(self, name):
+        return getattr(torch.ops.ppo_kernels, prefix + name)
+
+
+ops = _Ops()
+fails = []
+
+
+def close(name, got, want, tol, floor=0.1):
+    got = np.asarray(got.detach().double().cpu() if torch.is_tensor(got) else got, np.float64)
+    want = np.asarray(want, np.float64)
+    scale = max(np.abs(want).max() if want.size else 0.0, floor)  # floor: all-zero refs
+    err = np.abs(got - want).max() / scale if want.size else 0.0
+    if not np.isfinite(got).all() or not err <= tol:
+        fails.append(f"{name}: rel err {err:.2e} (tol {tol:.0e}), finite={np.isfinite(got).all()}")
+
+
+g = torch.Generator().manual_seed(0)
+dtypes = [torch.float32, torch.bfloat16] if quick else [torch.float32, torch.bfloat16,
+                                                        torch.float16, torch.float64]
+splits = ["0", "1", "3"]
+Vs = [7, 1003] if quick else [1, 7, 1003, 20011]
+for split in splits:
+    os.environ["PPO_CUDA_SPLIT"] = split
+    for dt in dtypes:
+        acc = torch.float64 if dt == torch.float64 else torch.float32
+        tl = {torch.float32: 2e-5, torch.float64: 1e-10}.get(dt, 2e-5)
+        tg = {torch.float32: 2e-5, torch.float64: 1e-10}.get(dt, 1.5e-2)
+        for V in Vs:
+            B, T = 3, 5
+            base = torch.randn(B, T + 2, V + 1, generator=g, dtype=torch.float64) * 3
+            if V > 2:
+                base[0, 1, 2] = -float("inf")
+            logits = base.to(dt).to(dev)[:, : T + 1, :V]  # Tl = T + 1, odd row stride
+            tokens = torch.randint(0, V, (B, T), generator=g)
+            mask = torch.rand(B, T, generator=g) > 0.3
+            mask[1] = False  # an empty sequence
+            tokens[~mask] = V + 5  # out of range where masked: must never be read
+            if V > 2:
+                tokens[0, 1] = 3
+            tok_d, mask_d = tokens.to(dev), mask.to(dev)
+            lg64 = logits.double().cpu()
+            tag = f"split={split} {str(dt)[6:]} V={V}"
+            # old / ref logprobs near the true ones (as in training): far-off ones make the
+            # k3 gradient 1 - exp(-delta) huge, beyond float16's range
+            true_lp = torch.tensor(R.token_logprobs(lg64, tokens, mask, 0.9)[0])
+            old = (true_lp + 0.3 * torch.randn(B, T, generator=g)).to(acc)
+            adv = torch.randn(B, T, generator=g).to(acc)
+            refl = (true_lp + 0.3 * torch.randn(B, T, generator=g)).to(acc)
+            isw = (torch.rand(B, T, generator=g) + 0.5).to(acc)
+            # token_logprobs
+            lp, ent, rmax, lsum = ops.token_logprobs_fwd(logits, tok_d, mask_d, 0.7, True)
+            rlp, rent = R.token_logprobs(lg64, tokens, mask, 0.7)
+            close(f"logprobs {tag}", lp, rlp, tl)
+            close(f"entropy {tag}", ent, rent, tl * 10)
+            glp = torch.randn(B, T, generator=g).to(acc)
+            gent = torch.randn(B, T, generator=g).to(acc)
+            d = ops.token_logprobs_bwd(glp.to(dev), gent.to(dev), logits, tok_d, mask_d, rmax,
+                                       lsum, ent, 0.7)
+            close(f"token_logprobs_bwd {tag}", d,
+                  R.token_logprobs_grad(lg64, tokens, mask, 0.7, glp, gent), tg)
+            # ppo_loss (dual clip, k3 KL, entropy bonus, IS weights), out of place and in place
+            w = torch.tensor(R.agg_weights(mask, "token-mean")).to(acc)
+            args = (old.to(dev), adv.to(dev), w.to(dev), refl.to(dev), isw.to(dev), 0.2, 0.28,
+                    3.0, 0.1, 2, 0.01, 0.9)
+            loss, ltok, lp2, ent2, dl = ops.ppo_loss_fwd(logits, tok_d, mask_d, *args, 1.0, True)
+            rloss, _, rdl = R.ppo_loss(lg64, tokens, old, adv, mask, refl, clip_eps_low=0.2,
+                                       clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1,
+                                       kl_estimator="k3", entropy_coef=0.01, temperature=0.9,
+                                       rollout_is_weights=isw)
+            close(f"ppo loss {tag}", loss, rloss, tl * 10)
+            close(f"ppo dlogits {tag}", dl, rdl, tg, 1e-3)
+            # grad_scale: the same dlogits times 0.25 (a power of 2: exact in every dtype)
+            _, _, _, _, dl4 = ops.ppo_loss_fwd(logits, tok_d, mask_d, *args, 0.25, True)
+            close(f"ppo grad_scale dlogits {tag}", dl4 * 4, rdl, tg, 1e-3)
+            # scale_grad_: applied 0.25 -> grad_output 0.75: dl4 * 3; then a no-op call
+            go = torch.tensor(0.75, dtype=acc, device=dev)
+            applied = torch.tensor(0.25, dtype=acc, device=dev)
+            ops.scale_grad_(dl4, go, applied)
+            close(f"scale_grad_ {tag}", dl4 / 0.75, rdl, tg * 3, 1e-3)
+            close(f"scale_grad_ applied {tag}", applied, 0.75, 0)
+            before = dl4.clone()
+            ops.scale_grad_(dl4, go, applied)
+            close(f"scale_grad_ no-op {tag}", dl4, before.double().cpu(), 0)
+            buf = base.to(dt).to(dev)
+            view = buf[:, : T + 1, :V]
+            loss_i, *_ = ops.ppo_loss_fwd_inplace(view, tok_d, mask_d, *args, 0.5)
+            close(f"ppo inplace loss {tag}", loss_i, rloss, tl * 10)
+            close(f"ppo inplace dlogits {tag}", view * 2, rdl, tg, 1e-3)
+            # scale_grad_ on the strided in-place view: 0.5 -> 1.0
+            ops.scale_grad_(view, torch.tensor(1.0, dtype=acc, device=dev),
+                            torch.tensor(0.5, dtype=acc, device=dev))
+            close(f"scale_grad_ inplace view {tag}", view, rdl, tg, 1e-3)
+            close(f"ppo inplace untouched {tag}", buf[:, T + 1:], base.to(dt)[:, T + 1:].double(), 0)
+            # score_rollout (no whitening in the op); float32 by the project's contract
+            if dt == torch.float64:
+                continue
+            vals = torch.randn(B, T, generator=g).to(acc)
+            sc = torch.randn(B, generator=g).to(acc)
+            out = ops.score_rollout(logits, tok_d, mask_d, refl.to(dev), vals.to(dev), sc.to(dev),
+                                    0.05, 0, 0.99, 0.95, 0.7)
+            rs = R.score_rollout(lg64, tokens, refl, vals, sc, mask, kl_coef=0.05,
+                                 kl_estimator="k1", gamma=0.99, lam=0.95, temperature=0.7,
+                                 whiten_advantages=False)
+            for k, got in zip(("logprobs", "kl", "rewards", "advantages", "returns"), out):
+                close(f"score_rollout {k} {tag}", got, rs[k], tl * 10)
+# GAE, long and short, with gaps and bootstrap values
+for B, T in ((3, 1), (4, 37), (2, 9000)):
+    for acc in (torch.float32, torch.float64):
+        r = torch.randn(B, T, generator=g).to(acc)
+        v = torch.randn(B, T, generator=g).to(acc)
+        m = torch.rand(B, T, generator=g) > 0.2
+        bs = torch.randn(B, generator=g).to(acc)
+        a, ret = ops.gae(r.to(dev), v.to(dev), m.to(dev), bs.to(dev), 0.99, 0.95)
+        ra, rr = R.gae(r, v, m, gamma=0.99, lam=0.95, bootstrap_values=bs)
+        tol = 1e-4 if acc == torch.float32 else 1e-10
+        close(f"gae adv {B}x{T} {acc}", a, ra, tol)
+        close(f"gae returns {B}x{T} {acc}", ret, rr, tol)
+if dev == "cuda":
+    torch.cuda.synchronize()
+print("\n".join(fails) if fails else "smoke: all checks passed")
+sys.exit(1 if fails else 0)
