@@ -19,6 +19,7 @@ from ._checks import acc_dtype
 
 _C = None
 CPU_CAPABILITY = None
+_CPU_MODULE = None
 _LOAD_ERROR = None
 try:
     from . import _C  # noqa: F811  (schemas, CUDA kernels, build_info)
@@ -26,7 +27,7 @@ try:
     _order = {"AVX512": ("avx512", "avx2", "default"), "AVX2": ("avx2", "default")}
     for _cap in _order.get(torch.backends.cpu.get_cpu_capability(), ("default",)):
         try:
-            importlib.import_module(f"ppo_kernels._cpu_{_cap}")
+            _CPU_MODULE = importlib.import_module(f"ppo_kernels._cpu_{_cap}")
             CPU_CAPABILITY = _cap
             break
         except ImportError as e:  # a capability not built on this platform
@@ -89,6 +90,11 @@ def scale_grad(prefix, dlogits, grad, applied):
     so CUDA-graph capturable), and no pass at all when grad == applied (loss.backward()
     after grad_scale=1, or (loss * s).backward() after grad_scale=s)."""
     op = getattr(torch.ops.ppo_kernels, prefix + "scale_grad_")
+    if prefix == "triton_" and not torch.compiler.is_compiling():
+        # eager: the launcher itself. Through the Python-registered op every call would
+        # bump dlogits' version counter, and a retained graph's second backward would
+        # refuse the saved (rescaled) tensor; the C++ ops do not bump it either
+        from .triton_kernels import scale_grad_ as op
     op(dlogits, grad.detach().to(applied.dtype).reshape(()), applied)
     return dlogits
 
@@ -120,11 +126,9 @@ def _loss_setup_for(prefix):
         # the scale the saved dlogits carry, as a device scalar that the backward compares
         # with grad_output on the device
         ctx.applied = torch.full((), grad_scale, dtype=acc_dtype(logits), device=logits.device)
-        # kept as a detached alias, not through save_for_backward: the backward rescales it
-        # in place, which a saved tensor's version check would refuse on a retained graph
-        # (the Python-registered Triton op bumps versions); detached, it holds no reference
-        # back to this node (no cycle)
-        ctx.dlogits = output[4].detach()
+        # saved (not a ctx attribute): autograd frees it right after the backward, so the
+        # gradient it becomes is the only reference left and nothing clones it
+        ctx.save_for_backward(output[4])
         ctx.prefix = prefix
         # the other outputs carry no gradient: materialising zeros for them would allocate a
         # second [N, V] buffer (for the dlogits output) in every backward
@@ -133,7 +137,8 @@ def _loss_setup_for(prefix):
 
 
 def _loss_backward(ctx, grad_loss, *_):
-    grad = None if grad_loss is None else scale_grad(ctx.prefix, ctx.dlogits, grad_loss,
+    (dlogits,) = ctx.saved_tensors
+    grad = None if grad_loss is None else scale_grad(ctx.prefix, dlogits, grad_loss,
                                                      ctx.applied)
     return (grad,) + (None,) * 16
 
@@ -310,6 +315,15 @@ def get_backend(backend, device):
         return KernelBackend("triton", "triton_")
     raise ValueError(f"backend: expected one of ['auto', 'cpu', 'cuda', 'triton', 'torch'], "
                      f"got {backend!r}")
+
+
+def empty_cache():
+    """Returns the CPU kernels' recycled gradient buffer (at most one [N, V] block, kept so
+    that the next step's gradient needs no fresh, page-faulting memory) to the operating
+    system. PPO_KERNELS_CPU_GRAD_CACHE=0 turns the recycling off. CUDA memory is PyTorch's
+    own caching allocator's (torch.cuda.empty_cache)."""
+    if _CPU_MODULE is not None:
+        _CPU_MODULE.empty_cache()
 
 
 def build_info():

@@ -26,9 +26,10 @@ def _run(be, inp, dtype, grad_scale, mult, inplace):
                           be.t(inp["mask"]), be.t(inp["ref"]), kl_coef=0.1,
                           entropy_coef=0.01, grad_scale=grad_scale,
                           inplace_backward=inplace, backend=be.name)
-    # the forward's dlogits buffer (the loss's autograd node keeps it for the backward)
-    kept = getattr(loss.grad_fn, "dlogits", None)
-    kept = kept.data_ptr() if kept is not None else None
+    # the forward's dlogits buffer (the loss's autograd node saved it for the backward)
+    saved = getattr(loss.grad_fn, "saved_tensors", ())
+    kept = saved[0].data_ptr() if saved else None
+    del saved
     (loss * mult).backward()
     return leaf.grad, loss.detach(), seen["ptr"], kept, x.data_ptr()
 

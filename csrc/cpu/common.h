@@ -6,11 +6,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include "grad_buffer.h"
 #include "row_kernels.h"
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 #include <cstdint>
 
 namespace ppo_cpu {
@@ -48,20 +46,6 @@ inline void check_per_token(const at::Tensor& x, const char* name, const at::Ten
   TORCH_CHECK(x.scalar_type() == dtype, name, ": expected dtype ", dtype, ", got ",
               x.scalar_type());
   TORCH_CHECK(x.is_contiguous(), name, ": expected a contiguous tensor");
-}
-
-// A fresh [N, V] output is first touched by the kernel itself, and in a 4 KiB-page process
-// that first touch (one page fault per 4 KiB, zeroed by the OS) costs more than computing
-// the gradient. Asking for transparent huge pages on the untouched buffer turns 8192 faults
-// per 32 MiB into 16. Advisory only: memory and contents are unchanged if refused.
-inline void advise_huge_pages(const at::Tensor& t) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
-  const uintptr_t p = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t start = (p + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (p + t.nbytes()) & ~(kHuge - 1);
-  if (end > start + kHuge) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
-#endif
 }
 
 inline void check_temperature(double temperature) {

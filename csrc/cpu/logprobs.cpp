@@ -79,8 +79,7 @@ at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
   const int64_t* tok = tokens.data_ptr<int64_t>();
   const bool* m = mask.data_ptr<bool>();
   r.check_tokens(tok, m);
-  at::Tensor out = at::empty(logits.sizes(), logits.options());
-  advise_huge_pages(out);
+  at::Tensor out = new_grad_buffer(logits.sizes(), logits.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "token_logprobs_bwd", [&] {
     using T = acc_of<scalar_t>;

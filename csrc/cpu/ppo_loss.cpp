@@ -131,9 +131,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_
     double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
     int64_t kl_estimator, double entropy_coef, double temperature, double grad_scale,
     bool compute_grad) {
-  at::Tensor dlogits = compute_grad ? at::empty(logits.sizes(), logits.options())
+  at::Tensor dlogits = compute_grad ? new_grad_buffer(logits.sizes(), logits.options())
                                     : at::empty({0}, logits.options());
-  advise_huge_pages(dlogits);
   auto [loss, loss_tok, logp, ent] =
       run(logits, tokens, mask, old_logprobs, advantages, weights, ref, is_w, clip_eps_low,
           clip_eps_high, dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,

@@ -113,6 +113,7 @@ class RowWorker {
   using Vec = Vectorized<T>;
   static constexpr int kVecs = 8;  // 8 registers of x, the rest for the accumulators
   static constexpr int64_t kChunk = kVecs * Vec::size();
+  static constexpr int kAllLanes = (1 << Vec::size()) - 1;  // zero_mask() of an all-zero vector
 
   RowWorker(int64_t V, bool keep_exps)
       : V_(V), nfull_(V / kChunk), tail_(V % kChunk), nchunks_(nfull_ + (tail_ ? 1 : 0)) {
@@ -130,6 +131,7 @@ class RowWorker {
     const bool keep = !e_.empty();
     Vec x[kVecs];
     for (int64_t k = 0; k < nchunks_; ++k) {
+      prefetch(row, k + kPrefetchChunks);
       load_chunk(row, k, x);
       absorb<kEntropy>(st, x, inv, keep ? e_.data() + k * kChunk : nullptr);
       if (keep) cmax_[k] = st.m;
@@ -191,6 +193,17 @@ class RowWorker {
     bool nan = false;
   };
 
+  // The sweep computes as it streams the row from memory; the hardware prefetcher alone
+  // left it waiting (compute and memory time added up). A software prefetch a few chunks
+  // ahead overlaps them.
+  static constexpr int64_t kPrefetchChunks = 8;
+  void prefetch(const scalar_t* row, int64_t k) const {
+    if (k >= nfull_) return;
+    const char* p = reinterpret_cast<const char*>(row + k * kChunk);
+    for (int64_t b = 0; b < int64_t(kChunk * sizeof(scalar_t)); b += 64)
+      __builtin_prefetch(p + b, 0, 3);
+  }
+
   void load_chunk(const scalar_t* row, int64_t k, Vec* x) const {
     if (k < nfull_) {
       Lanes<scalar_t>::load(row + k * kChunk, x, kVecs);
@@ -220,32 +233,47 @@ class RowWorker {
     return mk == st.max ? T(1) : ppo::ppo_exp((mk - st.max) * inv);
   }
 
+  // Adds one chunk of entries x (kVecs vectors, -inf padded) to the running statistics;
+  // e_out (if not null) receives their exps relative to the running max after the chunk.
   template <bool kEntropy>
   static void absorb(Online& st, const Vec* x, T inv, T* e_out) {
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     Vec cm = x[0];
-    for (int j = 1; j < kVecs; ++j) cm = at::vec::maximum(cm, x[j]);
-    const T m = hmax(cm);  // NaN propagates (IEEE maximum)
-    if (m != m) st.nan = true;
-    if (m > st.m) {
-      rescale(st, m, inv);
-      st.m = m;
+    for (int j = 1; j < kVecs; ++j) cm = at::vec::maximum(cm, x[j]);  // NaN propagates
+    // the usual chunk lies below the running max: one compare, no horizontal reduction
+    if ((cm <= Vec(st.m)).zero_mask() != 0) {  // a lane above it, or a NaN
+      const T m = hmax(cm);
+      if (m != m) {
+        st.nan = true;
+      } else if (m > st.m) {
+        rescale(st, m, inv);
+        st.m = m;
+      }
     }
     const Vec vzero(T(0));
-    if (st.m == -std::numeric_limits<T>::infinity()) {  // nothing finite yet: adds nothing
+    if (st.m == kNegInf) {  // nothing finite yet: adds nothing
       if (e_out)
         for (int j = 0; j < kVecs; ++j) vzero.store(e_out + j * Vec::size());
       return;
     }
-    const Vec vinv(inv), vm(st.m), vone(T(1)), vlow(std::numeric_limits<T>::lowest());
+    const Vec vinv(inv), vm(st.m), vlow(std::numeric_limits<T>::lowest());
+    // Entries equal to the running max (d == 0: the top and its ties) can only sit in a
+    // chunk whose max is the running max. Only such chunks pay for keeping their exp(0) = 1
+    // out of s (counted in n instead); the others add every exp to s.
+    const bool has_top = (cm == vm).zero_mask() != kAllLanes;
     for (int j = 0; j < kVecs; ++j) {
       const Vec d = (x[j] - vm) * vinv;
       const Vec e = vexp(d);
-      const Vec top = d == vzero;
-      st.s = st.s + Vec::blendv(e, vzero, top);
-      st.n = st.n + Vec::blendv(vzero, vone, top);
+      if (has_top) {
+        const Vec top = d == vzero;
+        st.s = st.s + Vec::blendv(e, vzero, top);
+        st.n = st.n + (top & Vec(T(1)));
+      } else {
+        st.s = st.s + e;
+      }
       // d is -inf on a banned entry; exp gives 0 and clamping d to the lowest finite value
       // keeps that 0 out of 0 * -inf = NaN in the entropy sum
-      if constexpr (kEntropy) st.t = st.t + e * at::vec::maximum(d, vlow);
+      if constexpr (kEntropy) st.t = at::vec::fmadd(e, at::vec::clamp_min(d, vlow), st.t);
       if (e_out) e.store(e_out + j * Vec::size());
     }
   }
