@@ -1,13 +1,23 @@
 """CPU benchmark: ppo_loss forward+backward, the fused `cpu` kernel against the eager
-PyTorch composite (log_softmax -> gather -> ratio -> clip -> masked mean, with entropy) and
-torch.compile of that composite, measured in the same run.
+PyTorch composite (log_softmax -> gather -> ratio -> clip -> masked mean, with entropy),
+torch.compile of that composite, and the physical floor, all measured in the same run.
 
     python benchmarks/cpu_bench.py                 # N=4096 tokens, V=32768, float32
+    python benchmarks/cpu_bench.py --dtype bfloat16
     python benchmarks/cpu_bench.py --n 512 --v 4096 --reps 3   # a quick look
 
-Reports the median wall time of forward+backward, the ratios, and the peak extra resident
-memory of one forward+backward (measured in a fresh subprocess per variant, from Linux's
-VmHWM after resetting it), in units of one [N, V] float32 buffer. Timings are not tests.
+The floor is what any fused forward+backward must at least do: read the logits once and
+write a gradient of their size once into mapped memory (`out.copy_(logits)` into a buffer
+allocated and touched before the timing). Variants:
+  cpu (fused)             pk.ppo_loss(..., backend="cpu"); loss.backward()
+  cpu, inplace_backward   the gradient written over the logits (no gradient buffer)
+  cpu, (loss / 3)         gradient accumulation: grad_output 1/3, rescaled in place
+  cpu, grad_scale=1/3     the same, with the scale known in the forward (no extra pass)
+  eager composite, torch.compile of it
+Reports the median wall time of forward+backward, the ratios to the fused kernel and to
+the floor, and the peak extra resident memory of one forward+backward (measured in a fresh
+subprocess per variant, from Linux's VmHWM after resetting it), in units of one [N, V]
+float32 buffer. Timings are not tests.
 """
 
 from __future__ import annotations
@@ -52,6 +62,19 @@ def fused(logits, tokens, mask, old, adv):
     return pk.ppo_loss(logits, tokens, old, adv, mask, backend="cpu")[0]
 
 
+def fused_inplace(logits, tokens, mask, old, adv):
+    # (the step() below hands in a non-leaf: the logits' storage receives the gradient)
+    return pk.ppo_loss(logits, tokens, old, adv, mask, backend="cpu", inplace_backward=True)[0]
+
+
+def fused_accum(logits, tokens, mask, old, adv):
+    return pk.ppo_loss(logits, tokens, old, adv, mask, backend="cpu")[0] / 3
+
+
+def fused_grad_scale(logits, tokens, mask, old, adv):
+    return pk.ppo_loss(logits, tokens, old, adv, mask, backend="cpu", grad_scale=1 / 3)[0] / 3
+
+
 _compiled = None
 
 
@@ -62,23 +85,53 @@ def compiled(logits, tokens, mask, old, adv):
     return _compiled(logits, tokens, mask, old, adv)
 
 
-VARIANTS = {"cpu (fused)": fused, "eager composite": composite, "torch.compile": compiled}
+def floor(logits, *_):
+    """Not a loss: the read + write of [N, V] that every forward+backward needs."""
+    out = _floor_out.get(logits.shape)
+    if out is None:
+        out = _floor_out[logits.shape] = torch.zeros_like(logits)  # mapped and touched
+    return out.copy_(logits)
+
+
+_floor_out = {}
+
+VARIANTS = {"cpu (fused)": fused, "cpu, inplace_backward": fused_inplace,
+            "cpu, (loss / 3)": fused_accum, "cpu, grad_scale=1/3": fused_grad_scale,
+            "eager composite": composite, "torch.compile": compiled, "floor (copy)": floor}
+
+
+def prepare(fn, inputs):
+    """Work a variant needs before each step that is not part of it (untimed): the
+    in-place variant overwrites its input, so it gets a fresh copy (as a model's output
+    would be fresh)."""
+    if fn is not fused_inplace:
+        return inputs
+    src = _inplace_src.get(inputs[0].shape)
+    if src is None:
+        src = _inplace_src[inputs[0].shape] = inputs[0].clone()
+    return (src.copy_(inputs[0]), *inputs[1:])
 
 
 def step(fn, inputs):
+    if fn is floor:
+        return floor(inputs[0])
     logits = inputs[0].detach().requires_grad_(True)
-    loss = fn(logits, *inputs[1:])
+    loss = fn(logits.view_as(logits) if fn is fused_inplace else logits, *inputs[1:])
     loss.backward()
     return logits.grad
 
 
+_inplace_src = {}
+
+
 def time_variant(fn, inputs, reps, warmup):
     for _ in range(warmup):
-        step(fn, inputs)
+        step(fn, prepare(fn, inputs))
     times = []
     for _ in range(reps):
+        ready = prepare(fn, inputs)
         t0 = time.perf_counter()
-        step(fn, inputs)
+        step(fn, ready)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -102,7 +155,11 @@ def peak_child(name, n, v, dtype):
 def measure_peak_here(name, n, v, dtype):
     inputs = make_inputs(n, v, getattr(torch, dtype))
     fn = VARIANTS[name]
-    step(fn, make_inputs(64, 128, getattr(torch, dtype)))  # load/compile outside the window
+    small = make_inputs(64, 128, getattr(torch, dtype))
+    step(fn, prepare(fn, small))  # load/compile outside the window
+    inputs = prepare(fn, inputs)  # its refill buffer stands for the model's output
+    if fn is floor:  # the floor's output buffer is mapped memory by definition
+        _floor_out[inputs[0].shape] = torch.zeros_like(inputs[0])
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     base = _status_kb("VmRSS:")
@@ -140,13 +197,21 @@ def main():
         peak = peak_child(name, a.n, a.v, a.dtype)
         rows[name] = {"seconds": t, "peak_extra_bytes": peak, "peak_extra_nv": peak / buf}
     t_cpu = rows["cpu (fused)"]["seconds"]
-    print(f"\n{'variant':<18}{'time [ms]':>11}{'speed-up of cpu':>17}{'peak extra [N,V fp32 bufs]':>28}")
+    t_floor = rows["floor (copy)"]["seconds"]
+    print(f"\n{'variant':<24}{'time [ms]':>10}{'/ cpu (fused)':>15}{'/ floor':>9}"
+          f"{'peak extra [N,V fp32 bufs]':>28}")
     for name, r in rows.items():
-        print(f"{name:<18}{r['seconds'] * 1e3:>11.1f}{r['seconds'] / t_cpu:>16.2f}x"
-              f"{r['peak_extra_nv']:>28.3f}")
+        print(f"{name:<24}{r['seconds'] * 1e3:>10.1f}{r['seconds'] / t_cpu:>14.2f}x"
+              f"{r['seconds'] / t_floor:>8.2f}x{r['peak_extra_nv']:>28.3f}")
     print(f"\ntargets: >= 3x eager (got {rows['eager composite']['seconds'] / t_cpu:.2f}x), "
           f">= 1.5x torch.compile (got {rows['torch.compile']['seconds'] / t_cpu:.2f}x), "
+          f"within 2x of the floor (got {t_cpu / t_floor:.2f}x), "
           f"peak extra <= 1.05 [N,V] buffers (got {rows['cpu (fused)']['peak_extra_nv']:.3f})")
+    acc, gs = rows["cpu, (loss / 3)"], rows["cpu, grad_scale=1/3"]
+    print(f"backward scale: (loss / 3).backward() costs {acc['seconds'] / t_cpu:.2f}x the time "
+          f"and {acc['peak_extra_nv']:.3f} buffers (loss.backward(): 1.00x, "
+          f"{rows['cpu (fused)']['peak_extra_nv']:.3f}); with grad_scale=1/3: "
+          f"{gs['seconds'] / t_cpu:.2f}x, {gs['peak_extra_nv']:.3f} buffers")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"n": a.n, "v": a.v, "dtype": a.dtype, "threads": torch.get_num_threads(),
