@@ -20,8 +20,14 @@
 
 namespace ppo {
 
-// Matches the integer passed from Python (ppo_kernels/_checks.py: KL_ESTIMATORS).
-enum KlEstimator : int { kK1 = 0, kK2 = 1, kK3 = 2, kAbs = 3 };
+// Matches the integer passed from Python (ppo_kernels/_checks.py: KL_ESTIMATORS). The "+"
+// estimators are verl's straight-through ones: the value of k1 / k3, the gradient of k2.
+enum KlEstimator : int { kK1 = 0, kK2 = 1, kK3 = 2, kAbs = 3, kK1Plus = 4, kK3Plus = 5 };
+
+// The token-level policy losses of the fused kernels (ppo_kernels/_checks.py:
+// KERNEL_POLICY_LOSSES). The sequence-level ones (gspo, gspo-token) need every token's
+// logp of a sequence before any gradient: ppo_kernels/_two_phase.py runs them.
+enum PolicyLoss : int { kVanilla = 0, kCispo = 1, kSapo = 2 };
 
 // |log-ratio| beyond this is clamped: exp(20) ~ 4.9e8 still fits float32 comfortably,
 // and a token that moved that far carries no trustworthy gradient anyway.
@@ -86,6 +92,10 @@ struct PolicyParams {
   double entropy_coef;
   bool has_ref;
   bool has_is_weights;
+  int policy_loss = kVanilla;   // PolicyLoss
+  double sapo_tau_pos = 1.0;    // SAPO gate temperatures for A > 0 and A <= 0
+  double sapo_tau_neg = 1.05;
+  bool kl_bias_correction = false;  // the KL term times rho = pi / pi_old
 };
 
 // Clipped-surrogate policy-gradient term of one token and d pg / d logp.
@@ -98,14 +108,12 @@ struct PgTerm {
   T pg;         // the loss term (before rollout IS weights)
   T dpg_dlogp;  // its derivative with respect to logp
   T ratio;      // rho
+  T dratio;     // d rho / d logp: rho, or 0 where the log-ratio was clamped
 };
 
+// Vanilla PPO clip (Schulman et al. 2017, eq. 7) with the dual clip (Ye et al. 2020, eq. 5).
 template <typename T>
-PPO_HD PgTerm<T> pg_term(T logp, T old_logp, T adv, const PolicyParams& p) {
-  const T lim = T(kLogRatioClamp);
-  const T d_raw = logp - old_logp;
-  const bool clamped = d_raw < -lim || d_raw > lim;
-  const T rho = ppo_exp(clampv(d_raw, -lim, lim));
+PPO_HD PgTerm<T> pg_vanilla(T rho, bool clamped, T adv, const PolicyParams& p) {
   const T unclipped = -rho * adv;
   const T clipped = -clampv(rho, T(1) - T(p.clip_eps_low), T(1) + T(p.clip_eps_high)) * adv;
   const bool unclipped_active = unclipped >= clipped;
@@ -119,7 +127,47 @@ PPO_HD PgTerm<T> pg_term(T logp, T old_logp, T adv, const PolicyParams& p) {
     }
   }
   if (clamped) grad = T(0);
-  return {pg, grad, rho};
+  return {pg, grad, rho, clamped ? T(0) : rho};
+}
+
+// CISPO (MiniMax-M1, Chen et al. 2025, eq. 4): -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A
+// logp. The clipped ratio is a constant weight, so every token keeps the gradient -w A (the
+// log-ratio clamp only bounds w). TRL's cap min(rho, epsilon_high) is eps_low = 1,
+// eps_high = epsilon_high - 1.
+template <typename T>
+PPO_HD PgTerm<T> pg_cispo(T logp, T rho, bool clamped, T adv, const PolicyParams& p) {
+  const T w = clampv(rho, T(1) - T(p.clip_eps_low), T(1) + T(p.clip_eps_high));
+  return {-w * adv * logp, -w * adv, rho, clamped ? T(0) : rho};
+}
+
+// SAPO (soft adaptive policy optimisation; TRL loss_type="sapo", verl loss_mode="sapo"):
+// the hard clip replaced by a sigmoid gate, -(4 / tau) sigmoid(tau (rho - 1)) A with
+// tau = tau_pos where A > 0, else tau_neg; d / d logp = -4 s (1 - s) rho A (s the gate),
+// 0 where the log-ratio was clamped.
+template <typename T>
+PPO_HD PgTerm<T> pg_sapo(T rho, bool clamped, T adv, const PolicyParams& p) {
+  const T tau = adv > T(0) ? T(p.sapo_tau_pos) : T(p.sapo_tau_neg);
+  const T s = T(1) / (T(1) + ppo_exp(-tau * (rho - T(1))));
+  const T grad = clamped ? T(0) : T(-4) * s * (T(1) - s) * rho * adv;
+  return {-(T(4) / tau) * s * adv, grad, rho, clamped ? T(0) : rho};
+}
+
+// The policy-gradient term of one token and d pg / d logp, for p.policy_loss:
+//   d = clamp(logp - old_logp, -20, 20), rho = exp(d), then the loss's own formula.
+template <typename T>
+PPO_HD PgTerm<T> pg_term(T logp, T old_logp, T adv, const PolicyParams& p) {
+  const T lim = T(kLogRatioClamp);
+  const T d_raw = logp - old_logp;
+  const bool clamped = d_raw < -lim || d_raw > lim;
+  const T rho = ppo_exp(clampv(d_raw, -lim, lim));
+  switch (p.policy_loss) {
+    case kCispo:
+      return pg_cispo(logp, rho, clamped, adv, p);
+    case kSapo:
+      return pg_sapo(rho, clamped, adv, p);
+    default:
+      return pg_vanilla(rho, clamped, adv, p);
+  }
 }
 
 // KL estimator of pi_theta against pi_ref from one sample, delta = logp - ref_logp,
@@ -139,6 +187,10 @@ PPO_HD KlTerm<T> kl_term(T delta, int estimator) {
       return {T(0.5) * delta * delta, delta};
     case kAbs:
       return {delta < T(0) ? -delta : delta, delta > T(0) ? T(1) : (delta < T(0) ? T(-1) : T(0))};
+    case kK1Plus:  // value of k1, gradient of k2
+      return {delta, delta};
+    case kK3Plus:  // value of k3, gradient of k2
+      return {kl_term(delta, kK3).kl, delta};
     default: {  // kK3: exp(-c) - 1 + c, c = clamp(delta); only k3 has an exp to guard
       // both the value and its derivative 1 - exp(-c) cancel at small c: written as
       // expm1_minus_x(-c) and -expm1(-c) they keep their digits down to |c| ~ 1e-30
@@ -153,25 +205,32 @@ PPO_HD KlTerm<T> kl_term(T delta, int estimator) {
 // Everything the fused loss needs from one token, given its logprob and entropy.
 template <typename T>
 struct TokenLoss {
-  T loss;  // is_w * pg + kl_coef * kl - entropy_coef * H
-  T dlogp; // w * (is_w * d pg / d logp + kl_coef * d kl / d delta): d loss_agg / d logp
-  T dent;  // -w * entropy_coef: d loss_agg / d H
+  T loss;  // is_w * pg + kl_coef * kl (* rho) - entropy_coef * H
+  T dlogp; // w * (is_w * d pg / d logp + kl_coef * d kl (rho) / d logp): d loss_agg / d logp
+  T dent;  // -w_ent * entropy_coef: d loss_agg / d H
 };
 
-// w is the token's weight under loss_agg_mode (0 on masked tokens), is_w its rollout
-// importance weight (1 when none), ref_logp ignored unless p.has_ref.
+// w is the token's weight under loss_agg_mode (0 on masked tokens), w_ent its weight under
+// entropy_agg_mode, is_w its rollout importance weight (1 when none), ref_logp ignored
+// unless p.has_ref. With kl_bias_correction the KL term is kl * rho (DeepSeek-V3.2; TRL's
+// use_bias_correction_kl), rho differentiable: d / d logp = rho d kl / d delta + kl d rho.
 template <typename T>
 PPO_HD TokenLoss<T> token_loss(T logp, T entropy, T old_logp, T adv, T ref_logp, T is_w, T w,
-                               const PolicyParams& p) {
+                               T w_ent, const PolicyParams& p) {
   const PgTerm<T> g = pg_term(logp, old_logp, adv, p);
   T loss = is_w * g.pg - T(p.entropy_coef) * entropy;
   T dlogp = is_w * g.dpg_dlogp;
   if (p.has_ref) {
     const KlTerm<T> k = kl_term(logp - ref_logp, p.kl_estimator);
-    loss += T(p.kl_coef) * k.kl;
-    dlogp += T(p.kl_coef) * k.dkl_ddelta;
+    if (p.kl_bias_correction) {
+      loss += T(p.kl_coef) * k.kl * g.ratio;
+      dlogp += T(p.kl_coef) * (g.ratio * k.dkl_ddelta + k.kl * g.dratio);
+    } else {
+      loss += T(p.kl_coef) * k.kl;
+      dlogp += T(p.kl_coef) * k.dkl_ddelta;
+    }
   }
-  return {loss, w * dlogp, -w * T(p.entropy_coef)};
+  return {loss, w * dlogp, -w_ent * T(p.entropy_coef)};
 }
 
 // Row gradient. With z = logits / temperature, p_v = exp(z_v - lse), H the entropy:

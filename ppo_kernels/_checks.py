@@ -8,9 +8,15 @@ import math
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")  # index = ppo::KlEstimator in csrc/ppo_math.h
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")  # index = ppo::KlEstimator (ppo_math.h)
+# index = ppo::PolicyLoss (ppo_math.h): the token-level losses the fused kernels run
+KERNEL_POLICY_LOSSES = ("vanilla", "cispo", "sapo")
+# need every logp of a sequence before any gradient: ppo_kernels/_two_phase.py
+SEQUENCE_POLICY_LOSSES = ("gspo", "gspo-token")
+POLICY_LOSSES = KERNEL_POLICY_LOSSES + SEQUENCE_POLICY_LOSSES
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm", "none")
+SEQ_MEAN_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 BACKENDS = ("auto", "cpu", "cuda", "triton", "torch")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -119,6 +125,31 @@ def response_mask(mask, like, flat, like_name="tokens"):
     return (mask != 0).contiguous()  # != keeps the input's strides; kernels index flat
 
 
+def policy_options(policy_loss, clip_eps_low, clip_eps_high, dual_clip_c, sapo_tau_pos,
+                   sapo_tau_neg):
+    """The validated policy-loss options as the dict the backends take."""
+    choice("policy_loss", policy_loss, POLICY_LOSSES)
+    if policy_loss == "cispo":  # a band for a weight, not a trust region: wider ranges
+        eps_low = number("clip_eps_low", clip_eps_low, lo=0.0, hi=1.0)
+        eps_high = eps_low if clip_eps_high is None else number("clip_eps_high", clip_eps_high,
+                                                                lo=0.0)
+    else:
+        eps_low = number("clip_eps_low", clip_eps_low, lo=0.0, hi=1.0, hi_open=True)
+        eps_high = eps_low if clip_eps_high is None else number(
+            "clip_eps_high", clip_eps_high, lo=0.0, hi=1.0, hi_open=True)
+    if dual_clip_c is not None:
+        if policy_loss in ("cispo", "sapo"):
+            raise ValueError(f"dual_clip_c: the dual clip caps PPO's clipped surrogate; "
+                             f"policy_loss={policy_loss!r} has none (got {dual_clip_c!r})")
+        # a cap at or below 1 + eps_high would cut into the clip band itself: the loss
+        # silently became something else (TRL / Liger's delta is this cap)
+        dual_clip_c = number("dual_clip_c", dual_clip_c, lo=1.0 + eps_high, lo_open=True)
+    return dict(policy_loss=policy_loss, policy_loss_id=POLICY_LOSSES.index(policy_loss),
+                clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual_clip_c,
+                sapo_tau_pos=number("sapo_tau_pos", sapo_tau_pos, lo=0.0, lo_open=True),
+                sapo_tau_neg=number("sapo_tau_neg", sapo_tau_neg, lo=0.0, lo_open=True))
+
+
 def host_readable(x):
     """Whether reading x's values costs nothing: a CPU tensor outside of tracing. A device
     tensor's value read would stall the host and break CUDA-graph capture, and under
@@ -148,9 +179,33 @@ def token_range(tokens, mask, vocab):
     return tokens
 
 
-def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens"):
+def count(name, value, like, dtype):
+    """A positive denominator (global_num_tokens, global_num_seqs): a number, or a 0-d
+    tensor (e.g. an all-reduced count, left on its device: no host read). Returns a float
+    or a 0-d tensor of dtype on like's device. A tensor's value is checked on the host
+    when that is free (CPU), else by an asynchronous device assertion."""
+    if not isinstance(value, torch.Tensor):
+        return number(name, value, lo=0.0, lo_open=True)
+    if value.numel() != 1 or value.dim() > 1:
+        raise ValueError(f"{name}: expected a number or a 0-d tensor, got a tensor of shape "
+                         f"{list(value.shape)}")
+    if value.dtype == torch.bool or value.dtype.is_complex:
+        raise TypeError(f"{name}: expected a real number, got a {value.dtype} tensor")
+    same_device(name, value, "logits", like)
+    v = value.detach().reshape(()).to(dtype)
+    if host_readable(v):
+        if not (math.isfinite(float(v)) and float(v) > 0):
+            raise ValueError(f"{name}: expected a finite number > 0, got {float(v)!r}")
+    else:
+        torch._assert_async(torch.isfinite(v) & (v > 0), f"{name}: expected a finite number > 0")
+    return v
+
+
+def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens",
+              per_seq_ok=False):
     """A [B, T] float tensor of the shape and device of ``like`` (named like_name in
-    messages), converted to the accumulation dtype."""
+    messages), converted to the accumulation dtype. per_seq_ok: a per-sequence [B] or
+    [B, 1] tensor is accepted too and broadcast over the tokens (advantages of GRPO)."""
     if x is None:
         if optional:
             return None
@@ -159,6 +214,8 @@ def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens")
     same_device(name, x, like_name, like)
     if flat and x.dim() == 1:
         x = x.unsqueeze(0)
+    elif per_seq_ok and not flat and tuple(x.shape) in ((like.shape[0],), (like.shape[0], 1)):
+        x = x.reshape(like.shape[0], 1).expand(like.shape)
     if tuple(x.shape) != tuple(like.shape):
         shown = like.shape[1:] if flat else like.shape
         raise ValueError(f"{name}: expected shape {list(shown)}, got "

@@ -15,7 +15,7 @@ import os
 import torch
 
 from . import _torch_impl
-from ._checks import acc_dtype
+from ._checks import SEQUENCE_POLICY_LOSSES, acc_dtype
 
 _C = None
 CPU_CAPABILITY = None
@@ -53,8 +53,10 @@ def _fake_token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, 
 
 
 def _fake_ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                       rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                       kl_estimator, entropy_coef, temperature, grad_scale, compute_grad):
+                       rollout_is_weights, entropy_weights, clip_eps_low, clip_eps_high,
+                       dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
+                       grad_scale, policy_loss, sapo_tau_pos, sapo_tau_neg,
+                       kl_bias_correction, compute_grad):
     acc = acc_dtype(logits)
     per_tok = [tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)]
     dl = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype,
@@ -122,7 +124,7 @@ def _lp_backward_for(prefix):
 
 def _loss_setup_for(prefix):
     def setup(ctx, inputs, output):
-        logits, grad_scale = inputs[0], inputs[15]
+        logits, grad_scale = inputs[0], inputs[16]
         # the scale the saved dlogits carry, as a device scalar that the backward compares
         # with grad_output on the device
         ctx.applied = torch.full((), grad_scale, dtype=acc_dtype(logits), device=logits.device)
@@ -140,7 +142,7 @@ def _loss_backward(ctx, grad_loss, *_):
     (dlogits,) = ctx.saved_tensors
     grad = None if grad_loss is None else scale_grad(ctx.prefix, dlogits, grad_loss,
                                                      ctx.applied)
-    return (grad,) + (None,) * 16
+    return (grad,) + (None,) * 21
 
 
 def _no_setup(ctx, inputs, output):
@@ -191,8 +193,8 @@ class _InplaceLoss(torch.autograd.Function):
     the one [N, V] buffer; the caller promised not to use the logits afterwards."""
 
     @staticmethod
-    def forward(ctx, logits, op, args, prefix, grad_scale):
-        loss, loss_tok, logp, ent = op(logits, *args, grad_scale)
+    def forward(ctx, logits, op, args, tail, prefix, grad_scale):
+        loss, loss_tok, logp, ent = op(logits, *args, grad_scale, *tail)
         # the logits now hold dlogits: anything that saved them for its own backward must
         # see the change (the C++ op has no ADInplaceOrView kernel to do this)
         torch.autograd.graph.increment_version(logits)
@@ -210,7 +212,7 @@ class _InplaceLoss(torch.autograd.Function):
                                "logits was already handed out by an earlier backward; "
                                "retain_graph cannot replay it")
         ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
-        return scale_grad(ctx.prefix, buf, grad_loss, ctx.applied), None, None, None, None
+        return scale_grad(ctx.prefix, buf, grad_loss, ctx.applied), None, None, None, None, None
 
 
 class KernelBackend:
@@ -227,16 +229,34 @@ class KernelBackend:
                                                           return_entropy)
         return logp, (ent if return_entropy else None)
 
-    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace):
-        args = (tokens, mask, old, adv, weights, ref, isw, p["clip_eps_low"],
+    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace,
+                 w_ent=None):
+        if p["policy_loss"] in SEQUENCE_POLICY_LOSSES:
+            if inplace:
+                raise ValueError(f"inplace_backward: not available with policy_loss="
+                                 f"{p['policy_loss']!r} (its gradient sweep is a second pass "
+                                 f"that writes a fresh buffer)")
+            from . import _two_phase
+
+            return _two_phase.ppo_loss(self.prefix, logits, tokens, mask, old, adv, weights,
+                                       ref, isw, p, w_ent)
+        args = (tokens, mask, old, adv, weights, ref, isw, w_ent, p["clip_eps_low"],
                 p["clip_eps_high"], p["dual_clip_c"] or 0.0, p["kl_coef"],
                 p["kl_estimator_id"], p["entropy_coef"], p["temperature"])
+        tail = (p["policy_loss_id"], p["sapo_tau_pos"], p["sapo_tau_neg"],
+                bool(p["kl_bias_correction"]))
         need_grad = torch.is_grad_enabled() and logits.requires_grad
         gs = p["grad_scale"]
         if inplace and need_grad:
-            return _InplaceLoss.apply(logits, self._op("ppo_loss_fwd_inplace"), args,
-                                      self.prefix, gs)
-        loss, loss_tok, logp, ent, _ = self._op("ppo_loss_fwd")(logits, *args, gs, need_grad)
+            loss, loss_tok, logp, ent = _InplaceLoss.apply(
+                logits, self._op("ppo_loss_fwd_inplace"), args, tail, self.prefix, gs)
+        else:
+            loss, loss_tok, logp, ent, _ = self._op("ppo_loss_fwd")(logits, *args, gs, *tail,
+                                                                     need_grad)
+        if w_ent is not None and p["entropy_coef"] != 0.0:
+            # the kernel sums w * (... - entropy_coef H); the entropy term's own weights
+            # are w_ent (its gradient already carries them)
+            loss = loss + p["entropy_coef"] * ((weights - w_ent) * ent.detach()).sum()
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):
@@ -254,9 +274,10 @@ class TorchBackend:
     def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
         return _torch_impl.token_logprobs(logits, tokens, mask, temperature, return_entropy)
 
-    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace):
+    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace,
+                 w_ent=None):
         loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, tokens, mask, old, adv, weights,
-                                                         ref, isw, p)
+                                                         ref, isw, p, w_ent)
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):

@@ -34,16 +34,11 @@ def token_logprobs(logits, tokens, mask, temperature, return_entropy):
     return logp, torch.where(mask, ent, 0.0)
 
 
-def pg_terms(logp, old_logprobs, advantages, clip_eps_low, clip_eps_high, dual_clip_c):
-    """Clipped surrogate per token (Schulman et al. 2017, eq. 7; dual clip: Ye et al. 2020).
-
-    Returns (pg, ratio, log_ratio, clip_high, clip_low, dual) as [B, T] tensors; pg keeps
-    the autograd graph of logp, the rest are for metrics.
-    """
-    d = torch.clamp(logp - old_logprobs, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    rho = torch.exp(d)
-    unclipped = -rho * advantages
-    clipped = -torch.clamp(rho, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
+def _clip_surrogate(r, advantages, clip_eps_low, clip_eps_high, dual_clip_c):
+    """PPO's clipped surrogate of a ratio r (Schulman et al. 2017, eq. 7) with the dual clip
+    (Ye et al. 2020, eq. 5). Returns (pg, clip_high, clip_low, dual)."""
+    unclipped = -r * advantages
+    clipped = -torch.clamp(r, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
     # the unclipped branch is the active one on ties, as in ppo_math.h
     pg = torch.where(unclipped >= clipped, unclipped, clipped)
     dual = torch.zeros_like(pg, dtype=torch.bool)
@@ -51,9 +46,56 @@ def pg_terms(logp, old_logprobs, advantages, clip_eps_low, clip_eps_high, dual_c
         cap = -dual_clip_c * advantages
         dual = (advantages < 0) & (pg > cap)
         pg = torch.where(dual, cap, pg)
-    clip_high = (rho > 1.0 + clip_eps_high) & (advantages > 0)
-    clip_low = (rho < 1.0 - clip_eps_low) & (advantages < 0)
-    return pg, rho, d, clip_high, clip_low, dual
+    rd = r.detach()
+    return (pg, (rd > 1.0 + clip_eps_high) & (advantages > 0),
+            (rd < 1.0 - clip_eps_low) & (advantages < 0), dual)
+
+
+def seq_mean(x, mask):
+    """Per-sequence mean of x over the valid tokens (0 for an empty sequence), [B, 1]."""
+    m = mask.to(x.dtype)
+    return (torch.where(mask, x, 0.0)).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+
+
+def pg_terms(logp, old_logprobs, advantages, mask, p):
+    """Policy-gradient term per token for p["policy_loss"] (reference.pg_terms documents
+    each formula and its source). Returns a dict: pg (keeps logp's autograd graph), ratio
+    (the ratio the loss uses, with its graph: the KL bias correction multiplies by it),
+    log_ratio (clamped token log-ratio), clip_high, clip_low, dual (bool [B, T]) and, for
+    the sequence losses, seq_ratio [B] (no graph)."""
+    old = logp.detach() if old_logprobs is None else old_logprobs  # on-policy: rho = 1
+    d = torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    rho = torch.exp(d)
+    kind = p.get("policy_loss", "vanilla")
+    eps_low, eps_high = p["clip_eps_low"], p["clip_eps_high"]
+    out = {"log_ratio": d.detach()}
+    if kind == "vanilla":
+        pg, ch, cl, dual = _clip_surrogate(rho, advantages, eps_low, eps_high, p["dual_clip_c"])
+        out.update(pg=pg, ratio=rho, clip_high=ch, clip_low=cl, dual=dual)
+    elif kind == "cispo":
+        w = torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high).detach()
+        rd = rho.detach()
+        out.update(pg=-w * advantages * logp, ratio=rho,
+                   clip_high=(rd > 1.0 + eps_high) & (advantages > 0),
+                   clip_low=(rd < 1.0 - eps_low) & (advantages < 0),
+                   dual=torch.zeros_like(mask), cispo_clip=(rd > 1.0 + eps_high) |
+                   (rd < 1.0 - eps_low))
+    elif kind == "sapo":
+        tau = torch.where(advantages > 0, p["sapo_tau_pos"], p["sapo_tau_neg"])
+        gate = torch.sigmoid(tau * (rho - 1.0))
+        out.update(pg=-(4.0 / tau) * gate * advantages, ratio=rho,
+                   clip_high=torch.zeros_like(mask), clip_low=torch.zeros_like(mask),
+                   dual=torch.zeros_like(mask))
+    else:  # gspo, gspo-token: the sequence ratio s = exp(clamp(mean_t (logp - old)))
+        ls = torch.clamp(seq_mean(logp - old, mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        if kind == "gspo":
+            s = torch.exp(ls).expand_as(logp)
+        else:  # gspo-token: the value of s, the gradient s on the own token only
+            s = torch.exp(logp - logp.detach() + ls.detach())
+        pg, ch, cl, dual = _clip_surrogate(s, advantages, eps_low, eps_high, p["dual_clip_c"])
+        out.update(pg=pg, ratio=s, clip_high=ch, clip_low=cl, dual=dual,
+                   seq_ratio=torch.exp(ls.detach())[:, 0])
+    return out
 
 
 # 1/2!, 1/3!, ..., 1/12!: the Horner coefficients of expm1_minus_x (csrc/ppo_math.h)
@@ -74,8 +116,12 @@ def expm1_minus_x(u):
 
 
 def kl_terms(logp, ref_logprobs, kl_estimator):
-    """Per-token KL estimate of pi_theta against pi_ref (Schulman 2020, k1/k2/k3)."""
+    """Per-token KL estimate of pi_theta against pi_ref (Schulman 2020, k1/k2/k3); "k1+" and
+    "k3+" are verl's straight-through estimators: the value of k1 / k3, the gradient of k2."""
     delta = logp - ref_logprobs
+    if kl_estimator in ("k1+", "k3+"):
+        k2 = 0.5 * delta * delta
+        return k2 + (kl_terms(logp, ref_logprobs, kl_estimator[:2]) - k2).detach()
     if kl_estimator == "k1":
         return delta
     if kl_estimator == "k2":
@@ -86,56 +132,84 @@ def kl_terms(logp, ref_logprobs, kl_estimator):
     return expm1_minus_x(-c)  # exp(-c) - 1 + c, keeping its digits at small c
 
 
-def agg_weights(mask, loss_agg_mode, global_num_tokens=None, norm_length=None, dtype=None):
-    """w [B, T] such that the aggregated loss is sum(w * loss_tok); 0 where masked."""
+def agg_weights(mask, loss_agg_mode, global_num_tokens=None, norm_length=None, dtype=None,
+                global_num_seqs=None):
+    """w [B, T] such that the aggregated loss is sum(w * loss_tok); 0 where masked.
+    global_num_tokens / global_num_seqs (numbers or 0-d tensors) replace the local counts
+    as the denominators of the token-mean / seq-mean modes (data-parallel ranks; TRL's grpo
+    counts empty completions: global_num_seqs = B)."""
     m = mask.to(dtype or torch.float32)
     b, t = m.shape
     if loss_agg_mode == "token-mean":
         denom = global_num_tokens if global_num_tokens is not None else m.sum().clamp(min=1.0)
         return m / denom
+    if loss_agg_mode == "token-sum":
+        return m
     if loss_agg_mode == "seq-mean-token-sum":
-        return m / b
+        return m / (b if global_num_seqs is None else global_num_seqs)
     if loss_agg_mode == "seq-mean-token-mean":
         lens = m.sum(1, keepdim=True)
-        n = (lens > 0).sum().clamp(min=1)
+        n = (lens > 0).sum().clamp(min=1) if global_num_seqs is None else global_num_seqs
         return m / (lens.clamp(min=1.0) * n)
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        return m / (b * (t if norm_length is None else norm_length))
+        n = b if global_num_seqs is None else global_num_seqs
+        return m / (n * (t if norm_length is None else norm_length))
     raise AssertionError(loss_agg_mode)  # validated by the caller
 
 
-def token_loss(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights, p):
-    """Per-token loss is_w * pg + kl_coef * kl - entropy_coef * H (DESIGN.md).
-    p: dict of the ppo_loss options."""
-    pg = pg_terms(logp, old_logprobs, advantages, p["clip_eps_low"], p["clip_eps_high"],
-                  p["dual_clip_c"])[0]
+def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights,
+                 mask, p):
+    """(policy part is_w * pg + kl_coef * kl [* ratio], entropy part H) per token; the
+    per-token loss is the first minus entropy_coef times the second. p: the ppo_loss
+    options."""
+    pt = pg_terms(logp, old_logprobs, advantages, mask, p)
+    loss = pt["pg"]
     if rollout_is_weights is not None:
-        pg = pg * rollout_is_weights
-    loss = pg
+        loss = loss * rollout_is_weights
     if ref_logprobs is not None:
         kl = kl_terms(logp, ref_logprobs, p["kl_estimator"])
+        if p.get("kl_bias_correction"):
+            kl = kl * pt["ratio"]
         loss = loss + p["kl_coef"] * kl
+    return loss, entropy
+
+
+def token_loss(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights, p,
+               mask):
+    """Per-token loss is_w * pg + kl_coef * kl - entropy_coef * H (DESIGN.md)."""
+    pol, ent = token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs,
+                            rollout_is_weights, mask, p)
+    return pol - p["entropy_coef"] * ent if p["entropy_coef"] != 0.0 else pol
+
+
+def aggregate(pol, ent, mask, weights, entropy_weights, p):
+    """sum(w * policy part) - entropy_coef * sum(w_ent * H) over valid tokens."""
+    loss = (weights * torch.where(mask, pol, 0.0)).sum()
     if p["entropy_coef"] != 0.0:
-        loss = loss - p["entropy_coef"] * entropy
+        w_ent = weights if entropy_weights is None else entropy_weights
+        loss = loss - p["entropy_coef"] * (w_ent * torch.where(mask, ent, 0.0)).sum()
     return loss
 
 
 def ppo_loss(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-             rollout_is_weights, p):
+             rollout_is_weights, p, entropy_weights=None):
     """Eager composite: returns (loss, loss_tok, logp, entropy), loss differentiable."""
     logp, ent = token_logprobs(logits, tokens, mask, p["temperature"], True)
-    loss_tok = token_loss(logp, ent, old_logprobs, advantages, ref_logprobs,
-                             rollout_is_weights, p)
-    loss_tok = torch.where(mask, loss_tok, 0.0)
-    return (weights * loss_tok).sum(), loss_tok, logp, ent
+    pol, _ = token_losses(logp, ent, old_logprobs, advantages, ref_logprobs,
+                          rollout_is_weights, mask, p)
+    loss = aggregate(pol, ent, mask, weights, entropy_weights, p)
+    loss_tok = torch.where(mask, pol - p["entropy_coef"] * ent, 0.0)
+    return loss, loss_tok, logp, ent
 
 
 @torch.no_grad()
 def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, p):
-    """The metrics dict of ppo_loss (DESIGN.md): means over valid tokens, 0 if none."""
+    """The metrics dict of ppo_loss (DESIGN.md): means over valid tokens, 0 if none, and the
+    counts num_tokens / num_seqs that make means combine exactly across micro-batches and
+    ranks."""
     logp, entropy = logp.detach(), entropy.detach()
-    _, rho, d, ch, cl, dual = pg_terms(logp, old_logprobs, advantages, p["clip_eps_low"],
-                                       p["clip_eps_high"], p["dual_clip_c"])
+    pt = pg_terms(logp, old_logprobs, advantages, mask, p)
+    d, rho = pt["log_ratio"], pt["ratio"]
     kl = None if ref_logprobs is None else kl_terms(logp, ref_logprobs, p["kl_estimator"])
     m = mask.to(logp.dtype)
     n = m.sum().clamp(min=1.0)
@@ -144,17 +218,26 @@ def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, p):
         return (torch.where(mask, x.to(m.dtype), 0.0).sum() / n).float()
 
     zero = torch.zeros((), device=logp.device)
-    return {
-        "clip_frac": mean(ch | cl),
-        "clip_frac_high": mean(ch),
-        "clip_frac_low": mean(cl),
-        "dual_clip_frac": mean(dual),
+    out = {
+        "num_tokens": m.sum().float(),
+        "num_seqs": mask.any(1).sum().float(),
+        "clip_frac": mean(pt["clip_high"] | pt["clip_low"]),
+        "clip_frac_high": mean(pt["clip_high"]),
+        "clip_frac_low": mean(pt["clip_low"]),
+        "dual_clip_frac": mean(pt["dual"]),
         "approx_kl": mean(expm1_minus_x(d)),  # (rho - 1) - log rho
         "kl_ref": mean(kl) if kl is not None else zero,
         "entropy": mean(entropy),
         "ratio_mean": mean(rho),
         "ratio_max": torch.where(mask, rho, 0.0).max().float() if rho.numel() else zero,
     }
+    if "cispo_clip" in pt:
+        out["cispo_clip_frac"] = mean(pt["cispo_clip"])
+    if "seq_ratio" in pt:
+        s, nonempty = pt["seq_ratio"], mask.any(1)
+        clipped = (s > 1.0 + p["clip_eps_high"]) | (s < 1.0 - p["clip_eps_low"])
+        out["seq_clip_frac"] = ((clipped & nonempty).sum() / nonempty.sum().clamp(min=1)).float()
+    return out
 
 
 def gae(rewards, values, mask, bootstrap_values, gamma, lam):

@@ -49,37 +49,58 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
 
 
 def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_logprobs=None,
-             *, clip_eps_low=0.2, clip_eps_high=None, dual_clip_c=None, kl_coef=0.0,
-             kl_estimator="k3", entropy_coef=0.0, temperature=1.0, loss_agg_mode="token-mean",
-             global_num_tokens=None, norm_length=None, rollout_is_weights=None,
-             grad_scale=1.0, inplace_backward=False, backend="auto"):
+             *, policy_loss="vanilla", clip_eps_low=0.2, clip_eps_high=None, dual_clip_c=None,
+             sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0, kl_estimator="k3",
+             kl_bias_correction=False, entropy_coef=0.0, entropy_agg_mode=None,
+             temperature=1.0, loss_agg_mode="token-mean", global_num_tokens=None,
+             global_num_seqs=None, norm_length=None, rollout_is_weights=None, grad_scale=1.0,
+             inplace_backward=False, backend="auto"):
     """Fused PPO / GRPO policy loss straight from the logits, and its metrics.
 
-    Per token (DESIGN.md): rho = exp(clamp(logp - old_logp, -20, 20));
-    pg = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) (Schulman et al. 2017, eq. 7),
-    capped at -c A where A < 0 with dual clip c (Ye et al. 2020, eq. 5), times
-    rollout_is_weights; loss = pg + kl_coef * kl(logp, ref_logp) - entropy_coef * H with the
-    k1/k2/k3/abs estimator (Schulman 2020); aggregated by ``loss_agg_mode``. On the kernel
-    backends the gradient with respect to the logits is written in the same pass over the
-    logits; backward only scales it. No [N, V] intermediate is materialised.
+    Per token (DESIGN.md): rho = exp(clamp(logp - old_logp, -20, 20)); the policy term of
+    ``policy_loss`` (vanilla: pg = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A),
+    Schulman et al. 2017, eq. 7, capped at -c A where A < 0 with dual clip c, Ye et al.
+    2020, eq. 5; cispo, sapo, gspo, gspo-token: docs/LOSSES.md), times rollout_is_weights;
+    loss = pg + kl_coef * kl(logp, ref_logp) [* rho] - entropy_coef * H with the
+    k1/k2/k3/abs estimator (Schulman 2020) or verl's straight-through k1+/k3+; aggregated
+    by ``loss_agg_mode`` (the entropy term by ``entropy_agg_mode``). On the kernel backends
+    the gradient with respect to the logits is written in the same pass over the logits
+    (the sequence-level losses read them once more); backward only scales it. No [N, V]
+    intermediate is materialised.
 
     Args:
         logits: [B, T, V], [B, T + 1, V] or [N, V]; float32, bfloat16, float16 or float64.
         tokens: int [B, T] (or [N]), the sampled tokens.
-        old_logprobs, advantages: float [B, T], from the rollout policy. These, and
-            ref_logprobs and rollout_is_weights, are data: they receive no gradient.
+        old_logprobs: float [B, T] from the rollout policy, or None: on-policy, rho =
+            exp(logp - sg(logp)) (value 1, gradient that of logp), no extra pass.
+        advantages: float [B, T], or per sequence [B] / [B, 1] (broadcast over tokens).
+            These, and the other per-token inputs, are data: they receive no gradient.
         response_mask: [B, T], nonzero = valid token; None = all valid.
         ref_logprobs: float [B, T] of the frozen reference policy; needed when kl_coef > 0.
-        clip_eps_low, clip_eps_high: in [0, 1); clip_eps_high=None means clip_eps_low.
-        dual_clip_c: > 1, or None for no dual clip.
-        kl_coef: >= 0 (beta). kl_estimator: "k1" | "k2" | "k3" | "abs".
-        entropy_coef: entropy bonus weight. temperature: > 0.
-        loss_agg_mode: "token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean" |
-            "seq-mean-token-sum-norm" | "none" (per-token loss [B, T], 0 where masked).
-        global_num_tokens: > 0, the token-mean denominator across data-parallel ranks
-            (token-mean only; the other modes ignore it).
+        policy_loss: "vanilla" | "cispo" | "sapo" | "gspo" | "gspo-token" (docs/LOSSES.md).
+        clip_eps_low, clip_eps_high: in [0, 1); clip_eps_high=None means clip_eps_low. For
+            cispo the band [1 - eps_low, 1 + eps_high] bounds a weight: eps_low in [0, 1],
+            eps_high >= 0 (TRL's cap epsilon_high = 1 + clip_eps_high, clip_eps_low = 1).
+        dual_clip_c: > 1 + clip_eps_high (the cap -c A on A < 0; TRL/Liger call it delta),
+            or None. Only for vanilla, gspo and gspo-token.
+        sapo_tau_pos, sapo_tau_neg: > 0, SAPO's gate temperatures for A > 0 and A <= 0.
+        kl_coef: >= 0 (beta). kl_estimator: "k1" | "k2" | "k3" | "abs" | "k1+" | "k3+".
+        kl_bias_correction: the KL term times the policy loss's ratio (DeepSeek-V3.2; TRL's
+            use_bias_correction_kl), differentiated through the ratio as TRL does.
+        entropy_coef: entropy bonus weight. entropy_agg_mode: the entropy term's
+            aggregation (default: loss_agg_mode; TRL: "token-mean").
+        temperature: > 0.
+        loss_agg_mode: "token-mean" | "token-sum" | "seq-mean-token-sum" |
+            "seq-mean-token-mean" | "seq-mean-token-sum-norm" | "none" (per-token loss
+            [B, T], 0 where masked).
+        global_num_tokens: > 0 (a number or a 0-d tensor, e.g. all-reduced), the token-mean
+            denominator across data-parallel ranks / micro-batches.
+        global_num_seqs: > 0 (number or 0-d tensor), the denominator of the seq-mean modes
+            (default: B, or the non-empty sequences for seq-mean-token-mean; TRL's grpo
+            counts empty completions: global_num_seqs = B).
         norm_length: > 0, the seq-mean-token-sum-norm length (default T; Dr. GRPO).
-        rollout_is_weights: float [B, T], no gradient; multiplies pg and its gradient.
+        rollout_is_weights: float [B, T] or [B] / [B, 1], no gradient; multiplies pg and its
+            gradient (not the KL or entropy terms).
         grad_scale: > 0, the factor the loss will be multiplied by before backward (e.g.
             1 / gradient-accumulation steps, or a loss scale). A hint only: the loss and its
             gradients are the same for any value, but the kernel backends write dlogits
@@ -88,14 +109,16 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             allocation either way).
         inplace_backward: write the gradient into the logits' storage (the logits must not
             be used afterwards, and one backward only); saves one [N, V] buffer. Kernel
-            backends and scalar modes only ("torch" and "none" allocate as usual).
+            backends, scalar modes and token-level policy losses only ("torch", "none",
+            gspo and gspo-token allocate as usual).
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
         (loss, metrics): loss a 0-d float32 tensor (float64 for float64 logits) or [B, T]
-        for "none"; metrics a dict of 0-d float32 tensors without gradient: clip_frac,
-        clip_frac_high, clip_frac_low, dual_clip_frac, approx_kl, kl_ref, entropy,
-        ratio_mean, ratio_max (means over valid tokens, 0 if none).
+        for "none"; metrics a dict of 0-d float32 tensors without gradient: num_tokens,
+        num_seqs (non-empty), clip_frac, clip_frac_high, clip_frac_low, dual_clip_frac,
+        approx_kl, kl_ref, entropy, ratio_mean, ratio_max (means over valid tokens, 0 if
+        none), plus cispo_clip_frac (cispo) and seq_clip_frac (gspo, gspo-token).
 
     Raises:
         TypeError / ValueError naming the argument (see DESIGN.md, "Bad input").
@@ -103,29 +126,28 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
     mask = ck.response_mask(response_mask, tokens2, flat)
     acc = ck.acc_dtype(logits3)
-    old = ck.per_token("old_logprobs", old_logprobs, tokens2, flat, acc)
-    adv = ck.per_token("advantages", advantages, tokens2, flat, acc)
+    old = ck.per_token("old_logprobs", old_logprobs, tokens2, flat, acc, optional=True)
+    adv = ck.per_token("advantages", advantages, tokens2, flat, acc, per_seq_ok=True)
     ref = ck.per_token("ref_logprobs", ref_logprobs, tokens2, flat, acc, optional=True)
     isw = ck.per_token("rollout_is_weights", rollout_is_weights, tokens2, flat, acc,
-                       optional=True)
-    if isw is not None:
-        isw = isw.detach()
-    eps_low = ck.number("clip_eps_low", clip_eps_low, lo=0.0, hi=1.0, hi_open=True)
-    eps_high = eps_low if clip_eps_high is None else ck.number(
-        "clip_eps_high", clip_eps_high, lo=0.0, hi=1.0, hi_open=True)
-    if dual_clip_c is not None:
-        dual_clip_c = ck.number("dual_clip_c", dual_clip_c, lo=1.0, lo_open=True)
+                       optional=True, per_seq_ok=True)
+    p = ck.policy_options(policy_loss, clip_eps_low, clip_eps_high, dual_clip_c, sapo_tau_pos,
+                          sapo_tau_neg)
     kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
     ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
+    ck.choice("kl_bias_correction", kl_bias_correction, (True, False))
     if kl_coef > 0 and ref is None:
         raise ValueError(f"ref_logprobs: kl_coef = {kl_coef} > 0 needs ref_logprobs, got None")
     entropy_coef = ck.number("entropy_coef", entropy_coef)
     temperature = ck.temperature(temperature, logits3)
     grad_scale = ck.number("grad_scale", grad_scale, lo=0.0, lo_open=True)
     ck.choice("loss_agg_mode", loss_agg_mode, ck.LOSS_AGG_MODES)
+    if entropy_agg_mode is not None:
+        ck.choice("entropy_agg_mode", entropy_agg_mode, ck.LOSS_AGG_MODES[:-1])
     if global_num_tokens is not None:
-        global_num_tokens = ck.number("global_num_tokens", global_num_tokens, lo=0.0,
-                                      lo_open=True)
+        global_num_tokens = ck.count("global_num_tokens", global_num_tokens, logits3, acc)
+    if global_num_seqs is not None:
+        global_num_seqs = ck.count("global_num_seqs", global_num_seqs, logits3, acc)
     if norm_length is not None:
         norm_length = ck.number("norm_length", norm_length, lo=0.0, lo_open=True)
     ck.choice("inplace_backward", inplace_backward, (True, False))
@@ -137,21 +159,26 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     be = get_backend(backend, logits3.device)
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
 
-    p = dict(clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual_clip_c,
-             kl_coef=kl_coef, kl_estimator=kl_estimator,
-             kl_estimator_id=ck.KL_ESTIMATORS.index(kl_estimator), entropy_coef=entropy_coef,
+    p.update(kl_coef=kl_coef, kl_estimator=kl_estimator,
+             kl_estimator_id=ck.KL_ESTIMATORS.index(kl_estimator),
+             kl_bias_correction=kl_bias_correction, entropy_coef=entropy_coef,
              temperature=temperature, grad_scale=grad_scale)
     if loss_agg_mode == "none":
         # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
         logp, ent = be.token_logprobs(logits3, tokens2, mask, temperature, True)
-        loss = torch.where(mask, _torch_impl.token_loss(logp, ent, old, adv, ref, isw, p), 0.0)
+        loss = torch.where(mask, _torch_impl.token_loss(logp, ent, old, adv, ref, isw, p, mask),
+                           0.0)
         if flat:
             loss = loss[0]
     else:
-        weights = _torch_impl.agg_weights(mask, loss_agg_mode, global_num_tokens, norm_length,
-                                          dtype=acc)
+        def weights_of(mode):
+            return _torch_impl.agg_weights(mask, mode, global_num_tokens, norm_length,
+                                           dtype=acc, global_num_seqs=global_num_seqs)
+        weights = weights_of(loss_agg_mode)
+        w_ent = None if entropy_agg_mode in (None, loss_agg_mode) else weights_of(
+            entropy_agg_mode)
         loss, _, logp, ent = be.ppo_loss(logits3, tokens2, mask, old, adv, weights, ref, isw, p,
-                                         inplace_backward)
+                                         inplace_backward, w_ent)
     metrics = _torch_impl.metrics(logp, ent, old, adv, ref, mask, p)
     return loss, metrics
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 LOG_RATIO_CLAMP = 20.0
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm", "none")
 
 
@@ -109,32 +109,88 @@ def token_logprobs_grad(logits, tokens, response_mask, temperature, grad_logprob
 
 # ---------------------------------------------------------------- per-token PPO terms
 
-def pg_terms(logp, old_logprobs, advantages, clip_eps_low=0.2, clip_eps_high=None,
-             dual_clip_c=None):
-    """Clipped surrogate per token: dict of pg, dpg (d pg / d logp), ratio and clip flags."""
-    eh = clip_eps_low if clip_eps_high is None else clip_eps_high
-    a = as_f64(advantages)
-    d_raw = as_f64(logp) - as_f64(old_logprobs)
-    d = np.clip(d_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    rho = np.exp(d)
-    unclipped = -rho * a
-    clipped = -np.clip(rho, 1.0 - clip_eps_low, 1.0 + eh) * a
+POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token")
+SEQUENCE_POLICY_LOSSES = ("gspo", "gspo-token")
+
+
+def _clip_surrogate(r, a, eps_low, eps_high, dual_clip_c):
+    """PPO's clipped surrogate of a ratio r (Schulman et al. 2017, eq. 7) with the dual clip
+    (Ye et al. 2020, eq. 5): (pg, d pg / d r, clip_high, clip_low, dual)."""
+    unclipped = -r * a
+    clipped = -np.clip(r, 1.0 - eps_low, 1.0 + eps_high) * a
     unclipped_active = unclipped >= clipped
     pg = np.where(unclipped_active, unclipped, clipped)
-    dpg = np.where(unclipped_active, -rho * a, 0.0)
+    dpg_dr = np.where(unclipped_active, -a, 0.0)
     dual = np.zeros_like(pg, dtype=bool)
     if dual_clip_c is not None:
         cap = -dual_clip_c * a
         dual = (a < 0) & (pg > cap)
         pg = np.where(dual, cap, pg)
-        dpg = np.where(dual, 0.0, dpg)
-    dpg = np.where(np.abs(d_raw) > LOG_RATIO_CLAMP, 0.0, dpg)
-    return {
-        "pg": pg, "dpg": dpg, "ratio": rho, "log_ratio": d,
-        "clip_high": (rho > 1.0 + eh) & (a > 0),
-        "clip_low": (rho < 1.0 - clip_eps_low) & (a < 0),
-        "dual_clip": dual,
-    }
+        dpg_dr = np.where(dual, 0.0, dpg_dr)
+    return pg, dpg_dr, (r > 1.0 + eps_high) & (a > 0), (r < 1.0 - eps_low) & (a < 0), dual
+
+
+def seq_mean(x, m):
+    """Per-sequence mean of x over the valid tokens (0 for an empty sequence), [B, 1]."""
+    return (x * m).sum(-1, keepdims=True) / np.maximum(m.sum(-1, keepdims=True), 1.0)
+
+
+def pg_terms(logp, old_logprobs, advantages, clip_eps_low=0.2, clip_eps_high=None,
+             dual_clip_c=None, *, policy_loss="vanilla", sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+             response_mask=None):
+    """Policy-gradient term per token: dict of pg, dpg (d pg / d logp of the token itself),
+    ratio (the ratio the loss uses), dratio (d ratio / d logp of the token itself), the
+    log-ratio d and the clip flags.
+
+    vanilla      PPO clip of rho = exp(clamp(logp - old, -20, 20)) (+ dual clip)
+    cispo        -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A logp (MiniMax-M1, eq. 4)
+    sapo         -(4 / tau) sigmoid(tau (rho - 1)) A, tau = tau_pos if A > 0 else tau_neg
+    gspo         PPO clip of the sequence ratio s = exp(clamp(mean_t (logp - old))) (Zheng
+                 et al. 2025, eq. 7), differentiable through the mean: its gradient is not
+                 local (ppo_loss adds it); dpg here is d pg / d s ("dpg_ds")
+    gspo-token   s_t = sg(s) exp(logp_t - sg(logp_t)): the value of s, gradient s on the own
+                 token only (GSPO-token, eq. 14; verl's "gspo")
+    """
+    eh = clip_eps_low if clip_eps_high is None else clip_eps_high
+    a = as_f64(advantages)
+    lp = as_f64(logp)
+    d_raw = lp - as_f64(old_logprobs)
+    d = np.clip(d_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    clamped = np.abs(d_raw) > LOG_RATIO_CLAMP
+    rho = np.exp(d)
+    out = {"log_ratio": d, "dual_clip": np.zeros_like(rho, dtype=bool)}
+    if policy_loss == "vanilla":
+        pg, dpg_dr, ch, cl, dual = _clip_surrogate(rho, a, clip_eps_low, eh, dual_clip_c)
+        dr = np.where(clamped, 0.0, rho)
+        out.update(pg=pg, dpg=dpg_dr * dr, ratio=rho, dratio=dr, clip_high=ch, clip_low=cl,
+                   dual_clip=dual)
+    elif policy_loss == "cispo":
+        w = np.clip(rho, 1.0 - clip_eps_low, 1.0 + eh)
+        out.update(pg=-w * a * lp, dpg=-w * a, ratio=rho, dratio=np.where(clamped, 0.0, rho),
+                   clip_high=(rho > 1.0 + eh) & (a > 0), clip_low=(rho < 1.0 - clip_eps_low)
+                   & (a < 0), cispo_clip=(rho > 1.0 + eh) | (rho < 1.0 - clip_eps_low))
+    elif policy_loss == "sapo":
+        tau = np.where(a > 0, sapo_tau_pos, sapo_tau_neg)
+        gate = 1.0 / (1.0 + np.exp(-tau * (rho - 1.0)))
+        dr = np.where(clamped, 0.0, rho)
+        out.update(pg=-(4.0 / tau) * gate * a, dpg=-4.0 * gate * (1.0 - gate) * dr * a,
+                   ratio=rho, dratio=dr, clip_high=np.zeros_like(rho, dtype=bool),
+                   clip_low=np.zeros_like(rho, dtype=bool))
+    elif policy_loss in SEQUENCE_POLICY_LOSSES:
+        m = np.ones_like(rho) if response_mask is None else as_f64(response_mask)
+        ls_raw = seq_mean(lp - as_f64(old_logprobs), m)
+        ls = np.clip(ls_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        s = np.broadcast_to(np.exp(ls), rho.shape)
+        s_clamped = np.broadcast_to(np.abs(ls_raw) > LOG_RATIO_CLAMP, rho.shape)
+        pg, dpg_ds, ch, cl, dual = _clip_surrogate(s, a, clip_eps_low, eh, dual_clip_c)
+        ds = np.where(s_clamped, 0.0, s)
+        out.update(pg=pg, ratio=s, seq_log_ratio=ls[..., 0], clip_high=ch, clip_low=cl,
+                   dual_clip=dual, dpg_ds=dpg_ds, ds=ds,
+                   dratio=ds if policy_loss == "gspo-token" else np.zeros_like(s))
+        out["dpg"] = dpg_ds * ds if policy_loss == "gspo-token" else np.zeros_like(s)
+    else:
+        raise ValueError(f"policy_loss must be one of {POLICY_LOSSES}, got {policy_loss!r}")
+    return out
 
 
 def expm1_minus_x(u):
@@ -158,27 +214,40 @@ def kl_terms(logp, ref_logprobs, kl_estimator="k3"):
     if kl_estimator == "k3":
         c = np.clip(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return expm1_minus_x(-c), np.where(np.abs(delta) > LOG_RATIO_CLAMP, 0.0, -np.expm1(-c))
+    if kl_estimator in ("k1+", "k3+"):  # verl's straight-through: value of k1 / k3, grad of k2
+        return kl_terms(logp, ref_logprobs, kl_estimator[:2])[0], delta
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
 
 
 def agg_weights(response_mask, loss_agg_mode="token-mean", global_num_tokens=None,
-                norm_length=None):
+                norm_length=None, global_num_seqs=None):
     """w [B, T] with loss = sum(w * loss_tok) for the given aggregation."""
     m = as_f64(response_mask)
     m = (m != 0).astype(np.float64)
     b, t = m.shape
+    gnt = None if global_num_tokens is None else float(as_f64(global_num_tokens))
+    gns = None if global_num_seqs is None else float(as_f64(global_num_seqs))
     if loss_agg_mode == "token-mean":
-        denom = global_num_tokens if global_num_tokens is not None else max(m.sum(), 1.0)
-        return m / denom
+        return m / (gnt if gnt is not None else max(m.sum(), 1.0))
+    if loss_agg_mode == "token-sum":
+        return m
     if loss_agg_mode == "seq-mean-token-sum":
-        return m / b
+        return m / (b if gns is None else gns)
     if loss_agg_mode == "seq-mean-token-mean":
         lens = m.sum(1, keepdims=True)
-        n = max((lens > 0).sum(), 1)
+        n = max((lens > 0).sum(), 1) if gns is None else gns
         return m / (np.maximum(lens, 1.0) * n)
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        return m / (b * (t if norm_length is None else norm_length))
+        return m / ((b if gns is None else gns) * (t if norm_length is None else norm_length))
     raise ValueError(f"loss_agg_mode must be one of {LOSS_AGG_MODES}, got {loss_agg_mode!r}")
+
+
+def _per_token(x, m):
+    """x [B, T], or per sequence [B] / [B, 1], as [B, T] float64."""
+    x = as_f64(x)
+    if x.ndim == 1 and m.shape[0] == x.shape[0] and x.shape != m.shape:
+        x = x[:, None]
+    return np.broadcast_to(x, m.shape).astype(np.float64)
 
 
 def _masked_mean(x, m):
@@ -190,8 +259,16 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              *, clip_eps_low=0.2, clip_eps_high=None, dual_clip_c=None, kl_coef=0.0,
              kl_estimator="k3", entropy_coef=0.0, temperature=1.0,
              loss_agg_mode="token-mean", global_num_tokens=None, norm_length=None,
-             rollout_is_weights=None):
+             rollout_is_weights=None, global_num_seqs=None, policy_loss="vanilla",
+             sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_bias_correction=False,
+             entropy_agg_mode=None):
     """Returns (loss, metrics, dlogits).
+
+    loss = sum_t w_t (is_w_t pg_t + kl_coef kl_t [* r_t]) - entropy_coef sum_t w'_t H_t with
+    w from loss_agg_mode and w' from entropy_agg_mode (default: loss_agg_mode), r the ratio
+    of the policy loss (kl_bias_correction: DeepSeek-V3.2's KL times pi / pi_old).
+    old_logprobs=None is on-policy: rho = exp(logp - sg(logp)) = 1 with d rho / d logp = 1.
+    advantages and rollout_is_weights may be per sequence, [B] or [B, 1].
 
     loss is a float (or the per-token loss [B, T] for loss_agg_mode="none", whose
     dlogits is then that of sum(loss_tok)); dlogits is shaped like ``logits``.
@@ -199,26 +276,40 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     tokens = _as_int(tokens)
     m = _mask(response_mask, tokens.shape)
     logp, ent = token_logprobs(logits, tokens, m, temperature)
-    g = pg_terms(logp, old_logprobs, advantages, clip_eps_low, clip_eps_high, dual_clip_c)
-    isw = np.ones_like(logp) if rollout_is_weights is None else as_f64(rollout_is_weights)
-    loss_tok = isw * g["pg"] - entropy_coef * ent
-    dlogp = isw * g["dpg"]
-    kl = np.zeros_like(logp)
+    old = logp if old_logprobs is None else as_f64(old_logprobs)
+    g = pg_terms(logp, old, _per_token(advantages, m), clip_eps_low, clip_eps_high,
+                 dual_clip_c, policy_loss=policy_loss, sapo_tau_pos=sapo_tau_pos,
+                 sapo_tau_neg=sapo_tau_neg, response_mask=m)
+    isw = np.ones_like(logp) if rollout_is_weights is None else _per_token(rollout_is_weights, m)
+    if loss_agg_mode == "none":
+        w = w_ent = m
+    else:
+        w = agg_weights(m, loss_agg_mode, global_num_tokens, norm_length, global_num_seqs)
+        w_ent = w if entropy_agg_mode is None else agg_weights(
+            m, entropy_agg_mode, global_num_tokens, norm_length, global_num_seqs)
+    r = g["ratio"]
+    kl, dkl = np.zeros_like(logp), np.zeros_like(logp)
     if ref_logprobs is not None:
         kl, dkl = kl_terms(logp, ref_logprobs, kl_estimator)
-        loss_tok = loss_tok + kl_coef * kl
-        dlogp = dlogp + kl_coef * dkl
-    loss_tok = loss_tok * m
-    if loss_agg_mode == "none":
-        w = m
-        loss = loss_tok
-    else:
-        w = agg_weights(m, loss_agg_mode, global_num_tokens, norm_length)
-        loss = float((w * loss_tok).sum())
-    dlogits = token_logprobs_grad(logits, tokens, m, temperature, w * dlogp,
-                                  -w * entropy_coef)
+    kl_tok = kl * r if kl_bias_correction else kl
+    loss_tok = (isw * g["pg"] + kl_coef * kl_tok - entropy_coef * ent) * m
+    # d (sum_t w_t loss_t) / d logp_u: the token's own terms ...
+    dlogp = w * (isw * g["dpg"] + kl_coef * (dkl * r + kl * g["dratio"] if kl_bias_correction
+                                             else dkl))
+    if policy_loss == "gspo":
+        # ... plus the sequence ratio's: d s_i / d logp_u = s_i m_u / L_i for every valid
+        # token u of sequence i (0 where the sequence's log-ratio was clamped)
+        coef = (w * isw * g["dpg_ds"]).sum(-1, keepdims=True)
+        if kl_bias_correction:
+            coef = coef + kl_coef * (w * kl).sum(-1, keepdims=True)
+        dlogp = dlogp + m * coef * g["ds"] / np.maximum(m.sum(-1, keepdims=True), 1.0)
+    loss = loss_tok if loss_agg_mode == "none" else float(
+        (w * (loss_tok + entropy_coef * ent * m)).sum() - entropy_coef * (w_ent * ent * m).sum())
+    dlogits = token_logprobs_grad(logits, tokens, m, temperature, dlogp, -w_ent * entropy_coef)
     rho = g["ratio"]
     metrics = {
+        "num_tokens": float(m.sum()),
+        "num_seqs": float((m.sum(1) > 0).sum()),
         "clip_frac": _masked_mean(g["clip_high"] | g["clip_low"], m),
         "clip_frac_high": _masked_mean(g["clip_high"], m),
         "clip_frac_low": _masked_mean(g["clip_low"], m),
@@ -229,6 +320,14 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         "ratio_mean": _masked_mean(rho, m),
         "ratio_max": float(np.max(np.where(m > 0, rho, -np.inf))) if m.sum() > 0 else 0.0,
     }
+    if policy_loss == "cispo":
+        metrics["cispo_clip_frac"] = _masked_mean(g["cispo_clip"], m)
+    if policy_loss in SEQUENCE_POLICY_LOSSES:
+        nonempty = m.sum(1) > 0
+        eh = clip_eps_low if clip_eps_high is None else clip_eps_high
+        s = np.exp(g["seq_log_ratio"])
+        out = (s > 1.0 + eh) | (s < 1.0 - clip_eps_low)
+        metrics["seq_clip_frac"] = float(out[nonempty].mean()) if nonempty.any() else 0.0
     return loss, metrics, dlogits
 
 

@@ -240,6 +240,22 @@ def interp_ok(*case):
     return V <= 300 and B * T <= 16
 
 
+def loss_params(**kw):
+    """The options dict the backends' ppo_loss takes, as pk.ppo_loss builds it (defaults of
+    the public API; keyword arguments override)."""
+    from ppo_kernels import _checks as ck
+
+    pol = dict(policy_loss="vanilla", clip_eps_low=0.2, clip_eps_high=None, dual_clip_c=None,
+               sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+    pol.update({k: kw.pop(k) for k in list(kw) if k in pol})
+    p = ck.policy_options(*pol.values())
+    est = kw.pop("kl_estimator", "k3")
+    p.update(kl_coef=0.0, kl_estimator=est, kl_estimator_id=ck.KL_ESTIMATORS.index(est),
+             kl_bias_correction=False, entropy_coef=0.0, temperature=1.0, grad_scale=1.0)
+    p.update(kw)
+    return p
+
+
 # ------------------------------------------------------------------ comparisons
 
 def to_np(x):
@@ -269,12 +285,12 @@ def assert_grad_close(actual, expected, rel, what="dlogits", floor=1e-30):
 TOL = {torch.float32: (2e-6, 2e-6, 3e-6), torch.bfloat16: (1e-5, 1e-5, 1e-2),
        torch.float16: (1e-5, 1e-5, 1e-2), torch.float64: (1e-10, 1e-11, 1e-10)}
 
-METRIC_KEYS = {"clip_frac", "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl",
+METRIC_KEYS = {"num_tokens", "num_seqs", "clip_frac", "clip_frac_high", "clip_frac_low", "dual_clip_frac", "approx_kl",
                "kl_ref", "entropy", "ratio_mean", "ratio_max"}
 
 
 def assert_metrics(metrics, expected, rtol=2e-6, atol=2e-6):
-    assert set(metrics) == METRIC_KEYS
+    assert set(metrics) == set(expected), set(metrics) ^ set(expected)
     for k, v in metrics.items():
         assert isinstance(v, torch.Tensor) and v.dim() == 0, k
         assert v.dtype == torch.float32, (k, v.dtype)

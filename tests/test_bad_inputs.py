@@ -92,7 +92,7 @@ ROWS = [
     ("ppo_loss", "tokens", oob(10**6, (0, 0)), ValueError, "tokens"),
     ("ppo_loss", "old_logprobs", torch.zeros(B, T + 1), ValueError, "old_logprobs"),
     ("ppo_loss", "old_logprobs", torch.zeros(B, T, dtype=torch.long), TypeError, "old_logprobs"),
-    ("ppo_loss", "old_logprobs", None, TypeError, "old_logprobs"),
+    ("ppo_loss", "old_logprobs", "x", TypeError, "old_logprobs"),
     ("ppo_loss", "old_logprobs", 0.5, TypeError, "old_logprobs"),
     ("ppo_loss", "advantages", torch.zeros(T, B), ValueError, "advantages"),
     ("ppo_loss", "advantages", torch.zeros(B, T, dtype=torch.int64), TypeError, "advantages"),
@@ -100,7 +100,7 @@ ROWS = [
      "response_mask"),
     ("ppo_loss", "response_mask", "all", TypeError, "response_mask"),
     ("ppo_loss", "ref_logprobs", torch.zeros(B, 1), ValueError, "ref_logprobs"),
-    ("ppo_loss", "rollout_is_weights", torch.ones(B), ValueError, "rollout_is_weights"),
+    ("ppo_loss", "rollout_is_weights", torch.ones(B + 1), ValueError, "rollout_is_weights"),
     ("ppo_loss", "rollout_is_weights", torch.ones(B, T, dtype=torch.int32), TypeError,
      "rollout_is_weights"),
     ("ppo_loss", "loss_agg_mode", "mean", ValueError, "loss_agg_mode"),
@@ -129,6 +129,25 @@ ROWS = [
     ("ppo_loss", "dual_clip_c", 1.0, ValueError, "dual_clip_c"),
     ("ppo_loss", "dual_clip_c", 0.5, ValueError, "dual_clip_c"),
     ("ppo_loss", "dual_clip_c", -3.0, ValueError, "dual_clip_c"),
+    # at or below 1 + clip_eps_high (0.2) the cap cuts into the clip band
+    ("ppo_loss", "dual_clip_c", 1.2, ValueError, "dual_clip_c"),
+    ("ppo_loss", "policy_loss", "ppo", ValueError, "policy_loss"),
+    ("ppo_loss", "policy_loss", "GSPO", ValueError, "policy_loss"),
+    ("ppo_loss", "sapo_tau_pos", 0.0, ValueError, "sapo_tau_pos"),
+    ("ppo_loss", "sapo_tau_neg", -1.0, ValueError, "sapo_tau_neg"),
+    ("ppo_loss", "clip_eps_high", 2.0, ValueError, "clip_eps_high"),  # fine for cispo only
+    ("ppo_loss", "kl_bias_correction", "yes", ValueError, "kl_bias_correction"),
+    ("ppo_loss", "kl_estimator", "k2+", ValueError, "kl_estimator"),
+    ("ppo_loss", "entropy_agg_mode", "none", ValueError, "entropy_agg_mode"),
+    ("ppo_loss", "entropy_agg_mode", "mean", ValueError, "entropy_agg_mode"),
+    ("ppo_loss", "advantages", torch.zeros(B + 1), ValueError, "advantages"),
+    ("ppo_loss", "advantages", torch.zeros(B, 2), ValueError, "advantages"),
+    ("ppo_loss", "rollout_is_weights", torch.ones(B, 2), ValueError, "rollout_is_weights"),
+    ("ppo_loss", "global_num_tokens", torch.tensor([3.0, 4.0]), ValueError, "global_num_tokens"),
+    ("ppo_loss", "global_num_tokens", torch.tensor(0.0), ValueError, "global_num_tokens"),
+    ("ppo_loss", "global_num_tokens", torch.tensor(True), TypeError, "global_num_tokens"),
+    ("ppo_loss", "global_num_seqs", 0, ValueError, "global_num_seqs"),
+    ("ppo_loss", "global_num_seqs", torch.tensor(-2), ValueError, "global_num_seqs"),
     ("ppo_loss", "kl_coef", -0.1, ValueError, "kl_coef"),
     ("ppo_loss", "kl_coef", math.nan, ValueError, "kl_coef"),
     ("ppo_loss", "entropy_coef", "0.1", TypeError, "entropy_coef"),
@@ -275,6 +294,20 @@ def test_base_calls_are_valid():
         fn(**base())
 
 
+@pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
+def test_dual_clip_only_with_a_clipped_surrogate(policy_loss):
+    with pytest.raises(ValueError, match="dual_clip_c"):
+        pk.ppo_loss(**base_ppo(), policy_loss=policy_loss, dual_clip_c=3.0)
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo", "gspo-token"])
+def test_inplace_backward_refused_for_sequence_losses(policy_loss):
+    d = base_ppo()
+    d["logits"] = d["logits"].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="inplace_backward"):
+        pk.ppo_loss(**d, policy_loss=policy_loss, inplace_backward=True)
+
+
 def test_kl_coef_without_ref_logprobs():
     d = base_ppo()
     d["ref_logprobs"] = None
@@ -313,7 +346,10 @@ def test_int32_tokens_and_mask_dtypes_accepted():
 
 
 @pytest.mark.parametrize("kw", [dict(clip_eps_low=0.0), dict(clip_eps_low=0.999),
-                                dict(clip_eps_high=0.0), dict(dual_clip_c=1.0001),
+                                dict(clip_eps_high=0.0), dict(dual_clip_c=1.2001),
+                                dict(policy_loss="cispo", clip_eps_low=1.0, clip_eps_high=4.0),
+                                dict(global_num_tokens=torch.tensor(7)),
+                                dict(global_num_seqs=torch.tensor(5.0)), dict(global_num_seqs=1),
                                 dict(temperature=1e-3), dict(temperature=3e-38),
                                 dict(grad_scale=1e-30), dict(kl_coef=0.0),
                                 dict(global_num_tokens=1), dict(norm_length=0.5)])

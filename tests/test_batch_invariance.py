@@ -9,7 +9,7 @@ import torch
 
 from ppo_kernels import _ops
 
-from conftest import BACKENDS, make_inputs
+from conftest import BACKENDS, loss_params, make_inputs
 
 
 def _rows(be, logits, tokens, old, adv, ref_lp, n_global):
@@ -17,9 +17,8 @@ def _rows(be, logits, tokens, old, adv, ref_lp, n_global):
     x = be.t(logits).detach().clone().requires_grad_(True)
     mask = torch.ones(tokens.shape, dtype=torch.bool, device=x.device)
     w = torch.full(tokens.shape, 1.0 / n_global, device=x.device)
-    p = dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1,
-             kl_estimator="k3", kl_estimator_id=2, entropy_coef=0.01, temperature=0.9,
-             grad_scale=1.0)
+    p = loss_params(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1,
+                    entropy_coef=0.01, temperature=0.9)
     loss, loss_tok, logp, ent = _ops.get_backend(be.name, x.device).ppo_loss(
         x, be.t(tokens), mask, be.t(old), be.t(adv), w, be.t(ref_lp), None, p, False)
     loss.backward()

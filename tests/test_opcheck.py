@@ -46,9 +46,11 @@ def test_opcheck_token_logprobs_bwd(case):
 
 
 def _loss_args(inp, logits, *, ref_=True, isw=True):
-    return (logits, inp["tokens"], inp["mask"], inp["old"], inp["adv"], inp["weights"],
-            inp["ref"] if ref_ else None, inp["isw"] if isw else None, 0.2, 0.28, 3.0, 0.1,
-            2, 0.01, 0.9, 0.5)
+    # optional=False also leaves out old_logprobs (on-policy) and uses entropy weights
+    return (logits, inp["tokens"], inp["mask"], inp["old"] if ref_ else None, inp["adv"],
+            inp["weights"], inp["ref"] if ref_ else None, inp["isw"] if isw else None,
+            None if ref_ else inp["weights"] * 0.5, 0.2, 0.28, 3.0, 0.1, 2, 0.01, 0.9, 0.5,
+            0, 1.0, 1.05, not ref_)
 
 
 @pytest.mark.parametrize("grad", [False, True])

@@ -24,18 +24,14 @@ import ppo_kernels as pk
 from ppo_kernels import _ops
 from ppo_kernels import reference as ref
 
-from conftest import BACKENDS, assert_close_np, assert_grad_close
+from conftest import BACKENDS, assert_close_np, assert_grad_close, loss_params
 
 KERNELS = [p for p in BACKENDS if p.values[0].name != "torch"]
 F32_ULP = 2.0 ** -23
 
 
 def _params(**kw):
-    p = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None, kl_coef=0.0,
-             kl_estimator="k3", kl_estimator_id=2, entropy_coef=0.0, temperature=1.0,
-             grad_scale=1.0)
-    p.update(kw)
-    return p
+    return loss_params(**kw)
 
 
 def _backend_loss(be, logits, tokens, old, adv, ref_lp, p, weights=None):

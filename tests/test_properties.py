@@ -15,7 +15,8 @@ from conftest import assert_close_np, assert_grad_close, make_inputs
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
-AGG = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+AGG = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+       "seq-mean-token-sum-norm"]
 
 
 @st.composite
@@ -27,16 +28,25 @@ def problems(draw):
     padding = draw(st.sampled_from(["mixed", "random", "none", "empty_row", "left", "right",
                                     "interior"]))
     neginf = draw(st.booleans()) and V > 1
+    policy_loss = draw(st.sampled_from(["vanilla", "vanilla", "cispo", "sapo", "gspo",
+                                        "gspo-token"]))
     opts = dict(
+        policy_loss=policy_loss,
         clip_eps_low=draw(st.sampled_from([0.0, 0.1, 0.2, 0.3])),
         clip_eps_high=draw(st.sampled_from([None, 0.28, 0.5])),
-        dual_clip_c=draw(st.sampled_from([None, 1.5, 3.0])),
+        dual_clip_c=(None if policy_loss in ("cispo", "sapo")
+                     else draw(st.sampled_from([None, 1.6, 3.0]))),
         kl_coef=draw(st.sampled_from([0.0, 0.05, 0.5])),
-        kl_estimator=draw(st.sampled_from(["k1", "k2", "k3", "abs"])),
+        kl_estimator=draw(st.sampled_from(["k1", "k2", "k3", "abs", "k1+", "k3+"])),
+        kl_bias_correction=draw(st.booleans()),
         entropy_coef=draw(st.sampled_from([0.0, 0.01, -0.1])),
+        entropy_agg_mode=draw(st.sampled_from([None, "token-mean"])),
         temperature=draw(st.sampled_from([1.0, 0.6, 1.7])),
         loss_agg_mode=draw(st.sampled_from(AGG)),
     )
+    if policy_loss == "sapo":
+        opts.update(sapo_tau_pos=draw(st.sampled_from([1.0, 2.0])),
+                    sapo_tau_neg=draw(st.sampled_from([1.05, 0.5])))
     use_isw = draw(st.booleans())
     scale = draw(st.sampled_from([0.1, 2.0, 8.0]))
     return B, T, V, seed, padding, neginf, opts, use_isw, scale
@@ -92,9 +102,12 @@ def test_loss_invariant_to_per_row_logit_shift(problem, c):
 @given(problems(), st.data())
 def test_masking_a_token_removes_its_contribution(problem, data):
     """With token-sum aggregation (weights independent of the mask count), masking one
-    token removes exactly its per-token loss and zeroes its gradient row."""
+    token removes exactly its per-token loss and zeroes its gradient row (token-level
+    losses: a sequence loss's ratio moves with its other tokens)."""
     B, T, V, seed, padding, neginf, opts, use_isw, scale = problem
-    opts = dict(opts, loss_agg_mode="seq-mean-token-sum")
+    opts = dict(opts, loss_agg_mode="seq-mean-token-sum", entropy_agg_mode=None)
+    if opts["policy_loss"] in ("gspo", "gspo-token"):
+        opts["policy_loss"] = "vanilla"
     gen = torch.Generator().manual_seed(seed)
     inp = make_inputs(B, T, V, gen, padding="none", neginf=neginf, scale=scale)
     b = data.draw(st.integers(0, B - 1))

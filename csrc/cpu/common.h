@@ -54,8 +54,14 @@ inline void check_temperature(double temperature) {
 }
 
 inline void check_kl_estimator(int64_t kl_estimator) {
-  TORCH_CHECK(kl_estimator >= ppo::kK1 && kl_estimator <= ppo::kAbs,
-              "kl_estimator: expected 0 (k1), 1 (k2), 2 (k3) or 3 (abs), got ", kl_estimator);
+  TORCH_CHECK(kl_estimator >= ppo::kK1 && kl_estimator <= ppo::kK3Plus,
+              "kl_estimator: expected 0 (k1), 1 (k2), 2 (k3), 3 (abs), 4 (k1+) or 5 (k3+), got ",
+              kl_estimator);
+}
+
+inline void check_policy_loss(int64_t policy_loss) {
+  TORCH_CHECK(policy_loss >= ppo::kVanilla && policy_loss <= ppo::kSapo,
+              "policy_loss: expected 0 (vanilla), 1 (cispo) or 2 (sapo), got ", policy_loss);
 }
 
 inline at::ScalarType acc_type(const at::Tensor& logits) {

@@ -13,8 +13,8 @@ inline namespace CPU_CAPABILITY {
 namespace {
 
 struct LossInputs {
-  const at::Tensor &tokens, &mask, &old_logprobs, &advantages, &weights;
-  const std::optional<at::Tensor>&ref, &is_w;
+  const at::Tensor &tokens, &mask, &advantages, &weights;
+  const std::optional<at::Tensor>&old, &ref, &is_w, &w_ent;
   ppo::PolicyParams p;
   double temperature;
   double grad_scale;  // the written dlogits are grad_scale * d loss / d logits
@@ -29,9 +29,10 @@ void fused_rows(const at::Tensor& logits, const Rows& r, const LossInputs& in, s
   const scalar_t* L = logits.data_ptr<scalar_t>();
   const int64_t* tok = in.tokens.data_ptr<int64_t>();
   const bool* m = in.mask.data_ptr<bool>();
-  const T* old = in.old_logprobs.data_ptr<T>();
+  const T* old = in.old ? in.old->data_ptr<T>() : nullptr;  // null: on-policy, old = logp
   const T* adv = in.advantages.data_ptr<T>();
   const T* w = in.weights.data_ptr<T>();
+  const T* w_ent = in.w_ent ? in.w_ent->data_ptr<T>() : w;
   const T* ref = in.p.has_ref ? in.ref->data_ptr<T>() : nullptr;
   const T* isw = in.p.has_is_weights ? in.is_w->data_ptr<T>() : nullptr;
   T* lt = loss_tok.data_ptr<T>();
@@ -54,7 +55,8 @@ void fused_rows(const at::Tensor& logits, const Rows& r, const LossInputs& in, s
       const RowStats<T> st = rw.template stats<true>(x, inv);
       const T logp_i = rw.logp(x, tok[i], inv, st);
       const ppo::TokenLoss<T> tl = ppo::token_loss<T>(
-          logp_i, st.entropy, old[i], adv[i], ref ? ref[i] : T(0), isw ? isw[i] : T(1), w[i], p);
+          logp_i, st.entropy, old ? old[i] : logp_i, adv[i], ref ? ref[i] : T(0),
+          isw ? isw[i] : T(1), w[i], w_ent[i], p);
       lt[i] = tl.loss;
       lp[i] = logp_i;
       en[i] = st.entropy;
@@ -86,31 +88,46 @@ at::Tensor weighted_sum(const at::Tensor& w, const at::Tensor& loss_tok) {
   return loss;
 }
 
+// The scalar options of both ops, as the schema orders them (csrc/ops.cpp).
+struct LossOptions {
+  double clip_eps_low, clip_eps_high, dual_clip_c, kl_coef;
+  int64_t kl_estimator;
+  double entropy_coef, temperature, grad_scale;
+  int64_t policy_loss;
+  double sapo_tau_pos, sapo_tau_neg;
+  bool kl_bias_correction;
+};
+
 // Shared by the functional and the inplace op. dlogits: an output buffer, or undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
     const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
-    const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& weights,
-    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& is_w,
-    double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
-    int64_t kl_estimator, double entropy_coef, double temperature, double grad_scale,
-    const at::Tensor& dlogits) {
+    const std::optional<at::Tensor>& old, const at::Tensor& advantages,
+    const at::Tensor& weights, const std::optional<at::Tensor>& ref,
+    const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
+    const LossOptions& o, const at::Tensor& dlogits) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   const at::ScalarType acc = acc_type(logits);
-  check_per_token(old_logprobs, "old_logprobs", tokens, acc);
+  if (old) check_per_token(*old, "old_logprobs", tokens, acc);
   check_per_token(advantages, "advantages", tokens, acc);
   check_per_token(weights, "weights", tokens, acc);
   if (ref) check_per_token(*ref, "ref_logprobs", tokens, acc);
   if (is_w) check_per_token(*is_w, "rollout_is_weights", tokens, acc);
-  check_kl_estimator(kl_estimator);
-  check_temperature(temperature);
-  TORCH_CHECK(std::isfinite(grad_scale), "grad_scale: expected a finite number, got ", grad_scale);
+  if (w_ent) check_per_token(*w_ent, "entropy_weights", tokens, acc);
+  check_kl_estimator(o.kl_estimator);
+  check_policy_loss(o.policy_loss);
+  check_temperature(o.temperature);
+  TORCH_CHECK(std::isfinite(o.grad_scale), "grad_scale: expected a finite number, got ",
+              o.grad_scale);
   r.check_tokens(tokens.data_ptr<int64_t>(), mask.data_ptr<bool>());
-  const LossInputs in{tokens, mask, old_logprobs, advantages, weights, ref, is_w,
-                      ppo::PolicyParams{clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                                        int(kl_estimator), entropy_coef, ref.has_value(),
-                                        is_w.has_value()},
-                      temperature, grad_scale};
+  ppo::PolicyParams p{o.clip_eps_low, o.clip_eps_high, o.dual_clip_c, o.kl_coef,
+                      int(o.kl_estimator), o.entropy_coef, ref.has_value(), is_w.has_value()};
+  p.policy_loss = int(o.policy_loss);
+  p.sapo_tau_pos = o.sapo_tau_pos;
+  p.sapo_tau_neg = o.sapo_tau_neg;
+  p.kl_bias_correction = o.kl_bias_correction;
+  const LossInputs in{tokens, mask, advantages, weights, old, ref, is_w, w_ent, p,
+                      o.temperature, o.grad_scale};
   const auto opts = logits.options().dtype(acc);
   at::Tensor loss_tok = at::empty({r.B, r.T}, opts), logp = at::empty({r.B, r.T}, opts),
              ent = at::empty({r.B, r.T}, opts);
@@ -126,30 +143,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd(
     const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
-    const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& weights,
-    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& is_w,
+    const std::optional<at::Tensor>& old, const at::Tensor& advantages,
+    const at::Tensor& weights, const std::optional<at::Tensor>& ref,
+    const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
     double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
     int64_t kl_estimator, double entropy_coef, double temperature, double grad_scale,
+    int64_t policy_loss, double sapo_tau_pos, double sapo_tau_neg, bool kl_bias_correction,
     bool compute_grad) {
   at::Tensor dlogits = compute_grad ? new_grad_buffer(logits.sizes(), logits.options())
                                     : at::empty({0}, logits.options());
-  auto [loss, loss_tok, logp, ent] =
-      run(logits, tokens, mask, old_logprobs, advantages, weights, ref, is_w, clip_eps_low,
-          clip_eps_high, dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
-          grad_scale, compute_grad ? dlogits : at::Tensor());
+  const LossOptions o{clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
+                      entropy_coef, temperature, grad_scale, policy_loss, sapo_tau_pos,
+                      sapo_tau_neg, kl_bias_correction};
+  auto [loss, loss_tok, logp, ent] = run(logits, tokens, mask, old, advantages, weights, ref,
+                                         is_w, w_ent, o, compute_grad ? dlogits : at::Tensor());
   return {loss, loss_tok, logp, ent, dlogits};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd_inplace(
     at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
-    const at::Tensor& old_logprobs, const at::Tensor& advantages, const at::Tensor& weights,
-    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& is_w,
+    const std::optional<at::Tensor>& old, const at::Tensor& advantages,
+    const at::Tensor& weights, const std::optional<at::Tensor>& ref,
+    const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
     double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
-    int64_t kl_estimator, double entropy_coef, double temperature, double grad_scale) {
+    int64_t kl_estimator, double entropy_coef, double temperature, double grad_scale,
+    int64_t policy_loss, double sapo_tau_pos, double sapo_tau_neg, bool kl_bias_correction) {
+  const LossOptions o{clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
+                      entropy_coef, temperature, grad_scale, policy_loss, sapo_tau_pos,
+                      sapo_tau_neg, kl_bias_correction};
   // each row is read (its exps kept) before its gradient overwrites it
-  return run(logits, tokens, mask, old_logprobs, advantages, weights, ref, is_w, clip_eps_low,
-             clip_eps_high, dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
-             grad_scale, logits);
+  return run(logits, tokens, mask, old, advantages, weights, ref, is_w, w_ent, o, logits);
 }
 
 }  // namespace

@@ -1,0 +1,78 @@
+"""The two-phase path of the kernel backends, for the policy losses whose per-token terms
+need every token's logp of their sequence before any gradient (gspo, gspo-token: the
+sequence ratio). One extra read of the logits compared with the fused single pass:
+
+  1. statistics: token_logprobs_fwd reads the logits once -> logp, H, row max, log-sum;
+  2. the [B, T] middle: the sequence reductions and the per-token loss, from the eager
+     composite's formulas (_torch_impl: one source of truth for these losses), and their
+     gradient in logp and H (torch.func.grad on [B, T] tensors: cheap next to [N, V]);
+  3. gradient: token_logprobs_bwd reads the logits again and writes dlogits once
+     (d/dz of sum(dlogp * logp + dH * H), pre-scaled by grad_scale).
+
+The backward only rescales dlogits in place (scale_grad_), as for the fused losses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _torch_impl
+
+
+def _middle(logp, ent, mask, old, adv, weights, w_ent, ref, isw, p):
+    """The aggregated loss as a function of the per-token logp and H ([B, T])."""
+    pol, _ = _torch_impl.token_losses(logp, ent, old, adv, ref, isw, mask, p)
+    return _torch_impl.aggregate(pol, ent, mask, weights, w_ent, p), pol
+
+
+class TwoPhaseLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix):
+        ops = torch.ops.ppo_kernels
+        fwd = getattr(ops, prefix + "token_logprobs_fwd")
+        logp, ent, row_max, log_sum = fwd(logits, tokens, mask, p["temperature"], True)
+
+        def f(lp, h):
+            return _middle(lp, h, mask, old, adv, weights, w_ent, ref, isw, p)
+
+        (dlogp, dent), (loss, pol) = torch.func.grad_and_value(f, argnums=(0, 1),
+                                                               has_aux=True)(logp, ent)
+        ctx.prefix = prefix
+        ctx.applied = torch.full((), p["grad_scale"], dtype=logp.dtype, device=logits.device)
+        if logits.requires_grad:
+            gs = p["grad_scale"]
+            bwd = getattr(ops, prefix + "token_logprobs_bwd")
+            dlogits = bwd((dlogp * gs).contiguous(),
+                          (dent * gs).contiguous() if p["entropy_coef"] != 0.0 else None,
+                          logits, tokens, mask, row_max, log_sum, ent, p["temperature"])
+            ctx.save_for_backward(dlogits)
+        loss_tok = torch.where(mask, pol - p["entropy_coef"] * ent, 0.0)
+        ctx.mark_non_differentiable(loss_tok, logp, ent)
+        return loss.detach(), loss_tok, logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        from ._ops import scale_grad
+
+        (dlogits,) = ctx.saved_tensors
+        return (scale_grad(ctx.prefix, dlogits, grad_loss, ctx.applied),) + (None,) * 10
+
+
+def ppo_loss(prefix, logits, tokens, mask, old, adv, weights, ref, isw, p, w_ent):
+    """(loss, loss_tok, logp, ent) of a sequence-level policy loss on a kernel backend."""
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        with torch.no_grad():
+            return TwoPhaseLoss.forward(_NoCtx(), logits, tokens, mask, old, adv, weights,
+                                        w_ent, ref, isw, p, prefix)
+    return TwoPhaseLoss.apply(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p,
+                              prefix)
+
+
+class _NoCtx:
+    """Stands in for autograd's ctx when no gradient is wanted."""
+
+    def save_for_backward(self, *_):
+        pass
+
+    def mark_non_differentiable(self, *_):
+        pass
