@@ -81,7 +81,9 @@ def pg_terms(logp, old_logprobs, advantages, mask, p):
                    dual=torch.zeros_like(mask), cispo_clip=(rd > 1.0 + eps_high) |
                    (rd < 1.0 - eps_low))
     elif kind == "sapo":
-        tau = torch.where(advantages > 0, p["sapo_tau_pos"], p["sapo_tau_neg"])
+        # (full_like: torch.where of two Python floats would round them to float32)
+        tau = torch.full_like(advantages, p["sapo_tau_neg"]).masked_fill(advantages > 0,
+                                                                         p["sapo_tau_pos"])
         gate = torch.sigmoid(tau * (rho - 1.0))
         out.update(pg=-(4.0 / tau) * gate * advantages, ratio=rho,
                    clip_high=torch.zeros_like(mask), clip_low=torch.zeros_like(mask),

@@ -37,11 +37,11 @@ def _row_types(logits, acc="fp32"):
         "logp_ptr": a, "ent_ptr": a, "max_ptr": a, "lsum_ptr": a, "ref_ptr": a, "kl_ptr": a,
         "rew_ptr": a,
         "glogp_ptr": a, "gent_ptr": a, "old_ptr": a, "adv_ptr": a, "w_ptr": a,
-        "isw_ptr": a, "loss_tok_ptr": a,
+        "isw_ptr": a, "went_ptr": a, "loss_tok_ptr": a,
         "T": "i32", "TL": "i32", "TG": "i32", "V": "i32",
         "inv_temp": "fp64", "kl_coef": "fp64", "clip_eps_low": "fp64",
         "clip_eps_high": "fp64", "dual_clip_c": "fp64", "entropy_coef": "fp64",
-        "grad_scale": "fp64",
+        "grad_scale": "fp64", "sapo_tau_pos": "fp64", "sapo_tau_neg": "fp64",
     }
 
 
@@ -127,6 +127,31 @@ for acc, flags in (("fp32", dict(HAS_BOOT=True, HAS_SCORES=False)),
     name = f"gae-{acc}-{'boot' if flags['HAS_BOOT'] else 'scores'}"
     VARIANTS[name] = ("gae", "_gae_kernel", _gae_types(acc),
                       dict(ACC=acc, BLOCK_T=1024, **flags), {"num_warps": 4})
+
+# the loss menu (issue 8): each policy loss, the KL bias correction, on-policy (no
+# old_logprobs), separate entropy weights, the straight-through KL estimators
+for dt in ("fp32", "bf16"):
+    for pl, est in ((0, 4), (1, 5), (2, 2)):
+        VARIANTS[f"ppo_loss-pl{pl}-menu-{dt}"] = (
+            "ppo_loss", "_ppo_loss_jit", _row_types(dt),
+            dict(ACC="fp32", KL_EST=est, HAS_REF=True, HAS_ISW=True, HAS_DUAL=pl == 0,
+                 HAS_OLD=False, HAS_WENT=True, POLICY_LOSS=pl, KL_BIAS=True,
+                 COMPUTE_GRAD=True, BLOCK_V=4096), HOPPER)
+        VARIANTS[f"ppo_loss-pl{pl}-plain-{dt}"] = (
+            "ppo_loss", "_ppo_loss_jit", _row_types(dt),
+            dict(ACC="fp32", KL_EST=est, HAS_REF=True, HAS_ISW=False, HAS_DUAL=False,
+                 HAS_OLD=True, HAS_WENT=False, POLICY_LOSS=pl, KL_BIAS=False,
+                 COMPUTE_GRAD=True, BLOCK_V=4096), HOPPER)
+VARIANTS["ppo_loss-sapo-bias-fp64"] = (
+    "ppo_loss", "_ppo_loss_jit", _row_types("fp64", "fp64"),
+    dict(ACC="fp64", KL_EST=5, HAS_REF=True, HAS_ISW=True, HAS_DUAL=False, HAS_OLD=True,
+         HAS_WENT=True, POLICY_LOSS=2, KL_BIAS=True, COMPUTE_GRAD=True, BLOCK_V=2048), HOPPER)
+# the loss-menu constexprs the older variants leave at their defaults (vanilla PPO with
+# old_logprobs, entropy weights = weights, no KL bias correction)
+_MENU_DEFAULTS = dict(HAS_OLD=True, HAS_WENT=False, POLICY_LOSS=0, KL_BIAS=False)
+for _name, (_mod, _attr, _types, _consts, _opts) in list(VARIANTS.items()):
+    if _attr == "_ppo_loss_jit":
+        VARIANTS[_name] = (_mod, _attr, _types, {**_MENU_DEFAULTS, **_consts}, _opts)
 
 # Kernels whose 16-byte alignment the runtime would know (it specializes pointers and
 # ints divisible by 16): with that, the vocabulary loop must use 128-bit loads.

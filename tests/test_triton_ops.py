@@ -289,19 +289,26 @@ def _ppo_inputs(logits, tokens, mask, seed, mode="token-mean", with_ref=True,
     refl = (rl + gen.normal(0, 0.4, rl.shape)) * m if with_ref else None
     isw = gen.uniform(0.5, 1.5, rl.shape) if with_isw else None
     w = ref.agg_weights(m, mode)
-    return dict(old=old, adv=adv, ref=refl, isw=isw, w=w, acc=acc)
+    # rounded to the accumulation dtype: the oracle sees the numbers the kernel reads
+    r = {k: None if x is None else torch.as_tensor(x).to(acc).double().numpy()
+         for k, x in dict(old=old, adv=adv, ref=refl, isw=isw, w=w).items()}
+    return dict(r, acc=acc)
+
+
+def _opt(inp, key, acc):
+    x = inp.get(key)
+    return None if x is None else per_token(x, acc)
 
 
 def _run_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
              kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, grad_scale=1.0,
-             compute_grad=True):
+             compute_grad=True, policy_loss=0, tau_pos=1.0, tau_neg=1.05, kl_bias=False):
     acc = inp["acc"]
     return OPS.triton_ppo_loss_fwd(
-        logits, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
-        per_token(inp["w"], acc),
-        None if inp["ref"] is None else per_token(inp["ref"], acc),
-        None if inp["isw"] is None else per_token(inp["isw"], acc),
-        eps_low, eps_high, dual, kl_coef, kl_est, ent_coef, temp, grad_scale, compute_grad)
+        logits, tokens, mask, _opt(inp, "old", acc), per_token(inp["adv"], acc),
+        per_token(inp["w"], acc), _opt(inp, "ref", acc), _opt(inp, "isw", acc),
+        _opt(inp, "went", acc), eps_low, eps_high, dual, kl_coef, kl_est, ent_coef, temp,
+        grad_scale, policy_loss, tau_pos, tau_neg, kl_bias, compute_grad)
 
 
 def _ref_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
@@ -410,7 +417,7 @@ def test_ppo_loss_inplace(layout, dtype):
     res = OPS.triton_ppo_loss_fwd_inplace(
         logits, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
         per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
-        0.2, 0.28, 3.0, 0.1, 1, 0.01, 1.0, 1.0)
+        None, 0.2, 0.28, 3.0, 0.1, 1, 0.01, 1.0, 1.0, 0, 1.0, 1.05, False)
     assert len(res) == 4
     # the same numbers as the out-of-place kernel (bit for bit under the interpreter; on a
     # GPU the in-place launch uses a fixed config, the other an autotuned block size, so
@@ -427,6 +434,305 @@ def test_ppo_loss_inplace(layout, dtype):
     if layout == "view":  # storage outside the view is left alone
         T = tokens.shape[1]
         assert torch.equal(base[:, T:], before[:, T:])
+
+
+# ------------------------------------------------------------------ loss menu (issue 8)
+
+POLICY = ("vanilla", "cispo", "sapo")
+KL_MENU = KL + ("k1+", "k3+")  # index = the kl_estimator the ops take
+
+
+def _ref_has_menu():
+    """reference.ppo_loss takes the loss-menu keywords (else the tests use _menu_np)."""
+    import inspect
+
+    params = inspect.signature(ref.ppo_loss).parameters
+    return all(k in params for k in ("policy_loss", "sapo_tau_pos", "sapo_tau_neg",
+                                     "kl_bias_correction", "entropy_agg_mode"))
+
+
+def _menu_np(logits, tokens, mask, inp, *, eps_low, eps_high, dual, kl_coef, kl_est,
+             ent_coef, temp, policy_loss, tau_pos, tau_neg, kl_bias):
+    """float64 numpy of csrc/ppo_math.h token_loss for every token, written from the
+    formulas (not from reference.py): (loss_tok, dlogits of sum(w * loss_tok) with the
+    entropy term weighted by w_ent)."""
+    m = mask.cpu().numpy()
+    logp, ent = ref.token_logprobs(logits, tokens, mask, temp)
+    old = logp if inp.get("old") is None else np.asarray(inp["old"], np.float64)
+    a = np.asarray(inp["adv"], np.float64)
+    w = np.asarray(inp["w"], np.float64)
+    went = w if inp.get("went") is None else np.asarray(inp["went"], np.float64)
+    isw = np.ones_like(logp) if inp.get("isw") is None else np.asarray(inp["isw"], np.float64)
+    d_raw = logp - old
+    clamped = np.abs(d_raw) > 20.0
+    rho = np.exp(np.clip(d_raw, -20.0, 20.0))
+    drho = np.where(clamped, 0.0, rho)
+    if policy_loss == 0:
+        un, cl = -rho * a, -np.clip(rho, 1 - eps_low, 1 + eps_high) * a
+        pg = np.maximum(un, cl)
+        g = np.where(un >= cl, -rho * a, 0.0)
+        if dual > 0:
+            cap = (a < 0) & (pg > -dual * a)
+            pg, g = np.where(cap, -dual * a, pg), np.where(cap, 0.0, g)
+        g = np.where(clamped, 0.0, g)
+    elif policy_loss == 1:
+        wc = np.clip(rho, 1 - eps_low, 1 + eps_high)
+        pg, g = -wc * a * logp, -wc * a
+    else:
+        tau = np.where(a > 0, tau_pos, tau_neg)
+        sg = 1.0 / (1.0 + np.exp(-tau * (rho - 1.0)))
+        pg, g = -(4.0 / tau) * sg * a, -4.0 * sg * (1.0 - sg) * drho * a
+    loss_tok = isw * pg - ent_coef * ent
+    dlogp = isw * g
+    if inp.get("ref") is not None:
+        delta = logp - np.asarray(inp["ref"], np.float64)
+        c = np.clip(delta, -20.0, 20.0)
+        k3 = ref.expm1_minus_x(-c)
+        kl, dkl = {"k1": (delta, np.ones_like(delta)), "k2": (0.5 * delta**2, delta),
+                   "k3": (k3, np.where(np.abs(delta) > 20, 0.0, -np.expm1(-c))),
+                   "abs": (np.abs(delta), np.sign(delta)), "k1+": (delta, delta),
+                   "k3+": (k3, delta)}[KL_MENU[kl_est]]
+        if kl_bias:
+            loss_tok = loss_tok + kl_coef * kl * rho
+            dlogp = dlogp + kl_coef * (rho * dkl + kl * drho)
+        else:
+            loss_tok = loss_tok + kl_coef * kl
+            dlogp = dlogp + kl_coef * dkl
+    loss_tok = np.where(m, loss_tok, 0.0)
+    dl = ref.token_logprobs_grad(logits, tokens, mask, temp, w * dlogp, -went * ent_coef)
+    return loss_tok, dl
+
+
+def _menu_expect(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
+                 kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, policy_loss=0, tau_pos=1.0,
+                 tau_neg=1.05, kl_bias=False, mode="token-mean", ent_mode=None):
+    """(loss, loss_tok, dlogits) the fused op must give: the loss is the op's contract
+    sum(weights * loss_tok) (csrc/cpu/ppo_loss.cpp weighted_sum, whatever the entropy
+    weights), loss_tok and dlogits from reference.ppo_loss once it takes the menu keywords
+    (its entropy term weighted by ent_mode's weights, inp["went"]), else from _menu_np."""
+    kw = dict(eps_low=eps_low, eps_high=eps_high, dual=dual, kl_coef=kl_coef, kl_est=kl_est,
+              ent_coef=ent_coef, temp=temp, policy_loss=policy_loss, tau_pos=tau_pos,
+              tau_neg=tau_neg, kl_bias=kl_bias)
+    if _ref_has_menu():
+        common = dict(
+            clip_eps_low=eps_low, clip_eps_high=eps_high,
+            dual_clip_c=dual if dual > 0 else None,
+            kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL_MENU[kl_est],
+            entropy_coef=ent_coef, temperature=temp, rollout_is_weights=inp["isw"],
+            policy_loss=POLICY[policy_loss], sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg,
+            kl_bias_correction=kl_bias)
+        _, _, dl = ref.ppo_loss(logits, tokens, inp["old"], inp["adv"], mask, inp["ref"],
+                                loss_agg_mode=mode, entropy_agg_mode=ent_mode, **common)
+        # per-token loss: "none" (its entropy weights are the mask's, irrelevant here)
+        loss_tok, _, _ = ref.ppo_loss(logits, tokens, inp["old"], inp["adv"], mask,
+                                      inp["ref"], loss_agg_mode="none", **common)
+        loss_tok = np.asarray(loss_tok, np.float64)
+    else:
+        loss_tok, dl = _menu_np(logits, tokens, mask, inp, **kw)
+    return float((np.asarray(inp["w"]) * loss_tok).sum()), loss_tok, dl
+
+
+# The menu's terms amplify the float32 rounding of logp (~|logp| 6e-8 absolute, inherent:
+# the oracle's logp is float64): the straight-through derivative is delta = logp - ref
+# itself, k3 ~ delta^2 / 2, and the bias correction multiplies by rho up to e^20. A small
+# delta (0.01) then carries ~5e-5 relative error; a wrong formula is off by O(1).
+MENU_RTOL32 = 2e-4
+
+
+def menu_tol(dtype):
+    rtol, atol = TOK_TOL[dtype]
+    return (rtol, atol) if dtype == torch.float64 else (MENU_RTOL32, atol)
+
+
+def close_rows(actual, expected, dtype, what):
+    """dlogits row by row, each with the tolerance of its own scale (one token with
+    rho = e^20 must not loosen the check of the others)."""
+    a = actual.detach().cpu().double().numpy().reshape(-1, actual.shape[-1])
+    e = np.asarray(expected, np.float64).reshape(a.shape)
+    assert not np.isnan(a).any(), f"{what}: NaN in kernel output"
+    for i in range(a.shape[0]):
+        rtol, atol = grad_tol(dtype, e[i])
+        if dtype != torch.float64:
+            rtol, atol = max(rtol, MENU_RTOL32), max(atol, MENU_RTOL32 * atol / rtol)
+        np.testing.assert_allclose(a[i], e[i], rtol, atol, err_msg=f"{what}, row {i}")
+
+
+def _check_menu(out, rout, logits, tokens, mask, dtype, temp=1.0):
+    loss, loss_tok, logp, ent, dl = out
+    rloss, rloss_tok, rdl = rout
+    assert loss.dim() == 0 and loss.dtype == loss_tok.dtype == acc_of(dtype)
+    close(loss_tok, rloss_tok, *menu_tol(dtype), "loss_tok")
+    close(loss, rloss, *menu_tol(dtype), "loss")
+    rtol, atol = TOK_TOL[dtype]
+    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
+    close(logp, rl, rtol, atol, "logprobs")
+    close(ent, re_, rtol, atol, "entropy")
+    assert dl.shape == logits.shape and dl.dtype == logits.dtype
+    close_rows(dl, rdl, dtype, "dlogits")
+
+
+def test_menu_np_matches_the_vanilla_reference():
+    """_menu_np (the fallback oracle) is reference.ppo_loss on the options both have."""
+    logits, tokens, mask = make_case(B=2, T=5, V=7, seed=100)
+    for est, dual in ((0, 0.0), (2, 3.0), (3, 0.0)):
+        inp = _ppo_inputs(logits, tokens, mask, seed=100 + est, with_isw=True)
+        lt, dl = _menu_np(logits, tokens, mask, inp, eps_low=0.2, eps_high=0.28, dual=dual,
+                          kl_coef=0.1, kl_est=est, ent_coef=0.03, temp=0.9, policy_loss=0,
+                          tau_pos=1.0, tau_neg=1.05, kl_bias=False)
+        _, rlt, rdl = _ref_ppo(logits, tokens, mask, inp, kl_est=est, dual=dual,
+                               ent_coef=0.03, temp=0.9)
+        np.testing.assert_allclose(lt, rlt, rtol=1e-12, atol=1e-14)
+        np.testing.assert_allclose(dl, rdl, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("policy_loss,taus", [(1, (1.0, 1.05)), (2, (1.0, 1.05)),
+                                              (2, (0.5, 3.0)), (2, (4.0, 0.25))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_policy_losses(policy_loss, taus, dtype):
+    """CISPO and SAPO (several gate temperatures, A of both signs, one clamped log-ratio,
+    one rho = e^1.5 with A < 0) against the float64 oracle: loss, loss_tok, dlogits."""
+    logits, tokens, mask = make_case(B=2, T=5, V=100, dtype=dtype, seed=110 + policy_loss)
+    inp = _ppo_inputs(logits, tokens, mask, seed=111, with_isw=True)
+    a = np.asarray(inp["adv"])
+    assert (a[mask.cpu().numpy()] > 0).any() and (a[mask.cpu().numpy()] < 0).any()
+    kw = dict(policy_loss=policy_loss, tau_pos=taus[0], tau_neg=taus[1], kl_est=1,
+              ent_coef=0.02, temp=0.9, dual=3.0)
+    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    _check_menu(out, _menu_expect(logits, tokens, mask, inp, **kw), logits, tokens, mask,
+                dtype, temp=0.9)
+
+
+def test_sapo_gate_temperatures_are_used():
+    """tau_pos acts on A > 0 tokens only, tau_neg on A <= 0 ones: changing one leaves the
+    other tokens' loss_tok bitwise unchanged."""
+    logits, tokens, mask = make_case(B=2, T=5, V=7, padding="none", seed=115)
+    inp = _ppo_inputs(logits, tokens, mask, seed=116, with_ref=False)
+    a = torch.as_tensor(inp["adv"]).to(DEV)
+    base = _run_ppo(logits, tokens, mask, inp, policy_loss=2, kl_coef=0.0, tau_pos=1.0,
+                    tau_neg=1.05)[1]
+    pos = _run_ppo(logits, tokens, mask, inp, policy_loss=2, kl_coef=0.0, tau_pos=2.0,
+                   tau_neg=1.05)[1]
+    neg = _run_ppo(logits, tokens, mask, inp, policy_loss=2, kl_coef=0.0, tau_pos=1.0,
+                   tau_neg=2.0)[1]
+    assert torch.equal(pos[a <= 0], base[a <= 0]) and not torch.equal(pos[a > 0], base[a > 0])
+    assert torch.equal(neg[a > 0], base[a > 0]) and not torch.equal(neg[a <= 0], base[a <= 0])
+
+
+@pytest.mark.parametrize("kl_est", [4, 5])
+@pytest.mark.parametrize("kl_bias", [False, True])
+@pytest.mark.parametrize("policy_loss", [0, 2])
+def test_straight_through_kl_and_bias_correction(kl_est, kl_bias, policy_loss):
+    """k1+ / k3+ (value of k1 / k3, derivative delta) with and without the KL bias
+    correction (kl * rho, d / d logp = rho dkl + kl d rho: 0 d rho on the clamped token)."""
+    logits, tokens, mask = make_case(B=2, T=5, V=100, seed=120 + kl_est)
+    inp = _ppo_inputs(logits, tokens, mask, seed=121)
+    kw = dict(kl_est=kl_est, kl_bias=kl_bias, policy_loss=policy_loss, kl_coef=0.3,
+              temp=1.1)
+    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    _check_menu(out, _menu_expect(logits, tokens, mask, inp, **kw), logits, tokens, mask,
+                torch.float32, temp=1.1)
+    # the value is that of k1 / k3, the gradient that of k2 (no bias correction, no pg, no
+    # entropy: the KL term alone)
+    if not kl_bias:
+        zero = dict(inp, adv=np.zeros_like(inp["adv"]))
+        kw0 = dict(kl_coef=0.3, temp=1.1, ent_coef=0.0)
+        st = _run_ppo(logits, tokens, mask, zero, kl_est=kl_est, **kw0)
+        val = _run_ppo(logits, tokens, mask, zero, kl_est=0 if kl_est == 4 else 2, **kw0)
+        grd = _run_ppo(logits, tokens, mask, zero, kl_est=1, **kw0)
+        assert torch.equal(st[1], val[1]) and torch.equal(st[4], grd[4])
+
+
+@pytest.mark.parametrize("kl_est", [0, 2, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_kl_bias_correction(kl_est, dtype):
+    """kl_bias_correction on: the oracle's kl * rho; off: the plain KL term (the default
+    tests); with rho = 1 (old = logp) both are the same numbers."""
+    logits, tokens, mask = make_case(B=2, T=4, V=257, dtype=dtype, padding="right",
+                                     neginf=True, seed=130 + kl_est)
+    inp = _ppo_inputs(logits, tokens, mask, seed=131, with_isw=True,
+                      mode="seq-mean-token-mean")
+    kw = dict(kl_est=kl_est, kl_bias=True, kl_coef=0.2, dual=2.0, ent_coef=0.05)
+    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    _check_menu(out, _menu_expect(logits, tokens, mask, inp, mode="seq-mean-token-mean",
+                                  **kw), logits, tokens, mask, dtype)
+    onp = dict(inp, old=None)
+    on = _run_ppo(logits, tokens, mask, onp, **kw)
+    off = _run_ppo(logits, tokens, mask, onp, **dict(kw, kl_bias=False))
+    for a, b in zip(on[:4], off[:4]):  # the values; d rho / d logp = 1 adds kl to dlogp
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("policy_loss", [0, 1, 2])
+@pytest.mark.parametrize("kl_bias", [False, True])
+def test_on_policy_old_logprobs_none(policy_loss, kl_bias):
+    """old_logprobs=None (old = logp inside the kernel: rho = 1, d rho / d logp = 1) gives
+    the loss and the gradient of passing the true logp as data, and matches the oracle
+    with old = logp (detached)."""
+    logits, tokens, mask = make_case(B=2, T=5, V=100, padding="interior", neginf=True,
+                                     seed=140 + policy_loss)
+    inp = _ppo_inputs(logits, tokens, mask, seed=141, with_isw=True)
+    inp["old"] = None
+    kw = dict(policy_loss=policy_loss, kl_bias=kl_bias, kl_est=2, ent_coef=0.05,
+              tau_pos=0.8, tau_neg=1.3)
+    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    logp = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, False)[0]
+    data = _run_ppo(logits, tokens, mask, dict(inp, old=logp.cpu().numpy()), **kw)
+    for a, b, what in zip(out, data, ("loss", "loss_tok", "logprobs", "entropy", "dlogits")):
+        if DEV == "cpu":
+            assert torch.equal(a, b), what
+        else:
+            close(a, b.cpu().double().numpy(), 1e-6, 1e-7, what)
+    _check_menu(out, _menu_expect(logits, tokens, mask, inp, **kw), logits, tokens, mask,
+                torch.float32)
+
+
+@pytest.mark.parametrize("policy_loss,dtype", [(0, torch.float32), (2, torch.bfloat16),
+                                               (1, torch.float64)])
+def test_entropy_weights(policy_loss, dtype):
+    """entropy_weights != weights: dent = -w_ent * entropy_coef (the entropy part of the
+    gradient follows entropy_agg_mode), the pg/KL part keeps weights; loss_tok is unchanged
+    and loss stays sum(weights * loss_tok). entropy_weights = weights is None bitwise."""
+    logits, tokens, mask = make_case(B=3, T=5, V=100, dtype=dtype, layout="raw",
+                                     padding="left", seed=150)
+    inp = _ppo_inputs(logits, tokens, mask, seed=151, mode="token-mean")
+    inp["went"] = ref.agg_weights(mask.cpu().numpy(), "seq-mean-token-sum")
+    kw = dict(policy_loss=policy_loss, ent_coef=0.2, dual=3.0, temp=0.7)
+    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    _check_menu(out, _menu_expect(logits, tokens, mask, inp, ent_mode="seq-mean-token-sum",
+                                  **kw), logits, tokens, mask, dtype, temp=0.7)
+    plain = _run_ppo(logits, tokens, mask, dict(inp, went=None), **kw)
+    for a, b in zip(out[:4], plain[:4]):
+        assert torch.equal(a, b)
+    assert not torch.equal(out[4], plain[4])
+    same = _run_ppo(logits, tokens, mask, dict(inp, went=inp["w"]), **kw)
+    assert torch.equal(same[4], plain[4])
+
+
+@pytest.mark.parametrize("layout,dtype", [("raw", torch.float32), ("view", torch.bfloat16)])
+def test_menu_inplace_and_grad_scale(layout, dtype):
+    """The in-place variant with every menu option (on-policy, entropy weights, sapo, k3+,
+    bias correction) writes grad_scale times the out-of-place op's dlogits over the logits;
+    scale_grad_ then rescales it to grad_output."""
+    logits, tokens, mask = make_case(B=2, T=4, V=100, dtype=dtype, layout=layout,
+                                     padding="interior", neginf=True, seed=160)
+    inp = _ppo_inputs(logits, tokens, mask, seed=161, with_isw=True)
+    inp["old"] = None
+    inp["went"] = 0.5 * np.asarray(inp["w"])
+    kw = dict(policy_loss=2, kl_est=5, kl_bias=True, tau_pos=1.5, tau_neg=0.7, ent_coef=0.05)
+    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    acc = inp["acc"]
+    res = OPS.triton_ppo_loss_fwd_inplace(
+        logits, tokens, mask, None, per_token(inp["adv"], acc), per_token(inp["w"], acc),
+        per_token(inp["ref"], acc), per_token(inp["isw"], acc), per_token(inp["went"], acc),
+        0.2, 0.28, 0.0, 0.1, 5, 0.05, 1.0, 3.0, 2, 1.5, 0.7, True)
+    rtol, atol = TOK_TOL[dtype]
+    for a, b, what in zip(res, out[:4], ("loss", "loss_tok", "logprobs", "entropy")):
+        close(a, b.cpu().double().numpy(), rtol, atol, what)
+    dl = out[4].cpu().double().numpy()
+    close(logits, 3.0 * dl, *grad_tol(dtype, 3.0 * dl), "the logits now hold 3 * dlogits")
+    OPS.triton_scale_grad_(logits, torch.tensor(1.0, device=DEV),
+                           torch.tensor(3.0, device=DEV))
+    close(logits, dl, *grad_tol(dtype, dl), "rescaled to grad_output = 1")
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="needs a GPU: the grid-size and 32-bit offset "
@@ -447,8 +753,8 @@ def test_many_rows_and_64bit_offsets_cuda():
     # rho = 1 (old = logp): dlogp = -w A on every row, dlogits = dlogp (onehot - p)
     adv = torch.randn(B, T, device="cuda", generator=gen)
     w = torch.full((B, T), 1.0 / T, device="cuda")
-    out = OPS.triton_ppo_loss_fwd(logits, tokens, mask, logp, adv, w, None, None, 0.2, 0.2,
-                                  0.0, 0.0, 2, 0.0, 1.0, 1.0, True)
+    out = OPS.triton_ppo_loss_fwd(logits, tokens, mask, logp, adv, w, None, None, None, 0.2,
+                                  0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False, True)
     dl = out[4]
     onehot = torch.nn.functional.one_hot(tokens[0, rows], V).float()
     want_g = (-w[0, rows] * adv[0, rows])[:, None] * (onehot - lsm.exp())
@@ -723,8 +1029,8 @@ def test_k3_through_the_ops():
     assert rel_err(out[1], expm1_minus_x64(-delta)) < 5e-7, "score_rollout kl"
     w = torch.ones(B, T, device=DEV)
     loss, loss_tok, _, _, dl = OPS.triton_ppo_loss_fwd(
-        logits, tokens, mask, logp, zero, w, refl, None, 0.2, 0.2, 0.0, 1.0, 2, 0.0, 1.0, 1.0,
-        True)
+        logits, tokens, mask, logp, zero, w, refl, None, None, 0.2, 0.2, 0.0, 1.0, 2, 0.0, 1.0,
+        1.0, 0, 1.0, 1.05, False, True)
     assert rel_err(loss_tok, expm1_minus_x64(-delta)) < 5e-7, "loss_tok = k3"
     assert rel_err(dl[..., 1], -np.expm1(-delta)) < 5e-7, "dlogit = d k3 / d delta"
 
@@ -750,7 +1056,7 @@ def test_grad_scale(dtype, gs):
     res = OPS.triton_ppo_loss_fwd_inplace(
         x, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
         per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
-        0.2, 0.28, 3.0, 0.1, 2, 0.05, 1.0, gs)
+        None, 0.2, 0.28, 3.0, 0.1, 2, 0.05, 1.0, gs, 0, 1.0, 1.05, False)
     for a, b in zip(res, base[:4]):
         close(a, b.cpu().double().numpy(), *TOK_TOL[dtype])
     close(x, gs * rdl, *grad_tol(dtype, gs * rdl), "in-place dlogits")
@@ -974,15 +1280,35 @@ def test_bad_input_raises():
         OPS.triton_token_logprobs_fwd(logits[..., :0], tokens, mask, 1.0, False)
     z = torch.zeros(2, 3, device=DEV)
     with pytest.raises((ValueError, TypeError), match="advantages"):
-        OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z.double(), z, None, None,
-                                0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, False)
-    with pytest.raises(ValueError, match="kl_estimator"):
-        OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, z, None,
-                                0.2, 0.2, 0.0, 0.1, 7, 0.0, 1.0, 1.0, False)
+        OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z.double(), z, None, None, None,
+                                0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False,
+                                False)
+    for bad in (6, -1):
+        with pytest.raises(ValueError, match="kl_estimator"):
+            OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, z, None, None,
+                                    0.2, 0.2, 0.0, 0.1, bad, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
+                                    False, False)
+        with pytest.raises(ValueError, match="kl_estimator"):
+            OPS.triton_score_rollout(logits, tokens, mask, z, z, torch.zeros(2, device=DEV),
+                                     0.1, bad, 1.0, 1.0, 1.0)
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="policy_loss"):
+            OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, None, None, None,
+                                    0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, bad, 1.0, 1.05,
+                                    False, False)
+        with pytest.raises(ValueError, match="policy_loss"):
+            OPS.triton_ppo_loss_fwd_inplace(logits.clone(), tokens, mask, None, z, z, None,
+                                            None, None, 0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0,
+                                            bad, 1.0, 1.05, False)
+    with pytest.raises((ValueError, TypeError), match="entropy_weights"):
+        OPS.triton_ppo_loss_fwd(logits, tokens, mask, None, z, z, None, None, z[:, :2],
+                                0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False,
+                                False)
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="grad_scale"):
-            OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, None, None,
-                                    0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, bad, False)
+            OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, None, None, None,
+                                    0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, bad, 0, 1.0, 1.05, False,
+                                    False)
     # a temperature whose reciprocal overflows float32 (C9), or not positive
     for bad in (1e-40, 0.0, -1.0):
         with pytest.raises(ValueError, match="temperature"):
@@ -1013,10 +1339,10 @@ def _opcheck_cases():
     return {
         "triton_token_logprobs_fwd": (L, t, m, 0.9, True),
         "triton_token_logprobs_bwd": (z, z.clone(), L, t, m, row_max, log_sum, ent, 0.9),
-        "triton_ppo_loss_fwd": (L, t, m, z, z, w, z, None, 0.2, 0.2, 3.0, 0.1, 2, 0.01, 1.0,
-                                0.5, True),
-        "triton_ppo_loss_fwd_inplace": (L.clone(), t, m, z, z, w, z, None, 0.2, 0.2, 0.0, 0.1,
-                                        2, 0.01, 1.0, 2.0),
+        "triton_ppo_loss_fwd": (L, t, m, z, z, w, z, None, None, 0.2, 0.2, 3.0, 0.1, 2, 0.01,
+                                1.0, 0.5, 0, 1.0, 1.05, False, True),
+        "triton_ppo_loss_fwd_inplace": (L.clone(), t, m, None, z, w, z, None, w.clone(), 0.2,
+                                        0.2, 0.0, 0.1, 5, 0.01, 1.0, 2.0, 2, 0.9, 1.1, True),
         "triton_scale_grad_": (L.clone(), torch.tensor(0.25, device=DEV),
                                torch.tensor(2.0, device=DEV)),
         "triton_gae": (z, z.clone(), m, s, 0.9, 0.95),

@@ -4,7 +4,8 @@ Every helper mirrors the C++ function of the same name line by line (same clamps
 tie-breaking, same guards), so the three backends compute one function; the float64 oracle
 is ppo_kernels/reference.py. Sources: clipped surrogate, Schulman et al. 2017, eq. 7; dual
 clip, Ye et al. 2020, eq. 5; KL estimators k1/k2/k3, Schulman 2020 "Approximating KL
-Divergence".
+Divergence"; CISPO, MiniMax-M1 (Chen et al. 2025), eq. 4; SAPO (TRL loss_type="sapo",
+verl loss_mode="sapo").
 
 The helpers are scalar-agnostic: they work on 0-d values (one token per program) and on
 blocks alike. ``ACC`` is the accumulation dtype, ``tl.float32`` or ``tl.float64``.
@@ -29,6 +30,12 @@ KL_K1 = tl.constexpr(0)
 KL_K2 = tl.constexpr(1)
 KL_K3 = tl.constexpr(2)
 KL_ABS = tl.constexpr(3)
+KL_K1_PLUS = tl.constexpr(4)  # value of k1, gradient of k2 (verl's straight-through)
+KL_K3_PLUS = tl.constexpr(5)  # value of k3, gradient of k2
+# Matches csrc/ppo_math.h PolicyLoss (the token-level policy losses of the fused kernel).
+PG_VANILLA = tl.constexpr(0)
+PG_CISPO = tl.constexpr(1)
+PG_SAPO = tl.constexpr(2)
 # Running under TRITON_INTERPRET=1 (numpy), decided at import as triton.jit decides it.
 INTERPRETED = tl.constexpr(_config.INTERPRET)
 # 1 / k! for k = 2..12: the coefficients of the e^u - 1 - u series (expm1_minus_x).
@@ -64,18 +71,14 @@ def clampv(x, lo, hi):
 
 
 @triton.jit
-def pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, HAS_DUAL: tl.constexpr):
-    """Clipped surrogate of one token: (pg, d pg / d logp, rho). ppo_math.h pg_term.
+def pg_vanilla(rho, clamped, adv, eps_low, eps_high, dual_c, HAS_DUAL: tl.constexpr):
+    """ppo_math.h pg_vanilla: the clipped surrogate (Schulman et al. 2017, eq. 7) with the
+    dual clip (Ye et al. 2020, eq. 5). Returns (pg, d pg / d logp, rho, d rho / d logp).
 
-    d = clamp(logp - old_logp, -20, 20), rho = exp(d);
     pg = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); the unclipped branch is the
     active one on ties; dual clip pg = min(pg, -c A) where A < 0 (HAS_DUAL: c > 0 given);
     the gradient is 0 where the clip, the dual clip or the log-ratio clamp is active.
-    All inputs are of the accumulation dtype.
     """
-    d_raw = logp - old_logp
-    clamped = (d_raw < -LOG_RATIO_CLAMP) | (d_raw > LOG_RATIO_CLAMP)
-    rho = tl.exp(clampv(d_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     unclipped = -rho * adv
     clipped = -clampv(rho, 1.0 - eps_low, 1.0 + eps_high) * adv
     unclipped_active = unclipped >= clipped
@@ -87,7 +90,51 @@ def pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, HAS_DUAL: tl.constex
         pg = tl.where(dual, cap, pg)
         grad = tl.where(dual, 0.0, grad)
     grad = tl.where(clamped, 0.0, grad)
-    return pg, grad, rho
+    return pg, grad, rho, tl.where(clamped, 0.0, rho)
+
+
+@triton.jit
+def pg_cispo(logp, rho, clamped, adv, eps_low, eps_high):
+    """ppo_math.h pg_cispo (MiniMax-M1, eq. 4): -sg(clip(rho, 1 - eps_low, 1 + eps_high))
+    A logp. The clipped ratio is a constant weight, so every token keeps the gradient -w A
+    (the log-ratio clamp only bounds w). Returns (pg, d pg / d logp, rho, d rho / d logp)."""
+    w = clampv(rho, 1.0 - eps_low, 1.0 + eps_high)
+    return -w * adv * logp, -w * adv, rho, tl.where(clamped, 0.0, rho)
+
+
+@triton.jit
+def pg_sapo(rho, clamped, adv, tau_pos, tau_neg):
+    """ppo_math.h pg_sapo: the hard clip replaced by a sigmoid gate,
+    pg = -(4 / tau) s A, s = 1 / (1 + exp(-tau (rho - 1))), tau = tau_pos where A > 0,
+    else tau_neg; d pg / d logp = -4 s (1 - s) rho A, 0 where the log-ratio was clamped.
+    Returns (pg, d pg / d logp, rho, d rho / d logp)."""
+    tau = tl.where(adv > 0.0, tau_pos, tau_neg)
+    s = 1.0 / (1.0 + tl.exp(-tau * (rho - 1.0)))
+    grad = tl.where(clamped, 0.0, -4.0 * s * (1.0 - s) * rho * adv)
+    return -(4.0 / tau) * s * adv, grad, rho, tl.where(clamped, 0.0, rho)
+
+
+@triton.jit
+def pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, tau_pos, tau_neg,
+            HAS_DUAL: tl.constexpr, POLICY_LOSS: tl.constexpr):
+    """Policy-gradient term of one token: (pg, d pg / d logp, rho, d rho / d logp).
+    ppo_math.h pg_term.
+
+    d = clamp(logp - old_logp, -20, 20), rho = exp(d), then the formula of POLICY_LOSS
+    (PG_VANILLA, PG_CISPO, PG_SAPO); d rho / d logp is rho, or 0 where the log-ratio was
+    clamped. All inputs are of the accumulation dtype.
+    """
+    d_raw = logp - old_logp
+    clamped = (d_raw < -LOG_RATIO_CLAMP) | (d_raw > LOG_RATIO_CLAMP)
+    rho = tl.exp(clampv(d_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    if POLICY_LOSS == PG_CISPO:
+        pg, grad, rho, dratio = pg_cispo(logp, rho, clamped, adv, eps_low, eps_high)
+    elif POLICY_LOSS == PG_SAPO:
+        pg, grad, rho, dratio = pg_sapo(rho, clamped, adv, tau_pos, tau_neg)
+    else:
+        pg, grad, rho, dratio = pg_vanilla(rho, clamped, adv, eps_low, eps_high, dual_c,
+                                           HAS_DUAL)
+    return pg, grad, rho, dratio
 
 
 @triton.jit
@@ -144,13 +191,22 @@ def log1p(r):
 
 
 @triton.jit
+def kl_k3(delta):
+    """k3 = e^-c - 1 + c = expm1_minus_x(-c), c = clamp(delta, -20, 20), and its derivative
+    1 - e^-c = -expm1(-c) (0 where clamped): both without the cancellation of
+    exp(-c) - 1 + c at small c (5% off at 1e-3, 0 below 1e-4 in float32)."""
+    clamped = (delta < -LOG_RATIO_CLAMP) | (delta > LOG_RATIO_CLAMP)
+    c = clampv(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return expm1_minus_x(-c), tl.where(clamped, 0.0, 0.0 - expm1(-c))
+
+
+@triton.jit
 def kl_term(delta, KL_EST: tl.constexpr):
     """KL estimate from one sample, delta = logp - ref_logp, and d kl / d delta.
 
     ppo_math.h kl_term: k1 delta | k2 delta^2 / 2 | abs |delta| (derivative sign(delta))
-    | k3 e^-c - 1 + c = expm1_minus_x(-c), c = clamp(delta, -20, 20), derivative
-    1 - e^-c = -expm1(-c) (0 where clamped): both without the cancellation of
-    exp(-c) - 1 + c at small c (5% off at 1e-3, 0 below 1e-4 in float32).
+    | k3 (kl_k3; the only estimator with an exp to guard) | k1+ the value of k1 with the
+    derivative of k2 (delta) | k3+ the value of k3 with the derivative delta.
     """
     if KL_EST == KL_K1:
         kl = delta
@@ -161,32 +217,44 @@ def kl_term(delta, KL_EST: tl.constexpr):
     elif KL_EST == KL_ABS:
         kl = tl.where(delta < 0.0, -delta, delta)
         dkl = tl.where(delta > 0.0, 1.0, tl.where(delta < 0.0, -1.0, 0.0)).to(delta.dtype)
-    else:  # KL_K3: the only estimator with an exp to guard
-        clamped = (delta < -LOG_RATIO_CLAMP) | (delta > LOG_RATIO_CLAMP)
-        c = clampv(delta, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        kl = expm1_minus_x(-c)
-        dkl = tl.where(clamped, 0.0, 0.0 - expm1(-c))
+    elif KL_EST == KL_K1_PLUS:
+        kl = delta
+        dkl = delta
+    elif KL_EST == KL_K3_PLUS:
+        kl, _ = kl_k3(delta)
+        dkl = delta
+    else:  # KL_K3
+        kl, dkl = kl_k3(delta)
     return kl, dkl
 
 
 @triton.jit
-def token_loss(logp, ent, old_logp, adv, ref_logp, is_w, w, eps_low, eps_high, dual_c,
-               kl_coef, entropy_coef, KL_EST: tl.constexpr, HAS_REF: tl.constexpr,
-               HAS_DUAL: tl.constexpr):
+def token_loss(logp, ent, old_logp, adv, ref_logp, is_w, w, w_ent, eps_low, eps_high,
+               dual_c, kl_coef, entropy_coef, tau_pos, tau_neg, KL_EST: tl.constexpr,
+               HAS_REF: tl.constexpr, HAS_DUAL: tl.constexpr, POLICY_LOSS: tl.constexpr,
+               KL_BIAS: tl.constexpr):
     """ppo_math.h token_loss: (loss, dlogp, dent) of one token.
 
-    loss  = is_w * pg + kl_coef * kl - entropy_coef * H   (kl only with HAS_REF)
-    dlogp = w * (is_w * d pg / d logp + kl_coef * d kl / d delta)   d loss_agg / d logp
-    dent  = -w * entropy_coef                                          d loss_agg / d H
+    loss  = is_w * pg + kl_coef * kl (* rho) - entropy_coef * H   (kl only with HAS_REF)
+    dlogp = w * (is_w * d pg / d logp + kl_coef * d kl (rho) / d logp)   d loss_agg / d logp
+    dent  = -w_ent * entropy_coef                                          d loss_agg / d H
+    w is the token's loss_agg_mode weight, w_ent its entropy_agg_mode weight. KL_BIAS
+    (kl_bias_correction): the KL term is kl * rho with rho differentiable,
+    d / d logp = rho d kl / d delta + kl d rho / d logp.
     """
-    pg, dpg, rho = pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, HAS_DUAL)
+    pg, dpg, rho, dratio = pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, tau_pos,
+                                   tau_neg, HAS_DUAL, POLICY_LOSS)
     loss = is_w * pg - entropy_coef * ent
     dlogp = is_w * dpg
     if HAS_REF:
         kl, dkl = kl_term(logp - ref_logp, KL_EST)
-        loss += kl_coef * kl
-        dlogp += kl_coef * dkl
-    return loss, w * dlogp, -w * entropy_coef
+        if KL_BIAS:
+            loss += kl_coef * kl * rho
+            dlogp += kl_coef * (rho * dkl + kl * dratio)
+        else:
+            loss += kl_coef * kl
+            dlogp += kl_coef * dkl
+    return loss, w * dlogp, -w_ent * entropy_coef
 
 
 @triton.jit

@@ -196,10 +196,11 @@ def check_per_token(name, x, shape, dtype, device):
 
 
 def check_kl_estimator(kl_estimator):
-    """kl_estimator as the ops take it: 0 (k1), 1 (k2), 2 (k3) or 3 (abs)."""
-    if int(kl_estimator) not in (0, 1, 2, 3):
-        raise ValueError(f"kl_estimator: expected 0 (k1), 1 (k2), 2 (k3) or 3 (abs), "
-                         f"got {kl_estimator}")
+    """kl_estimator as the ops take it (csrc/ppo_math.h KlEstimator): 0 (k1), 1 (k2),
+    2 (k3), 3 (abs), 4 (k1+) or 5 (k3+)."""
+    if isinstance(kl_estimator, bool) or int(kl_estimator) not in range(6):
+        raise ValueError(f"kl_estimator: expected 0 (k1), 1 (k2), 2 (k3), 3 (abs), 4 (k1+) "
+                         f"or 5 (k3+), got {kl_estimator}")
 
 
 def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):

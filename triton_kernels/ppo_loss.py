@@ -2,9 +2,14 @@
 
 Shapes and dtypes (csrc/ops.cpp): logits [B, Tl, V] (stride(2) == 1, any B/Tl strides,
 Tl >= T); tokens int64, mask bool, old_logprobs, advantages, weights, ref_logprobs,
-rollout_is_weights [B, T] contiguous of the accumulation dtype ACC (float64 for float64
-logits, else float32). Outputs: loss 0-d = sum(weights * loss_tok); loss_tok, logprobs,
-entropy [B, T] of ACC (0 on masked rows); dlogits = grad_scale * d loss / d logits like
+rollout_is_weights, entropy_weights [B, T] contiguous of the accumulation dtype ACC (float64
+for float64 logits, else float32). old_logprobs None is on-policy (old = logp inside the
+kernel: rho = 1, d rho / d logp = 1, no extra pass); entropy_weights None means weights.
+policy_loss 0 vanilla, 1 cispo, 2 sapo (sapo_tau_pos / sapo_tau_neg its gate temperatures);
+kl_estimator 0 k1, 1 k2, 2 k3, 3 abs, 4 k1+, 5 k3+; kl_bias_correction multiplies the KL term
+by rho (csrc/ppo_math.h token_loss). Outputs: loss 0-d = sum(weights * loss_tok) (as the C++
+ops, whatever the entropy weights: only the gradient's entropy part uses them); loss_tok,
+logprobs, entropy [B, T] of ACC (0 on masked rows); dlogits = grad_scale * d loss / d logits like
 logits (contiguous, zeros on masked rows and rows t >= T), or numel 0 when compute_grad is
 False; the in-place variant writes dlogits over the logits instead. scale_grad_ rescales
 such a gradient in place by grad_output / applied (autograd's backward), with no host read.
@@ -32,22 +37,25 @@ from .logprobs import (_check_logits, acc_dtype, check_kl_estimator, check_per_t
 
 def _ppo_loss_kernel_fn(
     logits_ptr, stride_lb, stride_lt,
-    tokens_ptr, mask_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, isw_ptr,
+    tokens_ptr, mask_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, isw_ptr, went_ptr,
     loss_tok_ptr, logp_ptr, ent_ptr,
     grad_ptr, stride_gb, stride_gt,
     T, TG, V,
     clip_eps_low: tl.float64, clip_eps_high: tl.float64, dual_clip_c: tl.float64,
     kl_coef: tl.float64, entropy_coef: tl.float64, inv_temp: tl.float64,
-    grad_scale: tl.float64,
+    grad_scale: tl.float64, sapo_tau_pos: tl.float64, sapo_tau_neg: tl.float64,
     ACC: tl.constexpr, KL_EST: tl.constexpr, HAS_REF: tl.constexpr, HAS_ISW: tl.constexpr,
-    HAS_DUAL: tl.constexpr, COMPUTE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_DUAL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_WENT: tl.constexpr,
+    POLICY_LOSS: tl.constexpr, KL_BIAS: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Row r = b * TG + t (TG = Tl with a gradient, so that rows t >= T get their zeros,
     else T). grad_ptr/stride_g* address the gradient rows: a fresh contiguous buffer, or
     the logits themselves in place (each row is fully read in pass 1 before pass 2
     overwrites it, and no other program touches that row). The gradient written is
     grad_scale * d loss / d logits (dlogp and dent scaled before the sweep); the per-token
-    outputs are not scaled."""
+    outputs are not scaled. HAS_OLD False: on-policy, old = logp (old_ptr is not read);
+    HAS_WENT False: the entropy weight is w (went_ptr is not read)."""
     row = tl.program_id(0).to(tl.int64)
     b = row // TG
     t = row % TG
@@ -61,9 +69,14 @@ def _ppo_loss_kernel_fn(
         # every per-token load is issued before the sweep, which hides its latency (S5)
         tok = tl.load(tokens_ptr + idx)
         x_tok = token_logit(in_row, tok, V, ACC)
-        old = tl.load(old_ptr + idx).to(ACC)
+        if HAS_OLD:
+            old = tl.load(old_ptr + idx).to(ACC)
         adv = tl.load(adv_ptr + idx).to(ACC)
         w = tl.load(w_ptr + idx).to(ACC)
+        if HAS_WENT:
+            w_ent = tl.load(went_ptr + idx).to(ACC)
+        else:
+            w_ent = w
         if HAS_REF:
             ref = tl.load(ref_ptr + idx).to(ACC)
         else:
@@ -74,10 +87,13 @@ def _ppo_loss_kernel_fn(
             is_w = tl.full([], 1.0, ACC)
         row_max, log_sum, ent = row_stats(in_row, V, inv, ACC, True, BLOCK_V)
         logp = token_logp(x_tok, row_max, log_sum, inv)
+        if not HAS_OLD:
+            old = logp  # on-policy: rho = exp(logp - sg(logp)) = 1, d rho / d logp = 1
         loss, dlogp, dent = token_loss(
-            logp, ent, old, adv, ref, is_w, w,
+            logp, ent, old, adv, ref, is_w, w, w_ent,
             as_acc(clip_eps_low, ACC), as_acc(clip_eps_high, ACC), as_acc(dual_clip_c, ACC),
-            as_acc(kl_coef, ACC), as_acc(entropy_coef, ACC), KL_EST, HAS_REF, HAS_DUAL)
+            as_acc(kl_coef, ACC), as_acc(entropy_coef, ACC), as_acc(sapo_tau_pos, ACC),
+            as_acc(sapo_tau_neg, ACC), KL_EST, HAS_REF, HAS_DUAL, POLICY_LOSS, KL_BIAS)
         tl.store(loss_tok_ptr + idx, loss)
         tl.store(logp_ptr + idx, logp)
         tl.store(ent_ptr + idx, ent)
@@ -95,7 +111,7 @@ def _ppo_loss_kernel_fn(
 
 
 # Keyed on V and the flags, not on the row count: see logprobs.py (batch invariance).
-_KEY = ["V", "COMPUTE_GRAD", "HAS_REF", "KL_EST"]
+_KEY = ["V", "COMPUTE_GRAD", "HAS_REF", "KL_EST", "POLICY_LOSS"]
 _PRUNE = {"early_config_prune": _config.prune_row_configs}
 _ppo_loss_jit = triton.jit(_ppo_loss_kernel_fn)
 _ppo_loss_kernel = triton.autotune(configs=_config.row_configs(), key=_KEY,
@@ -114,9 +130,22 @@ def check_grad_scale(grad_scale):
     return g
 
 
+# ppo_math.h PolicyLoss, as the ops take it (ppo_kernels/_checks.py: KERNEL_POLICY_LOSSES)
+POLICY_LOSSES = ("vanilla", "cispo", "sapo")
+
+
+def check_policy_loss(policy_loss):
+    """policy_loss as the ops take it: 0 (vanilla), 1 (cispo) or 2 (sapo)."""
+    if isinstance(policy_loss, bool) or int(policy_loss) not in range(len(POLICY_LOSSES)):
+        raise ValueError(f"policy_loss: expected 0 (vanilla), 1 (cispo) or 2 (sapo), "
+                         f"got {policy_loss}")
+    return int(policy_loss)
+
+
 def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-            rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-            kl_estimator, entropy_coef, temperature, grad_scale, grad, inplace):
+            rollout_is_weights, entropy_weights, clip_eps_low, clip_eps_high, dual_clip_c,
+            kl_coef, kl_estimator, entropy_coef, temperature, grad_scale, policy_loss,
+            sapo_tau_pos, sapo_tau_neg, kl_bias_correction, grad, inplace):
     _check_logits(logits, tokens, mask)
     B, T = tokens.shape
     TL, V = logits.shape[1], logits.shape[2]
@@ -124,10 +153,12 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
     dev = logits.device
     for name, x in (("old_logprobs", old_logprobs), ("advantages", advantages),
                     ("weights", weights), ("ref_logprobs", ref_logprobs),
-                    ("rollout_is_weights", rollout_is_weights)):
+                    ("rollout_is_weights", rollout_is_weights),
+                    ("entropy_weights", entropy_weights)):
         if x is not None:
             check_per_token(name, x, (B, T), acc, dev)
     check_kl_estimator(kl_estimator)
+    pl = check_policy_loss(policy_loss)
     inv = inv_temperature(temperature, acc)
     gs = check_grad_scale(grad_scale)
     loss_tok = torch.empty((B, T), dtype=acc, device=dev)
@@ -143,16 +174,22 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
         with device_guard(logits):
             wrap_triton(kernel)[(rows,)](
                 logits, logits.stride(0), logits.stride(1),
-                tokens, mask, old_logprobs, advantages, weights,
-                ref_logprobs if ref_logprobs is not None else old_logprobs,
-                rollout_is_weights if rollout_is_weights is not None else old_logprobs,
+                # an absent optional tensor is never read: any pointer stands in for it
+                tokens, mask, old_logprobs if old_logprobs is not None else advantages,
+                advantages, weights,
+                ref_logprobs if ref_logprobs is not None else advantages,
+                rollout_is_weights if rollout_is_weights is not None else advantages,
+                entropy_weights if entropy_weights is not None else advantages,
                 loss_tok, logp, ent,
                 g, g.stride(0), g.stride(1),
                 T, TL if compute_grad else T, V,
                 float(clip_eps_low), float(clip_eps_high), float(dual_clip_c),
-                float(kl_coef), float(entropy_coef), inv, gs,
+                float(kl_coef), float(entropy_coef), inv, gs, float(sapo_tau_pos),
+                float(sapo_tau_neg),
                 ACC=tl_acc(acc), KL_EST=int(kl_estimator), HAS_REF=ref_logprobs is not None,
                 HAS_ISW=rollout_is_weights is not None, HAS_DUAL=float(dual_clip_c) > 0.0,
+                HAS_OLD=old_logprobs is not None, HAS_WENT=entropy_weights is not None,
+                POLICY_LOSS=pl, KL_BIAS=bool(kl_bias_correction),
                 COMPUTE_GRAD=compute_grad, **launch)
     # sum(w * loss_tok) over [B, T] in a deterministic order (no atomics): this reads
     # 8 bytes per token, nothing next to the [B, T, V] sweep.
@@ -161,29 +198,34 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
 
 
 def ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                 rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                 kl_estimator, entropy_coef, temperature, grad_scale, compute_grad):
+                 rollout_is_weights, entropy_weights, clip_eps_low, clip_eps_high,
+                 dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature, grad_scale,
+                 policy_loss, sapo_tau_pos, sapo_tau_neg, kl_bias_correction, compute_grad):
     """(loss, loss_tok, logprobs, entropy, dlogits); dlogits (like logits, contiguous) is
     grad_scale * d loss / d logits, numel 0 unless compute_grad."""
     grad = (torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             if compute_grad else torch.empty((0,), dtype=logits.dtype, device=logits.device))
     loss, loss_tok, logp, ent = _launch(
         logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-        rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
-        entropy_coef, temperature, grad_scale, grad if compute_grad else None,
+        rollout_is_weights, entropy_weights, clip_eps_low, clip_eps_high, dual_clip_c,
+        kl_coef, kl_estimator, entropy_coef, temperature, grad_scale, policy_loss,
+        sapo_tau_pos, sapo_tau_neg, kl_bias_correction, grad if compute_grad else None,
         inplace=False)
     return loss, loss_tok, logp, ent, grad
 
 
 def ppo_loss_fwd_inplace(logits, tokens, mask, old_logprobs, advantages, weights,
-                         ref_logprobs, rollout_is_weights, clip_eps_low, clip_eps_high,
-                         dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
-                         grad_scale):
+                         ref_logprobs, rollout_is_weights, entropy_weights, clip_eps_low,
+                         clip_eps_high, dual_clip_c, kl_coef, kl_estimator, entropy_coef,
+                         temperature, grad_scale, policy_loss, sapo_tau_pos, sapo_tau_neg,
+                         kl_bias_correction):
     """(loss, loss_tok, logprobs, entropy); the logits now hold grad_scale * dlogits
     (zeros on masked rows and rows t >= T), in their own dtype and strides."""
     return _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                   rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                   kl_estimator, entropy_coef, temperature, grad_scale, logits, inplace=True)
+                   rollout_is_weights, entropy_weights, clip_eps_low, clip_eps_high,
+                   dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature, grad_scale,
+                   policy_loss, sapo_tau_pos, sapo_tau_neg, kl_bias_correction, logits,
+                   inplace=True)
 
 
 # ------------------------------------------------------------------ scale_grad_
