@@ -231,11 +231,11 @@ class KernelBackend:
 
     def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace,
                  w_ent=None):
-        if p["policy_loss"] in SEQUENCE_POLICY_LOSSES:
+        if p["policy_loss"] in SEQUENCE_POLICY_LOSSES or p.get("pg_mask_fn") is not None:
             if inplace:
                 raise ValueError(f"inplace_backward: not available with policy_loss="
-                                 f"{p['policy_loss']!r} (its gradient sweep is a second pass "
-                                 f"that writes a fresh buffer)")
+                                 f"{p['policy_loss']!r} or off_policy_mask_threshold (their "
+                                 f"gradient sweep is a second pass that writes a fresh buffer)")
             from . import _two_phase
 
             return _two_phase.ppo_loss(self.prefix, logits, tokens, mask, old, adv, weights,

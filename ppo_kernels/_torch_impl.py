@@ -168,6 +168,8 @@ def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_
     loss = pt["pg"]
     if rollout_is_weights is not None:
         loss = loss * rollout_is_weights
+    if p.get("pg_mask_fn") is not None:  # the off-policy mask: reads the (detached) logp
+        loss = loss * p["pg_mask_fn"](logp)
     if ref_logprobs is not None:
         kl = kl_terms(logp, ref_logprobs, p["kl_estimator"])
         if p.get("kl_bias_correction"):

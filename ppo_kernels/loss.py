@@ -6,6 +6,7 @@ import torch
 
 from . import _checks as ck
 from . import _torch_impl
+from . import rollout_correction as _rc
 from ._ops import get_backend
 
 
@@ -53,8 +54,10 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0, kl_estimator="k3",
              kl_bias_correction=False, entropy_coef=0.0, entropy_agg_mode=None,
              temperature=1.0, loss_agg_mode="token-mean", global_num_tokens=None,
-             global_num_seqs=None, norm_length=None, rollout_is_weights=None, grad_scale=1.0,
-             inplace_backward=False, backend="auto"):
+             global_num_seqs=None, norm_length=None, rollout_is_weights=None,
+             rollout_logprobs=None, rollout_correction=None, rollout_is_threshold=2.0,
+             off_policy_mask_threshold=None, grad_scale=1.0, inplace_backward=False,
+             backend="auto"):
     """Fused PPO / GRPO policy loss straight from the logits, and its metrics.
 
     Per token (DESIGN.md): rho = exp(clamp(logp - old_logp, -20, 20)); the policy term of
@@ -101,6 +104,18 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         norm_length: > 0, the seq-mean-token-sum-norm length (default T; Dr. GRPO).
         rollout_is_weights: float [B, T] or [B] / [B, 1], no gradient; multiplies pg and its
             gradient (not the KL or entropy terms).
+        rollout_logprobs: float [B, T], the inference engine's log-probs of the sampled
+            tokens (vLLM / SGLang), for rollout_correction and the mismatch metrics.
+        rollout_correction: None | "tis" | "tis-seq" | "mis" | "mis-seq" | "geo-seq":
+            importance weights / masks from pi_old / pi_rollout (ppo_kernels.
+            rollout_correction; verl's rollout_corr, TRL's vLLM IS), multiplied into
+            rollout_is_weights.
+        rollout_is_threshold: C (an upper bound; geo-seq: the bounds (1 / C, C)) or
+            (lo, hi). Default 2.0 (verl; TRL's default is 3.0).
+        off_policy_mask_threshold: drop the policy term of sequences with A < 0 whose mean
+            of (rollout_logp - sg(logp)) exceeds it (DeepSeek-V3.2; TRL's
+            off_policy_mask_threshold; old_logprobs stand in without rollout_logprobs).
+            Runs the two-phase path (it reads the current logp).
         grad_scale: > 0, the factor the loss will be multiplied by before backward (e.g.
             1 / gradient-accumulation steps, or a loss scale). A hint only: the loss and its
             gradients are the same for any value, but the kernel backends write dlogits
@@ -118,7 +133,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         for "none"; metrics a dict of 0-d float32 tensors without gradient: num_tokens,
         num_seqs (non-empty), clip_frac, clip_frac_high, clip_frac_low, dual_clip_frac,
         approx_kl, kl_ref, entropy, ratio_mean, ratio_max (means over valid tokens, 0 if
-        none), plus cispo_clip_frac (cispo) and seq_clip_frac (gspo, gspo-token).
+        none), plus cispo_clip_frac (cispo), seq_clip_frac (gspo, gspo-token), the
+        rollout_* mismatch metrics (with rollout_logprobs) and off_policy_masked_frac.
 
     Raises:
         TypeError / ValueError naming the argument (see DESIGN.md, "Bad input").
@@ -133,6 +149,22 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
                        optional=True, per_seq_ok=True)
     p = ck.policy_options(policy_loss, clip_eps_low, clip_eps_high, dual_clip_c, sapo_tau_pos,
                           sapo_tau_neg)
+    rollout = ck.per_token("rollout_logprobs", rollout_logprobs, tokens2, flat, acc,
+                           optional=True)
+    rc_w = None
+    if rollout_correction is not None:
+        ck.choice("rollout_correction", rollout_correction, _rc.MODES)
+        if rollout is None or old is None:
+            raise ValueError(f"rollout_correction: {rollout_correction!r} weighs pi_old / "
+                             f"pi_rollout and needs both old_logprobs and rollout_logprobs")
+        lo, hi = _rc.bounds(rollout_correction, rollout_is_threshold)
+        rc_w = _rc.weights(old, rollout, mask, rollout_correction, lo, hi)
+        isw = rc_w if isw is None else isw * rc_w
+    if off_policy_mask_threshold is not None:
+        delta = ck.number("off_policy_mask_threshold", off_policy_mask_threshold)
+        behaviour = rollout if rollout is not None else old
+        if behaviour is not None:  # on-policy: the KL is 0, nothing is masked
+            p["pg_mask_fn"] = lambda lp: _rc.off_policy_keep(lp, behaviour, adv, mask, delta)
     kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
     ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
     ck.choice("kl_bias_correction", kl_bias_correction, (True, False))
@@ -180,6 +212,15 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         loss, _, logp, ent = be.ppo_loss(logits3, tokens2, mask, old, adv, weights, ref, isw, p,
                                          inplace_backward, w_ent)
     metrics = _torch_impl.metrics(logp, ent, old, adv, ref, mask, p)
+    if rollout is not None and old is not None:
+        metrics.update(_rc.metrics(old, rollout, mask, torch.ones_like(old) if rc_w is None
+                                   else rc_w))
+    if p.get("pg_mask_fn") is not None:
+        with torch.no_grad():
+            dropped = (p["pg_mask_fn"](logp) == 0) & mask
+            nonempty = mask.any(1)
+            metrics["off_policy_masked_frac"] = (
+                (dropped.any(1) & nonempty).sum() / nonempty.sum().clamp(min=1)).float()
     return loss, metrics
 
 

@@ -261,7 +261,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              loss_agg_mode="token-mean", global_num_tokens=None, norm_length=None,
              rollout_is_weights=None, global_num_seqs=None, policy_loss="vanilla",
              sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_bias_correction=False,
-             entropy_agg_mode=None):
+             entropy_agg_mode=None, rollout_logprobs=None, rollout_correction=None,
+             rollout_is_threshold=2.0, off_policy_mask_threshold=None):
     """Returns (loss, metrics, dlogits).
 
     loss = sum_t w_t (is_w_t pg_t + kl_coef kl_t [* r_t]) - entropy_coef sum_t w'_t H_t with
@@ -281,6 +282,13 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
                  dual_clip_c, policy_loss=policy_loss, sapo_tau_pos=sapo_tau_pos,
                  sapo_tau_neg=sapo_tau_neg, response_mask=m)
     isw = np.ones_like(logp) if rollout_is_weights is None else _per_token(rollout_is_weights, m)
+    if rollout_correction is not None:
+        isw = isw * rollout_correction_weights(old, rollout_logprobs, m, rollout_correction,
+                                               rollout_is_threshold)
+    if off_policy_mask_threshold is not None:
+        behaviour = old if rollout_logprobs is None else as_f64(rollout_logprobs)
+        kl_seq = seq_mean(behaviour - logp, m)
+        isw = isw * ((_per_token(advantages, m) >= 0) | (kl_seq <= off_policy_mask_threshold))
     if loss_agg_mode == "none":
         w = w_ent = m
     else:
@@ -329,6 +337,34 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         out = (s > 1.0 + eh) | (s < 1.0 - clip_eps_low)
         metrics["seq_clip_frac"] = float(out[nonempty].mean()) if nonempty.any() else 0.0
     return loss, metrics, dlogits
+
+
+def rollout_correction_weights(old_logprobs, rollout_logprobs, response_mask, mode,
+                               threshold=2.0):
+    """Rollout-correction weights [B, T] (0 where masked); see
+    ppo_kernels/rollout_correction.py for the formulas and the threshold's meaning."""
+    m = _mask(response_mask, as_f64(old_logprobs).shape)
+    ell = np.clip(as_f64(old_logprobs) - as_f64(rollout_logprobs), -LOG_RATIO_CLAMP,
+                  LOG_RATIO_CLAMP) * m
+    if isinstance(threshold, (tuple, list)):
+        lo, hi = threshold
+    else:
+        lo, hi = (1.0 / threshold, threshold) if mode == "geo-seq" else (0.0, threshold)
+    if mode in ("tis", "mis"):
+        r = np.exp(ell)
+    elif mode in ("tis-seq", "mis-seq"):
+        r = np.broadcast_to(np.exp(np.clip(ell.sum(-1, keepdims=True), -LOG_RATIO_CLAMP,
+                                           LOG_RATIO_CLAMP)), m.shape)
+    else:
+        r = np.broadcast_to(np.exp(seq_mean(ell, m)), m.shape)
+    inside = (r >= lo) & (r <= hi)
+    if mode in ("tis", "tis-seq"):
+        w = np.clip(r, lo, hi)
+    elif mode == "geo-seq":
+        w = inside.astype(np.float64)
+    else:
+        w = np.where(inside, r, 0.0)
+    return w * m
 
 
 def value_loss(values, old_values, returns, response_mask=None, *, clip_range=None,

@@ -351,3 +351,96 @@ def test_menu_cases_cover_every_option():
             "entropy_agg_mode", "old", "seq_adv", "isw", "global_num_seqs",
             "global_num_tokens", "sapo_tau_pos"} <= seen
     assert {c["policy_loss"] for c in OPTION_CASES} == set(R.POLICY_LOSSES)
+
+
+# ------------------------------------------------------------------ rollout correction
+
+ROLLOUT_CASES = [("tis", 2.0, None), ("tis-seq", (0.5, 1.5), None), ("mis", (0.8, 1.25), None),
+                 ("mis-seq", 3.0, None), ("geo-seq", 1.05, None), (None, 2.0, 0.02),
+                 ("tis", 2.0, 0.02)]
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("mode,threshold,off_policy", ROLLOUT_CASES,
+                         ids=[f"{m}-{t}-{o}" for m, t, o in ROLLOUT_CASES])
+def test_rollout_correction_matches_reference(be, mode, threshold, off_policy, gen):
+    B, T, V = (2, 4, 37) if be.small else (4, 6, 50)
+    inp = make_inputs(B, T, V, gen)
+    roll = inp["old"] + 0.25 * torch.randn(B, T, generator=gen).to(inp["old"].dtype)
+    kw = dict(rollout_correction=mode, rollout_is_threshold=threshold,
+              off_policy_mask_threshold=off_policy, kl_coef=0.05)
+    x = be.t(inp["full"][:, :T]).detach().clone().requires_grad_(True)
+    loss, met = pk.ppo_loss(x, be.t(inp["tokens"]), be.t(inp["old"]), be.t(inp["adv"]),
+                            be.t(inp["mask"]), be.t(inp["ref"]), rollout_logprobs=be.t(roll),
+                            backend=be.name, **kw)
+    loss.backward()
+    e_loss, e_met, e_grad = R.ppo_loss(inp["base"], inp["tokens"], inp["old"], inp["adv"],
+                                       inp["mask"], inp["ref"], rollout_logprobs=roll, **kw)
+    assert float(loss.detach()) == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
+    assert_grad_close(x.grad, e_grad, 3e-6)
+    w = R.rollout_correction_weights(inp["old"], roll, inp["mask"], mode, threshold) \
+        if mode else inp["mask"].double().numpy()
+    m = inp["mask"].double().numpy()
+    assert float(met["rollout_is_mean"]) == pytest.approx((w * m).sum() / m.sum(), rel=1e-5)
+    ell = np.clip(inp["old"].double().numpy() - roll.double().numpy(), -20, 20) * m
+    assert float(met["rollout_kl_k3"]) == pytest.approx(
+        (R.expm1_minus_x(ell) * m).sum() / m.sum(), rel=1e-5)
+    assert float(met["rollout_chi2"]) == pytest.approx(
+        (np.exp(2 * ell) * m).sum() / m.sum() - 1, rel=1e-4, abs=1e-6)
+
+
+def test_truncated_is_hand_case():
+    """tis: w = min(pi_old / pi_rollout, C); ratios e^1, 1, e^-1 with C = 2 give 2, 1, e^-1."""
+    old = torch.zeros(1, 3)
+    roll = torch.tensor([[-1.0, 0.0, 1.0]])
+    w = R.rollout_correction_weights(old, roll, None, "tis", 2.0)
+    np.testing.assert_allclose(w, [[2.0, 1.0, math.exp(-1)]], rtol=1e-12)
+    from ppo_kernels import rollout_correction as rc
+
+    got = rc.weights(old, roll, torch.ones(1, 3, dtype=torch.bool), "tis", 0.0, 2.0)
+    np.testing.assert_allclose(got.numpy(), w, rtol=1e-6)
+    # masked IS drops the first token, the sequence version the whole sequence (e^0 = 1
+    # inside [0.5, 1.5]: kept)
+    np.testing.assert_allclose(R.rollout_correction_weights(old, roll, None, "mis", 2.0),
+                               [[0.0, 1.0, math.exp(-1)]], rtol=1e-12)
+    np.testing.assert_allclose(R.rollout_correction_weights(old, roll, None, "mis-seq",
+                                                            (0.5, 1.5)), [[1.0, 1.0, 1.0]])
+
+
+def test_off_policy_mask_hand_case():
+    """DeepSeek-V3.2: a sequence with A < 0 whose mean (rollout_logp - logp) exceeds the
+    threshold loses its policy term; A >= 0 sequences and the KL term are kept."""
+    x, tok = _one_token_rows([-0.5, -0.5])
+    x = np.repeat(x, 2, axis=0)  # two sequences of two tokens
+    tok = np.zeros((2, 2), dtype=np.int64)
+    lp, _ = R.token_logprobs(x, tok)
+    roll = lp + 0.3  # mean KL 0.3 in both
+    adv = np.array([[-1.0, -1.0], [1.0, 1.0]])
+    loss, met = pk.ppo_loss(torch.tensor(x), torch.tensor(tok), torch.tensor(lp),
+                            torch.tensor(adv), rollout_logprobs=torch.tensor(roll),
+                            off_policy_mask_threshold=0.2, loss_agg_mode="token-sum",
+                            backend="cpu")
+    assert float(loss) == pytest.approx(-2.0, rel=1e-12)  # only the A > 0 sequence: -rho A
+    assert float(met["off_policy_masked_frac"]) == 0.5
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rollout_correction="tis"), "rollout_correction"),
+    (dict(rollout_correction="is", rollout_logprobs=True), "rollout_correction"),
+    (dict(rollout_correction="tis", rollout_logprobs=True, rollout_is_threshold=0.0),
+     "rollout_is_threshold"),
+    (dict(rollout_correction="mis", rollout_logprobs=True, rollout_is_threshold=(2.0, 1.0)),
+     "rollout_is_threshold"),
+    (dict(rollout_correction="geo-seq", rollout_logprobs=True, rollout_is_threshold=0.9),
+     "rollout_is_threshold"),
+    (dict(off_policy_mask_threshold=math.nan), "off_policy_mask_threshold"),
+    (dict(rollout_logprobs=torch.zeros(2, 2)), "rollout_logprobs"),
+])
+def test_rollout_correction_bad_inputs(kw, match):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 5, generator=g)
+    tokens = torch.randint(0, 5, (2, 3), generator=g)
+    if kw.get("rollout_logprobs") is True:
+        kw = dict(kw, rollout_logprobs=-torch.rand(2, 3, generator=g))
+    with pytest.raises(ValueError, match=match):
+        pk.ppo_loss(logits, tokens, -torch.rand(2, 3, generator=g), torch.randn(2, 3), **kw)
