@@ -13,6 +13,8 @@ allocated and touched before the timing). Variants:
   cpu, inplace_backward   the gradient written over the logits (no gradient buffer)
   cpu, (loss / 3)         gradient accumulation: grad_output 1/3, rescaled in place
   cpu, grad_scale=1/3     the same, with the scale known in the forward (no extra pass)
+  cpu, gspo (two-phase)   a sequence-level loss: statistics pass, [B, T] middle, gradient
+                          pass (one more read of the logits than the fused single pass)
   eager composite, torch.compile of it
 Reports the median wall time of forward+backward, the ratios to the fused kernel and to
 the floor, and the peak extra resident memory of one forward+backward (measured in a fresh
@@ -85,6 +87,10 @@ def compiled(logits, tokens, mask, old, adv):
     return _compiled(logits, tokens, mask, old, adv)
 
 
+def fused_gspo(logits, tokens, mask, old, adv):
+    return pk.ppo_loss(logits, tokens, old, adv, mask, backend="cpu", policy_loss="gspo")[0]
+
+
 def floor(logits, *_):
     """Not a loss: the read + write of [N, V] that every forward+backward needs."""
     out = _floor_out.get(logits.shape)
@@ -97,6 +103,7 @@ _floor_out = {}
 
 VARIANTS = {"cpu (fused)": fused, "cpu, inplace_backward": fused_inplace,
             "cpu, (loss / 3)": fused_accum, "cpu, grad_scale=1/3": fused_grad_scale,
+            "cpu, gspo (two-phase)": fused_gspo,
             "eager composite": composite, "torch.compile": compiled, "floor (copy)": floor}
 
 
@@ -212,6 +219,9 @@ def main():
           f"and {acc['peak_extra_nv']:.3f} buffers (loss.backward(): 1.00x, "
           f"{rows['cpu (fused)']['peak_extra_nv']:.3f}); with grad_scale=1/3: "
           f"{gs['seconds'] / t_cpu:.2f}x, {gs['peak_extra_nv']:.3f} buffers")
+    tp = rows["cpu, gspo (two-phase)"]
+    print(f"two-phase path (gspo): {tp['seconds'] / t_cpu:.2f}x the fused single pass, "
+          f"{tp['peak_extra_nv']:.3f} buffers")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"n": a.n, "v": a.v, "dtype": a.dtype, "threads": torch.get_num_threads(),

@@ -406,8 +406,10 @@ def batch_invariance(ctx):
 
         def run(be, xx, tk, o, a, r, ww, mm):
             op = ctx.op(be, "ppo_loss_fwd")
-            _, ltok, lp, ent, dl = op(xx, tk, mm, o, a, ww, r, None, 0.2, 0.28, 3.0, 0.05, 2,
-                                      0.01, 0.9, 1.0, True)
+            # schema: ..., rollout_is_weights, entropy_weights, clip.., grad_scale,
+            # policy_loss, sapo_tau_pos, sapo_tau_neg, kl_bias_correction, compute_grad
+            _, ltok, lp, ent, dl = op(xx, tk, mm, o, a, ww, r, None, None, 0.2, 0.28, 3.0, 0.05,
+                                      2, 0.01, 0.9, 1.0, 0, 1.0, 1.05, False, True)
             return lp, ent, ltok, dl
 
         envs = [("auto", None), ("split=1", "1"), ("split=2", "2")] if ctx.gpu else [("", None)]
@@ -479,8 +481,8 @@ def big_rows_64bit(ctx):
         os.environ["PPO_CUDA_SPLIT"] = sv
         try:
             op = ctx.op(ctx.kern[0], "ppo_loss_fwd")
-            _, ltok, lp, ent, dl = op(x, tok, mask, old, adv, w, None, None, 0.2, 0.2, 0.0, 0.0,
-                                      2, 0.0, 1.0, 1.0, True)
+            _, ltok, lp, ent, dl = op(x, tok, mask, old, adv, w, None, None, None, 0.2, 0.2, 0.0,
+                                      0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False, True)
             e_lp = maxabs(lp[:, rows], rlp)
             e_h = maxabs(ent[:, rows], rent)
             # the reference gradient of those rows (weights 1/T as in the op)

@@ -1,7 +1,9 @@
 """Every CUDA op on small odd shapes vs ppo_kernels/reference.py: strided rows with an odd
 row stride (misaligned 16-byte packs), Tl = T + 1, masked positions holding out-of-range
 token ids, -inf logits, all four dtypes, fused and split-vocabulary paths, grad_scale and
-scale_grad_ (in place, on the strided view too). Called by benchmarks/gpu_check.sh.
+scale_grad_ (in place, on the strided view too), the loss menu (cispo, sapo, k1+ / k3+, the
+KL bias correction, on-policy old_logprobs=None, entropy_weights). Called by
+benchmarks/gpu_check.sh.
 
     python benchmarks/gpu_smoke.py [quick] [--device cpu] [--prefix triton_]
 
@@ -42,6 +44,26 @@ def close(name, got, want, tol, floor=0.1):
     if not np.isfinite(got).all() or not err <= tol:
         fails.append(f"{name}: rel err {err:.2e} (tol {tol:.0e}), finite={np.isfinite(got).all()}")
 
+
+# the op's integer codes (ppo_kernels/_checks.py; csrc/ppo_math.h PolicyLoss, KlEstimator)
+POLICY_IDS = {"vanilla": 0, "cispo": 1, "sapo": 2}
+KL_IDS = {"k1": 0, "k2": 1, "k3": 2, "abs": 3, "k1+": 4, "k3+": 5}
+VANILLA_TAIL = (0, 1.0, 1.05, False)  # policy_loss, sapo_tau_pos, sapo_tau_neg, kl_bias
+MENU = [
+    ("cispo k1", dict(policy_loss="cispo", kl_estimator="k1")),
+    ("sapo k2", dict(policy_loss="sapo", kl_estimator="k2")),
+    ("sapo k3 bias tau", dict(policy_loss="sapo", kl_estimator="k3", kl_bias_correction=True,
+                              sapo_tau_pos=0.7, sapo_tau_neg=1.3)),
+    ("vanilla k1+", dict(policy_loss="vanilla", kl_estimator="k1+", dual_clip_c=3.0)),
+    ("vanilla k3+ bias", dict(policy_loss="vanilla", kl_estimator="k3+", dual_clip_c=3.0,
+                              kl_bias_correction=True)),
+    ("on-policy cispo k3", dict(policy_loss="cispo", kl_estimator="k3", on_policy=True)),
+    ("on-policy vanilla k3 bias ent-agg", dict(policy_loss="vanilla", kl_estimator="k3",
+                                               on_policy=True, kl_bias_correction=True,
+                                               entropy_weights=True)),
+    ("cispo abs ent-agg", dict(policy_loss="cispo", kl_estimator="abs", entropy_weights=True)),
+]
+MENU_QUICK = ("sapo k3 bias tau", "on-policy vanilla k3 bias ent-agg", "cispo abs ent-agg")
 
 g = torch.Generator().manual_seed(0)
 dtypes = [torch.float32, torch.bfloat16] if quick else [torch.float32, torch.bfloat16,
@@ -89,9 +111,11 @@ for split in splits:
                   R.token_logprobs_grad(lg64, tokens, mask, 0.7, glp, gent), tg)
             # ppo_loss (dual clip, k3 KL, entropy bonus, IS weights), out of place and in place
             w = torch.tensor(R.agg_weights(mask, "token-mean")).to(acc)
-            args = (old.to(dev), adv.to(dev), w.to(dev), refl.to(dev), isw.to(dev), 0.2, 0.28,
-                    3.0, 0.1, 2, 0.01, 0.9)
-            loss, ltok, lp2, ent2, dl = ops.ppo_loss_fwd(logits, tok_d, mask_d, *args, 1.0, True)
+            args = (old.to(dev), adv.to(dev), w.to(dev), refl.to(dev), isw.to(dev), None, 0.2,
+                    0.28, 3.0, 0.1, 2, 0.01, 0.9)
+            tail = VANILLA_TAIL
+            loss, ltok, lp2, ent2, dl = ops.ppo_loss_fwd(logits, tok_d, mask_d, *args, 1.0, *tail,
+                                                         True)
             rloss, _, rdl = R.ppo_loss(lg64, tokens, old, adv, mask, refl, clip_eps_low=0.2,
                                        clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1,
                                        kl_estimator="k3", entropy_coef=0.01, temperature=0.9,
@@ -99,7 +123,7 @@ for split in splits:
             close(f"ppo loss {tag}", loss, rloss, tl * 10)
             close(f"ppo dlogits {tag}", dl, rdl, tg, 1e-3)
             # grad_scale: the same dlogits times 0.25 (a power of 2: exact in every dtype)
-            _, _, _, _, dl4 = ops.ppo_loss_fwd(logits, tok_d, mask_d, *args, 0.25, True)
+            _, _, _, _, dl4 = ops.ppo_loss_fwd(logits, tok_d, mask_d, *args, 0.25, *tail, True)
             close(f"ppo grad_scale dlogits {tag}", dl4 * 4, rdl, tg, 1e-3)
             # scale_grad_: applied 0.25 -> grad_output 0.75: dl4 * 3; then a no-op call
             go = torch.tensor(0.75, dtype=acc, device=dev)
@@ -112,7 +136,7 @@ for split in splits:
             close(f"scale_grad_ no-op {tag}", dl4, before.double().cpu(), 0)
             buf = base.to(dt).to(dev)
             view = buf[:, : T + 1, :V]
-            loss_i, *_ = ops.ppo_loss_fwd_inplace(view, tok_d, mask_d, *args, 0.5)
+            loss_i, *_ = ops.ppo_loss_fwd_inplace(view, tok_d, mask_d, *args, 0.5, *tail)
             close(f"ppo inplace loss {tag}", loss_i, rloss, tl * 10)
             close(f"ppo inplace dlogits {tag}", view * 2, rdl, tg, 1e-3)
             # scale_grad_ on the strided in-place view: 0.5 -> 1.0
@@ -120,6 +144,41 @@ for split in splits:
                             torch.tensor(0.5, dtype=acc, device=dev))
             close(f"scale_grad_ inplace view {tag}", view, rdl, tg, 1e-3)
             close(f"ppo inplace untouched {tag}", buf[:, T + 1:], base.to(dt)[:, T + 1:].double(), 0)
+            # the loss menu (issue 8): cispo / sapo, k1+ / k3+, the KL bias correction,
+            # on-policy (old_logprobs None), entropy_weights (entropy_agg_mode)
+            w_ent = torch.tensor(R.agg_weights(mask, "seq-mean-token-mean")).to(acc)
+            for mname, kw in MENU:
+                if quick and mname not in MENU_QUICK:
+                    continue
+                pl, kle = POLICY_IDS[kw["policy_loss"]], KL_IDS[kw["kl_estimator"]]
+                tp, tn = kw.get("sapo_tau_pos", 1.0), kw.get("sapo_tau_neg", 1.05)
+                bias, dual = kw.get("kl_bias_correction", False), kw.get("dual_clip_c")
+                on_policy, went = kw.get("on_policy", False), kw.get("entropy_weights", False)
+                margs = (None if on_policy else old.to(dev), adv.to(dev), w.to(dev),
+                         refl.to(dev), isw.to(dev), w_ent.to(dev) if went else None, 0.2, 0.28,
+                         dual or 0.0, 0.1, kle, 0.01, 0.9)
+                mtail = (pl, tp, tn, bias)
+                mloss, _, _, ment, mdl = ops.ppo_loss_fwd(logits, tok_d, mask_d, *margs, 1.0,
+                                                          *mtail, True)
+                if went:  # the op sums w * loss_tok; the entropy term's weights are w_ent
+                    mloss = mloss + 0.01 * ((w.to(dev) - w_ent.to(dev)) * ment).sum()
+                rl, _, rd = R.ppo_loss(
+                    lg64, tokens, None if on_policy else old, adv, mask, refl, clip_eps_low=0.2,
+                    clip_eps_high=0.28, dual_clip_c=dual, kl_coef=0.1,
+                    kl_estimator=kw["kl_estimator"], entropy_coef=0.01, temperature=0.9,
+                    rollout_is_weights=isw, policy_loss=kw["policy_loss"], sapo_tau_pos=tp,
+                    sapo_tau_neg=tn, kl_bias_correction=bias,
+                    entropy_agg_mode="seq-mean-token-mean" if went else None)
+                close(f"ppo[{mname}] loss {tag}", mloss, rl, tl * 10)
+                close(f"ppo[{mname}] dlogits {tag}", mdl, rd, tg, 1e-3)
+                if mname in MENU_QUICK:  # in place, grad_scale 0.5
+                    buf = base.to(dt).to(dev)
+                    view = buf[:, : T + 1, :V]
+                    li, *_ = ops.ppo_loss_fwd_inplace(view, tok_d, mask_d, *margs, 0.5, *mtail)
+                    if went:
+                        li = li + 0.01 * ((w.to(dev) - w_ent.to(dev)) * ment).sum()
+                    close(f"ppo[{mname}] inplace loss {tag}", li, rl, tl * 10)
+                    close(f"ppo[{mname}] inplace dlogits {tag}", view * 2, rd, tg, 1e-3)
             # score_rollout (no whitening in the op); float32 by the project's contract
             if dt == torch.float64:
                 continue

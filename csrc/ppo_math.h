@@ -54,13 +54,15 @@ PPO_HD float ppo_log1p(float x) { return log1pf(x); }
 PPO_HD double ppo_log1p(double x) { return log1p(x); }
 
 // e^u - 1 - u without cancellation. expm1(u) - u loses the digits of a result ~u^2/2 that
-// is far smaller than either term (12% off at |u| = 1e-6 in float32), so below |u| = 1 a
-// Horner series of 11 terms (u^2/2! .. u^12/12!, truncation < 1e-9 relative at |u| = 1);
-// beyond it expm1(u) - u is within an ulp or two. Used by k3 (u = -delta) and by the
-// approx_kl metric (u = log-ratio).
+// is far smaller than either term (12% off at |u| = 1e-6 in float32), so below a cut a
+// Horner series of 11 terms (u^2/2! .. u^12/12!); beyond it expm1(u) - u, within a few ulp
+// there. The cut is |u| = 1 in float32 (truncation < 1e-9 relative, below float32's
+// rounding) and 0.1 in float64 (truncation < 1e-20; at |u| = 1 it would be 4e-10). Used by
+// k3 (u = -delta) and by the approx_kl metric (u = log-ratio).
 template <typename T>
 PPO_HD T expm1_minus_x(T u) {
-  if (u > T(-1) && u < T(1)) {
+  const T cut = sizeof(T) == 8 ? T(0.1) : T(1);
+  if (u > -cut && u < cut) {
     T p = T(1.0 / 479001600.0);                 // 1/12!
     p = p * u + T(1.0 / 39916800.0);            // 1/11!
     p = p * u + T(1.0 / 3628800.0);             // 1/10!
@@ -130,7 +132,7 @@ PPO_HD PgTerm<T> pg_vanilla(T rho, bool clamped, T adv, const PolicyParams& p) {
   return {pg, grad, rho, clamped ? T(0) : rho};
 }
 
-// CISPO (MiniMax-M1, Chen et al. 2025, eq. 4): -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A
+// CISPO (MiniMax-M1 technical report, MiniMax 2025): -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A
 // logp. The clipped ratio is a constant weight, so every token keeps the gradient -w A (the
 // log-ratio clamp only bounds w). TRL's cap min(rho, epsilon_high) is eps_low = 1,
 // eps_high = epsilon_high - 1.
@@ -189,8 +191,10 @@ PPO_HD KlTerm<T> kl_term(T delta, int estimator) {
       return {delta < T(0) ? -delta : delta, delta > T(0) ? T(1) : (delta < T(0) ? T(-1) : T(0))};
     case kK1Plus:  // value of k1, gradient of k2
       return {delta, delta};
-    case kK3Plus:  // value of k3, gradient of k2
-      return {kl_term(delta, kK3).kl, delta};
+    case kK3Plus: {  // value of k3, gradient of k2 (no recursive call: it stays inlined)
+      const T lim = T(kLogRatioClamp);
+      return {expm1_minus_x(-clampv(delta, -lim, lim)), delta};
+    }
     default: {  // kK3: exp(-c) - 1 + c, c = clamp(delta); only k3 has an exp to guard
       // both the value and its derivative 1 - exp(-c) cancel at small c: written as
       // expm1_minus_x(-c) and -expm1(-c) they keep their digits down to |c| ~ 1e-30

@@ -107,9 +107,9 @@ _EXPM1_MINUS_X = [1.0 / 479001600, 1.0 / 39916800, 1.0 / 3628800, 1.0 / 362880, 
 
 def expm1_minus_x(u):
     """e^u - 1 - u without cancellation (ppo_math.h expm1_minus_x): a Horner series below
-    |u| = 1, expm1(u) - u beyond; differentiable (autograd of either branch keeps its
-    digits too)."""
-    small = u.abs() < 1.0
+    |u| = 1 (0.1 in float64), expm1(u) - u beyond; differentiable (autograd of either
+    branch keeps its digits too)."""
+    small = u.abs() < (0.1 if u.dtype == torch.float64 else 1.0)
     us = torch.where(small, u, 0.0)  # keeps the unused branch finite for autograd
     p = torch.full_like(u, _EXPM1_MINUS_X[0])
     for c in _EXPM1_MINUS_X[1:]:

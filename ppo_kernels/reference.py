@@ -143,13 +143,13 @@ def pg_terms(logp, old_logprobs, advantages, clip_eps_low=0.2, clip_eps_high=Non
     log-ratio d and the clip flags.
 
     vanilla      PPO clip of rho = exp(clamp(logp - old, -20, 20)) (+ dual clip)
-    cispo        -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A logp (MiniMax-M1, eq. 4)
+    cispo        -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A logp (MiniMax-M1 report, 2025)
     sapo         -(4 / tau) sigmoid(tau (rho - 1)) A, tau = tau_pos if A > 0 else tau_neg
     gspo         PPO clip of the sequence ratio s = exp(clamp(mean_t (logp - old))) (Zheng
-                 et al. 2025, eq. 7), differentiable through the mean: its gradient is not
+                 et al. 2025, Group Sequence Policy Optimization), differentiable through the mean: its gradient is not
                  local (ppo_loss adds it); dpg here is d pg / d s ("dpg_ds")
     gspo-token   s_t = sg(s) exp(logp_t - sg(logp_t)): the value of s, gradient s on the own
-                 token only (GSPO-token, eq. 14; verl's "gspo")
+                 token only (the GSPO paper's token form (GSPO-token); verl's "gspo")
     """
     eh = clip_eps_low if clip_eps_high is None else clip_eps_high
     a = as_f64(advantages)

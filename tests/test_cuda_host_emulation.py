@@ -3,7 +3,9 @@ kernels' own __host__ __device__ pieces (row sweeps, shifted 16-byte loads, stat
 merges, GAE scan phases) as host code with nvcc and check them against long-double
 references. emulate_rows also emulates the warp butterflies and chunk merges lane by lane in
 the kernels' order and checks that the fused and split schedules, and every address phase of
-a row, give the same bits (batch invariance). This is what CI can check of the CUDA backend
+a row, give the same bits (batch invariance), and runs the ppo_loss per-token epilogue
+(token_epilogue.cuh) over the loss menu (vanilla / cispo / sapo, k1..k3+, KL bias
+correction, on-policy, entropy weights) against a long-double formula. This is what CI can check of the CUDA backend
 without a GPU (it does not cover real shuffles, barriers or launches, which the GPU tests in
 the rest of the suite and benchmarks/gpu_check.sh do when a device is present)."""
 

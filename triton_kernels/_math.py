@@ -4,7 +4,7 @@ Every helper mirrors the C++ function of the same name line by line (same clamps
 tie-breaking, same guards), so the three backends compute one function; the float64 oracle
 is ppo_kernels/reference.py. Sources: clipped surrogate, Schulman et al. 2017, eq. 7; dual
 clip, Ye et al. 2020, eq. 5; KL estimators k1/k2/k3, Schulman 2020 "Approximating KL
-Divergence"; CISPO, MiniMax-M1 (Chen et al. 2025), eq. 4; SAPO (TRL loss_type="sapo",
+Divergence"; CISPO, MiniMax-M1 technical report (MiniMax 2025), the CISPO objective; SAPO (TRL loss_type="sapo",
 verl loss_mode="sapo").
 
 The helpers are scalar-agnostic: they work on 0-d values (one token per program) and on
@@ -95,7 +95,7 @@ def pg_vanilla(rho, clamped, adv, eps_low, eps_high, dual_c, HAS_DUAL: tl.conste
 
 @triton.jit
 def pg_cispo(logp, rho, clamped, adv, eps_low, eps_high):
-    """ppo_math.h pg_cispo (MiniMax-M1, eq. 4): -sg(clip(rho, 1 - eps_low, 1 + eps_high))
+    """ppo_math.h pg_cispo (MiniMax-M1 report, 2025): -sg(clip(rho, 1 - eps_low, 1 + eps_high))
     A logp. The clipped ratio is a constant weight, so every token keeps the gradient -w A
     (the log-ratio clamp only bounds w). Returns (pg, d pg / d logp, rho, d rho / d logp)."""
     w = clampv(rho, 1.0 - eps_low, 1.0 + eps_high)
@@ -141,10 +141,10 @@ def pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, tau_pos, tau_neg,
 def expm1_minus_x(u):
     """ppo_math.h expm1_minus_x: e^u - 1 - u without cancellation.
 
-    |u| < 1: the Taylor series u^2 (1/2! + u (1/3! + ... + u / 12!)) by Horner (11
-    coefficients, as ppo_math.h; truncation below 5e-10 relative at |u| -> 1: far under
-    float32 rounding, not float64's); beyond, (e^u - 1) - u, where nothing cancels badly
-    (e^u - 1 - u > |u| / 3 there). Works on 0-d values and blocks alike.
+    |u| < cut: the Taylor series u^2 (1/2! + u (1/3! + ... + u / 12!)) by Horner (11
+    coefficients, as ppo_math.h; cut = 1 in float32, where the truncation stays below
+    5e-10 relative, and 0.1 in float64, below 1e-20); beyond, (e^u - 1) - u, where nothing
+    cancels badly. Works on 0-d values and blocks alike.
     """
     p = _F11 + u * _F12
     p = _F10 + u * p
@@ -156,7 +156,10 @@ def expm1_minus_x(u):
     p = _F4 + u * p
     p = _F3 + u * p
     p = _F2 + u * p
-    small = (u > -1.0) & (u < 1.0)
+    if u.dtype == tl.float64:
+        small = (u > -0.1) & (u < 0.1)
+    else:
+        small = (u > -1.0) & (u < 1.0)
     return tl.where(small, u * u * p, (tl.exp(u) - 1.0) - u)
 
 

@@ -85,9 +85,17 @@ inline Temp<A> make_temp(double temperature) {
 
 // kl_estimator: the integer code of ppo_kernels/_checks.py (ppo::KlEstimator).
 inline void check_kl_estimator(int64_t kl_estimator) {
-  TORCH_CHECK(kl_estimator >= ppo::kK1 && kl_estimator <= ppo::kAbs,
-              "ppo_kernels (CUDA): kl_estimator: expected 0 (k1), 1 (k2), 2 (k3) or 3 (abs), "
-              "got ", kl_estimator);
+  TORCH_CHECK(kl_estimator >= ppo::kK1 && kl_estimator <= ppo::kK3Plus,
+              "ppo_kernels (CUDA): kl_estimator: expected 0 (k1), 1 (k2), 2 (k3), 3 (abs), "
+              "4 (k1+) or 5 (k3+), got ", kl_estimator);
+}
+
+// policy_loss: the integer code of ppo_kernels/_checks.py (ppo::PolicyLoss); the sequence
+// losses (gspo, gspo-token) never reach the fused kernels.
+inline void check_policy_loss(int64_t policy_loss) {
+  TORCH_CHECK(policy_loss >= ppo::kVanilla && policy_loss <= ppo::kSapo,
+              "ppo_kernels (CUDA): policy_loss: expected 0 (vanilla), 1 (cispo) or 2 (sapo), "
+              "got ", policy_loss);
 }
 
 // A per-token [B, T] tensor of the accumulation dtype on the logits' device, made

@@ -9,6 +9,11 @@
 // token epilogue), so a known loss scale (gradient accumulation) costs no pass at all, and
 // any other grad_output one in-place pass (scale_grad.cu), never an [N, V] allocation.
 // A second tiny launch reduces loss = sum(w * loss_tok) in a fixed order (deterministic).
+// The loss menu (issue 8) is all in the per-token epilogue (token_epilogue.cuh ->
+// ppo::token_loss): policy_loss vanilla / cispo / sapo, kl_estimator k1..k3+, the KL bias
+// correction, on-policy (old_logprobs None: old = logp) and entropy_weights (the gradient's
+// d loss / d H = -entropy_weights * entropy_coef; the loss output stays sum(w * loss_tok),
+// the Python layer corrects its entropy part when entropy_agg_mode differs).
 #include <ATen/Dispatch.h>
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
@@ -21,31 +26,48 @@ namespace {
 using Tensor = at::Tensor;
 using OptTensor = std::optional<at::Tensor>;
 
+// The scalar options of both ops, in the schema's order (csrc/ops.cpp).
+struct LossOptions {
+  double clip_eps_low, clip_eps_high, dual_clip_c, kl_coef;
+  int64_t kl_estimator;
+  double entropy_coef, temperature, grad_scale;
+  int64_t policy_loss;
+  double sapo_tau_pos, sapo_tau_neg;
+  bool kl_bias_correction;
+};
+
 // Returns (loss, loss_tok, logprobs, entropy, dlogits); dlogits is numel 0 when no gradient
 // is asked for, and undefined when it was written over the logits (inplace).
+// old_logprobs None: on-policy (the kernel takes old = logp); entropy_weights None: weights.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
     const Tensor& logits, const Tensor& tokens_in, const Tensor& mask_in,
-    const Tensor& old_logprobs, const Tensor& advantages, const Tensor& weights,
-    const OptTensor& ref_logprobs, const OptTensor& rollout_is_weights, double clip_eps_low,
-    double clip_eps_high, double dual_clip_c, double kl_coef, int64_t kl_estimator,
-    double entropy_coef, double temperature, double grad_scale, bool compute_grad,
-    bool inplace) {
+    const OptTensor& old_logprobs, const Tensor& advantages, const Tensor& weights,
+    const OptTensor& ref_logprobs, const OptTensor& rollout_is_weights,
+    const OptTensor& entropy_weights, const LossOptions& o, bool compute_grad, bool inplace) {
   check_logits(logits, tokens_in, mask_in);
-  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0.0,
-              "ppo_kernels (CUDA): grad_scale: expected a finite number > 0, got ", grad_scale);
-  check_temperature(temperature, logits.scalar_type());
-  check_kl_estimator(kl_estimator);
+  TORCH_CHECK(std::isfinite(o.grad_scale) && o.grad_scale > 0.0,
+              "ppo_kernels (CUDA): grad_scale: expected a finite number > 0, got ", o.grad_scale);
+  check_temperature(o.temperature, logits.scalar_type());
+  check_kl_estimator(o.kl_estimator);
+  check_policy_loss(o.policy_loss);
+  if (o.policy_loss == ppo::kSapo) {
+    TORCH_CHECK(std::isfinite(o.sapo_tau_pos) && o.sapo_tau_pos > 0.0 &&
+                    std::isfinite(o.sapo_tau_neg) && o.sapo_tau_neg > 0.0,
+                "ppo_kernels (CUDA): sapo_tau_pos / sapo_tau_neg: expected finite numbers > 0, "
+                "got ", o.sapo_tau_pos, " / ", o.sapo_tau_neg);
+  }
   c10::cuda::CUDAGuard guard(logits.device());
   const Tensor tokens = tokens_in.contiguous();
   const Tensor mask = mask_in.contiguous();
   const auto acc = acc_dtype(logits.scalar_type());
   const auto dev = logits.device();
   const auto shape = tokens.sizes();
-  const Tensor old_lp = per_token(old_logprobs, "old_logprobs", acc, shape, dev);
+  const OptTensor old_lp = opt_per_token(old_logprobs, "old_logprobs", acc, shape, dev);
   const Tensor adv = per_token(advantages, "advantages", acc, shape, dev);
   const Tensor w = per_token(weights, "weights", acc, shape, dev);
   const OptTensor ref = opt_per_token(ref_logprobs, "ref_logprobs", acc, shape, dev);
   const OptTensor isw = opt_per_token(rollout_is_weights, "rollout_is_weights", acc, shape, dev);
+  const OptTensor w_ent = opt_per_token(entropy_weights, "entropy_weights", acc, shape, dev);
   if (inplace) at::assert_no_internal_overlap(logits);
 
   const auto acc_opts = logits.options().dtype(acc);
@@ -62,14 +84,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
   }
 
   ppo::PolicyParams params;
-  params.clip_eps_low = clip_eps_low;
-  params.clip_eps_high = clip_eps_high;
-  params.dual_clip_c = dual_clip_c;
-  params.kl_coef = kl_coef;
-  params.kl_estimator = static_cast<int>(kl_estimator);
-  params.entropy_coef = entropy_coef;
+  params.clip_eps_low = o.clip_eps_low;
+  params.clip_eps_high = o.clip_eps_high;
+  params.dual_clip_c = o.dual_clip_c;
+  params.kl_coef = o.kl_coef;
+  params.kl_estimator = static_cast<int>(o.kl_estimator);
+  params.entropy_coef = o.entropy_coef;
   params.has_ref = ref.has_value();
   params.has_is_weights = isw.has_value();
+  params.policy_loss = static_cast<int>(o.policy_loss);
+  params.sapo_tau_pos = o.sapo_tau_pos;
+  params.sapo_tau_neg = o.sapo_tau_neg;
+  params.kl_bias_correction = o.kl_bias_correction;
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int device = dev.index();
@@ -87,17 +113,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
           rv.oT = V;
         }
         TokenIO<A> io = empty_io<A>(kModePpo);
-        io.old_logp = old_lp.data_ptr<A>();
+        io.old_logp = ptr_or_null<A>(old_lp);
         io.adv = adv.data_ptr<A>();
         io.weights = w.data_ptr<A>();
+        io.w_ent = ptr_or_null<A>(w_ent);
         io.is_w = ptr_or_null<A>(isw);
         io.ref_logp = ptr_or_null<A>(ref);
         io.params = params;
         io.logp = logp.data_ptr<A>();
         io.entropy = ent.data_ptr<A>();
         io.loss_tok = loss_tok.data_ptr<A>();
-        io.grad_scale = static_cast<A>(grad_scale);
-        run_rows<scalar_t>(rv, io, make_temp<A>(temperature), acc_opts, device, stream);
+        io.grad_scale = static_cast<A>(o.grad_scale);
+        run_rows<scalar_t>(rv, io, make_temp<A>(o.temperature), acc_opts, device, stream);
         weighted_sum_kernel<A><<<1, kMaxThreads, 0, stream>>>(
             w.data_ptr<A>(), loss_tok.data_ptr<A>(), B * T, loss.data_ptr<A>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -106,29 +133,34 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_cuda(
-    const Tensor& logits, const Tensor& tokens, const Tensor& mask, const Tensor& old_logprobs,
+    const Tensor& logits, const Tensor& tokens, const Tensor& mask, const OptTensor& old_logprobs,
     const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
-    const OptTensor& rollout_is_weights, double clip_eps_low, double clip_eps_high,
-    double dual_clip_c, double kl_coef, int64_t kl_estimator, double entropy_coef,
-    double temperature, double grad_scale, bool compute_grad) {
+    const OptTensor& rollout_is_weights, const OptTensor& entropy_weights, double clip_eps_low,
+    double clip_eps_high, double dual_clip_c, double kl_coef, int64_t kl_estimator,
+    double entropy_coef, double temperature, double grad_scale, int64_t policy_loss,
+    double sapo_tau_pos, double sapo_tau_neg, bool kl_bias_correction, bool compute_grad) {
+  const LossOptions o{clip_eps_low, clip_eps_high, dual_clip_c,  kl_coef,
+                      kl_estimator, entropy_coef,  temperature,  grad_scale,
+                      policy_loss,  sapo_tau_pos,  sapo_tau_neg, kl_bias_correction};
   return ppo_loss_impl(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                       rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                       kl_estimator, entropy_coef, temperature, grad_scale, compute_grad,
-                       false);
+                       rollout_is_weights, entropy_weights, o, compute_grad, false);
 }
 
 // Tensor(a!) in the schema: the dispatcher wants `Tensor&` here, the same C++ signature as
 // every other backend's kernel of this op.
 std::tuple<Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_inplace_cuda(
-    Tensor& logits, const Tensor& tokens, const Tensor& mask, const Tensor& old_logprobs,
+    Tensor& logits, const Tensor& tokens, const Tensor& mask, const OptTensor& old_logprobs,
     const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
-    const OptTensor& rollout_is_weights, double clip_eps_low, double clip_eps_high,
-    double dual_clip_c, double kl_coef, int64_t kl_estimator, double entropy_coef,
-    double temperature, double grad_scale) {
-  auto [loss, loss_tok, logp, ent, unused] = ppo_loss_impl(
-      logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-      rollout_is_weights, clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
-      entropy_coef, temperature, grad_scale, true, true);
+    const OptTensor& rollout_is_weights, const OptTensor& entropy_weights, double clip_eps_low,
+    double clip_eps_high, double dual_clip_c, double kl_coef, int64_t kl_estimator,
+    double entropy_coef, double temperature, double grad_scale, int64_t policy_loss,
+    double sapo_tau_pos, double sapo_tau_neg, bool kl_bias_correction) {
+  const LossOptions o{clip_eps_low, clip_eps_high, dual_clip_c,  kl_coef,
+                      kl_estimator, entropy_coef,  temperature,  grad_scale,
+                      policy_loss,  sapo_tau_pos,  sapo_tau_neg, kl_bias_correction};
+  auto [loss, loss_tok, logp, ent, unused] =
+      ppo_loss_impl(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
+                    rollout_is_weights, entropy_weights, o, true, true);
   (void)unused;
   return {loss, loss_tok, logp, ent};
 }

@@ -25,135 +25,14 @@
 
 #include "launch.h"
 #include "row_reduce.cuh"
+#include "token_epilogue.cuh"
 
 namespace ppo_cuda {
-
-template <typename scalar_t>
-struct RowsView {
-  const scalar_t* logits;
-  int64_t sB, sT;  // element strides of logits over B and Tl
-  scalar_t* out;   // gradient destination, or nullptr for no gradient
-  int64_t oB, oT;  // element strides of out (dlogits contiguous, or logits' own in place)
-  const int64_t* tokens;  // [B, T] contiguous
-  const bool* mask;       // [B, T] contiguous
-  int64_t B, T, Tl, V;
-};
 
 // Most threads of a fused block (review S2: 512 x 64 registers leaves room for two blocks
 // per multiprocessor, so one block's epilogue overlaps the other's sweep; also fp64 gets
 // 128 registers and no spills, review C10).
 constexpr int kFusedMaxThreads = 512;
-
-// ---------------------------------------------------------------- per-token epilogue
-
-enum RowMode : int { kModeLogprobs = 0, kModePpo = 1, kModeScore = 2 };
-
-// Per-token inputs and outputs of the epilogue, [B, T] contiguous, index i = b * T + t.
-// A null output pointer is not written.
-template <typename A>
-struct TokenIO {
-  int mode;
-  // kModePpo
-  const A* old_logp;
-  const A* adv;
-  const A* weights;
-  const A* is_w;  // null: 1
-  ppo::PolicyParams params;
-  A grad_scale;   // dlogp and dent are multiplied by it (1 outside kModePpo)
-  // kModePpo (when params.has_ref) and kModeScore
-  const A* ref_logp;
-  // kModeScore
-  A kl_coef;
-  int kl_estimator;
-  // outputs
-  A* logp;
-  A* entropy;
-  A* row_max;
-  A* log_sum;
-  A* loss_tok;
-  A* kl;
-  A* rewards;
-};
-
-// What the epilogue reads of one row, fetched by its thread at the START of the row (review
-// S2) so that the loads are in flight during sweep 1, not after its barriers.
-template <typename A>
-struct TokenIn {
-  int64_t tok;
-  bool tok_ok;
-  A x_tok, old_logp, adv, w, ref, isw;
-};
-
-template <typename scalar_t, typename A>
-__device__ __forceinline__ TokenIn<A> fetch_token(const TokenIO<A>& io,
-                                                  const RowsView<scalar_t>& rv,
-                                                  const scalar_t* row, int64_t i) {
-  TokenIn<A> in{};
-  in.tok = rv.tokens[i];
-  in.tok_ok = in.tok >= 0 && in.tok < rv.V;
-  in.x_tok = in.tok_ok ? static_cast<A>(row[in.tok]) : A(0);
-  in.isw = A(1);
-  if (io.mode == kModePpo) {
-    in.old_logp = io.old_logp[i];
-    in.adv = io.adv[i];
-    in.w = io.weights[i];
-    if (io.params.has_ref) in.ref = io.ref_logp[i];
-    if (io.is_w) in.isw = io.is_w[i];
-  } else if (io.mode == kModeScore) {
-    in.ref = io.ref_logp[i];
-  }
-  return in;
-}
-
-// Writes the row's per-token outputs and returns what its gradient sweep needs (dlogp and
-// dent already times grad_scale: the token epilogue is where the known loss scale enters).
-template <typename A>
-__device__ __forceinline__ GradRow<A> token_epilogue(const TokenIO<A>& io, int64_t i,
-                                                     const TokenIn<A>& in,
-                                                     const RowStats<A>& rs, Temp<A> tp) {
-  const A logp = in.tok_ok ? token_logp(in.x_tok, rs.xmax, rs.log_s, tp.inv) : quiet_nan<A>();
-  if (io.logp) io.logp[i] = logp;
-  if (io.entropy) io.entropy[i] = rs.entropy;
-  if (io.row_max) io.row_max[i] = rs.xmax;
-  if (io.log_sum) io.log_sum[i] = rs.log_s;
-  A dlogp = A(0), dent = A(0);
-  if (io.mode == kModePpo) {
-    const ppo::TokenLoss<A> tl = ppo::token_loss(logp, rs.entropy, in.old_logp, in.adv, in.ref,
-                                                 in.isw, in.w, io.params);
-    io.loss_tok[i] = tl.loss;
-    dlogp = tl.dlogp * io.grad_scale;
-    dent = tl.dent * io.grad_scale;
-  } else if (io.mode == kModeScore) {
-    const ppo::KlTerm<A> k = ppo::kl_term(logp - in.ref, io.kl_estimator);
-    io.kl[i] = k.kl;
-    io.rewards[i] = -io.kl_coef * k.kl;
-  }
-  GradRow<A> g;
-  g.xmax = rs.xmax;
-  g.log_s2 = rs.log_s2;
-  g.entropy = rs.entropy;
-  g.dlogp = dlogp;
-  g.dent = dent;
-  g.g_tok = token_grad(logp, rs.entropy, dlogp, dent, tp.inv);
-  g.tok = in.tok;
-  return g;
-}
-
-template <typename A>
-__device__ __forceinline__ void token_epilogue_masked(const TokenIO<A>& io, int64_t i) {
-  if (io.logp) io.logp[i] = A(0);
-  if (io.entropy) io.entropy[i] = A(0);
-  if (io.row_max) io.row_max[i] = A(0);
-  if (io.log_sum) io.log_sum[i] = A(0);
-  if (io.loss_tok) io.loss_tok[i] = A(0);
-  if (io.kl) io.kl[i] = A(0);
-  if (io.rewards) io.rewards[i] = A(0);
-}
-
-template <typename A>
-PPO_CUDA_HD bool grad_is_zero(const GradRow<A>& g) {
-  return g.dlogp == A(0) && g.dent == A(0);  // e.g. a clipped token: no need to read again
-}
 
 // ---------------------------------------------------------------- fused: one block per row
 

@@ -12,7 +12,13 @@
 //  - confident rows (1 - p_top from 1e-3 down to 1e-12): logp, H and the token's gradient
 //    to ~1e-6 relative; a leading chunk at finfo.min (review C1), at temperature 1 and 0.7;
 //  - extreme logits (fp16/bf16 max, float 3e38, temperature 1e-10), NaN stays loud, all -inf
-//    rows give NaN; scale_range (scale_grad_) rounds x * f once, at every phase.
+//    rows give NaN; scale_range (scale_grad_) rounds x * f once, at every phase;
+//  - the per-token epilogue of ppo_loss (token_epilogue.cuh: fetch_token + token_epilogue,
+//    the kernels' own code) for the loss menu: vanilla / cispo / sapo, k1..abs, k1+ / k3+,
+//    kl_bias_correction, on-policy (old_logprobs null), entropy_weights, rollout IS
+//    weights, grad_scale, masked rows; loss_tok, d loss / d logp, d loss / d H and the
+//    token's own dlogit against a long-double surrogate (stop-gradients frozen) whose
+//    derivative is taken by central differences.
 // Not covered: real shuffles/barriers/launches (gpu_check.sh on a GPU), and the device's
 // own libm: exp2f is 2 ulp on the device vs < 1 ulp in glibc (NOTES.md, tolerances).
 //
@@ -43,6 +49,7 @@ static void check_load(const void* p) {
 #define PPO_CUDA_HOST_CHECK_LOAD(p) check_load(p)
 
 #include "../row_reduce.cuh"
+#include "../token_epilogue.cuh"
 
 using namespace ppo_cuda;
 
@@ -569,6 +576,242 @@ static void special_cases() {
          "V=1: logp %g H %g grad %g\n", r.logp, r.rs.entropy, (double)r.grad[0]);
 }
 
+// ---------------------------------------------------------------- per-token epilogue
+
+// One configuration of the loss menu (the op's scalar options and which inputs exist).
+struct EpiCfg {
+  const char* label;
+  int policy_loss, kl_estimator;
+  bool kl_bias, has_old, has_ref, has_isw, has_went;
+  double eps_lo, eps_hi, dual_c, kl_coef, ent_coef, tau_pos, tau_neg, grad_scale;
+};
+
+// The per-token loss as a long-double function of the token's logprob x, every
+// stop-gradient frozen at x0 (the value the kernel saw): S(x0; x0) is loss_tok and
+// dS/dx at x0 is d loss_tok / d logp. Written from the papers' formulas, not ppo_math.h:
+//   vanilla  max(-rho A, -clip(rho, 1 - el, 1 + eh) A), then min(., -c A) where A < 0
+//   cispo    -sg(clip(rho)) A x;   sapo  -(4 / tau) sigmoid(tau (rho - 1)) A
+//   rho = exp(clamp(x - old, +-20)), old = sg(x) when on-policy
+//   kl k1 d, k2 d^2 / 2, k3 exp(-c) - 1 + c (c = clamp(d, +-20)), abs |d|, d = x - ref;
+//   k1+ / k3+: k1 / k3 at x0 plus k2(x) - k2(x0); bias correction: kl * rho
+struct EpiTok {
+  long double old, adv, ref, isw;  // old: NaN when on-policy
+};
+// (not std::min / max: --expt-relaxed-constexpr makes those __host__ __device__, and nvcc
+// warns about long double in device code)
+static long double ld_min(long double a, long double b) { return a < b ? a : b; }
+static long double ld_max(long double a, long double b) { return a > b ? a : b; }
+static long double ld_clamp(long double x, long double lim) { return ld_max(-lim, ld_min(lim, x)); }
+static long double epi_rho(const EpiCfg& c, const EpiTok& t, long double x, long double x0) {
+  return std::exp(ld_clamp(x - (c.has_old ? t.old : x0), 20.0L));
+}
+static long double epi_kl(int est, long double d) {
+  switch (est) {
+    case 0: return d;
+    case 1: return 0.5L * d * d;
+    case 3: return std::fabs(d);
+    default: {
+      const long double cl = ld_clamp(d, 20.0L);
+      return std::expm1(-cl) + cl;
+    }
+  }
+}
+static long double epi_surrogate(const EpiCfg& c, const EpiTok& t, long double x,
+                                 long double x0) {
+  const long double rho = epi_rho(c, t, x, x0), A = t.adv;
+  const long double lo = 1.0L - c.eps_lo, hi = 1.0L + c.eps_hi;
+  long double pg;
+  if (c.policy_loss == 1) {
+    pg = -ld_max(lo, ld_min(hi, epi_rho(c, t, x0, x0))) * A * x;
+  } else if (c.policy_loss == 2) {
+    const long double tau = A > 0 ? c.tau_pos : c.tau_neg;
+    pg = -(4.0L / tau) / (1.0L + std::exp(-tau * (rho - 1.0L))) * A;
+  } else {
+    pg = ld_max(-rho * A, -ld_max(lo, ld_min(hi, rho)) * A);
+    if (c.dual_c > 0 && A < 0) pg = ld_min(pg, -c.dual_c * A);
+  }
+  long double loss = t.isw * pg;
+  if (c.has_ref) {
+    long double kl;
+    if (c.kl_estimator == 4 || c.kl_estimator == 5)
+      kl = epi_kl(c.kl_estimator == 4 ? 0 : 2, x0 - t.ref) + epi_kl(1, x - t.ref) -
+           epi_kl(1, x0 - t.ref);
+    else
+      kl = epi_kl(c.kl_estimator, x - t.ref);
+    loss += c.kl_coef * (c.kl_bias ? kl * rho : kl);
+  }
+  return loss;
+}
+
+template <typename T>
+static void epilogue_cases(std::mt19937& rng) {
+  using A = acc_of<T>;
+  const EpiCfg cfgs[] = {
+      // label, pl, kl, bias, old, ref, isw, went, el, eh, dual, klc, entc, tau+, tau-, gs
+      {"vanilla k3 dual", 0, 2, false, true, true, true, false, 0.2, 0.28, 3.0, 0.1, 0.01, 1, 1.05, 1.0},
+      {"vanilla k1+", 0, 4, false, true, true, false, false, 0.2, 0.2, 0.0, 0.3, 0.0, 1, 1.05, 0.5},
+      {"vanilla k3+", 0, 5, false, true, true, true, true, 0.2, 0.28, 0.0, 0.3, 0.02, 1, 1.05, 1.0},
+      {"vanilla k3 bias", 0, 2, true, true, true, false, false, 0.2, 0.28, 3.0, 0.5, 0.0, 1, 1.05, 1.0},
+      {"vanilla abs bias went", 0, 3, true, true, true, true, true, 0.1, 0.3, 0.0, 0.2, 0.05, 1, 1.05, 2.0},
+      {"cispo trl k1", 1, 0, false, true, true, false, false, 1.0, 4.0, 0.0, 0.1, 0.0, 1, 1.05, 1.0},
+      {"cispo no ref", 1, 2, false, true, false, true, true, 0.2, 0.28, 0.0, 0.0, 0.01, 1, 1.05, 1.0},
+      {"cispo k3+ bias", 1, 5, true, true, true, true, false, 0.2, 0.28, 0.0, 0.2, 0.0, 1, 1.05, 0.25},
+      {"sapo k2", 2, 1, false, true, true, false, false, 0.2, 0.2, 0.0, 0.1, 0.0, 1.0, 1.05, 1.0},
+      {"sapo k3 bias", 2, 2, true, true, true, true, true, 0.2, 0.2, 0.0, 0.3, 0.02, 0.5, 2.0, 1.0},
+      {"on-policy vanilla k3 bias", 0, 2, true, false, true, true, true, 0.2, 0.28, 3.0, 0.2, 0.01, 1, 1.05, 1.0},
+      {"on-policy cispo k1+", 1, 4, false, false, true, false, false, 0.2, 0.28, 0.0, 0.2, 0.0, 1, 1.05, 1.0},
+      {"on-policy sapo k2 bias", 2, 1, true, false, true, true, false, 0.2, 0.2, 0.0, 0.3, 0.0, 1.0, 1.05, 0.5},
+  };
+  const int64_t n = 200, V = 37;
+  const Temp<A> tp = temp_of<T>(0.8);
+  int checked = 0, kinks = 0;
+  for (const EpiCfg& c : cfgs) {
+    std::normal_distribution<double> nd(0.0, 1.0);
+    std::uniform_real_distribution<double> ud(0.0, 1.0);
+    std::vector<T> logits(n * V);
+    for (auto& v : logits) v = static_cast<T>(2.0 * nd(rng));
+    std::vector<int64_t> tok(n);
+    std::vector<uint8_t> mask_b(n);
+    for (int64_t i = 0; i < n; ++i) {
+      tok[i] = rng() % V;
+      mask_b[i] = ud(rng) > 0.1;
+    }
+    bool mask[n];
+    for (int64_t i = 0; i < n; ++i) mask[i] = mask_b[i];
+    // the kernel's statistics of every row first: old / ref are drawn around its logp
+    std::vector<RowStats<A>> rs(n);
+    std::vector<double> lp(n);
+    for (int64_t i = 0; i < n; ++i) {
+      rs[i] = stats_finish(emu_split(logits.data() + i * V, V, tp.inv2));
+      lp[i] = (double)token_logp(static_cast<A>(logits[i * V + tok[i]]), rs[i].xmax, rs[i].log_s,
+                                 tp.inv);
+    }
+    std::vector<A> old(n), adv(n), w(n), went(n), ref(n), isw(n);
+    std::vector<A> o_logp(n, A(-7)), o_ent(n, A(-7)), o_loss(n, A(-7));
+    for (int64_t i = 0; i < n; ++i) {
+      // log-ratios mostly inside +-1 (both sides of the clip band), a few beyond the clamp
+      const double far = i % 50 == 7 ? (i % 100 == 7 ? 25.0 : -25.0) : 0.0;
+      old[i] = static_cast<A>(lp[i] - 0.4 * nd(rng) - far);
+      ref[i] = static_cast<A>(lp[i] - 0.6 * nd(rng) + (i % 50 == 13 ? -24.0 : 0.0));
+      adv[i] = static_cast<A>(nd(rng));
+      w[i] = static_cast<A>(0.01 * ud(rng));
+      went[i] = static_cast<A>(0.02 * ud(rng));
+      isw[i] = static_cast<A>(0.5 + ud(rng));
+    }
+    RowsView<T> rv{};
+    rv.logits = logits.data();
+    rv.sB = n * V;
+    rv.sT = V;
+    rv.tokens = tok.data();
+    rv.mask = mask;
+    rv.B = 1;
+    rv.T = rv.Tl = n;
+    rv.V = V;
+    TokenIO<A> io{};
+    io.mode = kModePpo;
+    io.old_logp = c.has_old ? old.data() : nullptr;
+    io.adv = adv.data();
+    io.weights = w.data();
+    io.w_ent = c.has_went ? went.data() : nullptr;
+    io.is_w = c.has_isw ? isw.data() : nullptr;
+    io.ref_logp = c.has_ref ? ref.data() : nullptr;
+    io.params.clip_eps_low = c.eps_lo;
+    io.params.clip_eps_high = c.eps_hi;
+    io.params.dual_clip_c = c.dual_c;
+    io.params.kl_coef = c.kl_coef;
+    io.params.kl_estimator = c.kl_estimator;
+    io.params.entropy_coef = c.ent_coef;
+    io.params.has_ref = c.has_ref;
+    io.params.has_is_weights = c.has_isw;
+    io.params.policy_loss = c.policy_loss;
+    io.params.sapo_tau_pos = c.tau_pos;
+    io.params.sapo_tau_neg = c.tau_neg;
+    io.params.kl_bias_correction = c.kl_bias;
+    io.grad_scale = static_cast<A>(c.grad_scale);
+    io.logp = o_logp.data();
+    io.entropy = o_ent.data();
+    io.loss_tok = o_loss.data();
+    const double rt = sizeof(A) == 8 ? 1e-12 : 3e-6;
+    // the k3 value's series (ppo_math.h expm1_minus_x, 11 terms) is 4e-10 relative at
+    // |delta| -> 1 in double: the KL part gets that much (float: its own rounding)
+    const double rt_kl = sizeof(A) == 8 ? 1e-9 : 3e-6;
+    int bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (!mask[i]) {  // the kernels' order: mask first, nothing of the row is read
+        token_epilogue_masked(io, i);
+        bad += !(o_logp[i] == A(0) && o_ent[i] == A(0) && o_loss[i] == A(0));
+        continue;
+      }
+      const TokenIn<A> tin = fetch_token(io, rv, logits.data() + i * V, i);
+      const GradRow<A> g = token_epilogue(io, i, tin, rs[i], tp);
+      // the row's statistics and logp: the kernel's, passed through
+      bad += !(same_bits(o_logp[i], static_cast<A>(lp[i])) && same_bits(o_ent[i], rs[i].entropy));
+      const long double x0 = lp[i], H = rs[i].entropy;
+      const EpiTok t{c.has_old ? (long double)old[i] : NAN, (long double)adv[i],
+                     (long double)ref[i], c.has_isw ? (long double)isw[i] : 1.0L};
+      const long double s0 = epi_surrogate(c, t, x0, x0);
+      const long double want_loss = s0 - c.ent_coef * H;
+      // five-point central difference (error ~h^4 f^(5) + eps / h ~ 1e-14 relative)
+      const long double h = 1e-5L, h2 = 1e-7L;
+      const long double sp = epi_surrogate(c, t, x0 + h, x0), sm = epi_surrogate(c, t, x0 - h, x0);
+      const long double sp2 = epi_surrogate(c, t, x0 + 2 * h, x0);
+      const long double sm2 = epi_surrogate(c, t, x0 - 2 * h, x0);
+      const long double d_c = (8 * (sp - sm) - (sp2 - sm2)) / (12 * h);
+      // a kink of the loss (clip edge, dual clip, |d|, the clamps) within 2h: no derivative.
+      // The jump of the one-sided differences is ~h f'' where S is smooth (so 100 times
+      // smaller at h2 = h / 100) and does not shrink at a kink; the second term is the
+      // rounding of S (S ~ e^20 |A| on a clamped token) in j2.
+      const long double j1 = (sp2 - s0) / (2 * h) - (s0 - sm2) / (2 * h);
+      const long double j2 = (epi_surrogate(c, t, x0 + 2 * h2, x0) - s0) / (2 * h2) -
+                             (s0 - epi_surrogate(c, t, x0 - 2 * h2, x0)) / (2 * h2);
+      const bool kink = std::fabs(j1 - (h / h2) * j2) >
+                        1e-6L * (1e-3L + std::fabs(d_c)) +
+                            1e3L * std::numeric_limits<long double>::epsilon() *
+                                (1 + std::fabs(s0)) / h2;
+      // the size of the terms: rho up to e^20 on clamped tokens, |A|, |logp| (cispo), the KL
+      const long double old_v = c.has_old ? t.old : x0;
+      const long double rho = std::exp(ld_clamp(x0 - old_v, 20.0L));
+      const long double dref = x0 - t.ref;
+      const long double mag_pg = t.isw * (1 + rho) * std::fabs(t.adv) * (1 + std::fabs(x0)) * 4 +
+                                 c.ent_coef * std::fabs(H);
+      const long double mag_kl = c.kl_coef * (1 + rho) *
+                                 (1 + std::fabs(dref) + dref * dref +
+                                  std::exp(ld_min(20.0L, std::fabs(dref))));
+      const double tol = rt * (double)mag_pg + rt_kl * (double)mag_kl;
+      bool ok = close((double)o_loss[i], want_loss, 0.0, tol);
+      const long double gs = c.grad_scale;
+      const long double want_dent = -gs * (c.has_went ? (long double)went[i] : (long double)w[i]) *
+                                    c.ent_coef;
+      ok &= close((double)g.dent, want_dent, rt, 0.0);
+      if (kink) {
+        ++kinks;
+      } else {
+        const long double want_dlogp = gs * (long double)w[i] * d_c;
+        ok &= close((double)g.dlogp, want_dlogp, 0.0, (double)(gs * w[i]) * tol + 1e-30);
+        // the token's own dlogit entry from the epilogue's dlogp and dent
+        const long double p = std::exp(x0);
+        const long double gt = (-(long double)g.dlogp * std::expm1(x0) -
+                                p * (long double)g.dent * (x0 + H)) * (long double)tp.inv;
+        ok &= close((double)g.g_tok, gt, 0.0,
+                    rt * (double)((std::fabs((long double)g.dlogp) + std::fabs((long double)g.dent) *
+                                  (std::fabs(x0) + std::fabs(H))) * tp.inv) + 1e-30);
+        ++checked;
+      }
+      if (!ok && bad < 3)
+        std::printf("  [%s %s i=%lld] loss %.10g vs %.10Lg, dlogp %.10g vs %.10Lg, dent %.6g vs "
+                    "%.6Lg (logp %.6Lg old %.6Lg rho %.6Lg A %.4Lg)\n",
+                    c.label, name<T>(), (long long)i, (double)o_loss[i], want_loss,
+                    (double)g.dlogp, gs * (long double)w[i] * d_c, (double)g.dent, want_dent, x0,
+                    old_v, rho, t.adv);
+      bad += !ok;
+    }
+    EXPECT(bad == 0, "[epilogue %s %s] %d of %lld tokens off the long-double formula\n", c.label,
+           name<T>(), bad, (long long)n);
+  }
+  std::printf("%-8s %d epilogue tokens checked (%zu configurations, %d at a kink: value only)\n",
+              name<T>(), checked, sizeof(cfgs) / sizeof(cfgs[0]), kinks);
+}
+
 // ---------------------------------------------------------------- scale_grad_ and plans
 
 template <typename T>
@@ -618,6 +861,9 @@ int main() {
   finfo_min_rows<c10::Half>();
   special_cases();
   extreme_cases();
+  epilogue_cases<float>(rng);
+  epilogue_cases<c10::BFloat16>(rng);
+  epilogue_cases<double>(rng);
   scale_cases<float>();
   scale_cases<c10::BFloat16>();
   scale_cases<c10::Half>();
