@@ -282,13 +282,18 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
                  dual_clip_c, policy_loss=policy_loss, sapo_tau_pos=sapo_tau_pos,
                  sapo_tau_neg=sapo_tau_neg, response_mask=m)
     isw = np.ones_like(logp) if rollout_is_weights is None else _per_token(rollout_is_weights, m)
+    rc_w = None
     if rollout_correction is not None:
-        isw = isw * rollout_correction_weights(old, rollout_logprobs, m, rollout_correction,
-                                               rollout_is_threshold)
-    if off_policy_mask_threshold is not None:
+        rc_w = rollout_correction_weights(old, rollout_logprobs, m, rollout_correction,
+                                          rollout_is_threshold)
+        isw = isw * rc_w
+    keep = None
+    if off_policy_mask_threshold is not None and (old_logprobs is not None
+                                                   or rollout_logprobs is not None):
         behaviour = old if rollout_logprobs is None else as_f64(rollout_logprobs)
         kl_seq = seq_mean(behaviour - logp, m)
-        isw = isw * ((_per_token(advantages, m) >= 0) | (kl_seq <= off_policy_mask_threshold))
+        keep = (_per_token(advantages, m) >= 0) | (kl_seq <= off_policy_mask_threshold)
+        isw = isw * keep
     if loss_agg_mode == "none":
         w = w_ent = m
     else:
@@ -330,6 +335,20 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     }
     if policy_loss == "cispo":
         metrics["cispo_clip_frac"] = _masked_mean(g["cispo_clip"], m)
+    if rollout_logprobs is not None and old_logprobs is not None:
+        ell = np.clip(old - as_f64(rollout_logprobs), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * m
+        w_all = m if rc_w is None else rc_w
+        metrics.update(
+            rollout_kl_k3=_masked_mean(expm1_minus_x(ell), m),
+            rollout_chi2=_masked_mean(np.exp(2 * ell), m) - (1.0 if m.sum() > 0 else 0.0),
+            rollout_is_mean=_masked_mean(w_all, m),
+            rollout_is_max=float(np.max(np.where(m > 0, w_all, -np.inf))) if m.sum() else 0.0,
+            rollout_masked_frac=_masked_mean(w_all == 0, m))
+    if keep is not None:
+        nonempty = m.sum(1) > 0
+        dropped = ((~keep) & (m > 0)).any(1)
+        metrics["off_policy_masked_frac"] = (float((dropped & nonempty).sum() / nonempty.sum())
+                                             if nonempty.any() else 0.0)
     if policy_loss in SEQUENCE_POLICY_LOSSES:
         nonempty = m.sum(1) > 0
         eh = clip_eps_low if clip_eps_high is None else clip_eps_high

@@ -47,16 +47,32 @@ def problems(draw):
     if policy_loss == "sapo":
         opts.update(sapo_tau_pos=draw(st.sampled_from([1.0, 2.0])),
                     sapo_tau_neg=draw(st.sampled_from([1.05, 0.5])))
+    rc = draw(st.sampled_from([None, None, "tis", "mis", "tis-seq", "mis-seq", "geo-seq"]))
+    if rc is not None:
+        opts.update(rollout_correction=rc,
+                    rollout_is_threshold=draw(st.sampled_from([2.0, 1.1, (0.7, 1.4)])))
+    if draw(st.booleans()):
+        opts["off_policy_mask_threshold"] = draw(st.sampled_from([0.0, 0.05]))
     use_isw = draw(st.booleans())
     scale = draw(st.sampled_from([0.1, 2.0, 8.0]))
     return B, T, V, seed, padding, neginf, opts, use_isw, scale
+
+
+def _with_rollout(opts, inp):
+    """opts plus the inference engine's log-probs (old ones, shifted by a fixed pattern of
+    both signs) whenever a rollout option is drawn."""
+    if "rollout_correction" not in opts and "off_policy_mask_threshold" not in opts:
+        return opts
+    T = inp["old"].shape[1]
+    shift = 0.3 * torch.cos(1.7 * torch.arange(T, dtype=inp["old"].dtype))
+    return dict(opts, rollout_logprobs=inp["old"] + shift)
 
 
 def _call(inp, opts, use_isw, logits, backend="cpu"):
     return pk.ppo_loss(logits, inp["tokens"], inp["old"], inp["adv"], inp["mask"],
                        inp["ref"],
                        rollout_is_weights=inp["isw"] if use_isw else None, backend=backend,
-                       **opts)
+                       **_with_rollout(opts, inp))
 
 
 @SETTINGS
@@ -71,7 +87,7 @@ def test_cpu_matches_reference(problem):
     e_loss, e_met, e_grad = ref.ppo_loss(inp["base"], inp["tokens"], inp["old"], inp["adv"],
                                          inp["mask"], inp["ref"],
                                          rollout_is_weights=inp["isw"] if use_isw else None,
-                                         **opts)
+                                         **_with_rollout(opts, inp))
     assert_close_np(loss, e_loss, rtol=1e-5, atol=1e-5)
     for k, v in met.items():
         assert_close_np(v, e_met[k], rtol=1e-5, atol=1e-5, what=k)
@@ -108,6 +124,10 @@ def test_masking_a_token_removes_its_contribution(problem, data):
     opts = dict(opts, loss_agg_mode="seq-mean-token-sum", entropy_agg_mode=None)
     if opts["policy_loss"] in ("gspo", "gspo-token"):
         opts["policy_loss"] = "vanilla"
+    # the sequence-level weights and the off-policy mask read the other tokens too
+    if opts.get("rollout_correction", "tis") not in ("tis", "mis"):
+        del opts["rollout_correction"]
+    opts.pop("off_policy_mask_threshold", None)
     gen = torch.Generator().manual_seed(seed)
     inp = make_inputs(B, T, V, gen, padding="none", neginf=neginf, scale=scale)
     b = data.draw(st.integers(0, B - 1))
@@ -115,7 +135,8 @@ def test_masking_a_token_removes_its_contribution(problem, data):
     logits = inp["full"][:, :T].contiguous()
     per_tok, _ = pk.ppo_loss(logits, inp["tokens"], inp["old"], inp["adv"], inp["mask"],
                              inp["ref"], rollout_is_weights=inp["isw"] if use_isw else None,
-                             backend="cpu", **dict(opts, loss_agg_mode="none"))
+                             backend="cpu",
+                             **_with_rollout(dict(opts, loss_agg_mode="none"), inp))
     x = logits.clone().requires_grad_(True)
     full_loss, _ = _call(inp, opts, use_isw, x)
     full_loss.backward()
