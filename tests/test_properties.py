@@ -12,7 +12,8 @@ from ppo_kernels import reference as ref
 
 from conftest import assert_close_np, assert_grad_close, make_inputs
 
-SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=int(__import__("os").environ.get("PPO_HYPOTHESIS_EXAMPLES", 60)),
+                    deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 AGG = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -148,7 +149,9 @@ def test_masking_a_token_removes_its_contribution(problem, data):
     m_loss, _ = _call(masked, opts, use_isw, y)
     m_loss.backward()
     expected = float(full_loss.detach()) - float(per_tok[b, t]) / B
-    assert float(m_loss.detach()) == pytest.approx(expected, rel=1e-5, abs=1e-5)
+    # float32 sums: the rounding is relative to the terms, not to their difference
+    scale = max(1.0, abs(float(full_loss.detach())), abs(float(per_tok[b, t])))
+    assert float(m_loss.detach()) == pytest.approx(expected, rel=1e-5, abs=1e-5 * scale)
     assert torch.all(y.grad[b, t] == 0)
     keep = torch.ones(B, T, dtype=torch.bool)
     keep[b, t] = False
