@@ -100,6 +100,27 @@ struct PolicyParams {
   bool kl_bias_correction = false;  // the KL term times rho = pi / pi_old
 };
 
+// The scalar options of the ppo_loss ops, in the schema's order (csrc/ops.cpp), and the
+// PolicyParams the per-token math takes from them: one conversion for the CPU and CUDA ops.
+struct LossOptions {
+  double clip_eps_low, clip_eps_high, dual_clip_c, kl_coef;
+  long long kl_estimator;
+  double entropy_coef, temperature, grad_scale;
+  long long policy_loss;
+  double sapo_tau_pos, sapo_tau_neg;
+  bool kl_bias_correction;
+};
+
+inline PolicyParams policy_params(const LossOptions& o, bool has_ref, bool has_is_weights) {
+  PolicyParams p{o.clip_eps_low, o.clip_eps_high, o.dual_clip_c, o.kl_coef,
+                 static_cast<int>(o.kl_estimator), o.entropy_coef, has_ref, has_is_weights};
+  p.policy_loss = static_cast<int>(o.policy_loss);
+  p.sapo_tau_pos = o.sapo_tau_pos;
+  p.sapo_tau_neg = o.sapo_tau_neg;
+  p.kl_bias_correction = o.kl_bias_correction;
+  return p;
+}
+
 // Clipped-surrogate policy-gradient term of one token and d pg / d logp.
 //   d   = clamp(logp - old_logp, -20, 20), rho = exp(d)
 //   pg  = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)

@@ -88,15 +88,7 @@ at::Tensor weighted_sum(const at::Tensor& w, const at::Tensor& loss_tok) {
   return loss;
 }
 
-// The scalar options of both ops, as the schema orders them (csrc/ops.cpp).
-struct LossOptions {
-  double clip_eps_low, clip_eps_high, dual_clip_c, kl_coef;
-  int64_t kl_estimator;
-  double entropy_coef, temperature, grad_scale;
-  int64_t policy_loss;
-  double sapo_tau_pos, sapo_tau_neg;
-  bool kl_bias_correction;
-};
+using ppo::LossOptions;
 
 // Shared by the functional and the inplace op. dlogits: an output buffer, or undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
@@ -117,15 +109,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
   check_kl_estimator(o.kl_estimator);
   check_policy_loss(o.policy_loss);
   check_temperature(o.temperature);
-  TORCH_CHECK(std::isfinite(o.grad_scale), "grad_scale: expected a finite number, got ",
-              o.grad_scale);
+  TORCH_CHECK(std::isfinite(o.grad_scale) && o.grad_scale > 0, "grad_scale: expected a finite "
+              "number > 0, got ", o.grad_scale);
   r.check_tokens(tokens.data_ptr<int64_t>(), mask.data_ptr<bool>());
-  ppo::PolicyParams p{o.clip_eps_low, o.clip_eps_high, o.dual_clip_c, o.kl_coef,
-                      int(o.kl_estimator), o.entropy_coef, ref.has_value(), is_w.has_value()};
-  p.policy_loss = int(o.policy_loss);
-  p.sapo_tau_pos = o.sapo_tau_pos;
-  p.sapo_tau_neg = o.sapo_tau_neg;
-  p.kl_bias_correction = o.kl_bias_correction;
+  const ppo::PolicyParams p = ppo::policy_params(o, ref.has_value(), is_w.has_value());
   const LossInputs in{tokens, mask, advantages, weights, old, ref, is_w, w_ent, p,
                       o.temperature, o.grad_scale};
   const auto opts = logits.options().dtype(acc);

@@ -26,15 +26,7 @@ namespace {
 using Tensor = at::Tensor;
 using OptTensor = std::optional<at::Tensor>;
 
-// The scalar options of both ops, in the schema's order (csrc/ops.cpp).
-struct LossOptions {
-  double clip_eps_low, clip_eps_high, dual_clip_c, kl_coef;
-  int64_t kl_estimator;
-  double entropy_coef, temperature, grad_scale;
-  int64_t policy_loss;
-  double sapo_tau_pos, sapo_tau_neg;
-  bool kl_bias_correction;
-};
+using ppo::LossOptions;
 
 // Returns (loss, loss_tok, logprobs, entropy, dlogits); dlogits is numel 0 when no gradient
 // is asked for, and undefined when it was written over the logits (inplace).
@@ -83,19 +75,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
                            : at::empty({0}, logits.options());
   }
 
-  ppo::PolicyParams params;
-  params.clip_eps_low = o.clip_eps_low;
-  params.clip_eps_high = o.clip_eps_high;
-  params.dual_clip_c = o.dual_clip_c;
-  params.kl_coef = o.kl_coef;
-  params.kl_estimator = static_cast<int>(o.kl_estimator);
-  params.entropy_coef = o.entropy_coef;
-  params.has_ref = ref.has_value();
-  params.has_is_weights = isw.has_value();
-  params.policy_loss = static_cast<int>(o.policy_loss);
-  params.sapo_tau_pos = o.sapo_tau_pos;
-  params.sapo_tau_neg = o.sapo_tau_neg;
-  params.kl_bias_correction = o.kl_bias_correction;
+  const ppo::PolicyParams params = ppo::policy_params(o, ref.has_value(), isw.has_value());
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int device = dev.index();
