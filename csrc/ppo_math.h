@@ -255,6 +255,9 @@ PPO_HD TokenLoss<T> token_loss(T logp, T entropy, T old_logp, T adv, T ref_logp,
       dlogp += T(p.kl_coef) * k.dkl_ddelta;
     }
   }
+  // a NaN loss (a NaN logit or input on a valid token) must reach the gradient too: the
+  // branch selects above would otherwise hand out a finite 0 (and a skipped row), hiding it
+  if (loss != loss) dlogp = loss;
   return {loss, w * dlogp, -w_ent * T(p.entropy_coef)};
 }
 

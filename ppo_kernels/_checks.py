@@ -43,6 +43,25 @@ def choice(name, value, options):
     return value
 
 
+def positive_in(name, value, dtype):
+    """A number > 0 that stays a positive normal finite value in dtype (the kernels compute
+    with it there: 1e-50 would be 0 in float32, 1e50 inf)."""
+    v = number(name, value, lo=0.0, lo_open=True)
+    fi = torch.finfo(dtype)
+    if not fi.tiny <= v <= fi.max:
+        raise ValueError(f"{name}: expected a number in [{fi.tiny:.3g}, {fi.max:.3g}] (a "
+                         f"positive normal {dtype} value), got {value!r}")
+    return v
+
+
+def flag(name, value):
+    """A bool (not 1 or "yes": a flag that another framework spells as a number is mapped in
+    the docs, never guessed)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r}")
+    return value
+
+
 def number(name, value, *, lo=None, hi=None, lo_open=False, hi_open=False):
     """A finite real number inside [lo, hi] (open ends where asked)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -121,12 +140,13 @@ def response_mask(mask, like, flat, like_name="tokens"):
         mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
     if tuple(mask.shape) != tuple(like.shape):
         raise ValueError(f"response_mask: expected shape {list(like.shape[1:] if flat else like.shape)},"
-                         f" got {list(mask.shape[1:] if flat else mask.shape)}")
+                         f" got {list(mask.shape[1:] if flat else mask.shape)}"
+                         f"{_aligned_hint(mask, like, like_name)}")
     return (mask != 0).contiguous()  # != keeps the input's strides; kernels index flat
 
 
 def policy_options(policy_loss, clip_eps_low, clip_eps_high, dual_clip_c, sapo_tau_pos,
-                   sapo_tau_neg):
+                   sapo_tau_neg, dtype=torch.float32):
     """The validated policy-loss options as the dict the backends take."""
     choice("policy_loss", policy_loss, POLICY_LOSSES)
     if policy_loss == "cispo":  # a band for a weight, not a trust region: wider ranges
@@ -146,8 +166,8 @@ def policy_options(policy_loss, clip_eps_low, clip_eps_high, dual_clip_c, sapo_t
         dual_clip_c = number("dual_clip_c", dual_clip_c, lo=1.0 + eps_high, lo_open=True)
     return dict(policy_loss=policy_loss, policy_loss_id=POLICY_LOSSES.index(policy_loss),
                 clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual_clip_c,
-                sapo_tau_pos=number("sapo_tau_pos", sapo_tau_pos, lo=0.0, lo_open=True),
-                sapo_tau_neg=number("sapo_tau_neg", sapo_tau_neg, lo=0.0, lo_open=True))
+                sapo_tau_pos=positive_in("sapo_tau_pos", sapo_tau_pos, dtype),
+                sapo_tau_neg=positive_in("sapo_tau_neg", sapo_tau_neg, dtype))
 
 
 def host_readable(x):
@@ -185,7 +205,7 @@ def count(name, value, like, dtype):
     or a 0-d tensor of dtype on like's device. A tensor's value is checked on the host
     when that is free (CPU), else by an asynchronous device assertion."""
     if not isinstance(value, torch.Tensor):
-        return number(name, value, lo=0.0, lo_open=True)
+        return positive_in(name, value, dtype)
     if value.numel() != 1 or value.dim() > 1:
         raise ValueError(f"{name}: expected a number or a 0-d tensor, got a tensor of shape "
                          f"{list(value.shape)}")
@@ -199,6 +219,15 @@ def count(name, value, like, dtype):
     else:
         torch._assert_async(torch.isfinite(v) & (v > 0), f"{name}: expected a finite number > 0")
     return v
+
+
+def _aligned_hint(x, like, like_name):
+    """The likely cause when a [B, T] input meets tokens of one more position."""
+    if like_name == "tokens" and x.dim() == 2 and like.dim() == 2 and \
+            tuple(x.shape) == (like.shape[0], like.shape[1] - 1):
+        return (" (tokens [B, T + 1] were taken as aligned with logits [B, T + 1, V]: pass the "
+                "T sampled tokens, tokens[:, 1:] of the full sequence, with the raw logits)")
+    return ""
 
 
 def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens",
@@ -219,7 +248,8 @@ def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens",
     if tuple(x.shape) != tuple(like.shape):
         shown = like.shape[1:] if flat else like.shape
         raise ValueError(f"{name}: expected shape {list(shown)}, got "
-                         f"{list(x.shape[1:] if flat and x.dim() == 2 else x.shape)}")
+                         f"{list(x.shape[1:] if flat and x.dim() == 2 else x.shape)}"
+                         f"{_aligned_hint(x, like, like_name)}")
     # inputs from the rollout: they are data, not parameters, and get no gradient on any
     # backend
     return x.detach().to(dtype).contiguous()

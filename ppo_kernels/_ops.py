@@ -129,8 +129,11 @@ def _loss_setup_for(prefix):
         # with grad_output on the device
         ctx.applied = torch.full((), grad_scale, dtype=acc_dtype(logits), device=logits.device)
         # saved (not a ctx attribute): autograd frees it right after the backward, so the
-        # gradient it becomes is the only reference left and nothing clones it
-        ctx.save_for_backward(output[4])
+        # gradient it becomes is the only reference left and nothing clones it. Saved as a
+        # detached alias, not as the op's output: an output is saved without a reference
+        # of its own, so with retain_graph autograd would make the buffer the logits' .grad
+        # and the next backward would rescale that .grad in place
+        ctx.save_for_backward(output[4].detach())
         ctx.prefix = prefix
         # the other outputs carry no gradient: materialising zeros for them would allocate a
         # second [N, V] buffer (for the dlogits output) in every backward
@@ -232,10 +235,8 @@ class KernelBackend:
     def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace,
                  w_ent=None):
         if p["policy_loss"] in SEQUENCE_POLICY_LOSSES or p.get("pg_mask_fn") is not None:
-            if inplace:
-                raise ValueError(f"inplace_backward: not available with policy_loss="
-                                 f"{p['policy_loss']!r} or off_policy_mask_threshold (their "
-                                 f"gradient sweep is a second pass that writes a fresh buffer)")
+            # (inplace_backward does not apply: the gradient sweep is a second pass that
+            # writes a fresh buffer, as documented)
             from . import _two_phase
 
             return _two_phase.ppo_loss(self.prefix, logits, tokens, mask, old, adv, weights,
@@ -247,6 +248,10 @@ class KernelBackend:
                 bool(p["kl_bias_correction"]))
         need_grad = torch.is_grad_enabled() and logits.requires_grad
         gs = p["grad_scale"]
+        if logits.dtype == torch.float16:
+            # float16 cannot hold every pre-scaled gradient (a loss scale of 2^16): scale
+            # up in the backward instead, where an overflow is the loss scaler's to see
+            gs = min(gs, 1.0)
         if inplace and need_grad:
             loss, loss_tok, logp, ent = _InplaceLoss.apply(
                 logits, self._op("ppo_loss_fwd_inplace"), args, tail, self.prefix, gs)

@@ -89,11 +89,14 @@ def pg_terms(logp, old_logprobs, advantages, mask, p):
                    clip_high=torch.zeros_like(mask), clip_low=torch.zeros_like(mask),
                    dual=torch.zeros_like(mask))
     else:  # gspo, gspo-token: the sequence ratio s = exp(clamp(mean_t (logp - old)))
-        ls = torch.clamp(seq_mean(logp - old, mask), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ls_raw = seq_mean(logp - old, mask)
+        ls = torch.clamp(ls_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         if kind == "gspo":
             s = torch.exp(ls).expand_as(logp)
-        else:  # gspo-token: the value of s, the gradient s on the own token only
-            s = torch.exp(logp - logp.detach() + ls.detach())
+        else:  # gspo-token: the value of s, the gradient s on the own token only (none
+            # where the sequence's log-ratio was clamped, as for every clamped ratio)
+            live = (ls_raw.detach().abs() <= LOG_RATIO_CLAMP).to(logp.dtype)
+            s = torch.exp((logp - logp.detach()) * live + ls.detach())
         pg, ch, cl, dual = _clip_surrogate(s, advantages, eps_low, eps_high, p["dual_clip_c"])
         out.update(pg=pg, ratio=s, clip_high=ch, clip_low=cl, dual=dual,
                    seq_ratio=torch.exp(ls.detach())[:, 0])
@@ -122,8 +125,11 @@ def kl_terms(logp, ref_logprobs, kl_estimator):
     "k3+" are verl's straight-through estimators: the value of k1 / k3, the gradient of k2."""
     delta = logp - ref_logprobs
     if kl_estimator in ("k1+", "k3+"):
+        # the value of k1 / k3 exactly plus a term whose value is 0 and whose gradient is
+        # k2's (a where keeps inf - inf out when the reference gives the token p = 0)
         k2 = 0.5 * delta * delta
-        return k2 + (kl_terms(logp, ref_logprobs, kl_estimator[:2]) - k2).detach()
+        zero_with_k2_grad = torch.where(torch.isfinite(k2.detach()), k2 - k2.detach(), 0.0)
+        return kl_terms(logp, ref_logprobs, kl_estimator[:2]).detach() + zero_with_k2_grad
     if kl_estimator == "k1":
         return delta
     if kl_estimator == "k2":
@@ -175,6 +181,11 @@ def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_
         if p.get("kl_bias_correction"):
             kl = kl * pt["ratio"]
         loss = loss + p["kl_coef"] * kl
+    # a NaN loss (a NaN logit or input on a valid token) must reach the gradient too:
+    # clamp's and where's backward would hand out a finite 0 for it (ppo_math.h does same)
+    # (both factors are 0 off the NaN tokens, so no 0 * NaN reaches any other gradient)
+    bad = torch.isnan(loss.detach())
+    loss = loss + torch.where(bad, float("nan"), 0.0) * torch.where(bad, logp, 0.0)
     return loss, entropy
 
 

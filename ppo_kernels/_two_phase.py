@@ -37,10 +37,11 @@ class TwoPhaseLoss(torch.autograd.Function):
 
         (dlogp, dent), (loss, pol) = torch.func.grad_and_value(f, argnums=(0, 1),
                                                                has_aux=True)(logp, ent)
+        # float16 cannot hold every pre-scaled gradient: as _ops.KernelBackend.ppo_loss
+        gs = min(p["grad_scale"], 1.0) if logits.dtype == torch.float16 else p["grad_scale"]
         ctx.prefix = prefix
-        ctx.applied = torch.full((), p["grad_scale"], dtype=logp.dtype, device=logits.device)
-        if logits.requires_grad:
-            gs = p["grad_scale"]
+        ctx.applied = torch.full((), gs, dtype=logp.dtype, device=logits.device)
+        if not isinstance(ctx, _NoCtx):  # a gradient is wanted (else no second pass)
             bwd = getattr(ops, prefix + "token_logprobs_bwd")
             dlogits = bwd((dlogp * gs).contiguous(),
                           (dent * gs).contiguous() if p["entropy_coef"] != 0.0 else None,

@@ -106,7 +106,7 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8):
     ck.tensor("x", x, floating=True)
     mask = ck.response_mask(response_mask, x, False, like_name="x")
     eps = ck.number("eps", eps, lo=0.0)
-    ck.choice("shift_mean", shift_mean, (True, False))
+    ck.flag("shift_mean", shift_mean)
     # statistics in float32 at least (a float16 sum of squares overflows); masked entries
     # are set apart with where, so a NaN or inf there changes nothing
     acc = torch.promote_types(x.dtype, torch.float32)
@@ -169,7 +169,7 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
     lam = ck.number("lam", lam, lo=0.0, hi=1.0)
     temperature = ck.temperature(temperature, logits3)
-    ck.choice("whiten", whiten, (True, False))
+    ck.flag("whiten", whiten)
     be = get_backend(backend, logits3.device)
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
     if logits3.dtype == torch.float64:

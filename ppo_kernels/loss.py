@@ -39,7 +39,7 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
     logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
     mask = ck.response_mask(response_mask, tokens2, flat)
     temperature = ck.temperature(temperature, logits3)
-    ck.choice("return_entropy", return_entropy, (True, False))
+    ck.flag("return_entropy", return_entropy)
     be = get_backend(backend, logits3.device)
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
     logp, ent = be.token_logprobs(logits3, tokens2, mask, temperature, return_entropy)
@@ -148,9 +148,15 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     isw = ck.per_token("rollout_is_weights", rollout_is_weights, tokens2, flat, acc,
                        optional=True, per_seq_ok=True)
     p = ck.policy_options(policy_loss, clip_eps_low, clip_eps_high, dual_clip_c, sapo_tau_pos,
-                          sapo_tau_neg)
+                          sapo_tau_neg, acc)
     rollout = ck.per_token("rollout_logprobs", rollout_logprobs, tokens2, flat, acc,
                            optional=True)
+    # masked positions hold anything (NaN included); the [B, T] formulas that reduce over
+    # a sequence (GSPO's ratio, the off-policy mask) would carry 0 * NaN into the valid
+    # tokens' gradient, so they are set apart here, before any of them (the kernels never
+    # read them anyway)
+    old, adv, ref, isw, rollout = (None if x is None else torch.where(mask, x, 0.0)
+                                   for x in (old, adv, ref, isw, rollout))
     rc_w = None
     if rollout_correction is not None:
         ck.choice("rollout_correction", rollout_correction, _rc.MODES)
@@ -167,12 +173,12 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             p["pg_mask_fn"] = lambda lp: _rc.off_policy_keep(lp, behaviour, adv, mask, delta)
     kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
     ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
-    ck.choice("kl_bias_correction", kl_bias_correction, (True, False))
+    ck.flag("kl_bias_correction", kl_bias_correction)
     if kl_coef > 0 and ref is None:
         raise ValueError(f"ref_logprobs: kl_coef = {kl_coef} > 0 needs ref_logprobs, got None")
     entropy_coef = ck.number("entropy_coef", entropy_coef)
     temperature = ck.temperature(temperature, logits3)
-    grad_scale = ck.number("grad_scale", grad_scale, lo=0.0, lo_open=True)
+    grad_scale = ck.positive_in("grad_scale", grad_scale, acc)
     ck.choice("loss_agg_mode", loss_agg_mode, ck.LOSS_AGG_MODES)
     if entropy_agg_mode is not None:
         ck.choice("entropy_agg_mode", entropy_agg_mode, ck.LOSS_AGG_MODES[:-1])
@@ -182,7 +188,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         global_num_seqs = ck.count("global_num_seqs", global_num_seqs, logits3, acc)
     if norm_length is not None:
         norm_length = ck.number("norm_length", norm_length, lo=0.0, lo_open=True)
-    ck.choice("inplace_backward", inplace_backward, (True, False))
+    ck.flag("inplace_backward", inplace_backward)
     if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
                                                                     logits3.shape)):
         raise ValueError("logits: inplace_backward=True writes the gradient into the logits, "

@@ -37,7 +37,9 @@ def bounds(mode, threshold):
             raise ValueError(f"rollout_is_threshold: expected a number or (lo, hi), got "
                              f"{threshold!r}")
         lo = ck.number("rollout_is_threshold", threshold[0], lo=0.0)
-        hi = ck.number("rollout_is_threshold", threshold[1], lo=lo, lo_open=True)
+        hi = ck.number("rollout_is_threshold", threshold[1], lo=0.0, lo_open=True)
+        if not hi > lo:
+            raise ValueError(f"rollout_is_threshold: (lo, hi) needs hi > lo, got {threshold!r}")
         return lo, hi
     hi = ck.number("rollout_is_threshold", threshold, lo=0.0, lo_open=True)
     if mode == "geo-seq":
@@ -93,7 +95,7 @@ def metrics(old_logprobs, rollout_logprobs, mask, w):
     zero = torch.zeros((), dtype=torch.float32, device=w.device)
     return {
         "rollout_kl_k3": mean(expm1_minus_x(l_tok)),
-        "rollout_chi2": mean(torch.exp(2.0 * l_tok)) - (1.0 if mask.any() else 0.0),
+        "rollout_chi2": mean(torch.exp(2.0 * l_tok)) - mask.any().float(),
         "rollout_is_mean": mean(w),
         "rollout_is_max": torch.where(mask, w, 0.0).max().float() if w.numel() else zero,
         "rollout_masked_frac": mean((w == 0).to(w.dtype)),

@@ -467,3 +467,24 @@ def test_raw_cpu_ops_reject_non_positive_temperature(temperature):
     with pytest.raises((RuntimeError, ValueError)):
         torch.ops.ppo_kernels.token_logprobs_fwd(d["logits"], d["tokens"], m, temperature,
                                                  False)
+
+
+@pytest.mark.parametrize("be", BES)
+@pytest.mark.parametrize("where", ["logit", "advantage", "old"])
+def test_nan_on_a_valid_token_reaches_the_gradient(be, where):
+    """A NaN on a valid position makes the loss NaN and must not be hidden from the
+    gradient either (a gradient-norm check is how training loops notice): every backend
+    gives a NaN in the row of that token, as autograd does."""
+    d = _inputs()
+    logits, adv, old = d["logits"].clone(), d["adv"].clone(), d["old"].clone()
+    if where == "logit":
+        logits[1, 2, 3] = float("nan")
+    elif where == "advantage":
+        adv[1, 2] = float("nan")
+    else:
+        old[1, 2] = float("nan")
+    x = logits.requires_grad_(True)
+    loss, _ = pk.ppo_loss(x, d["tokens"], old, adv, backend=be.name)
+    loss.backward()
+    assert torch.isnan(loss.detach())
+    assert torch.isnan(x.grad[1, 2]).any()

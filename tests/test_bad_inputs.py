@@ -136,7 +136,7 @@ ROWS = [
     ("ppo_loss", "sapo_tau_pos", 0.0, ValueError, "sapo_tau_pos"),
     ("ppo_loss", "sapo_tau_neg", -1.0, ValueError, "sapo_tau_neg"),
     ("ppo_loss", "clip_eps_high", 2.0, ValueError, "clip_eps_high"),  # fine for cispo only
-    ("ppo_loss", "kl_bias_correction", "yes", ValueError, "kl_bias_correction"),
+    ("ppo_loss", "kl_bias_correction", "yes", TypeError, "kl_bias_correction"),
     ("ppo_loss", "kl_estimator", "k2+", ValueError, "kl_estimator"),
     ("ppo_loss", "entropy_agg_mode", "none", ValueError, "entropy_agg_mode"),
     ("ppo_loss", "entropy_agg_mode", "mean", ValueError, "entropy_agg_mode"),
@@ -156,7 +156,7 @@ ROWS = [
     ("ppo_loss", "global_num_tokens", -4, ValueError, "global_num_tokens"),
     ("ppo_loss", "norm_length", 0, ValueError, "norm_length"),
     ("ppo_loss", "norm_length", -1.5, ValueError, "norm_length"),
-    ("ppo_loss", "inplace_backward", "yes", ValueError, "inplace_backward"),
+    ("ppo_loss", "inplace_backward", "yes", TypeError, "inplace_backward"),
     ("ppo_loss", "tokens", lambda d: d["tokens"].to(META), ValueError, "tokens"),
     ("ppo_loss", "old_logprobs", lambda d: d["old_logprobs"].to(META), ValueError,
      "old_logprobs"),
@@ -178,7 +178,7 @@ ROWS = [
     ("token_logprobs", "temperature", 0, ValueError, "temperature"),
     ("token_logprobs", "temperature", -0.5, ValueError, "temperature"),
     ("token_logprobs", "temperature", 2e-39, ValueError, "temperature"),
-    ("token_logprobs", "return_entropy", "yes", ValueError, "return_entropy"),
+    ("token_logprobs", "return_entropy", "yes", TypeError, "return_entropy"),
     ("token_logprobs", "backend", "tpu", ValueError, "backend"),
     ("token_logprobs", "backend", "cuda", ValueError, "backend"),
     # ---------------- gae
@@ -239,7 +239,7 @@ ROWS = [
     ("score_rollout", "lam", -0.5, ValueError, "lam"),
     ("score_rollout", "temperature", 0.0, ValueError, "temperature"),
     ("score_rollout", "temperature", 1e-40, ValueError, "temperature"),
-    ("score_rollout", "whiten", "no", ValueError, "whiten"),
+    ("score_rollout", "whiten", "no", TypeError, "whiten"),
     ("score_rollout", "backend", "cuda", ValueError, "backend"),
     ("score_rollout", "backend", "numpy", ValueError, "backend"),
     ("score_rollout", "values", lambda d: d["values"].to(META), ValueError, "values"),
@@ -301,11 +301,16 @@ def test_dual_clip_only_with_a_clipped_surrogate(policy_loss):
 
 
 @pytest.mark.parametrize("policy_loss", ["gspo", "gspo-token"])
-def test_inplace_backward_refused_for_sequence_losses(policy_loss):
+def test_inplace_backward_allocates_as_usual_for_sequence_losses(policy_loss):
+    """As documented: the two-phase path's gradient sweep writes a fresh buffer."""
     d = base_ppo()
-    d["logits"] = d["logits"].clone().requires_grad_(True)
-    with pytest.raises(ValueError, match="inplace_backward"):
-        pk.ppo_loss(**d, policy_loss=policy_loss, inplace_backward=True)
+    grads = []
+    for inplace in (False, True):
+        x = d["logits"].clone().requires_grad_(True)
+        pk.ppo_loss(**dict(d, logits=x), policy_loss=policy_loss,
+                    inplace_backward=inplace)[0].backward()
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[0], grads[1])
 
 
 def test_kl_coef_without_ref_logprobs():
@@ -391,3 +396,24 @@ def test_device_mismatch_cuda():
     g = base_gae()
     with pytest.raises(ValueError, match="values"):
         pk.gae(g["rewards"].cuda(), g["values"], g["response_mask"].cuda())
+
+
+@pytest.mark.parametrize("name", ["kl_bias_correction", "inplace_backward"])
+def test_flags_are_bools(name):
+    with pytest.raises(TypeError, match=name):
+        pk.ppo_loss(**base_ppo(), **{name: 1})
+
+
+def test_tokens_one_position_too_long_get_a_hint():
+    d = base_ppo()
+    d["logits"] = torch.randn(B, T + 1, V)
+    d["tokens"] = torch.randint(0, V, (B, T + 1))
+    with pytest.raises(ValueError, match=r"tokens\[:, 1:\]"):
+        pk.ppo_loss(**d)
+
+
+def test_rollout_threshold_order_message():
+    d = base_ppo()
+    with pytest.raises(ValueError, match="hi > lo"):
+        pk.ppo_loss(**d, rollout_logprobs=d["old_logprobs"], rollout_correction="mis",
+                    rollout_is_threshold=(2.0, 0.5))

@@ -257,6 +257,8 @@ def token_loss(logp, ent, old_logp, adv, ref_logp, is_w, w, w_ent, eps_low, eps_
         else:
             loss += kl_coef * kl
             dlogp += kl_coef * dkl
+    # a NaN loss must reach the gradient too (ppo_math.h: the selects would hide it)
+    dlogp = tl.where(loss != loss, loss, dlogp)
     return loss, w * dlogp, -w_ent * entropy_coef
 
 
