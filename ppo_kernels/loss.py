@@ -121,7 +121,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             gradients are the same for any value, but the kernel backends write dlogits
             pre-scaled by it, so ``(loss * grad_scale).backward()`` costs no pass over the
             logits, while any other grad_output rescales dlogits once, in place (no [N, V]
-            allocation either way).
+            allocation either way). float16 logits are pre-scaled by at most 1 (a loss
+            scale would overflow their range; the backward applies the rest).
         inplace_backward: write the gradient into the logits' storage (the logits must not
             be used afterwards, and one backward only); saves one [N, V] buffer. Kernel
             backends, scalar modes and token-level policy losses only ("torch", "none",
