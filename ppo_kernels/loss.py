@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from . import _checks as ck
@@ -141,8 +143,51 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         TypeError / ValueError naming the argument (see DESIGN.md, "Bad input").
     """
     logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
+    s = prepare_loss(logits3, logits3.shape[2], tokens2, flat, response_mask, old_logprobs,
+                     advantages, ref_logprobs, policy_loss=policy_loss,
+                     clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+                     dual_clip_c=dual_clip_c, sapo_tau_pos=sapo_tau_pos,
+                     sapo_tau_neg=sapo_tau_neg, kl_coef=kl_coef, kl_estimator=kl_estimator,
+                     kl_bias_correction=kl_bias_correction, entropy_coef=entropy_coef,
+                     entropy_agg_mode=entropy_agg_mode, temperature=temperature,
+                     loss_agg_mode=loss_agg_mode, global_num_tokens=global_num_tokens,
+                     global_num_seqs=global_num_seqs, norm_length=norm_length,
+                     rollout_is_weights=rollout_is_weights, rollout_logprobs=rollout_logprobs,
+                     rollout_correction=rollout_correction,
+                     rollout_is_threshold=rollout_is_threshold,
+                     off_policy_mask_threshold=off_policy_mask_threshold,
+                     grad_scale=grad_scale, inplace_backward=inplace_backward, backend=backend)
+    if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
+                                                                    logits3.shape)):
+        raise ValueError("logits: inplace_backward=True writes the gradient into the logits, "
+                         f"which needs positions that do not share memory; got strides "
+                         f"{list(logits.stride())} (an expanded tensor)")
+    if s.weights is None:
+        # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
+        logp, ent = s.be.token_logprobs(logits3, s.tokens, s.mask, s.p["temperature"], True)
+        loss = per_token_loss(s, logp, ent)
+    else:
+        loss, _, logp, ent = s.be.ppo_loss(logits3, s.tokens, s.mask, s.old, s.adv, s.weights,
+                                           s.ref, s.isw, s.p, inplace_backward, s.w_ent)
+    return loss, loss_metrics(s, logp, ent)
+
+
+def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advantages,
+                 ref_logprobs, *, policy_loss="vanilla", clip_eps_low=0.2, clip_eps_high=None,
+                 dual_clip_c=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0,
+                 kl_estimator="k3", kl_bias_correction=False, entropy_coef=0.0,
+                 entropy_agg_mode=None, temperature=1.0, loss_agg_mode="token-mean",
+                 global_num_tokens=None, global_num_seqs=None, norm_length=None,
+                 rollout_is_weights=None, rollout_logprobs=None, rollout_correction=None,
+                 rollout_is_threshold=2.0, off_policy_mask_threshold=None, grad_scale=1.0,
+                 inplace_backward=False, backend="auto"):
+    """Every check of ppo_loss's arguments but the logits themselves, shared by ppo_loss and
+    ppo_loss_from_hidden (like: the logits [B, Tl, V] or the hidden states, whose dtype and
+    device the per-token inputs take). Returns a SimpleNamespace: tokens, mask, acc, old,
+    adv, ref, isw (rollout-corrected), rollout, rc_w, p (the backends' options dict),
+    weights / w_ent (None for loss_agg_mode="none"), be (the backend), flat."""
     mask = ck.response_mask(response_mask, tokens2, flat)
-    acc = ck.acc_dtype(logits3)
+    acc = ck.acc_dtype(like)
     old = ck.per_token("old_logprobs", old_logprobs, tokens2, flat, acc, optional=True)
     adv = ck.per_token("advantages", advantages, tokens2, flat, acc, per_seq_ok=True)
     ref = ck.per_token("ref_logprobs", ref_logprobs, tokens2, flat, acc, optional=True)
@@ -178,57 +223,58 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     if kl_coef > 0 and ref is None:
         raise ValueError(f"ref_logprobs: kl_coef = {kl_coef} > 0 needs ref_logprobs, got None")
     entropy_coef = ck.number("entropy_coef", entropy_coef)
-    temperature = ck.temperature(temperature, logits3)
+    temperature = ck.temperature(temperature, like)
     grad_scale = ck.positive_in("grad_scale", grad_scale, acc)
     ck.choice("loss_agg_mode", loss_agg_mode, ck.LOSS_AGG_MODES)
     if entropy_agg_mode is not None:
         ck.choice("entropy_agg_mode", entropy_agg_mode, ck.LOSS_AGG_MODES[:-1])
     if global_num_tokens is not None:
-        global_num_tokens = ck.count("global_num_tokens", global_num_tokens, logits3, acc)
+        global_num_tokens = ck.count("global_num_tokens", global_num_tokens, like, acc)
     if global_num_seqs is not None:
-        global_num_seqs = ck.count("global_num_seqs", global_num_seqs, logits3, acc)
+        global_num_seqs = ck.count("global_num_seqs", global_num_seqs, like, acc)
     if norm_length is not None:
         norm_length = ck.number("norm_length", norm_length, lo=0.0, lo_open=True)
     ck.flag("inplace_backward", inplace_backward)
-    if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
-                                                                    logits3.shape)):
-        raise ValueError("logits: inplace_backward=True writes the gradient into the logits, "
-                         f"which needs positions that do not share memory; got strides "
-                         f"{list(logits.stride())} (an expanded tensor)")
-    be = get_backend(backend, logits3.device)
-    tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
-
+    be = get_backend(backend, like.device)
+    tokens2 = ck.token_range(tokens2, mask, vocab)
     p.update(kl_coef=kl_coef, kl_estimator=kl_estimator,
              kl_estimator_id=ck.KL_ESTIMATORS.index(kl_estimator),
              kl_bias_correction=kl_bias_correction, entropy_coef=entropy_coef,
              temperature=temperature, grad_scale=grad_scale)
-    if loss_agg_mode == "none":
-        # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
-        logp, ent = be.token_logprobs(logits3, tokens2, mask, temperature, True)
-        loss = torch.where(mask, _torch_impl.token_loss(logp, ent, old, adv, ref, isw, p, mask),
-                           0.0)
-        if flat:
-            loss = loss[0]
-    else:
+    weights = w_ent = None
+    if loss_agg_mode != "none":
         def weights_of(mode):
             return _torch_impl.agg_weights(mask, mode, global_num_tokens, norm_length,
                                            dtype=acc, global_num_seqs=global_num_seqs)
         weights = weights_of(loss_agg_mode)
         w_ent = None if entropy_agg_mode in (None, loss_agg_mode) else weights_of(
             entropy_agg_mode)
-        loss, _, logp, ent = be.ppo_loss(logits3, tokens2, mask, old, adv, weights, ref, isw, p,
-                                         inplace_backward, w_ent)
-    metrics = _torch_impl.metrics(logp, ent, old, adv, ref, mask, p)
-    if rollout is not None and old is not None:
-        metrics.update(_rc.metrics(old, rollout, mask, torch.ones_like(old) if rc_w is None
-                                   else rc_w))
-    if p.get("pg_mask_fn") is not None:
+    return SimpleNamespace(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref,
+                           isw=isw, rollout=rollout, rc_w=rc_w, p=p, weights=weights,
+                           w_ent=w_ent, be=be, flat=flat)
+
+
+def per_token_loss(s, logp, ent):
+    """loss_agg_mode="none": the per-token loss [B, T] (or [N]) from differentiable logp,
+    H, 0 where masked."""
+    loss = torch.where(s.mask, _torch_impl.token_loss(logp, ent, s.old, s.adv, s.ref, s.isw,
+                                                      s.p, s.mask), 0.0)
+    return loss[0] if s.flat else loss
+
+
+def loss_metrics(s, logp, ent):
+    """ppo_loss's metrics dict from the per-token logp and entropy (DESIGN.md, Metrics)."""
+    metrics = _torch_impl.metrics(logp, ent, s.old, s.adv, s.ref, s.mask, s.p)
+    if s.rollout is not None and s.old is not None:
+        metrics.update(_rc.metrics(s.old, s.rollout, s.mask, torch.ones_like(s.old)
+                                   if s.rc_w is None else s.rc_w))
+    if s.p.get("pg_mask_fn") is not None:
         with torch.no_grad():
-            dropped = (p["pg_mask_fn"](logp) == 0) & mask
-            nonempty = mask.any(1)
+            dropped = (s.p["pg_mask_fn"](logp) == 0) & s.mask
+            nonempty = s.mask.any(1)
             metrics["off_policy_masked_frac"] = (
                 (dropped.any(1) & nonempty).sum() / nonempty.sum().clamp(min=1)).float()
-    return loss, metrics
+    return metrics
 
 
 def value_loss(values, old_values, returns, response_mask=None, *, clip_range=None,

@@ -15,7 +15,7 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as R
 
-from conftest import (BACKENDS, assert_close_np, assert_grad_close, assert_metrics,
+from conftest import (BACKENDS, assert_grad_close, assert_metrics,
                       make_inputs)
 
 

@@ -1,0 +1,497 @@
+"""The PPO loss (and the token log-probs) with the LM head fused in: from the last hidden
+states and the LM head weight, never materialising the [N, V] logits (docs/FROM_HIDDEN.md).
+
+The rows of [B, T] (flattened, valid and masked alike) are processed in chunks of
+``chunk_size`` rows. Per chunk: logits_c = h_c @ W^T (+ b) in hidden's dtype through torch
+(oneDNN / cuBLAS), the optional soft cap z = cap * tanh(x / cap), the existing fused kernel
+on the [1, C, V] view of the chunk, writing d loss / d z over the chunk's logits
+(ppo_loss_fwd_inplace), times the soft cap's derivative 1 - tanh^2, then
+d hidden_c = dz_c @ W, dW += dz_c^T h_c (float32 accumulator for bf16 / fp16), db += sum dz_c.
+All of it in the forward; the backward only rescales the saved (d hidden, dW, db) by
+grad_output, in place (ppo_kernels._ops.scale_grad). The aggregation weights of the whole
+batch are known before any logit, so each chunk's loss is exactly its share of the total.
+
+The sequence-level losses (gspo, gspo-token, off_policy_mask_threshold) need every logp
+before any gradient: a first chunked pass (token_logprobs_fwd) collects logp, H and the row
+statistics, the [B, T] middle is that of ppo_kernels/_two_phase.py, and a second chunked
+pass recomputes the logits (one more matmul) and writes dz with token_logprobs_bwd.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from . import _checks as ck
+from ._checks import SEQUENCE_POLICY_LOSSES, acc_dtype
+from ._ops import KernelBackend, get_backend, scale_grad
+from .loss import loss_metrics, per_token_loss, prepare_loss
+
+CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
+
+
+def _effective_grad_scale(grad_scale, dtype):
+    """The scale the written gradients carry: float16 cannot hold every pre-scaled gradient
+    (a loss scale of 2^16), so there the backward scales up instead (as KernelBackend)."""
+    return min(grad_scale, 1.0) if dtype == torch.float16 else grad_scale
+
+
+# ------------------------------------------------------------------ argument checks
+
+def _hidden_and_tokens(hidden, weight, bias, tokens):
+    """(hidden3 [B, Tl, H], tokens2 [B, T] int64, flat) after checking hidden, the LM head
+    and the tokens; every error names its argument."""
+    ck.tensor("hidden", hidden)
+    if hidden.dtype not in ck.LOGITS_DTYPES:
+        raise TypeError(f"hidden: expected float32, bfloat16, float16 or float64, got "
+                        f"{hidden.dtype}")
+    ck.tensor("lm_head_weight", weight)
+    ck.same_device("lm_head_weight", weight, "hidden", hidden)
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"lm_head_weight: expected dtype {hidden.dtype} (that of hidden), got "
+                        f"{weight.dtype}")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden: expected [B, T, H], [B, T + 1, H] or [N, H], got shape "
+                         f"{list(hidden.shape)}")
+    h = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != h:
+        raise ValueError(f"lm_head_weight: expected [V, H] with H = {h} (the last dimension "
+                         f"of hidden), got shape {list(weight.shape)}")
+    v = weight.shape[0]
+    if v == 0:
+        raise ValueError("lm_head_weight: empty vocabulary (V = 0)")
+    if bias is not None:
+        ck.tensor("lm_head_bias", bias)
+        ck.same_device("lm_head_bias", bias, "hidden", hidden)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"lm_head_bias: expected dtype {hidden.dtype} (that of hidden), "
+                            f"got {bias.dtype}")
+        if tuple(bias.shape) != (v,):
+            raise ValueError(f"lm_head_bias: expected shape [V] = [{v}], got "
+                             f"{list(bias.shape)}")
+    ck.tensor("tokens", tokens, integer=True)
+    ck.same_device("tokens", tokens, "hidden", hidden)
+    flat = hidden.dim() == 2
+    if flat:
+        if tokens.dim() != 1 or tokens.shape[0] != hidden.shape[0]:
+            raise ValueError(f"tokens: with hidden [N, H] = {list(hidden.shape)} expected "
+                             f"tokens [N] = [{hidden.shape[0]}], got {list(tokens.shape)}")
+        hidden, tokens = hidden.unsqueeze(0), tokens.unsqueeze(0)
+    if tokens.dim() != 2 or tokens.shape[0] != hidden.shape[0] or \
+            hidden.shape[1] not in (tokens.shape[1], tokens.shape[1] + 1):
+        raise ValueError(f"tokens: expected [B, T] matching hidden [B, T, H] or [B, T + 1, H] "
+                         f"= {list(hidden.shape)}, got {list(tokens.shape)}")
+    return hidden, tokens.long().contiguous(), flat
+
+
+def _head_options(hidden3, weight, logit_softcap, chunk_size):
+    cap = None if logit_softcap is None else ck.number("logit_softcap", logit_softcap,
+                                                       lo=0.0, lo_open=True)
+    if chunk_size is None:
+        chunk = default_chunk_size(weight.shape[0], hidden3.dtype)
+    else:
+        if isinstance(chunk_size, bool) or not hasattr(type(chunk_size), "__index__"):
+            raise TypeError(f"chunk_size: expected an int (rows per chunk) or None, got "
+                            f"{type(chunk_size).__name__}")
+        chunk = operator.index(chunk_size)
+        if chunk < 1:
+            raise ValueError(f"chunk_size: expected at least 1 row, got {chunk_size}")
+    return cap, chunk
+
+
+def default_chunk_size(vocab, dtype):
+    """Rows per chunk for chunk_size=None: one chunk of [rows, V] logits in ``dtype`` is
+    about CHUNK_BYTES = 256 MiB (at least 1 row)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, CHUNK_BYTES // (vocab * itemsize))
+
+
+class _State:
+    """Everything but the three differentiable tensors, validated: what the chunk loops
+    read."""
+
+
+# ------------------------------------------------------------------ the chunk pieces
+
+def chunk_logits(h, weight, bias, cap):
+    """[C, V] logits of the rows h [C, H] in hidden's dtype, soft-capped in place. The one
+    place the fused paths create [rows, V] logits (tests spy on it)."""
+    z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+    if cap is not None:
+        z.div_(cap).tanh_().mul_(cap)
+    return z
+
+
+def _softcap_factor_(z, cap):
+    """1 - tanh^2 = 1 - (z / cap)^2, the soft cap's derivative, computed over z in place."""
+    return z.div_(cap).square_().neg_().add_(1.0)
+
+
+class _Grads:
+    """The gradient accumulators of one forward (None for inputs that need none)."""
+
+    def __init__(self, s, hidden3, weight, bias, need):
+        need_h, need_w, need_b = need
+        n, h, v = s.n, weight.shape[1], weight.shape[0]
+        dt = hidden3.dtype
+        wide = torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
+        self.wide = wide
+        self.dh2 = torch.empty(n, h, dtype=dt, device=hidden3.device) if need_h else None
+        self.dw = torch.zeros(v, h, dtype=wide, device=weight.device) if need_w else None
+        self.db = torch.zeros(v, dtype=wide, device=weight.device) if need_b else None
+        self.any = need_h or need_w or need_b
+
+    def add(self, r0, r1, dz, h, weight):
+        """Accumulate a chunk's dz [C, V] (d loss / d logits of rows r0:r1, h = their
+        hidden states)."""
+        if self.dh2 is not None:
+            torch.mm(dz, weight, out=self.dh2[r0:r1])
+        if self.dw is not None:
+            if self.dw.dtype == dz.dtype:
+                self.dw.addmm_(dz.t(), h)
+            else:  # bf16 / fp16: the matmul accumulates in float32, rounds once per chunk
+                self.dw.add_(torch.mm(dz.t(), h))
+        if self.db is not None:
+            self.db.add_(dz.sum(0, dtype=self.wide))
+
+    def finish(self, s, hidden3, weight, bias):
+        """(d hidden [B, Tl, H], dW [V, H], db [V]) in the inputs' dtypes."""
+        dh = None
+        if self.dh2 is not None:
+            b, tl, h = hidden3.shape
+            dh = self.dh2.view(b, s.t, h)
+            if tl != s.t:
+                full = torch.zeros(b, tl, h, dtype=dh.dtype, device=dh.device)
+                full[:, :s.t] = dh
+                dh = full
+        dw = None if self.dw is None else self.dw.to(weight.dtype)
+        db = None if self.db is None else self.db.to(bias.dtype)
+        return dh, dw, db
+
+
+def _rows(x, s, r0, r1):
+    """Rows r0:r1 of a [B, T] per-token tensor, as the [1, C] the kernels take."""
+    return None if x is None else x.reshape(s.n)[r0:r1].view(1, r1 - r0)
+
+
+def _flat_hidden(hidden3, s):
+    return hidden3[:, :s.t].reshape(s.n, hidden3.shape[2])
+
+
+def _hidden_rows(h2, s, r0, r1):
+    """Rows r0:r1 of the flat hidden states, masked rows zeroed ([C, H], small): whatever a
+    padded position holds (NaN included) stays out of dW = sum dz^T h, where its zero
+    dz would meet it as 0 * NaN."""
+    return torch.where(s.mask.reshape(s.n)[r0:r1, None], h2[r0:r1], 0.0)
+
+
+# ------------------------------------------------------------------ the loss passes
+
+def _fused_pass(s, hidden3, weight, bias, need):
+    """Token-level losses: one pass. Returns (loss, logp [B, T], ent [B, T], grads)."""
+    op_name = "ppo_loss_fwd_inplace"
+    ops = torch.ops.ppo_kernels
+    p = s.p
+    h2 = _flat_hidden(hidden3, s)
+    g = _Grads(s, hidden3, weight, bias, need)
+    dev = hidden3.device
+    logp = torch.empty(s.n, dtype=s.acc, device=dev)
+    ent = torch.empty(s.n, dtype=s.acc, device=dev)
+    loss = torch.zeros((), dtype=s.acc, device=dev)
+    scalars = (p["clip_eps_low"], p["clip_eps_high"], p["dual_clip_c"] or 0.0, p["kl_coef"],
+               p["kl_estimator_id"], p["entropy_coef"], p["temperature"], s.gs,
+               p["policy_loss_id"], p["sapo_tau_pos"], p["sapo_tau_neg"],
+               bool(p["kl_bias_correction"]))
+    for r0 in range(0, s.n, s.chunk):
+        r1 = min(s.n, r0 + s.chunk)
+        c = r1 - r0
+        hc = _hidden_rows(h2, s, r0, r1)
+        z = chunk_logits(hc, weight, bias, s.cap)
+        per_tok = tuple(_rows(x, s, r0, r1) for x in (s.tokens, s.mask, s.old, s.adv,
+                                                       s.weights, s.ref, s.isw, s.w_ent))
+        if g.any:
+            factor = None if s.cap is None else _softcap_factor_(z.clone(), s.cap)
+            lc, _, lp, en = getattr(ops, s.prefix + op_name)(z.view(1, c, -1), *per_tok,
+                                                              *scalars)
+            if factor is not None:
+                z.mul_(factor)
+                del factor
+            g.add(r0, r1, z, hc, weight)
+        else:
+            lc, _, lp, en, _ = getattr(ops, s.prefix + "ppo_loss_fwd")(
+                z.view(1, c, -1), *per_tok, *scalars, False)
+        del z
+        loss += lc
+        logp[r0:r1] = lp.view(c)
+        ent[r0:r1] = en.view(c)
+    logp, ent = logp.view(s.b, s.t), ent.view(s.b, s.t)
+    if s.w_ent is not None and p["entropy_coef"] != 0.0:
+        # as KernelBackend.ppo_loss: the kernel's value sums w * (... - entropy_coef H); the
+        # entropy term's own weights are w_ent (its gradient already carries them)
+        loss = loss + p["entropy_coef"] * ((s.weights - s.w_ent) * ent).sum()
+    return loss, logp, ent, g
+
+
+def _stats_pass(s, hidden3, weight, bias, return_entropy):
+    """First pass of the two-phase paths: (logp, ent, row_max, log_sum), each [N] (ent
+    empty without return_entropy)."""
+    fwd = getattr(torch.ops.ppo_kernels, s.prefix + "token_logprobs_fwd")
+    h2 = _flat_hidden(hidden3, s)
+    dev = hidden3.device
+    out = [torch.empty(s.n, dtype=s.acc, device=dev) for _ in range(4)]
+    if not return_entropy:
+        out[1] = torch.empty(0, dtype=s.acc, device=dev)
+    for r0 in range(0, s.n, s.chunk):
+        r1 = min(s.n, r0 + s.chunk)
+        c = r1 - r0
+        z = chunk_logits(_hidden_rows(h2, s, r0, r1), weight, bias, s.cap)
+        res = fwd(z.view(1, c, -1), _rows(s.tokens, s, r0, r1), _rows(s.mask, s, r0, r1),
+                  s.temperature, return_entropy)
+        del z
+        for i, r in enumerate(res):
+            if i != 1 or return_entropy:
+                out[i][r0:r1] = r.view(c)
+    return out
+
+
+def _grad_pass(s, hidden3, weight, bias, g, dlogp, dent, stats):
+    """Second pass of the two-phase paths: the logits once more (one more matmul), dz by
+    token_logprobs_bwd from d loss / d logp and d loss / d H ([N]; dent may be None)."""
+    bwd = getattr(torch.ops.ppo_kernels, s.prefix + "token_logprobs_bwd")
+    _, ent, row_max, log_sum = stats
+    h2 = _flat_hidden(hidden3, s)
+    for r0 in range(0, s.n, s.chunk):
+        r1 = min(s.n, r0 + s.chunk)
+        c = r1 - r0
+        hc = _hidden_rows(h2, s, r0, r1)
+        z = chunk_logits(hc, weight, bias, s.cap)
+        dz = bwd(dlogp[r0:r1].view(1, c).contiguous(),
+                 None if dent is None else dent[r0:r1].view(1, c).contiguous(),
+                 z.view(1, c, -1), _rows(s.tokens, s, r0, r1), _rows(s.mask, s, r0, r1),
+                 row_max[r0:r1].view(1, c), log_sum[r0:r1].view(1, c),
+                 ent[r0:r1].view(1, c) if ent.numel() else ent, s.temperature).view(c, -1)
+        if s.cap is not None:
+            dz.mul_(_softcap_factor_(z, s.cap))
+        del z
+        g.add(r0, r1, dz, hc, weight)
+        del dz
+
+
+def _two_phase_pass(s, hidden3, weight, bias, need):
+    from ._two_phase import _middle
+
+    p = s.p
+    stats = _stats_pass(s, hidden3, weight, bias, True)
+    logp, ent = stats[0].view(s.b, s.t), stats[1].view(s.b, s.t)
+
+    def f(lp, h):
+        return _middle(lp, h, s.mask, s.old, s.adv, s.weights, s.w_ent, s.ref, s.isw, p)
+
+    (dlogp, dent), (loss, _) = torch.func.grad_and_value(f, argnums=(0, 1),
+                                                         has_aux=True)(logp, ent)
+    g = _Grads(s, hidden3, weight, bias, need)
+    if g.any:
+        gs = s.gs
+        _grad_pass(s, hidden3, weight, bias, g, (dlogp * gs).reshape(s.n),
+                   (dent * gs).reshape(s.n) if p["entropy_coef"] != 0.0 else None, stats)
+    return loss.detach(), logp, ent, g
+
+
+def _loss_pass(s, hidden3, weight, bias, need):
+    if s.p["policy_loss"] in SEQUENCE_POLICY_LOSSES or s.p.get("pg_mask_fn") is not None:
+        return _two_phase_pass(s, hidden3, weight, bias, need)
+    return _fused_pass(s, hidden3, weight, bias, need)
+
+
+def _applied(s, like):
+    return torch.full((), s.gs, dtype=acc_dtype(like), device=like.device)
+
+
+def _scale(prefix, grad, shape3, go, applied):
+    if grad is None:
+        return None
+    scale_grad(prefix, grad.view(shape3), go, applied)
+    return grad
+
+
+class _LossFromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden3, weight, bias, s):
+        need = tuple(ctx.needs_input_grad[:3])
+        loss, logp, ent, g = _loss_pass(s, hidden3, weight, bias, need)
+        dh, dw, db = g.finish(s, hidden3, weight, bias)
+        ctx.save_for_backward(dh, dw, db)
+        ctx.prefix = s.prefix
+        ctx.applied = [_applied(s, hidden3) for _ in range(3)]  # scale_grad_ updates each
+        ctx.mark_non_differentiable(logp, ent)
+        ctx.set_materialize_grads(False)
+        return loss, logp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, *_):
+        dh, dw, db = ctx.saved_tensors
+        if grad_loss is None:
+            return None, None, None, None
+        ap = ctx.applied
+        dh = _scale(ctx.prefix, dh, dh.shape if dh is not None else None, grad_loss, ap[0])
+        dw = _scale(ctx.prefix, dw, (1,) + tuple(dw.shape) if dw is not None else None,
+                    grad_loss, ap[1])
+        db = _scale(ctx.prefix, db, (1, 1, db.numel()) if db is not None else None,
+                    grad_loss, ap[2])
+        return dh, dw, db, None
+
+
+class _LogprobsFromHidden(torch.autograd.Function):
+    """token_logprobs from hidden: chunked forward that keeps [N]-sized statistics only;
+    the backward recomputes each chunk's logits."""
+
+    @staticmethod
+    def forward(ctx, hidden3, weight, bias, s):
+        stats = _stats_pass(s, hidden3, weight, bias, s.return_entropy)
+        ctx.s = s
+        ctx.save_for_backward(hidden3, weight, bias, *stats[1:])
+        logp = stats[0].view(s.b, s.t)
+        ent = stats[1].view(s.b, s.t) if s.return_entropy else stats[1]
+        if not s.return_entropy:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logp, grad_ent):
+        s = ctx.s
+        hidden3, weight, bias, ent, row_max, log_sum = ctx.saved_tensors
+        need = tuple(ctx.needs_input_grad[:3])
+        g = _Grads(s, hidden3, weight, bias, need)
+        if g.any and (grad_logp is not None or grad_ent is not None):
+            dlogp = (torch.zeros(s.n, dtype=s.acc, device=hidden3.device) if grad_logp is None
+                     else grad_logp.to(s.acc).reshape(s.n))
+            dent = (grad_ent.to(s.acc).reshape(s.n)
+                    if s.return_entropy and grad_ent is not None else None)
+            _grad_pass(s, hidden3, weight, bias, g, dlogp, dent, (None, ent, row_max, log_sum))
+        dh, dw, db = g.finish(s, hidden3, weight, bias)
+        return dh, dw, db, None
+
+
+# ------------------------------------------------------------------ the torch reference
+
+def materialised_logits(hidden3, weight, bias, cap, mask):
+    """The logits the fused paths never store, differentiably (backend="torch"); masked
+    rows' hidden states zeroed first, as in the chunked paths."""
+    keep = torch.zeros(hidden3.shape[:2], dtype=torch.bool, device=hidden3.device)
+    keep[:, :mask.shape[1]] = mask
+    x = torch.nn.functional.linear(torch.where(keep[..., None], hidden3, 0.0), weight, bias)
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
+def _squeeze(x, flat):
+    return x[0] if flat and x is not None and x.dim() == 2 else x
+
+
+# ------------------------------------------------------------------ public ops
+
+def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=None, *,
+                               lm_head_bias=None, logit_softcap=None, temperature=1.0,
+                               return_entropy=False, chunk_size=None, backend="auto"):
+    """pk.token_logprobs of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
+    to cap * tanh(x / cap) with logit_softcap, without storing them: chunks of chunk_size
+    rows (None: about 256 MiB of logits per chunk); the backward recomputes each chunk's
+    logits (one more matmul). Differentiable in hidden, lm_head_weight and lm_head_bias.
+
+    hidden: [B, T, H], [B, T + 1, H] (the last position is ignored, zero gradient) or
+    [N, H]; lm_head_weight [V, H] and lm_head_bias [V] of hidden's dtype and device.
+    Returns logprobs [B, T] (or [N]), or (logprobs, entropy); backend "torch" materialises
+    the logits (the reference composite).
+    """
+    hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
+    mask = ck.response_mask(response_mask, tokens2, flat)
+    temperature = ck.temperature(temperature, hidden3)
+    ck.flag("return_entropy", return_entropy)
+    cap, chunk = _head_options(hidden3, lm_head_weight, logit_softcap, chunk_size)
+    be = get_backend(backend, hidden3.device)
+    tokens2 = ck.token_range(tokens2, mask, lm_head_weight.shape[0])
+    if not isinstance(be, KernelBackend):
+        logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, cap, mask)
+        logp, ent = be.token_logprobs(logits, tokens2, mask, temperature, return_entropy)
+    else:
+        s = _State()
+        s.prefix, s.cap, s.chunk, s.temperature = be.prefix, cap, chunk, temperature
+        s.tokens, s.mask, s.acc = tokens2, mask, acc_dtype(hidden3)
+        s.b, s.t = tokens2.shape
+        s.n = s.b * s.t
+        s.return_entropy = return_entropy
+        args = (hidden3, lm_head_weight, lm_head_bias)
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args):
+            logp, ent = _LogprobsFromHidden.apply(*args, s)
+        else:
+            stats = _stats_pass(s, *args, return_entropy)
+            logp, ent = stats[0].view(s.b, s.t), stats[1].view(s.b, s.t) if return_entropy \
+                else None
+        if not return_entropy:
+            ent = None
+    logp, ent = _squeeze(logp, flat), _squeeze(ent, flat)
+    return (logp, ent) if return_entropy else logp
+
+
+def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages,
+                         response_mask=None, ref_logprobs=None, *, lm_head_bias=None,
+                         logit_softcap=None, chunk_size=None, **loss_options):
+    """pk.ppo_loss(hidden @ lm_head_weight^T (+ lm_head_bias), ...) without the [N, V]
+    logits ever being stored (docs/FROM_HIDDEN.md).
+
+    Args:
+        hidden: [B, T, H], [B, T + 1, H] (last position ignored, zero gradient) or [N, H];
+            float32, bfloat16, float16 or float64.
+        lm_head_weight: [V, H], hidden's dtype and device (a frozen head, a LoRA-wrapped
+            or embedding-tied weight: any tensor; a gradient only where it requires one).
+        lm_head_bias: [V] or None.
+        logit_softcap: None or cap > 0: logits z = cap * tanh(x / cap) (Gemma 2).
+        chunk_size: rows of [B, T] per chunk, >= 1; None: about 256 MiB of logits (in
+            hidden's dtype) per chunk, at least 1 row.
+        **loss_options: every keyword of pk.ppo_loss (policy_loss, clip_eps_*, kl_*,
+            entropy_*, temperature, loss_agg_mode, global counts, rollout_*, grad_scale,
+            backend, ...), checked by the same code (loss.prepare_loss). inplace_backward
+            is accepted and has no effect (the chunks' logits are always overwritten by
+            their gradient; nothing of the caller's is). loss_agg_mode="none" goes through
+            token_logprobs_from_hidden.
+        backend: "auto" | "cpu" | "cuda" | "triton" | "torch" ("torch" materialises the
+            logits and runs pk.ppo_loss(backend="torch"): the reference composite).
+
+    Returns:
+        (loss, metrics) as pk.ppo_loss; the gradient flows to hidden, lm_head_weight and
+        lm_head_bias (those that require it). All of it is computed in the forward; the
+        backward only rescales it by grad_output (no pass when grad_output == grad_scale).
+    """
+    hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
+    cap, chunk = _head_options(hidden3, lm_head_weight, logit_softcap, chunk_size)
+    s = prepare_loss(hidden3, lm_head_weight.shape[0], tokens2, flat, response_mask,
+                     old_logprobs, advantages, ref_logprobs, **loss_options)
+    p, acc = s.p, s.acc
+    diff = (hidden3, lm_head_weight, lm_head_bias)
+    if s.weights is None:
+        logp, ent = token_logprobs_from_hidden(
+            hidden3, lm_head_weight, s.tokens, s.mask, lm_head_bias=lm_head_bias,
+            logit_softcap=cap, temperature=p["temperature"], return_entropy=True,
+            chunk_size=chunk, backend=s.be.name)
+        loss = per_token_loss(s, logp, ent)
+    elif not isinstance(s.be, KernelBackend):
+        logits = materialised_logits(*diff, cap, s.mask)
+        loss, _, logp, ent = s.be.ppo_loss(logits, s.tokens, s.mask, s.old, s.adv, s.weights,
+                                           s.ref, s.isw, p, False, s.w_ent)
+    else:
+        st = _State()
+        st.prefix, st.cap, st.chunk, st.temperature, st.p = s.be.prefix, cap, chunk, \
+            p["temperature"], p
+        st.tokens, st.mask, st.acc = s.tokens, s.mask, acc
+        st.old, st.adv, st.ref, st.isw, st.weights, st.w_ent = s.old, s.adv, s.ref, s.isw, \
+            s.weights, s.w_ent
+        st.b, st.t = s.tokens.shape
+        st.n = st.b * st.t
+        st.gs = _effective_grad_scale(p["grad_scale"], hidden3.dtype)
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in diff):
+            loss, logp, ent = _LossFromHidden.apply(*diff, st)
+        else:
+            loss, logp, ent, _ = _loss_pass(st, *diff, (False, False, False))
+    return loss, loss_metrics(s, logp, ent)

@@ -1,0 +1,659 @@
+"""pk.ppo_loss_from_hidden / pk.token_logprobs_from_hidden (docs/FROM_HIDDEN.md): the loss
+with the LM head fused in, against the unfused op on materialised logits (pk.ppo_loss with
+backend="cpu"), the numpy float64 reference, gradcheck, and a spy showing that no tensor
+of more than chunk_size * V elements is created."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ppo_kernels as pk
+from ppo_kernels import from_hidden as fh
+from ppo_kernels import reference as ref
+
+POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token")
+
+
+def make(B=3, T=5, H=6, V=13, *, dtype=torch.float32, seed=0, extra_pos=False, bias=False,
+         scale=0.7):
+    g = torch.Generator().manual_seed(seed)
+    Tl = T + 1 if extra_pos else T
+    hidden = torch.randn(B, Tl, H, generator=g, dtype=torch.float64)
+    W = torch.randn(V, H, generator=g, dtype=torch.float64) * scale
+    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.3 if bias else None
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.25
+    mask[0, :2] = False  # left padding
+    if B > 2:
+        mask[2] = False  # an empty row
+        mask[1] = True
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(hidden[:, :T], W, b)
+        lp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    old = (lp + 0.15 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    refl = (lp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    roll = (old + 0.1 * torch.randn(B, T, generator=g)).float()
+    adv = torch.randn(B, T, generator=g)
+    hidden = hidden.to(dtype).requires_grad_()
+    W = W.to(dtype).requires_grad_()
+    if b is not None:
+        b = b.to(dtype).requires_grad_()
+    return dict(hidden=hidden, W=W, b=b, tokens=tokens, mask=mask, old=old, ref=refl,
+                roll=roll, adv=adv)
+
+
+def logits_of(hidden, W, b=None, cap=None):
+    x = torch.nn.functional.linear(hidden, W, b)
+    return x if cap is None else cap * torch.tanh(x / cap)
+
+
+def params(d):
+    return [x for x in (d["hidden"], d["W"], d["b"]) if x is not None and x.requires_grad]
+
+
+def grads(loss, d):
+    ps = params(d)
+    return torch.autograd.grad(loss, ps) if ps else ()
+
+
+def run_pair(d, *, cap=None, chunk_size=3, layout="btH", **kw):
+    """(fused loss, metrics, grads), (unfused loss, metrics, grads)."""
+    h, T = d["hidden"], d["tokens"].shape[1]
+    tok, mask, old, adv, rl = d["tokens"], d["mask"], d["old"], d["adv"], d["ref"]
+    if layout == "NH":
+        hh = h[:, :T].reshape(-1, h.shape[-1])
+        tok, mask, old, adv, rl = (x.reshape(-1) for x in (tok, mask, old, adv, rl))
+        kw = {k: (v.reshape(-1) if isinstance(v, torch.Tensor) and v.shape == d["mask"].shape
+                  else v) for k, v in kw.items()}
+    else:
+        hh = h
+    loss, m = pk.ppo_loss_from_hidden(hh, d["W"], tok, old, adv, mask, rl,
+                                      lm_head_bias=d["b"], logit_softcap=cap,
+                                      chunk_size=chunk_size, **kw)
+    g = grads(loss if loss.dim() == 0 else loss.sum(), d)
+    loss2, m2 = pk.ppo_loss(logits_of(hh, d["W"], d["b"], cap), tok, old, adv, mask, rl,
+                            backend="cpu", **kw)
+    g2 = grads(loss2 if loss2.dim() == 0 else loss2.sum(), d)
+    return (loss, m, g), (loss2, m2, g2)
+
+
+def assert_pair(a, b, rtol=1e-5, atol=1e-6, grad_rtol=None):
+    (loss, m, g), (loss2, m2, g2) = a, b
+    torch.testing.assert_close(loss, loss2, rtol=rtol, atol=atol)
+    assert set(m) == set(m2)
+    for k in m2:
+        torch.testing.assert_close(m[k], m2[k], rtol=rtol, atol=atol, msg=k)
+    assert len(g) == len(g2)
+    for x, y in zip(g, g2):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        if grad_rtol is None:
+            torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+        else:  # relative to the gradient's scale
+            err = (x.double() - y.double()).abs().max()
+            assert err <= grad_rtol * y.double().abs().max() + 1e-6, (err, y.abs().max())
+
+
+KL_ENT = dict(kl_coef=0.1, ref_logprobs=None, entropy_coef=0.01)
+
+
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("chunk", ["1", "3", "N", "N+5"])
+def test_every_policy_loss_every_chunking(policy_loss, chunk):
+    d = make(seed=POLICY_LOSSES.index(policy_loss))
+    n = d["tokens"].numel()
+    c = {"1": 1, "3": 3, "N": n, "N+5": n + 5}[chunk]
+    assert_pair(*run_pair(d, chunk_size=c, policy_loss=policy_loss, kl_coef=0.1,
+                          entropy_coef=0.01))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(kl_coef=0.2, kl_estimator="k3"),
+    dict(kl_coef=0.2, kl_estimator="k1+", kl_bias_correction=True),
+    dict(entropy_coef=0.05),
+    dict(entropy_coef=0.05, entropy_agg_mode="token-mean", loss_agg_mode="seq-mean-token-sum"),
+    dict(temperature=0.7, entropy_coef=0.01),
+    dict(dual_clip_c=3.0, clip_eps_high=0.28),
+    dict(loss_agg_mode="token-sum"),
+    dict(loss_agg_mode="seq-mean-token-mean"),
+    dict(loss_agg_mode="seq-mean-token-sum-norm", norm_length=7),
+    dict(global_num_tokens=40.0, global_num_seqs=5),
+    dict(rollout_correction="tis"),
+    dict(off_policy_mask_threshold=0.01),
+    dict(policy_loss="gspo", entropy_coef=0.02, temperature=1.3),
+    dict(old_logprobs=None),
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_options(kw):
+    d = make(seed=11)
+    kw = dict(kw)
+    if "rollout_correction" in kw or "off_policy_mask_threshold" in kw:
+        kw["rollout_logprobs"] = d["roll"]
+    if "old_logprobs" in kw:
+        d["old"] = kw.pop("old_logprobs")
+    assert_pair(*run_pair(d, **kw))
+
+
+def test_rollout_is_weights_per_sequence():
+    d = make(seed=12)
+    isw = torch.rand(3) + 0.5
+    assert_pair(*run_pair(d, rollout_is_weights=isw, kl_coef=0.1))
+
+
+@pytest.mark.parametrize("layout", ["btH", "bt1H", "NH"])
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_layouts(layout, policy_loss):
+    d = make(seed=3, extra_pos=layout == "bt1H")
+    (loss, m, g), b = run_pair(d, layout=layout, policy_loss=policy_loss, entropy_coef=0.01)
+    assert_pair((loss, m, g), b)
+    if layout == "bt1H":
+        assert (g[0][:, -1] == 0).all()  # the ignored last position
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo-token"])
+def test_masked_rows_get_zero_gradient(policy_loss):
+    d = make(seed=4)
+    a, b = run_pair(d, policy_loss=policy_loss, kl_coef=0.1, entropy_coef=0.02)
+    assert_pair(a, b)
+    assert (a[2][0][~d["mask"]] == 0).all()
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+@pytest.mark.parametrize("cap", [None, 2.5])
+def test_bias_and_softcap_against_unfused(policy_loss, cap):
+    d = make(seed=5, bias=True)
+    assert_pair(*run_pair(d, cap=cap, policy_loss=policy_loss, kl_coef=0.1, entropy_coef=0.03,
+                          temperature=0.9))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_nan_on_masked_positions_stays_out(policy_loss, backend):
+    """NaN hidden states and per-token inputs on padded positions: the result is that of
+    the same batch with them zeroed (the unfused op would carry the NaN hidden into dW)."""
+    d = make(seed=28, bias=True)
+    pad = ~d["mask"]
+    kw = dict(policy_loss=policy_loss, kl_coef=0.1, entropy_coef=0.01, chunk_size=4,
+              backend=backend)
+    clean = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"], d["adv"],
+                                    d["mask"], d["ref"], lm_head_bias=d["b"], **kw)
+    g_clean = grads(clean[0], d)
+    h = d["hidden"].detach().clone()
+    h[pad] = float("nan")
+    h.requires_grad_()
+    old, adv = d["old"].clone(), d["adv"].clone()
+    old[pad], adv[pad] = float("nan"), float("nan")
+    dirty = pk.ppo_loss_from_hidden(h, d["W"], d["tokens"], old, adv, d["mask"], d["ref"],
+                                    lm_head_bias=d["b"], **kw)
+    g_dirty = torch.autograd.grad(dirty[0], (h, d["W"], d["b"]))
+    torch.testing.assert_close(dirty[0], clean[0])
+    for k in clean[1]:
+        torch.testing.assert_close(dirty[1][k], clean[1][k], msg=k)
+    for x, y in zip(g_dirty, g_clean):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, y)
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "sapo", "gspo"])
+def test_softcap_against_numpy_reference(policy_loss):
+    """The fused result in float64 against ppo_kernels.reference on z = cap * tanh(h W^T /
+    cap), its gradient chained by hand: dx = dz (1 - tanh^2), dh = dx W, dW = dx^T h."""
+    cap = 1.5
+    d = make(seed=6, dtype=torch.float64, bias=True, scale=1.2)
+    loss, m = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"], d["adv"],
+                                      d["mask"], d["ref"], lm_head_bias=d["b"],
+                                      logit_softcap=cap, chunk_size=4, policy_loss=policy_loss,
+                                      kl_coef=0.1, entropy_coef=0.02)
+    gh, gw, gb = torch.autograd.grad(loss, (d["hidden"], d["W"], d["b"]))
+    h = d["hidden"].detach().numpy()
+    w = d["W"].detach().numpy()
+    bb = d["b"].detach().numpy()
+    th = np.tanh((h @ w.T + bb) / cap)
+    loss_r, m_r, dz = ref.ppo_loss(cap * th, d["tokens"].numpy(), d["old"].numpy(),
+                                   d["adv"].numpy(), d["mask"].numpy(), d["ref"].numpy(),
+                                   policy_loss=policy_loss, kl_coef=0.1, entropy_coef=0.02)
+    dx = dz * (1 - th ** 2)
+    np.testing.assert_allclose(float(loss.detach()), loss_r, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(gh.numpy(), dx @ w, rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(gw.numpy(), np.einsum("btv,bth->vh", dx, h), rtol=1e-9,
+                               atol=1e-12)
+    np.testing.assert_allclose(gb.numpy(), dx.sum((0, 1)), rtol=1e-9, atol=1e-12)
+    for k in ("entropy", "clip_frac", "approx_kl", "kl_ref", "ratio_mean"):
+        np.testing.assert_allclose(float(m[k]), m_r[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+@pytest.mark.parametrize("frozen", ["W", "hidden", "bias", "W+bias"])
+def test_frozen_inputs(frozen):
+    d = make(seed=7, bias=True)
+    if "W" in frozen:
+        d["W"].requires_grad_(False)
+    if "bias" in frozen:
+        d["b"].requires_grad_(False)
+    if frozen == "hidden":
+        d["hidden"].requires_grad_(False)
+    a, b = run_pair(d, kl_coef=0.1)
+    assert len(a[2]) == len(params(d))
+    assert_pair(a, b)
+
+
+def test_everything_frozen_and_no_grad():
+    d = make(seed=8)
+    with torch.no_grad():
+        loss, m = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"], d["adv"],
+                                          d["mask"], chunk_size=2, policy_loss="gspo")
+    assert not loss.requires_grad
+    loss2, m2 = pk.ppo_loss(logits_of(d["hidden"], d["W"]).detach(), d["tokens"], d["old"],
+                            d["adv"], d["mask"], policy_loss="gspo", backend="cpu")
+    torch.testing.assert_close(loss, loss2)
+
+
+def test_tied_embeddings():
+    """W shared with the input embedding: both paths' gradients add up on W."""
+    d = make(seed=9)
+    W = d["W"]
+    ids = torch.randint(0, W.shape[0], d["hidden"].shape[:2])
+
+    def model():
+        return torch.tanh(W[ids] + d["hidden"])  # embedding lookup of the same weight
+
+    loss, _ = pk.ppo_loss_from_hidden(model(), W, d["tokens"], d["old"], d["adv"], d["mask"],
+                                      chunk_size=4)
+    g = torch.autograd.grad(loss, (W, d["hidden"]))
+    loss2, _ = pk.ppo_loss(logits_of(model(), W), d["tokens"], d["old"], d["adv"], d["mask"],
+                           backend="cpu")
+    g2 = torch.autograd.grad(loss2, (W, d["hidden"]))
+    torch.testing.assert_close(loss, loss2)
+    for x, y in zip(g, g2):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def test_transposed_weight_view():
+    """W given as E.t() of an [H, V] matrix (strides (1, V)): the gradient reaches E."""
+    d = make(seed=27)
+    E = d["W"].detach().t().contiguous().requires_grad_()
+    args = (d["tokens"], d["old"], d["adv"], d["mask"])
+    loss, _ = pk.ppo_loss_from_hidden(d["hidden"], E.t(), *args, chunk_size=4)
+    loss2, _ = pk.ppo_loss(d["hidden"] @ E, *args, backend="cpu")
+    for x, y in zip(torch.autograd.grad(loss, (d["hidden"], E)),
+                    torch.autograd.grad(loss2, (d["hidden"], E))):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3)])
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_empty_batch(shape, policy_loss):
+    h = torch.randn(*shape, 4, requires_grad=True)
+    W = torch.randn(7, 4, requires_grad=True)
+    tok, z = torch.zeros(shape, dtype=torch.long), torch.zeros(shape)
+    loss, m = pk.ppo_loss_from_hidden(h, W, tok, z, z, policy_loss=policy_loss)
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and float(m["num_tokens"]) == 0.0
+    assert h.grad.shape == h.shape and (W.grad == 0).all()
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_bf16(policy_loss, cap):
+    """bf16 hidden and W: gradients in bf16, within 2e-2 (relative to the gradient's scale)
+    of the unfused bf16 op, and no further from the float64 result than the unfused bf16
+    op is (both are about 1e-2 off it: bf16 logits)."""
+    d = make(B=4, T=6, H=16, V=40, seed=10, dtype=torch.bfloat16, bias=True)
+    kw = dict(policy_loss=policy_loss, kl_coef=0.05, entropy_coef=0.01)
+    a, b = run_pair(d, cap=cap, chunk_size=5, **kw)
+    for x, p in zip(a[2], params(d)):
+        assert x.dtype == torch.bfloat16 and x.shape == p.shape
+    assert_pair(a, b, rtol=1e-2, atol=1e-3, grad_rtol=2e-2)
+    p64 = [p.detach().double().requires_grad_() for p in params(d)]
+    loss64, _ = pk.ppo_loss(logits_of(*p64, cap), d["tokens"], d["old"], d["adv"], d["mask"],
+                            d["ref"], backend="cpu", **kw)
+    for x, y, z in zip(a[2], b[2], torch.autograd.grad(loss64, p64)):
+        scale = z.abs().max()
+        err_fused = (x.double() - z).abs().max() / scale
+        err_unfused = (y.double() - z).abs().max() / scale
+        assert err_fused <= max(2 * err_unfused, 1e-2), (err_fused, err_unfused)
+
+
+def test_bf16_dw_accumulates_in_float32():
+    """One row per chunk: dW is the float32 sum of the chunks' bf16 products, rounded to
+    bf16 once; summing in bf16 would drift."""
+    B, T, H, V = 8, 32, 8, 32
+    d = make(B=B, T=T, H=H, V=V, seed=13, dtype=torch.bfloat16)
+    d["hidden"].requires_grad_(False)
+    loss, _ = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"], d["adv"],
+                                      d["mask"], chunk_size=1, loss_agg_mode="token-sum")
+    (gw,) = torch.autograd.grad(loss, d["W"])
+    assert gw.dtype == torch.bfloat16
+    x = logits_of(d["hidden"], d["W"]).detach().requires_grad_()
+    loss2, _ = pk.ppo_loss(x, d["tokens"], d["old"], d["adv"], d["mask"],
+                           loss_agg_mode="token-sum", backend="cpu")
+    (dx,) = torch.autograd.grad(loss2, x)
+    dx, h = dx.reshape(-1, V), d["hidden"].reshape(-1, H)
+    exact = dx.double().T @ h.double()
+    bf16_sum = torch.zeros(V, H, dtype=torch.bfloat16)
+    for r in range(dx.shape[0]):
+        bf16_sum += torch.outer(dx[r], h[r])
+
+    exact = exact.detach()
+
+    def rel(g):
+        return float((g.detach().double() - exact).abs().max() / exact.abs().max())
+
+    assert rel(gw) < 5e-3 and rel(gw) < rel(bf16_sum), (rel(gw), rel(bf16_sum))
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_grad_scale_and_rescaled_backward(policy_loss):
+    d = make(seed=14, bias=True)
+    loss2, _ = pk.ppo_loss(logits_of(d["hidden"], d["W"], d["b"]), d["tokens"], d["old"],
+                           d["adv"], d["mask"], policy_loss=policy_loss, backend="cpu")
+    g_ref = torch.autograd.grad(loss2, params(d))
+    for gs, div in [(1.0, 3.0), (0.25, 4.0), (0.25, 1.0), (2.0, 0.5)]:
+        loss, _ = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"], d["adv"],
+                                          d["mask"], lm_head_bias=d["b"], chunk_size=4,
+                                          policy_loss=policy_loss, grad_scale=gs)
+        torch.testing.assert_close(loss, loss2)
+        for p in params(d):
+            p.grad = None
+        (loss / div).backward(retain_graph=True)
+        for p, r in zip(params(d), g_ref):
+            torch.testing.assert_close(p.grad, r / div, rtol=1e-5, atol=1e-7)
+        # a second backward through the retained graph (another scale) replays right
+        for p in params(d):
+            p.grad = None
+        (loss * 3.0).backward()
+        for p, r in zip(params(d), g_ref):
+            torch.testing.assert_close(p.grad, r * 3.0, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_gradients_accumulate(policy_loss):
+    """.grad accumulates over a retained graph's two backwards and over two forwards (the
+    saved buffers are not handed out as .grad and then rescaled under it)."""
+    d = make(seed=30, bias=True)
+    loss2, _ = pk.ppo_loss(logits_of(d["hidden"], d["W"], d["b"]), d["tokens"], d["old"],
+                           d["adv"], d["mask"], policy_loss=policy_loss, backend="cpu")
+    g_ref = torch.autograd.grad(loss2, params(d))
+
+    def fused():
+        return pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"], d["adv"],
+                                       d["mask"], lm_head_bias=d["b"], chunk_size=4,
+                                       policy_loss=policy_loss)[0]
+
+    loss = fused()
+    (loss / 3).backward(retain_graph=True)
+    (loss * 2).backward()
+    fused().backward()
+    (fused() * 0.5).backward()
+    for p, r in zip(params(d), g_ref):
+        torch.testing.assert_close(p.grad, r * (1 / 3 + 2 + 1 + 0.5), rtol=1e-5, atol=1e-6)
+
+
+# (cispo and gspo-token are not gradcheck-able: their value and their gradient differ by
+# design, a detached weight / a straight-through ratio)
+@pytest.mark.parametrize("policy_loss", ["vanilla", "sapo", "gspo"])
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_gradcheck(policy_loss, cap):
+    d = make(B=2, T=3, H=4, V=5, seed=15, dtype=torch.float64, bias=True)
+    d["mask"][1, 1] = False
+
+    def f(h, w, b):
+        return pk.ppo_loss_from_hidden(h, w, d["tokens"], d["old"], d["adv"], d["mask"],
+                                       d["ref"], lm_head_bias=b, logit_softcap=cap,
+                                       chunk_size=2, policy_loss=policy_loss, kl_coef=0.1,
+                                       entropy_coef=0.05, clip_eps_low=0.5)[0]
+
+    assert torch.autograd.gradcheck(f, (d["hidden"], d["W"], d["b"]))
+
+
+# ------------------------------------------------------------------ token_logprobs_from_hidden
+
+@pytest.mark.parametrize("layout", ["btH", "bt1H", "NH"])
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_token_logprobs_from_hidden(layout, cap):
+    d = make(seed=16, extra_pos=layout == "bt1H", bias=True)
+    T = d["tokens"].shape[1]
+    h, tok, mask = d["hidden"], d["tokens"], d["mask"]
+    if layout == "NH":
+        h, tok, mask = h.reshape(-1, h.shape[-1]), tok.reshape(-1), mask.reshape(-1)
+    g = torch.Generator().manual_seed(1)
+    w1, w2 = torch.randn(tok.shape, generator=g), torch.randn(tok.shape, generator=g)
+    lp, ent = pk.token_logprobs_from_hidden(h, d["W"], tok, mask, lm_head_bias=d["b"],
+                                            logit_softcap=cap, temperature=0.8,
+                                            return_entropy=True, chunk_size=4)
+    lp2, ent2 = pk.token_logprobs(logits_of(h, d["W"], d["b"], cap), tok, mask,
+                                  temperature=0.8, return_entropy=True, backend="cpu")
+    torch.testing.assert_close(lp, lp2)
+    torch.testing.assert_close(ent, ent2)
+    ga = torch.autograd.grad((lp * w1).sum() + (ent * w2).sum(), params(d))
+    gb = torch.autograd.grad((lp2 * w1).sum() + (ent2 * w2).sum(), params(d))
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    # logp only
+    lp = pk.token_logprobs_from_hidden(h, d["W"], tok, mask, lm_head_bias=d["b"],
+                                       logit_softcap=cap, chunk_size=1)
+    lp2 = pk.token_logprobs(logits_of(h, d["W"], d["b"], cap), tok, mask, backend="cpu")
+    ga = torch.autograd.grad((lp * w1).sum(), params(d))
+    gb = torch.autograd.grad((lp2 * w1).sum(), params(d))
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+    if layout == "bt1H":
+        assert (ga[0][:, T:] == 0).all()
+
+
+def test_token_logprobs_from_hidden_gradcheck():
+    d = make(B=2, T=3, H=4, V=5, seed=17, dtype=torch.float64, bias=True)
+
+    def f(h, w, b):
+        lp, ent = pk.token_logprobs_from_hidden(h, w, d["tokens"], d["mask"], lm_head_bias=b,
+                                                logit_softcap=2.0, return_entropy=True,
+                                                chunk_size=2)
+        return lp, ent
+
+    assert torch.autograd.gradcheck(f, (d["hidden"], d["W"], d["b"]))
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_loss_agg_mode_none(policy_loss):
+    d = make(seed=18, bias=True)
+    assert_pair(*run_pair(d, cap=2.0, loss_agg_mode="none", policy_loss=policy_loss,
+                          kl_coef=0.1, entropy_coef=0.01))
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_torch_backend_is_the_composite(policy_loss):
+    d = make(seed=19, bias=True)
+    kw = dict(lm_head_bias=d["b"], logit_softcap=2.0, policy_loss=policy_loss, kl_coef=0.1,
+              entropy_coef=0.01)
+    args = (d["hidden"], d["W"], d["tokens"], d["old"], d["adv"], d["mask"], d["ref"])
+    loss, m = pk.ppo_loss_from_hidden(*args, backend="torch", **kw)
+    loss2, m2 = pk.ppo_loss_from_hidden(*args, backend="cpu", chunk_size=2, **kw)
+    torch.testing.assert_close(loss, loss2)
+    for x, y in zip(grads(loss, d), grads(loss2, d)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+def _triton_interp_ok():
+    import os
+
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import ppo_kernels.triton_kernels.ops  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _triton_interp_ok(), reason="no triton interpreter")
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_triton_backend_interpreter(policy_loss):
+    """The Triton ops on the chunks (interpreter: small shapes)."""
+    d = make(B=2, T=5, H=6, V=13, seed=25, bias=True)
+    kw = dict(lm_head_bias=d["b"], logit_softcap=2.0, policy_loss=policy_loss, kl_coef=0.1,
+              entropy_coef=0.01, chunk_size=3)
+    args = (d["hidden"], d["W"], d["tokens"], d["old"], d["adv"], d["mask"], d["ref"])
+    loss, m = pk.ppo_loss_from_hidden(*args, backend="triton", **kw)
+    loss2, m2 = pk.ppo_loss_from_hidden(*args, backend="cpu", **kw)
+    torch.testing.assert_close(loss, loss2, rtol=1e-5, atol=1e-6)
+    (loss / 3).backward()
+    g = [p.grad.clone() for p in params(d)]
+    for p in params(d):
+        p.grad = None
+    (loss2 / 3).backward()
+    for x, p in zip(g, params(d)):
+        torch.testing.assert_close(x, p.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_torch_backend_token_logprobs_and_none(flat):
+    d = make(seed=26, bias=True)
+    h, tok, mask, old, adv = d["hidden"], d["tokens"], d["mask"], d["old"], d["adv"]
+    if flat:
+        h = h.reshape(-1, h.shape[-1])
+        tok, mask, old, adv = (x.reshape(-1) for x in (tok, mask, old, adv))
+    kw = dict(lm_head_bias=d["b"], logit_softcap=2.0)
+    for be in ("torch", "cpu"):
+        lp, ent = pk.token_logprobs_from_hidden(h, d["W"], tok, mask, return_entropy=True,
+                                                backend=be, chunk_size=4, **kw)
+        assert lp.shape == tok.shape and ent.shape == tok.shape
+        loss, _ = pk.ppo_loss_from_hidden(h, d["W"], tok, old, adv, mask, backend=be,
+                                          loss_agg_mode="none", entropy_coef=0.1,
+                                          chunk_size=4, **kw)
+        assert loss.shape == tok.shape
+        out = (lp, ent, loss, grads(loss.sum() + lp.sum(), d))
+        if be == "torch":
+            want = out
+    for x, y in zip(out[:3], want[:3]):
+        torch.testing.assert_close(x, y)
+    for x, y in zip(out[3], want[3]):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ nothing of [N, V] is stored
+
+class _Sizes(TorchDispatchMode):
+    """Records the shape of every tensor any op (aten or ppo_kernels) returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
+
+
+def _largest_vocab_tensor(shapes, V):
+    return max((int(np.prod(s)) for s in shapes if s and s[-1] == V), default=0)
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_no_tensor_larger_than_a_chunk(policy_loss, cap):
+    B, T, H, V, c = 4, 16, 2, 50, 3  # N V = 3200 > V H = 100 and N H = 128
+    d = make(B=B, T=T, H=H, V=V, seed=20, bias=True)
+    spy_calls = []
+    real = fh.chunk_logits
+
+    def spy(h, w, b, cap_):
+        z = real(h, w, b, cap_)
+        spy_calls.append(tuple(z.shape))
+        return z
+
+    fh.chunk_logits = spy
+    try:
+        with _Sizes() as sizes:
+            loss, _ = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"],
+                                              d["adv"], d["mask"], lm_head_bias=d["b"],
+                                              logit_softcap=cap, chunk_size=c,
+                                              policy_loss=policy_loss, entropy_coef=0.01)
+            loss.backward()
+    finally:
+        fh.chunk_logits = real
+    n = B * T
+    passes = 2 if policy_loss == "gspo" else 1
+    assert len(spy_calls) == passes * -(-n // c)
+    assert max(s[0] for s in spy_calls) == c
+    biggest = _largest_vocab_tensor(sizes.shapes, V)
+    assert biggest == c * V, biggest  # the chunk's logits and nothing larger
+    # the instrument does see [N, V] when the logits are materialised
+    with _Sizes() as sizes2:
+        loss2, _ = pk.ppo_loss(logits_of(d["hidden"], d["W"], d["b"], cap), d["tokens"],
+                               d["old"], d["adv"], d["mask"], policy_loss=policy_loss,
+                               entropy_coef=0.01, backend="cpu")
+        loss2.backward()
+    assert _largest_vocab_tensor(sizes2.shapes, V) == n * V
+
+
+def test_token_logprobs_no_tensor_larger_than_a_chunk():
+    B, T, H, V, c = 4, 16, 2, 50, 5
+    d = make(B=B, T=T, H=H, V=V, seed=21)
+    with _Sizes() as sizes:
+        lp, ent = pk.token_logprobs_from_hidden(d["hidden"], d["W"], d["tokens"], d["mask"],
+                                                return_entropy=True, chunk_size=c)
+        (lp.sum() + ent.sum()).backward()
+    assert _largest_vocab_tensor(sizes.shapes, V) == c * V
+
+
+def test_default_chunk_size():
+    assert fh.default_chunk_size(32000, torch.bfloat16) == (256 << 20) // (32000 * 2)
+    assert fh.default_chunk_size(151936, torch.float32) == (256 << 20) // (151936 * 4)
+    assert fh.default_chunk_size(1 << 40, torch.float32) == 1
+    d = make(seed=22)
+    assert_pair(*run_pair(d, chunk_size=None))
+
+
+# ------------------------------------------------------------------ bad input
+
+def _call(d, **over):
+    a = dict(hidden=d["hidden"], lm_head_weight=d["W"], tokens=d["tokens"],
+             old_logprobs=d["old"], advantages=d["adv"], response_mask=d["mask"])
+    a.update(over)
+    return pk.ppo_loss_from_hidden(**a)
+
+
+@pytest.mark.parametrize("over,exc,name", [
+    (lambda d: dict(lm_head_weight=d["W"][:, :-1]), ValueError, "lm_head_weight"),
+    (lambda d: dict(lm_head_weight=d["W"][0]), ValueError, "lm_head_weight"),
+    (lambda d: dict(hidden=d["hidden"][..., :-1]), ValueError, "lm_head_weight"),
+    (lambda d: dict(lm_head_weight=d["W"].double()), TypeError, "lm_head_weight"),
+    (lambda d: dict(hidden=d["hidden"].double()), TypeError, "lm_head_weight"),
+    (lambda d: dict(lm_head_bias=torch.zeros(3)), ValueError, "lm_head_bias"),
+    (lambda d: dict(lm_head_bias=torch.zeros(13, dtype=torch.float64)), TypeError,
+     "lm_head_bias"),
+    (lambda d: dict(chunk_size=0), ValueError, "chunk_size"),
+    (lambda d: dict(chunk_size=-2), ValueError, "chunk_size"),
+    (lambda d: dict(chunk_size=2.0), TypeError, "chunk_size"),
+    (lambda d: dict(chunk_size=True), TypeError, "chunk_size"),
+    (lambda d: dict(logit_softcap=0.0), ValueError, "logit_softcap"),
+    (lambda d: dict(hidden=d["hidden"][0, 0]), ValueError, "hidden"),
+    (lambda d: dict(hidden=d["hidden"].int()), TypeError, "hidden"),
+    (lambda d: dict(hidden=d["hidden"][:, :-1]), ValueError, "tokens"),
+    (lambda d: dict(tokens=d["tokens"] + 100), ValueError, "tokens"),
+    (lambda d: dict(advantages=d["adv"][:, :-1]), ValueError, "advantages"),
+    (lambda d: dict(policy_loss="nope"), ValueError, "policy_loss"),
+    (lambda d: dict(kl_coef=0.1), ValueError, "ref_logprobs"),
+    (lambda d: dict(backend="nope"), ValueError, "backend"),
+])
+def test_bad_inputs(over, exc, name):
+    d = make(seed=23)
+    with pytest.raises(exc, match=name):
+        _call(d, **over(d))
+
+
+def test_float16_runs_and_matches():
+    d = make(B=2, T=4, H=8, V=20, seed=29, dtype=torch.float16)
+    a, b = run_pair(d, grad_scale=1024.0, kl_coef=0.1)
+    assert_pair(a, b, rtol=1e-2, atol=1e-3, grad_rtol=2e-2)
+
+
+def test_bad_inputs_token_logprobs():
+    d = make(seed=24)
+    with pytest.raises(ValueError, match="chunk_size"):
+        pk.token_logprobs_from_hidden(d["hidden"], d["W"], d["tokens"], chunk_size=0)
+    with pytest.raises(ValueError, match="lm_head_weight"):
+        pk.token_logprobs_from_hidden(d["hidden"], d["W"].t(), d["tokens"])
+    with pytest.raises(TypeError, match="lm_head_weight"):
+        pk.token_logprobs_from_hidden(d["hidden"], d["W"].double(), d["tokens"])
