@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import torch
 
@@ -172,6 +172,25 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     return loss, loss_metrics(s, logp, ent)
 
 
+class LossSetup(NamedTuple):
+    """prepare_loss's result (a NamedTuple: torch.compile traces it)."""
+
+    tokens: Any
+    mask: Any
+    acc: Any
+    old: Any
+    adv: Any
+    ref: Any
+    isw: Any  # rollout-corrected
+    rollout: Any
+    rc_w: Any
+    p: dict  # the backends' options
+    weights: Any  # None for loss_agg_mode="none"
+    w_ent: Any
+    be: Any  # the backend
+    flat: bool
+
+
 def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advantages,
                  ref_logprobs, *, policy_loss="vanilla", clip_eps_low=0.2, clip_eps_high=None,
                  dual_clip_c=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0,
@@ -183,9 +202,7 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
                  inplace_backward=False, backend="auto"):
     """Every check of ppo_loss's arguments but the logits themselves, shared by ppo_loss and
     ppo_loss_from_hidden (like: the logits [B, Tl, V] or the hidden states, whose dtype and
-    device the per-token inputs take). Returns a SimpleNamespace: tokens, mask, acc, old,
-    adv, ref, isw (rollout-corrected), rollout, rc_w, p (the backends' options dict),
-    weights / w_ent (None for loss_agg_mode="none"), be (the backend), flat."""
+    device the per-token inputs take). Returns a LossSetup."""
     mask = ck.response_mask(response_mask, tokens2, flat)
     acc = ck.acc_dtype(like)
     old = ck.per_token("old_logprobs", old_logprobs, tokens2, flat, acc, optional=True)
@@ -249,9 +266,9 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
         weights = weights_of(loss_agg_mode)
         w_ent = None if entropy_agg_mode in (None, loss_agg_mode) else weights_of(
             entropy_agg_mode)
-    return SimpleNamespace(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref,
-                           isw=isw, rollout=rollout, rc_w=rc_w, p=p, weights=weights,
-                           w_ent=w_ent, be=be, flat=flat)
+    return LossSetup(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref, isw=isw,
+                     rollout=rollout, rc_w=rc_w, p=p, weights=weights, w_ent=w_ent, be=be,
+                     flat=flat)
 
 
 def per_token_loss(s, logp, ent):
