@@ -210,6 +210,21 @@ class PolicyWithValueHead(nn.Module):
         values = self.value_head(out.hidden_states[-1]).squeeze(-1)
         return out.logits, values
 
+    def hidden_and_values(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last hidden states [B, L, H] (after the final LayerNorm: what the LM head
+        reads) and values [B, L], without the LM head: the caller applies it, e.g. inside
+        ``pk.ppo_loss_from_hidden`` with ``lm_head_weight``, so that the [B, L, V] logits
+        are never stored. ``forward``'s logits are ``hidden @ lm_head_weight.T``."""
+        hidden = self.lm.transformer(input_ids).last_hidden_state
+        return hidden, self.value_head(hidden).squeeze(-1)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head's weight [V, H] (GPT-2 has no LM head bias). Tied to the input
+        embedding: the gradient that reaches it through the head adds to the embedding's."""
+        assert self.lm.lm_head.bias is None
+        return self.lm.lm_head.weight
+
 
 def build_lm(vocab: Vocab, cfg: ModelConfig) -> GPT2LMHeadModel:
     """A freshly initialised small GPT-2 with dropout off.

@@ -10,10 +10,12 @@ oracle is ppo_kernels.reference. See DESIGN.md for the math and semantics.
 
 from ._ops import build_info, empty_cache
 from .advantages import Rollout, gae, kl_penalized_rewards, score_rollout, whiten
-from .from_hidden import ppo_loss_from_hidden, token_logprobs_from_hidden
+from .from_hidden import (ppo_loss_from_hidden, score_rollout_from_hidden,
+                          token_logprobs_from_hidden)
 from .loss import ppo_loss, token_logprobs, value_loss
 
 __all__ = ["token_logprobs", "ppo_loss", "value_loss", "ppo_loss_from_hidden",
-           "token_logprobs_from_hidden", "gae", "kl_penalized_rewards",
-           "whiten", "score_rollout", "Rollout", "build_info", "empty_cache"]
+           "token_logprobs_from_hidden", "score_rollout_from_hidden", "gae",
+           "kl_penalized_rewards", "whiten", "score_rollout", "Rollout", "build_info",
+           "empty_cache"]
 __version__ = "0.1.0"

@@ -495,3 +495,57 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         else:
             loss, logp, ent, _ = _loss_pass(st, *diff, (False, False, False))
     return loss, loss_metrics(s, logp, ent)
+
+
+def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, values, scores,
+                              response_mask, *, lm_head_bias=None, logit_softcap=None,
+                              chunk_size=None, kl_coef, kl_estimator="k1", gamma=1.0,
+                              lam=0.95, temperature=1.0, whiten=True, backend="auto"):
+    """pk.score_rollout of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
+    with logit_softcap, without storing them (docs/FROM_HIDDEN.md): the log-probs come from
+    token_logprobs_from_hidden (chunks of chunk_size rows, no gradient), then the same
+    [B, T] steps as pk.score_rollout: KL-penalised rewards, GAE, whitening.
+
+    Args:
+        hidden: [B, T, H] or [B, T + 1, H] (the last position is ignored) of the policy
+            that sampled ``tokens``; lm_head_weight [V, H], lm_head_bias [V] or None, of
+            hidden's dtype and device. No gradient flows to any of them.
+        tokens, ref_logprobs, values, scores, response_mask, kl_coef, kl_estimator, gamma,
+        lam, temperature, whiten, backend: as pk.score_rollout.
+        logit_softcap, chunk_size: as pk.token_logprobs_from_hidden.
+
+    Returns:
+        Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each, 0 where
+        masked.
+    """
+    from . import _torch_impl
+    from .advantages import Rollout, _scores, gae
+    from .advantages import whiten as whiten_fn
+
+    hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
+    if flat:
+        raise ValueError(f"hidden: score_rollout_from_hidden needs [B, T, H] or "
+                         f"[B, T + 1, H], got {list(hidden.shape)}")
+    mask = ck.response_mask(response_mask, tokens2, False)
+    ref = ck.per_token("ref_logprobs", ref_logprobs, tokens2, False, torch.float32)
+    vals = ck.per_token("values", values, tokens2, False, torch.float32)
+    _scores(scores, ref)
+    kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
+    ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
+    gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
+    lam = ck.number("lam", lam, lo=0.0, hi=1.0)
+    ck.flag("whiten", whiten)
+    with torch.no_grad():
+        logp = token_logprobs_from_hidden(
+            hidden3.detach(), lm_head_weight.detach(), tokens2, mask,
+            lm_head_bias=None if lm_head_bias is None else lm_head_bias.detach(),
+            logit_softcap=logit_softcap, temperature=temperature, chunk_size=chunk_size,
+            backend=backend)
+        logp = logp.float().contiguous()  # rollout outputs are float32 by contract
+        # (what pk.kl_penalized_rewards computes, with the per-token KL it drops)
+        rewards, kl = _torch_impl.kl_penalized_rewards(
+            scores.detach().float().contiguous(), logp, ref, mask, kl_coef, kl_estimator)
+        adv, ret = gae(rewards, vals, mask, gamma=gamma, lam=lam, backend=backend)
+        if whiten:
+            adv = whiten_fn(adv, mask)
+    return Rollout(logp, kl, rewards, adv, ret)

@@ -129,3 +129,44 @@ def test_reward_and_grammar(words, score, ok):
     import tiny_lm
 
     assert tiny_lm.parse_response(words.split()) == (score, ok)
+
+
+def test_update_loss_from_hidden_matches_the_logits():
+    """The demo's PPO update hands pk.ppo_loss_from_hidden the policy's last hidden states
+    and its (embedding-tied) LM head weight: the same loss and parameter gradients as
+    pk.ppo_loss on the model's logits."""
+    demo = _load_demo()
+    import random
+
+    import tiny_lm
+
+    torch.manual_seed(1)
+    vocab = tiny_lm.Vocab()
+    lm = tiny_lm.build_lm(vocab, tiny_lm.ModelConfig()).eval()
+    policy = tiny_lm.PolicyWithValueHead(lm).eval()
+    s = demo.Settings()
+    prompts = tiny_lm.make_prompts(vocab, 6, random.Random(1))
+    gen = torch.Generator().manual_seed(1)
+    batch, _ = demo.rollout_batch(policy, lm, vocab, prompts, s, gen, pk, "auto")
+    g = torch.Generator().manual_seed(2)
+    old = batch["old_logprobs"] + 0.1 * torch.randn(batch["old_logprobs"].shape, generator=g)
+    kw = dict(clip_eps_low=s.clip_eps, temperature=s.temperature)
+    params = [p for p in policy.parameters() if p.requires_grad]
+
+    hidden, _ = policy.hidden_and_values(batch["seq"])
+    loss, m = pk.ppo_loss_from_hidden(hidden, policy.lm_head_weight, batch["tokens"], old,
+                                      batch["advantages"], batch["response_mask"], **kw)
+    ga = torch.autograd.grad(loss, params, allow_unused=True)
+    logits, _ = policy(batch["seq"])
+    loss2, m2 = pk.ppo_loss(logits, batch["tokens"], old, batch["advantages"],
+                            batch["response_mask"], **kw)
+    gb = torch.autograd.grad(loss2, params, allow_unused=True)
+    torch.testing.assert_close(loss, loss2, rtol=1e-5, atol=1e-6)
+    for k in ("clip_frac", "entropy", "approx_kl"):
+        torch.testing.assert_close(m[k], m2[k], rtol=1e-5, atol=1e-6)
+    for x, y in zip(ga, gb):
+        if y is None:
+            assert x is None or (x == 0).all()
+        else:
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+    assert ga[0] is not None and ga[0].abs().sum() > 0  # the tied embedding / head gets one

@@ -657,3 +657,135 @@ def test_bad_inputs_token_logprobs():
         pk.token_logprobs_from_hidden(d["hidden"], d["W"].t(), d["tokens"])
     with pytest.raises(TypeError, match="lm_head_weight"):
         pk.token_logprobs_from_hidden(d["hidden"], d["W"].double(), d["tokens"])
+
+
+# ------------------------------------------------------------------ score_rollout_from_hidden
+
+def _rollout_inputs(d, seed=30):
+    g = torch.Generator().manual_seed(seed)
+    B, T = d["tokens"].shape
+    values = torch.randn(B, T, generator=g)
+    scores = torch.randn(B, generator=g)
+    return values, scores
+
+
+def _assert_rollout(a, b, **tol):
+    assert type(a) is type(b) and a._fields == b._fields
+    for name, x, y in zip(a._fields, a, b):
+        assert x.dtype == torch.float32 and x.shape == y.shape, name
+        assert not x.requires_grad, name
+        torch.testing.assert_close(x, y, msg=name, **tol)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7, 100, None])
+@pytest.mark.parametrize("est,whiten", [("k1", True), ("k3", False), ("k2", True),
+                                        ("abs", True)])
+def test_score_rollout_from_hidden(chunk, est, whiten):
+    d = make(B=4, T=6, seed=31)
+    values, scores = _rollout_inputs(d)
+    kw = dict(kl_coef=0.1, kl_estimator=est, gamma=0.99, lam=0.9, temperature=0.8,
+              whiten=whiten)
+    got = pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
+                                       scores, d["mask"], chunk_size=chunk, **kw)
+    with torch.no_grad():
+        logits = logits_of(d["hidden"], d["W"])
+    want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, d["mask"],
+                            backend="cpu", **kw)
+    _assert_rollout(got, want)
+
+
+@pytest.mark.parametrize("cap", [None, 2.0])
+@pytest.mark.parametrize("extra_pos", [False, True])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_score_rollout_from_hidden_bias_softcap_layouts(cap, extra_pos, backend):
+    d = make(B=3, T=5, seed=32, bias=True, extra_pos=extra_pos)
+    values, scores = _rollout_inputs(d, seed=33)
+    mask = d["mask"].float()  # a float mask, as the demo passes it
+    kw = dict(kl_coef=0.05)
+    got = pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
+                                       scores, mask, lm_head_bias=d["b"], logit_softcap=cap,
+                                       chunk_size=2, backend=backend, **kw)
+    with torch.no_grad():
+        logits = logits_of(d["hidden"], d["W"], d["b"], cap)  # [B, T + 1, V] with extra_pos
+    want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, mask,
+                            backend="cpu", **kw)
+    _assert_rollout(got, want)
+    # masked positions are 0 in every output
+    for x in got:
+        assert (x[~d["mask"]] == 0).all()
+
+
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_score_rollout_from_hidden_bf16(cap):
+    d = make(B=3, T=8, H=16, V=40, seed=34, dtype=torch.bfloat16, bias=True)
+    values, scores = _rollout_inputs(d, seed=35)
+    kw = dict(kl_coef=0.1, kl_estimator="k3", whiten=False)
+    got = pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
+                                       scores, d["mask"], lm_head_bias=d["b"],
+                                       logit_softcap=cap, chunk_size=5, **kw)
+    with torch.no_grad():
+        logits = logits_of(d["hidden"], d["W"], d["b"], cap)  # bf16, as the model's
+    want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, d["mask"],
+                            backend="cpu", **kw)
+    _assert_rollout(got, want, rtol=1e-2, atol=1e-2)
+    # and whitened
+    kw["whiten"] = True
+    got = pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
+                                       scores, d["mask"], lm_head_bias=d["b"],
+                                       logit_softcap=cap, chunk_size=5, **kw)
+    want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, d["mask"],
+                            backend="cpu", **kw)
+    _assert_rollout(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_score_rollout_from_hidden_float64_and_no_grad_graph():
+    d = make(B=2, T=4, seed=36, dtype=torch.float64)
+    values, scores = _rollout_inputs(d, seed=37)
+    got = pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
+                                       scores, d["mask"], kl_coef=0.2, chunk_size=3)
+    with torch.no_grad():
+        logits = logits_of(d["hidden"], d["W"])
+    want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, d["mask"],
+                            kl_coef=0.2, backend="cpu")
+    _assert_rollout(got, want)  # float32 outputs (the inputs require grad: none is tracked)
+    assert d["hidden"].grad is None and d["W"].grad is None
+
+
+def test_score_rollout_from_hidden_no_tensor_larger_than_a_chunk():
+    B, T, H, V, c = 4, 16, 2, 50, 5
+    d = make(B=B, T=T, H=H, V=V, seed=38, bias=True)
+    values, scores = _rollout_inputs(d, seed=39)
+    with _Sizes() as sizes:
+        pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
+                                     scores, d["mask"], lm_head_bias=d["b"], logit_softcap=2.0,
+                                     chunk_size=c, kl_coef=0.1)
+    assert _largest_vocab_tensor(sizes.shapes, V) == c * V
+
+
+@pytest.mark.parametrize("over,exc,name", [
+    (lambda d, v, s: dict(hidden=d["hidden"].reshape(-1, d["hidden"].shape[-1]),
+                          tokens=d["tokens"].reshape(-1)), ValueError, "hidden"),
+    (lambda d, v, s: dict(lm_head_weight=d["W"][:, :-1]), ValueError, "lm_head_weight"),
+    (lambda d, v, s: dict(lm_head_weight=d["W"].double()), TypeError, "lm_head_weight"),
+    (lambda d, v, s: dict(ref_logprobs=d["ref"][:, :-1]), ValueError, "ref_logprobs"),
+    (lambda d, v, s: dict(values=v[:1]), ValueError, "values"),
+    (lambda d, v, s: dict(scores=s[:-1]), ValueError, "scores"),
+    (lambda d, v, s: dict(kl_coef=-1.0), ValueError, "kl_coef"),
+    (lambda d, v, s: dict(kl_estimator="k9"), ValueError, "kl_estimator"),
+    (lambda d, v, s: dict(gamma=1.5), ValueError, "gamma"),
+    (lambda d, v, s: dict(lam=-0.1), ValueError, "lam"),
+    (lambda d, v, s: dict(temperature=0.0), ValueError, "temperature"),
+    (lambda d, v, s: dict(chunk_size=0), ValueError, "chunk_size"),
+    (lambda d, v, s: dict(logit_softcap=-1.0), ValueError, "logit_softcap"),
+    (lambda d, v, s: dict(tokens=d["tokens"] + 100), ValueError, "tokens"),
+    (lambda d, v, s: dict(backend="nope"), ValueError, "backend"),
+])
+def test_score_rollout_from_hidden_bad_inputs(over, exc, name):
+    d = make(seed=40)
+    values, scores = _rollout_inputs(d, seed=41)
+    a = dict(hidden=d["hidden"], lm_head_weight=d["W"], tokens=d["tokens"],
+             ref_logprobs=d["ref"], values=values, scores=scores, response_mask=d["mask"],
+             kl_coef=0.1)
+    a.update(over(d, values, scores))
+    with pytest.raises(exc, match=name):
+        pk.score_rollout_from_hidden(**a)
