@@ -121,7 +121,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  b=$(( $(left) - 40 ))
+  b=$(( $(left) - 100 ))  # (leaves the from-hidden stage its time)
   if [ $b -ge 40 ]; then
     TAIL_LINES=3 run_stage "benchmark" $(( b + 30 )) bench.log "$PY" benchmarks/gpu_bench.py \
         --budget-s "$b" --json "$OUTDIR/gpu_bench.json" ${BENCH_ARGS:-}
@@ -130,12 +130,19 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   fi
 fi
 
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  # the loss from hidden states vs materialised logits and Liger's fused-linear GRPO loss
+  TAIL_LINES=8 run_stage "from hidden vs liger" 90 from_hidden.log "$PY" \
+      benchmarks/gpu_from_hidden.py --json "$OUTDIR/gpu_from_hidden.json"
+fi
+
 echo
 echo "== summary (total $(since "$T0") s of a ${BUDGET} s budget; logs in $OUTDIR)"
 printf '%s\n' "${SUMMARY[@]}"
 echo
 echo "-- device checks (FAIL first)"
-CHK=$(cat "$OUTDIR"/review.log "$OUTDIR"/invariance.log "$OUTDIR"/bigrows.log 2> /dev/null \
+CHK=$(cat "$OUTDIR"/review.log "$OUTDIR"/invariance.log "$OUTDIR"/bigrows.log \
+    "$OUTDIR"/from_hidden.log 2> /dev/null \
     | grep '^CHECK' | sed 's/^CHECK //' | cut -c1-150)
 { grep ' FAIL ' <<< "$CHK"; grep -v ' FAIL ' <<< "$CHK"; } | grep -v '^$' || true
 grep -h "^smoke\|rel err" "$OUTDIR/smoke.log" 2> /dev/null | head -5
