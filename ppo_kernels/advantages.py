@@ -136,6 +136,22 @@ class Rollout(NamedTuple):
     returns: torch.Tensor  # advantages + values, computed before whitening
 
 
+def rollout_inputs(tokens2, response_mask, ref_logprobs, values, scores, kl_coef,
+                   kl_estimator, gamma, lam, whiten):
+    """score_rollout's checks of everything but the logits (shared with
+    score_rollout_from_hidden): (mask, ref, values, kl_coef, gamma, lam)."""
+    mask = ck.response_mask(response_mask, tokens2, False)
+    ref = ck.per_token("ref_logprobs", ref_logprobs, tokens2, False, torch.float32)
+    vals = ck.per_token("values", values, tokens2, False, torch.float32)
+    _scores(scores, ref)
+    kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
+    ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
+    gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
+    lam = ck.number("lam", lam, lo=0.0, hi=1.0)
+    ck.flag("whiten", whiten)
+    return mask, ref, vals, kl_coef, gamma, lam
+
+
 def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *, kl_coef,
                   kl_estimator="k1", gamma=1.0, lam=0.95, temperature=1.0, whiten=True,
                   backend="auto"):
@@ -160,16 +176,10 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     if flat:
         raise ValueError(f"logits: score_rollout needs [B, T, V] or [B, T + 1, V], got "
                          f"{list(logits.shape)}")
-    mask = ck.response_mask(response_mask, tokens2, False)
-    ref = ck.per_token("ref_logprobs", ref_logprobs, tokens2, False, torch.float32)
-    vals = ck.per_token("values", values, tokens2, False, torch.float32)
-    _scores(scores, ref)
-    kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
-    ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
-    gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
-    lam = ck.number("lam", lam, lo=0.0, hi=1.0)
+    mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
+        tokens2, response_mask, ref_logprobs, values, scores, kl_coef, kl_estimator, gamma,
+        lam, whiten)
     temperature = ck.temperature(temperature, logits3)
-    ck.flag("whiten", whiten)
     be = get_backend(backend, logits3.device)
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
     if logits3.dtype == torch.float64:

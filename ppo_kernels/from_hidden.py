@@ -519,22 +519,16 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
         masked.
     """
     from . import _torch_impl
-    from .advantages import Rollout, _scores, gae
+    from .advantages import Rollout, gae, rollout_inputs
     from .advantages import whiten as whiten_fn
 
     hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
     if flat:
         raise ValueError(f"hidden: score_rollout_from_hidden needs [B, T, H] or "
                          f"[B, T + 1, H], got {list(hidden.shape)}")
-    mask = ck.response_mask(response_mask, tokens2, False)
-    ref = ck.per_token("ref_logprobs", ref_logprobs, tokens2, False, torch.float32)
-    vals = ck.per_token("values", values, tokens2, False, torch.float32)
-    _scores(scores, ref)
-    kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
-    ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
-    gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
-    lam = ck.number("lam", lam, lo=0.0, hi=1.0)
-    ck.flag("whiten", whiten)
+    mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
+        tokens2, response_mask, ref_logprobs, values, scores, kl_coef, kl_estimator, gamma,
+        lam, whiten)
     with torch.no_grad():
         logp = token_logprobs_from_hidden(
             hidden3.detach(), lm_head_weight.detach(), tokens2, mask,
