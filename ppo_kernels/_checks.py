@@ -94,6 +94,24 @@ def temperature(value, logits):
     return t
 
 
+def align_tokens(tokens, x, x_name, last):
+    """tokens [B, T] (or [N]) against x [B, T, last], [B, T + 1, last] or [N, last] (the
+    logits, or the hidden states): (x as [B, Tl, last], tokens [B, T], flat)."""
+    tensor("tokens", tokens, integer=True)
+    same_device("tokens", tokens, x_name, x)
+    flat = x.dim() == 2
+    if flat:
+        if tokens.dim() != 1 or tokens.shape[0] != x.shape[0]:
+            raise ValueError(f"tokens: with {x_name} [N, {last}] = {list(x.shape)} expected "
+                             f"tokens [N] = [{x.shape[0]}], got {list(tokens.shape)}")
+        x, tokens = x.unsqueeze(0), tokens.unsqueeze(0)
+    if tokens.dim() != 2 or tokens.shape[0] != x.shape[0] or \
+            x.shape[1] not in (tokens.shape[1], tokens.shape[1] + 1):
+        raise ValueError(f"tokens: expected [B, T] matching {x_name} [B, T, {last}] or "
+                         f"[B, T + 1, {last}] = {list(x.shape)}, got {list(tokens.shape)}")
+    return x, tokens, flat
+
+
 def logits_and_tokens(logits, tokens):
     """Validates logits/tokens and returns (logits3 [B, Tl, V], tokens2 [B, T] int64, flat).
 
@@ -104,21 +122,10 @@ def logits_and_tokens(logits, tokens):
     tensor("logits", logits)
     if logits.dtype not in LOGITS_DTYPES:
         raise TypeError(f"logits: expected float32, bfloat16, float16 or float64, got {logits.dtype}")
-    tensor("tokens", tokens, integer=True)
-    same_device("tokens", tokens, "logits", logits)
-    flat = logits.dim() == 2
-    if flat:
-        if tokens.dim() != 1 or tokens.shape[0] != logits.shape[0]:
-            raise ValueError(f"tokens: with logits [N, V] = {list(logits.shape)} expected tokens "
-                             f"[N] = [{logits.shape[0]}], got {list(tokens.shape)}")
-        logits, tokens = logits.unsqueeze(0), tokens.unsqueeze(0)
-    elif logits.dim() != 3:
+    if logits.dim() not in (2, 3):
         raise ValueError(f"logits: expected [B, T, V], [B, T + 1, V] or [N, V], got shape "
                          f"{list(logits.shape)}")
-    if tokens.dim() != 2 or tokens.shape[0] != logits.shape[0] or \
-            logits.shape[1] not in (tokens.shape[1], tokens.shape[1] + 1):
-        raise ValueError(f"tokens: expected [B, T] matching logits [B, T, V] or [B, T + 1, V] = "
-                         f"{list(logits.shape)}, got {list(tokens.shape)}")
+    logits, tokens, flat = align_tokens(tokens, logits, "logits", "V")
     if logits.shape[2] == 0:
         raise ValueError("logits: empty vocabulary (V = 0)")
     if logits.stride(2) != 1:  # the kernels read rows with unit stride

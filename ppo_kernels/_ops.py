@@ -101,6 +101,13 @@ def scale_grad(prefix, dlogits, grad, applied):
     return dlogits
 
 
+def effective_grad_scale(grad_scale, dtype):
+    """The scale the forward writes the gradient with: float16 cannot hold every pre-scaled
+    gradient (a loss scale of 2^16), so there the backward scales up instead, where an
+    overflow is the loss scaler's to see."""
+    return min(grad_scale, 1.0) if dtype == torch.float16 else grad_scale
+
+
 def _lp_setup(ctx, inputs, output):
     logits, tokens, mask, temperature, return_entropy = inputs
     _, ent, row_max, log_sum = output
@@ -247,11 +254,7 @@ class KernelBackend:
         tail = (p["policy_loss_id"], p["sapo_tau_pos"], p["sapo_tau_neg"],
                 bool(p["kl_bias_correction"]))
         need_grad = torch.is_grad_enabled() and logits.requires_grad
-        gs = p["grad_scale"]
-        if logits.dtype == torch.float16:
-            # float16 cannot hold every pre-scaled gradient (a loss scale of 2^16): scale
-            # up in the backward instead, where an overflow is the loss scaler's to see
-            gs = min(gs, 1.0)
+        gs = effective_grad_scale(p["grad_scale"], logits.dtype)
         if inplace and need_grad:
             loss, loss_tok, logp, ent = _InplaceLoss.apply(
                 logits, self._op("ppo_loss_fwd_inplace"), args, tail, self.prefix, gs)

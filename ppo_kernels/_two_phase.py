@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import _torch_impl
+from ._ops import effective_grad_scale, scale_grad
 
 
 def _middle(logp, ent, mask, old, adv, weights, w_ent, ref, isw, p):
@@ -25,36 +26,42 @@ def _middle(logp, ent, mask, old, adv, weights, w_ent, ref, isw, p):
     return _torch_impl.aggregate(pol, ent, mask, weights, w_ent, p), pol
 
 
+def _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, need_grad):
+    """The three steps: (loss, loss_tok, logp, ent, dlogits or None, the scale dlogits
+    carries)."""
+    ops = torch.ops.ppo_kernels
+    fwd = getattr(ops, prefix + "token_logprobs_fwd")
+    logp, ent, row_max, log_sum = fwd(logits, tokens, mask, p["temperature"], True)
+
+    def f(lp, h):
+        return _middle(lp, h, mask, old, adv, weights, w_ent, ref, isw, p)
+
+    (dlogp, dent), (loss, pol) = torch.func.grad_and_value(f, argnums=(0, 1),
+                                                           has_aux=True)(logp, ent)
+    gs = effective_grad_scale(p["grad_scale"], logits.dtype)
+    dlogits = None
+    if need_grad:  # else no second pass over the logits
+        bwd = getattr(ops, prefix + "token_logprobs_bwd")
+        dlogits = bwd((dlogp * gs).contiguous(),
+                      (dent * gs).contiguous() if p["entropy_coef"] != 0.0 else None,
+                      logits, tokens, mask, row_max, log_sum, ent, p["temperature"])
+    loss_tok = torch.where(mask, pol - p["entropy_coef"] * ent, 0.0)
+    return loss.detach(), loss_tok, logp, ent, dlogits, gs
+
+
 class TwoPhaseLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix):
-        ops = torch.ops.ppo_kernels
-        fwd = getattr(ops, prefix + "token_logprobs_fwd")
-        logp, ent, row_max, log_sum = fwd(logits, tokens, mask, p["temperature"], True)
-
-        def f(lp, h):
-            return _middle(lp, h, mask, old, adv, weights, w_ent, ref, isw, p)
-
-        (dlogp, dent), (loss, pol) = torch.func.grad_and_value(f, argnums=(0, 1),
-                                                               has_aux=True)(logp, ent)
-        # float16 cannot hold every pre-scaled gradient: as _ops.KernelBackend.ppo_loss
-        gs = min(p["grad_scale"], 1.0) if logits.dtype == torch.float16 else p["grad_scale"]
+        loss, loss_tok, logp, ent, dlogits, gs = _passes(
+            logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, True)
         ctx.prefix = prefix
         ctx.applied = torch.full((), gs, dtype=logp.dtype, device=logits.device)
-        if not isinstance(ctx, _NoCtx):  # a gradient is wanted (else no second pass)
-            bwd = getattr(ops, prefix + "token_logprobs_bwd")
-            dlogits = bwd((dlogp * gs).contiguous(),
-                          (dent * gs).contiguous() if p["entropy_coef"] != 0.0 else None,
-                          logits, tokens, mask, row_max, log_sum, ent, p["temperature"])
-            ctx.save_for_backward(dlogits)
-        loss_tok = torch.where(mask, pol - p["entropy_coef"] * ent, 0.0)
+        ctx.save_for_backward(dlogits)
         ctx.mark_non_differentiable(loss_tok, logp, ent)
-        return loss.detach(), loss_tok, logp, ent
+        return loss, loss_tok, logp, ent
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        from ._ops import scale_grad
-
         (dlogits,) = ctx.saved_tensors
         return (scale_grad(ctx.prefix, dlogits, grad_loss, ctx.applied),) + (None,) * 10
 
@@ -63,17 +70,7 @@ def ppo_loss(prefix, logits, tokens, mask, old, adv, weights, ref, isw, p, w_ent
     """(loss, loss_tok, logp, ent) of a sequence-level policy loss on a kernel backend."""
     if not (torch.is_grad_enabled() and logits.requires_grad):
         with torch.no_grad():
-            return TwoPhaseLoss.forward(_NoCtx(), logits, tokens, mask, old, adv, weights,
-                                        w_ent, ref, isw, p, prefix)
+            return _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix,
+                           False)[:4]
     return TwoPhaseLoss.apply(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p,
                               prefix)
-
-
-class _NoCtx:
-    """Stands in for autograd's ctx when no gradient is wanted."""
-
-    def save_for_backward(self, *_):
-        pass
-
-    def mark_non_differentiable(self, *_):
-        pass

@@ -25,16 +25,10 @@ import torch
 
 from . import _checks as ck
 from ._checks import SEQUENCE_POLICY_LOSSES, acc_dtype
-from ._ops import KernelBackend, get_backend, scale_grad
+from ._ops import KernelBackend, effective_grad_scale, get_backend, scale_grad
 from .loss import loss_metrics, per_token_loss, prepare_loss
 
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
-
-
-def _effective_grad_scale(grad_scale, dtype):
-    """The scale the written gradients carry: float16 cannot hold every pre-scaled gradient
-    (a loss scale of 2^16), so there the backward scales up instead (as KernelBackend)."""
-    return min(grad_scale, 1.0) if dtype == torch.float16 else grad_scale
 
 
 # ------------------------------------------------------------------ argument checks
@@ -70,18 +64,7 @@ def _hidden_and_tokens(hidden, weight, bias, tokens):
         if tuple(bias.shape) != (v,):
             raise ValueError(f"lm_head_bias: expected shape [V] = [{v}], got "
                              f"{list(bias.shape)}")
-    ck.tensor("tokens", tokens, integer=True)
-    ck.same_device("tokens", tokens, "hidden", hidden)
-    flat = hidden.dim() == 2
-    if flat:
-        if tokens.dim() != 1 or tokens.shape[0] != hidden.shape[0]:
-            raise ValueError(f"tokens: with hidden [N, H] = {list(hidden.shape)} expected "
-                             f"tokens [N] = [{hidden.shape[0]}], got {list(tokens.shape)}")
-        hidden, tokens = hidden.unsqueeze(0), tokens.unsqueeze(0)
-    if tokens.dim() != 2 or tokens.shape[0] != hidden.shape[0] or \
-            hidden.shape[1] not in (tokens.shape[1], tokens.shape[1] + 1):
-        raise ValueError(f"tokens: expected [B, T] matching hidden [B, T, H] or [B, T + 1, H] "
-                         f"= {list(hidden.shape)}, got {list(tokens.shape)}")
+    hidden, tokens, flat = ck.align_tokens(tokens, hidden, "hidden", "H")
     return hidden, tokens.long().contiguous(), flat
 
 
@@ -489,7 +472,7 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
             s.weights, s.w_ent
         st.b, st.t = s.tokens.shape
         st.n = st.b * st.t
-        st.gs = _effective_grad_scale(p["grad_scale"], hidden3.dtype)
+        st.gs = effective_grad_scale(p["grad_scale"], hidden3.dtype)
         if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in diff):
             loss, logp, ent = _LossFromHidden.apply(*diff, st)
         else:
