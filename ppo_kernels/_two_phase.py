@@ -26,12 +26,20 @@ def _middle(logp, ent, mask, old, adv, weights, w_ent, ref, isw, p):
     return _torch_impl.aggregate(pol, ent, mask, weights, w_ent, p), pol
 
 
-def _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, need_grad):
+def _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, need_grad,
+            shard=None):
     """The three steps: (loss, loss_tok, logp, ent, dlogits or None, the scale dlogits
-    carries)."""
+    carries). shard: a vocab_parallel.VocabShard when the logits are this rank's shard of
+    the vocabulary (the statistics are merged over its group between steps 1 and 2)."""
     ops = torch.ops.ppo_kernels
     fwd = getattr(ops, prefix + "token_logprobs_fwd")
+    own = None
+    if shard is not None:
+        tokens, own = shard.local_tokens(tokens)
     logp, ent, row_max, log_sum = fwd(logits, tokens, mask, p["temperature"], True)
+    if shard is not None:
+        logp, ent, row_max, log_sum = shard.merge(logp, ent, row_max, log_sum, own, mask,
+                                                  p["temperature"])
 
     def f(lp, h):
         return _middle(lp, h, mask, old, adv, weights, w_ent, ref, isw, p)
@@ -42,18 +50,23 @@ def _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix,
     dlogits = None
     if need_grad:  # else no second pass over the logits
         bwd = getattr(ops, prefix + "token_logprobs_bwd")
-        dlogits = bwd((dlogp * gs).contiguous(),
-                      (dent * gs).contiguous() if p["entropy_coef"] != 0.0 else None,
-                      logits, tokens, mask, row_max, log_sum, ent, p["temperature"])
+        g_lp = (dlogp * gs).contiguous()
+        g_ent = (dent * gs).contiguous() if p["entropy_coef"] != 0.0 else None
+        dlogits = bwd(g_lp, g_ent, logits, tokens, mask, row_max, log_sum, ent,
+                      p["temperature"])
+        if shard is not None:
+            shard.fix_placeholder_(dlogits, logits, own, mask, g_lp, g_ent, row_max, log_sum,
+                                   ent, p["temperature"])
     loss_tok = torch.where(mask, pol - p["entropy_coef"] * ent, 0.0)
     return loss.detach(), loss_tok, logp, ent, dlogits, gs
 
 
 class TwoPhaseLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix):
+    def forward(ctx, logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix,
+                shard):
         loss, loss_tok, logp, ent, dlogits, gs = _passes(
-            logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, True)
+            logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, True, shard)
         ctx.prefix = prefix
         ctx.applied = torch.full((), gs, dtype=logp.dtype, device=logits.device)
         ctx.save_for_backward(dlogits)
@@ -63,14 +76,15 @@ class TwoPhaseLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         (dlogits,) = ctx.saved_tensors
-        return (scale_grad(ctx.prefix, dlogits, grad_loss, ctx.applied),) + (None,) * 10
+        return (scale_grad(ctx.prefix, dlogits, grad_loss, ctx.applied),) + (None,) * 11
 
 
-def ppo_loss(prefix, logits, tokens, mask, old, adv, weights, ref, isw, p, w_ent):
-    """(loss, loss_tok, logp, ent) of a sequence-level policy loss on a kernel backend."""
+def ppo_loss(prefix, logits, tokens, mask, old, adv, weights, ref, isw, p, w_ent, shard=None):
+    """(loss, loss_tok, logp, ent) of a sequence-level policy loss (or of any policy loss
+    over a vocabulary split across ranks: shard) on a kernel backend."""
     if not (torch.is_grad_enabled() and logits.requires_grad):
         with torch.no_grad():
             return _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix,
-                           False)[:4]
+                           False, shard)[:4]
     return TwoPhaseLoss.apply(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p,
-                              prefix)
+                              prefix, shard)

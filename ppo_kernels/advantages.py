@@ -152,9 +152,25 @@ def rollout_inputs(tokens2, response_mask, ref_logprobs, values, scores, kl_coef
     return mask, ref, vals, kl_coef, gamma, lam
 
 
+def rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator, gamma, lam,
+                          whiten, backend):
+    """The [B, T] steps of score_rollout after the log-probs (no gradient): KL-penalised
+    rewards, GAE, whitening. For the paths that get the log-probs elsewhere (from hidden
+    states, a split vocabulary, packed sequences)."""
+    with torch.no_grad():
+        logp = logp.float().contiguous()  # rollout outputs are float32 by contract
+        # (what pk.kl_penalized_rewards computes, with the per-token KL it drops)
+        rewards, kl = _torch_impl.kl_penalized_rewards(
+            scores.detach().float().contiguous(), logp, ref, mask, kl_coef, kl_estimator)
+        adv, ret = gae(rewards, vals, mask, gamma=gamma, lam=lam, backend=backend)
+        if whiten:
+            adv = _whiten(adv, mask)
+    return Rollout(logp, kl, rewards, adv, ret)
+
+
 def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *, kl_coef,
                   kl_estimator="k1", gamma=1.0, lam=0.95, temperature=1.0, whiten=True,
-                  backend="auto"):
+                  tp_group=None, vocab_start=None, backend="auto"):
     """The rollout side in one pass over the logits: logprobs of the sampled tokens, per-token
     KL to the reference, KL-penalised rewards (score on the last valid token), GAE
     advantages and returns, then (optionally) whitened advantages.
@@ -164,6 +180,9 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
         tokens: int [B, T]. ref_logprobs, values: float [B, T]. scores: float [B].
         response_mask: [B, T]. kl_coef: >= 0. kl_estimator: "k1" | "k2" | "k3" | "abs".
         gamma, lam: in [0, 1]. temperature: > 0. whiten: whiten the advantages.
+        tp_group, vocab_start: a vocabulary split over ranks, as in pk.token_logprobs (a
+            DTensor sharded with Shard(-1) needs neither): the log-probs are merged over the
+            group, then the [B, T] steps run on every rank alike.
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
@@ -172,6 +191,9 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     Raises:
         TypeError / ValueError naming the argument.
     """
+    from . import vocab_parallel as vp
+
+    logits, shard = vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
     logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
     if flat:
         raise ValueError(f"logits: score_rollout needs [B, T, V] or [B, T + 1, V], got "
@@ -181,6 +203,13 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
         lam, whiten)
     temperature = ck.temperature(temperature, logits3)
     be = get_backend(backend, logits3.device)
+    vp.require_kernels(be, shard)
+    if shard is not None:
+        with torch.no_grad():
+            logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask, temperature,
+                                        shard)
+        return rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator,
+                                     gamma, lam, whiten, backend)
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
     if logits3.dtype == torch.float64:
         logits3 = logits3.float()  # rollout outputs are float32 by contract

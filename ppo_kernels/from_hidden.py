@@ -26,6 +26,7 @@ import torch
 from . import _checks as ck
 from ._checks import SEQUENCE_POLICY_LOSSES, acc_dtype
 from ._ops import KernelBackend, effective_grad_scale, get_backend, scale_grad
+from .vocab_parallel import all_reduce_sum_, require_kernels, shard_of
 from .loss import loss_metrics, per_token_loss, prepare_loss
 
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
@@ -68,6 +69,18 @@ def _hidden_and_tokens(hidden, weight, bias, tokens):
     return hidden, tokens.long().contiguous(), flat
 
 
+def _head_shard(hidden, weight, bias, tp_group, vocab_start):
+    """(hidden, weight, bias, VocabShard or None): the LM head's rows split over tp_group,
+    or DTensors (weight / bias sharded on the vocabulary, Shard(0); hidden replicated)."""
+    weight, shard = shard_of(weight, tp_group, vocab_start, 0, "lm_head_weight")
+    if shard is not None:
+        if bias is not None and hasattr(bias, "to_local"):
+            bias = bias.to_local()
+        if hasattr(hidden, "to_local"):
+            hidden = hidden.to_local()
+    return hidden, weight, bias, shard
+
+
 def _head_options(hidden3, weight, logit_softcap, chunk_size):
     cap = None if logit_softcap is None else ck.number("logit_softcap", logit_softcap,
                                                        lo=0.0, lo_open=True)
@@ -93,6 +106,14 @@ def default_chunk_size(vocab, dtype):
 class _State:
     """Everything but the three differentiable tensors, validated: what the chunk loops
     read."""
+
+
+def _set_shard(s, shard):
+    """A split vocabulary: the chunk loops hand the kernels shard-local ids (own: whether
+    this rank holds the token)."""
+    s.shard, s.own = shard, None
+    if shard is not None:
+        s.tokens, s.own = shard.local_tokens(s.tokens)
 
 
 # ------------------------------------------------------------------ the chunk pieces
@@ -235,6 +256,13 @@ def _stats_pass(s, hidden3, weight, bias, return_entropy):
         for i, r in enumerate(res):
             if i != 1 or return_entropy:
                 out[i][r0:r1] = r.view(c)
+    if s.shard is not None:  # the whole vocabulary's statistics: one all-gather, all rows
+        row = (1, s.n)
+        lp, en, mx, ls = s.shard.merge(out[0].view(row), out[1].view(row) if return_entropy
+                                       else None, out[2].view(row), out[3].view(row),
+                                       s.own.view(row), s.mask.view(row), s.temperature)
+        out = [lp.view(s.n), en.view(s.n) if return_entropy else out[1], mx.view(s.n),
+               ls.view(s.n)]
     return out
 
 
@@ -254,11 +282,22 @@ def _grad_pass(s, hidden3, weight, bias, g, dlogp, dent, stats):
                  z.view(1, c, -1), _rows(s.tokens, s, r0, r1), _rows(s.mask, s, r0, r1),
                  row_max[r0:r1].view(1, c), log_sum[r0:r1].view(1, c),
                  ent[r0:r1].view(1, c) if ent.numel() else ent, s.temperature).view(c, -1)
+        if s.shard is not None:  # (before the soft cap's factor, which reuses z)
+            s.shard.fix_placeholder_(
+                dz.view(1, c, -1), z.view(1, c, -1), _rows(s.own, s, r0, r1),
+                _rows(s.mask, s, r0, r1), dlogp[r0:r1].view(1, c),
+                None if dent is None else dent[r0:r1].view(1, c), row_max[r0:r1].view(1, c),
+                log_sum[r0:r1].view(1, c), ent[r0:r1].view(1, c) if dent is not None else None,
+                s.temperature)
         if s.cap is not None:
             dz.mul_(_softcap_factor_(z, s.cap))
         del z
         g.add(r0, r1, dz, hc, weight)
         del dz
+    if s.shard is not None and g.dh2 is not None:
+        # d hidden is the sum of every shard's dz @ W_r: the one collective of the backward
+        # (the hidden states are the same on every rank of the group)
+        all_reduce_sum_(g.dh2, s.shard.group)
 
 
 def _two_phase_pass(s, hidden3, weight, bias, need):
@@ -282,7 +321,8 @@ def _two_phase_pass(s, hidden3, weight, bias, need):
 
 
 def _loss_pass(s, hidden3, weight, bias, need):
-    if s.p["policy_loss"] in SEQUENCE_POLICY_LOSSES or s.p.get("pg_mask_fn") is not None:
+    if s.p["policy_loss"] in SEQUENCE_POLICY_LOSSES or s.p.get("pg_mask_fn") is not None \
+            or s.shard is not None:  # a split vocabulary merges its statistics in between
         return _two_phase_pass(s, hidden3, weight, bias, need)
     return _fused_pass(s, hidden3, weight, bias, need)
 
@@ -377,7 +417,8 @@ def _squeeze(x, flat):
 
 def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=None, *,
                                lm_head_bias=None, logit_softcap=None, temperature=1.0,
-                               return_entropy=False, chunk_size=None, backend="auto"):
+                               return_entropy=False, chunk_size=None, tp_group=None,
+                               vocab_start=None, backend="auto"):
     """pk.token_logprobs of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     to cap * tanh(x / cap) with logit_softcap, without storing them: chunks of chunk_size
     rows (None: about 256 MiB of logits per chunk); the backward recomputes each chunk's
@@ -386,15 +427,22 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     hidden: [B, T, H], [B, T + 1, H] (the last position is ignored, zero gradient) or
     [N, H]; lm_head_weight [V, H] and lm_head_bias [V] of hidden's dtype and device.
     Returns logprobs [B, T] (or [N]), or (logprobs, entropy); backend "torch" materialises
-    the logits (the reference composite).
+    the logits (the reference composite). tp_group / vocab_start: the head's rows split over
+    ranks ([V_r, H] here; docs/DISTRIBUTED.md): the whole vocabulary's results on every
+    rank, d hidden summed over the group, this shard's dW / db.
     """
+    hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
+                                                              lm_head_bias, tp_group,
+                                                              vocab_start)
     hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
     mask = ck.response_mask(response_mask, tokens2, flat)
     temperature = ck.temperature(temperature, hidden3)
     ck.flag("return_entropy", return_entropy)
     cap, chunk = _head_options(hidden3, lm_head_weight, logit_softcap, chunk_size)
     be = get_backend(backend, hidden3.device)
-    tokens2 = ck.token_range(tokens2, mask, lm_head_weight.shape[0])
+    require_kernels(be, shard)
+    if shard is None:
+        tokens2 = ck.token_range(tokens2, mask, lm_head_weight.shape[0])
     if not isinstance(be, KernelBackend):
         logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, cap, mask)
         logp, ent = be.token_logprobs(logits, tokens2, mask, temperature, return_entropy)
@@ -402,6 +450,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
         s = _State()
         s.prefix, s.cap, s.chunk, s.temperature = be.prefix, cap, chunk, temperature
         s.tokens, s.mask, s.acc = tokens2, mask, acc_dtype(hidden3)
+        _set_shard(s, shard)
         s.b, s.t = tokens2.shape
         s.n = s.b * s.t
         s.return_entropy = return_entropy
@@ -420,7 +469,8 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
 
 def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages,
                          response_mask=None, ref_logprobs=None, *, lm_head_bias=None,
-                         logit_softcap=None, chunk_size=None, **loss_options):
+                         logit_softcap=None, chunk_size=None, tp_group=None, vocab_start=None,
+                         **loss_options):
     """pk.ppo_loss(hidden @ lm_head_weight^T (+ lm_head_bias), ...) without the [N, V]
     logits ever being stored (docs/FROM_HIDDEN.md).
 
@@ -433,6 +483,11 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         logit_softcap: None or cap > 0: logits z = cap * tanh(x / cap) (Gemma 2).
         chunk_size: rows of [B, T] per chunk, >= 1; None: about 256 MiB of logits (in
             hidden's dtype) per chunk, at least 1 row.
+        tp_group, vocab_start: the head's rows split over ranks (lm_head_weight [V_r, H],
+            lm_head_bias [V_r]; DTensors sharded with Shard(0) need neither): every policy
+            loss then runs the two chunked passes with the statistics merged in between
+            (one all-gather of 20 bytes per row) and d hidden summed over the group (one
+            all-reduce); docs/DISTRIBUTED.md.
         **loss_options: every keyword of pk.ppo_loss (policy_loss, clip_eps_*, kl_*,
             entropy_*, temperature, loss_agg_mode, global counts, rollout_*, grad_scale,
             backend, ...), checked by the same code (loss.prepare_loss). inplace_backward
@@ -447,17 +502,22 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         lm_head_bias (those that require it). All of it is computed in the forward; the
         backward only rescales it by grad_output (no pass when grad_output == grad_scale).
     """
+    hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
+                                                              lm_head_bias, tp_group,
+                                                              vocab_start)
     hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
     cap, chunk = _head_options(hidden3, lm_head_weight, logit_softcap, chunk_size)
-    s = prepare_loss(hidden3, lm_head_weight.shape[0], tokens2, flat, response_mask,
-                     old_logprobs, advantages, ref_logprobs, **loss_options)
+    s = prepare_loss(hidden3, None if shard else lm_head_weight.shape[0], tokens2, flat,
+                     response_mask, old_logprobs, advantages, ref_logprobs, **loss_options)
+    require_kernels(s.be, shard)
     p, acc = s.p, s.acc
     diff = (hidden3, lm_head_weight, lm_head_bias)
     if s.weights is None:
         logp, ent = token_logprobs_from_hidden(
             hidden3, lm_head_weight, s.tokens, s.mask, lm_head_bias=lm_head_bias,
             logit_softcap=cap, temperature=p["temperature"], return_entropy=True,
-            chunk_size=chunk, backend=s.be.name)
+            chunk_size=chunk, tp_group=None if shard is None else shard.group,
+            vocab_start=None if shard is None else shard.start, backend=s.be.name)
         loss = per_token_loss(s, logp, ent)
     elif not isinstance(s.be, KernelBackend):
         logits = materialised_logits(*diff, cap, s.mask)
@@ -468,6 +528,7 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         st.prefix, st.cap, st.chunk, st.temperature, st.p = s.be.prefix, cap, chunk, \
             p["temperature"], p
         st.tokens, st.mask, st.acc = s.tokens, s.mask, acc
+        _set_shard(st, shard)
         st.old, st.adv, st.ref, st.isw, st.weights, st.w_ent = s.old, s.adv, s.ref, s.isw, \
             s.weights, s.w_ent
         st.b, st.t = s.tokens.shape
@@ -483,7 +544,8 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
 def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, values, scores,
                               response_mask, *, lm_head_bias=None, logit_softcap=None,
                               chunk_size=None, kl_coef, kl_estimator="k1", gamma=1.0,
-                              lam=0.95, temperature=1.0, whiten=True, backend="auto"):
+                              lam=0.95, temperature=1.0, whiten=True, tp_group=None,
+                              vocab_start=None, backend="auto"):
     """pk.score_rollout of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     with logit_softcap, without storing them (docs/FROM_HIDDEN.md): the log-probs come from
     token_logprobs_from_hidden (chunks of chunk_size rows, no gradient), then the same
@@ -495,16 +557,17 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             hidden's dtype and device. No gradient flows to any of them.
         tokens, ref_logprobs, values, scores, response_mask, kl_coef, kl_estimator, gamma,
         lam, temperature, whiten, backend: as pk.score_rollout.
-        logit_softcap, chunk_size: as pk.token_logprobs_from_hidden.
+        logit_softcap, chunk_size, tp_group, vocab_start: as pk.token_logprobs_from_hidden.
 
     Returns:
         Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each, 0 where
         masked.
     """
-    from . import _torch_impl
-    from .advantages import Rollout, gae, rollout_inputs
-    from .advantages import whiten as whiten_fn
+    from .advantages import rollout_from_logprobs, rollout_inputs
 
+    hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
+                                                              lm_head_bias, tp_group,
+                                                              vocab_start)
     hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
     if flat:
         raise ValueError(f"hidden: score_rollout_from_hidden needs [B, T, H] or "
@@ -517,12 +580,7 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             hidden3.detach(), lm_head_weight.detach(), tokens2, mask,
             lm_head_bias=None if lm_head_bias is None else lm_head_bias.detach(),
             logit_softcap=logit_softcap, temperature=temperature, chunk_size=chunk_size,
-            backend=backend)
-        logp = logp.float().contiguous()  # rollout outputs are float32 by contract
-        # (what pk.kl_penalized_rewards computes, with the per-token KL it drops)
-        rewards, kl = _torch_impl.kl_penalized_rewards(
-            scores.detach().float().contiguous(), logp, ref, mask, kl_coef, kl_estimator)
-        adv, ret = gae(rewards, vals, mask, gamma=gamma, lam=lam, backend=backend)
-        if whiten:
-            adv = whiten_fn(adv, mask)
-    return Rollout(logp, kl, rewards, adv, ret)
+            tp_group=None if shard is None else shard.group,
+            vocab_start=None if shard is None else shard.start, backend=backend)
+    return rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator, gamma,
+                                 lam, whiten, backend)

@@ -9,11 +9,12 @@ import torch
 from . import _checks as ck
 from . import _torch_impl
 from . import rollout_correction as _rc
+from . import vocab_parallel as _vp
 from ._ops import get_backend
 
 
 def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
-                   return_entropy=False, backend="auto"):
+                   return_entropy=False, tp_group=None, vocab_start=None, backend="auto"):
     """Log-probabilities of the sampled tokens (and the policy entropy), from logits.
 
     logp_t = z[t, tokens_t] - logsumexp_v z[t, v] with z = logits / temperature;
@@ -28,7 +29,15 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
             positions are never read and come back 0.
         temperature: > 0, the sampling temperature the logits are divided by.
         return_entropy: also return the entropy H [B, T] (nats).
-        backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
+        tp_group: a torch.distributed process group over which the vocabulary is split:
+            ``logits`` is then this rank's contiguous shard [.., V_r] (token ids stay
+            global); the results are those of the whole vocabulary, the same on every
+            rank, and the gradient is this shard's (docs/DISTRIBUTED.md). A DTensor
+            sharded on the vocabulary (Shard(-1)) takes this path without tp_group.
+        vocab_start: the first vocabulary id of this rank's shard (default rank * V_r, an
+            even split; pass it for uneven splits).
+        backend: "auto" | "cpu" | "cuda" | "triton" | "torch" (a split vocabulary: the
+            kernel backends only).
 
     Returns:
         logprobs [B, T] (nats), or (logprobs, entropy); float32 (float64 for float64 logits).
@@ -38,13 +47,19 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
         out-of-range token ids on valid positions, a non-positive temperature or an unknown
         or unavailable backend.
     """
+    logits, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
     logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
     mask = ck.response_mask(response_mask, tokens2, flat)
     temperature = ck.temperature(temperature, logits3)
     ck.flag("return_entropy", return_entropy)
     be = get_backend(backend, logits3.device)
-    tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
-    logp, ent = be.token_logprobs(logits3, tokens2, mask, temperature, return_entropy)
+    _vp.require_kernels(be, shard)
+    if shard is not None:
+        logp, ent = _vp.token_logprobs(be, logits3, tokens2, mask, temperature, shard)
+        ent = ent if return_entropy else None
+    else:
+        tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
+        logp, ent = be.token_logprobs(logits3, tokens2, mask, temperature, return_entropy)
     if flat:
         logp = logp[0]
         ent = ent[0] if ent is not None else None
@@ -59,7 +74,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              global_num_seqs=None, norm_length=None, rollout_is_weights=None,
              rollout_logprobs=None, rollout_correction=None, rollout_is_threshold=2.0,
              off_policy_mask_threshold=None, grad_scale=1.0, inplace_backward=False,
-             backend="auto"):
+             tp_group=None, vocab_start=None, backend="auto"):
     """Fused PPO / GRPO policy loss straight from the logits, and its metrics.
 
     Per token (DESIGN.md): rho = exp(clamp(logp - old_logp, -20, 20)); the policy term of
@@ -129,6 +144,10 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             be used afterwards, and one backward only); saves one [N, V] buffer. Kernel
             backends, scalar modes and token-level policy losses only ("torch", "none",
             gspo and gspo-token allocate as usual).
+        tp_group, vocab_start: a vocabulary split over ranks, as in token_logprobs: every
+            policy loss runs the two-phase path with the row statistics merged between the
+            passes (one all-gather); the loss and metrics are the whole vocabulary's, the
+            same on every rank, and the gradient is this shard's (docs/DISTRIBUTED.md).
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
@@ -142,10 +161,11 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     Raises:
         TypeError / ValueError naming the argument (see DESIGN.md, "Bad input").
     """
+    logits, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
     logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
-    s = prepare_loss(logits3, logits3.shape[2], tokens2, flat, response_mask, old_logprobs,
-                     advantages, ref_logprobs, policy_loss=policy_loss,
-                     clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+    s = prepare_loss(logits3, None if shard else logits3.shape[2], tokens2, flat,
+                     response_mask, old_logprobs, advantages, ref_logprobs,
+                     policy_loss=policy_loss, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
                      dual_clip_c=dual_clip_c, sapo_tau_pos=sapo_tau_pos,
                      sapo_tau_neg=sapo_tau_neg, kl_coef=kl_coef, kl_estimator=kl_estimator,
                      kl_bias_correction=kl_bias_correction, entropy_coef=entropy_coef,
@@ -162,10 +182,22 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         raise ValueError("logits: inplace_backward=True writes the gradient into the logits, "
                          f"which needs positions that do not share memory; got strides "
                          f"{list(logits.stride())} (an expanded tensor)")
+    _vp.require_kernels(s.be, shard)
     if s.weights is None:
         # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
-        logp, ent = s.be.token_logprobs(logits3, s.tokens, s.mask, s.p["temperature"], True)
+        if shard is not None:
+            logp, ent = _vp.token_logprobs(s.be, logits3, s.tokens, s.mask,
+                                           s.p["temperature"], shard)
+        else:
+            logp, ent = s.be.token_logprobs(logits3, s.tokens, s.mask, s.p["temperature"],
+                                            True)
         loss = per_token_loss(s, logp, ent)
+    elif shard is not None:
+        from . import _two_phase
+
+        loss, _, logp, ent = _two_phase.ppo_loss(s.be.prefix, logits3, s.tokens, s.mask, s.old,
+                                                 s.adv, s.weights, s.ref, s.isw, s.p, s.w_ent,
+                                                 shard)
     else:
         loss, _, logp, ent = s.be.ppo_loss(logits3, s.tokens, s.mask, s.old, s.adv, s.weights,
                                            s.ref, s.isw, s.p, inplace_backward, s.w_ent)
@@ -202,7 +234,8 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
                  inplace_backward=False, backend="auto"):
     """Every check of ppo_loss's arguments but the logits themselves, shared by ppo_loss and
     ppo_loss_from_hidden (like: the logits [B, Tl, V] or the hidden states, whose dtype and
-    device the per-token inputs take). Returns a LossSetup."""
+    device the per-token inputs take; vocab: V for the token-range check, None where the
+    vocabulary is split over ranks and the merge checks the ids). Returns a LossSetup."""
     mask = ck.response_mask(response_mask, tokens2, flat)
     acc = ck.acc_dtype(like)
     old = ck.per_token("old_logprobs", old_logprobs, tokens2, flat, acc, optional=True)
@@ -253,7 +286,8 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
         norm_length = ck.number("norm_length", norm_length, lo=0.0, lo_open=True)
     ck.flag("inplace_backward", inplace_backward)
     be = get_backend(backend, like.device)
-    tokens2 = ck.token_range(tokens2, mask, vocab)
+    if vocab is not None:
+        tokens2 = ck.token_range(tokens2, mask, vocab)
     p.update(kl_coef=kl_coef, kl_estimator=kl_estimator,
              kl_estimator_id=ck.KL_ESTIMATORS.index(kl_estimator),
              kl_bias_correction=kl_bias_correction, entropy_coef=entropy_coef,
