@@ -177,6 +177,12 @@ def policy_options(policy_loss, clip_eps_low, clip_eps_high, dual_clip_c, sapo_t
                 sapo_tau_neg=positive_in("sapo_tau_neg", sapo_tau_neg, dtype))
 
 
+def sequence_level(p):
+    """Whether the per-token terms need every logp of their sequence first (the two-phase
+    path): GSPO's sequence ratio, or the off-policy mask's sequence mean."""
+    return p["policy_loss"] in SEQUENCE_POLICY_LOSSES or p.get("pg_mask_fn") is not None
+
+
 def host_readable(x):
     """Whether reading x's values costs nothing: a CPU tensor outside of tracing. A device
     tensor's value read would stall the host and break CUDA-graph capture, and under

@@ -15,7 +15,7 @@ import os
 import torch
 
 from . import _torch_impl
-from ._checks import SEQUENCE_POLICY_LOSSES, acc_dtype
+from ._checks import acc_dtype, sequence_level
 
 _C = None
 CPU_CAPABILITY = None
@@ -241,7 +241,7 @@ class KernelBackend:
 
     def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace,
                  w_ent=None):
-        if p["policy_loss"] in SEQUENCE_POLICY_LOSSES or p.get("pg_mask_fn") is not None:
+        if sequence_level(p):
             # (inplace_backward does not apply: the gradient sweep is a second pass that
             # writes a fresh buffer, as documented)
             from . import _two_phase

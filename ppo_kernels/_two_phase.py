@@ -27,46 +27,57 @@ def _middle(logp, ent, mask, old, adv, weights, w_ent, ref, isw, p):
 
 
 def _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, need_grad,
-            shard=None):
+            shard=None, packing=None):
     """The three steps: (loss, loss_tok, logp, ent, dlogits or None, the scale dlogits
     carries). shard: a vocab_parallel.VocabShard when the logits are this rank's shard of
-    the vocabulary (the statistics are merged over its group between steps 1 and 2)."""
+    the vocabulary (the statistics are merged over its group between steps 1 and 2).
+    packing: a packed.Packing when the logits' rows are packed sequences; the [B, T]
+    tensors are then padded ([S, max_seqlen]) and the kernels read them packed again."""
     ops = torch.ops.ppo_kernels
     fwd = getattr(ops, prefix + "token_logprobs_fwd")
+
+    def kernel(x):
+        return x if x is None or packing is None else packing.unpad(x).contiguous()
+
+    def padded(x):
+        return x if packing is None else packing.pad(x)
+
+    tok, msk = kernel(tokens), kernel(mask)
     own = None
     if shard is not None:
-        tokens, own = shard.local_tokens(tokens)
-    logp, ent, row_max, log_sum = fwd(logits, tokens, mask, p["temperature"], True)
+        tok, own = shard.local_tokens(tok)
+    logp, ent, row_max, log_sum = fwd(logits, tok, msk, p["temperature"], True)
     if shard is not None:
-        logp, ent, row_max, log_sum = shard.merge(logp, ent, row_max, log_sum, own, mask,
+        logp, ent, row_max, log_sum = shard.merge(logp, ent, row_max, log_sum, own, msk,
                                                   p["temperature"])
 
     def f(lp, h):
         return _middle(lp, h, mask, old, adv, weights, w_ent, ref, isw, p)
 
-    (dlogp, dent), (loss, pol) = torch.func.grad_and_value(f, argnums=(0, 1),
-                                                           has_aux=True)(logp, ent)
+    (dlogp, dent), (loss, pol) = torch.func.grad_and_value(f, argnums=(0, 1), has_aux=True)(
+        padded(logp), padded(ent))
     gs = effective_grad_scale(p["grad_scale"], logits.dtype)
     dlogits = None
     if need_grad:  # else no second pass over the logits
         bwd = getattr(ops, prefix + "token_logprobs_bwd")
-        g_lp = (dlogp * gs).contiguous()
-        g_ent = (dent * gs).contiguous() if p["entropy_coef"] != 0.0 else None
-        dlogits = bwd(g_lp, g_ent, logits, tokens, mask, row_max, log_sum, ent,
-                      p["temperature"])
+        g_lp = kernel(dlogp * gs).contiguous()
+        g_ent = kernel(dent * gs).contiguous() if p["entropy_coef"] != 0.0 else None
+        dlogits = bwd(g_lp, g_ent, logits, tok, msk, row_max, log_sum, ent, p["temperature"])
         if shard is not None:
-            shard.fix_placeholder_(dlogits, logits, own, mask, g_lp, g_ent, row_max, log_sum,
+            shard.fix_placeholder_(dlogits, logits, own, msk, g_lp, g_ent, row_max, log_sum,
                                    ent, p["temperature"])
-    loss_tok = torch.where(mask, pol - p["entropy_coef"] * ent, 0.0)
-    return loss.detach(), loss_tok, logp, ent, dlogits, gs
+    ent_p = padded(ent)
+    loss_tok = torch.where(mask, pol - p["entropy_coef"] * ent_p, 0.0)
+    return loss.detach(), loss_tok, padded(logp), ent_p, dlogits, gs
 
 
 class TwoPhaseLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix,
-                shard):
+                shard, packing):
         loss, loss_tok, logp, ent, dlogits, gs = _passes(
-            logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, True, shard)
+            logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, True, shard,
+            packing)
         ctx.prefix = prefix
         ctx.applied = torch.full((), gs, dtype=logp.dtype, device=logits.device)
         ctx.save_for_backward(dlogits)
@@ -76,15 +87,16 @@ class TwoPhaseLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         (dlogits,) = ctx.saved_tensors
-        return (scale_grad(ctx.prefix, dlogits, grad_loss, ctx.applied),) + (None,) * 11
+        return (scale_grad(ctx.prefix, dlogits, grad_loss, ctx.applied),) + (None,) * 12
 
 
-def ppo_loss(prefix, logits, tokens, mask, old, adv, weights, ref, isw, p, w_ent, shard=None):
+def ppo_loss(prefix, logits, tokens, mask, old, adv, weights, ref, isw, p, w_ent, shard=None,
+             packing=None):
     """(loss, loss_tok, logp, ent) of a sequence-level policy loss (or of any policy loss
     over a vocabulary split across ranks: shard) on a kernel backend."""
     if not (torch.is_grad_enabled() and logits.requires_grad):
         with torch.no_grad():
             return _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix,
-                           False, shard)[:4]
+                           False, shard, packing)[:4]
     return TwoPhaseLoss.apply(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p,
-                              prefix, shard)
+                              prefix, shard, packing)

@@ -8,6 +8,7 @@ import torch
 
 from . import _checks as ck
 from . import _torch_impl
+from . import packed
 from ._ops import get_backend
 
 
@@ -22,7 +23,7 @@ def _seq_tensors(rewards_name, rewards, values_name, values, response_mask):
 
 
 def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_values=None,
-        backend="auto"):
+        cu_seqlens=None, max_seqlen=None, backend="auto"):
     """Generalised advantage estimation, a reverse scan over T (Schulman et al. 2016, eq. 16).
 
     delta_t = r_t + gamma V_next - V_t;  A_t = delta_t + gamma lam A_next. Masked positions
@@ -31,16 +32,29 @@ def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_v
 
     Args:
         rewards, values: float [B, T]. response_mask: [B, T], nonzero = valid; None = all.
-        gamma, lam: in [0, 1]. bootstrap_values: float [B] or None.
+        gamma, lam: in [0, 1]. bootstrap_values: float [B] (per sequence) or None.
+        cu_seqlens: int [S + 1] for packed sequences (ppo_kernels.packed): rewards, values
+            and the mask are then [1, total] or [total] and the scan restarts at every
+            boundary; max_seqlen: the longest sequence, if known (saves a host read on
+            devices).
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
         (advantages, returns = advantages + values), float32 [B, T] (float64 for float64
-        rewards), 0 where the mask is 0. No gradient.
+        rewards; the packed layout with cu_seqlens), 0 where the mask is 0. No gradient.
 
     Raises:
         TypeError / ValueError naming the argument.
     """
+    if cu_seqlens is not None:
+        pk = packed.packing(cu_seqlens, packed.total_of(rewards, "rewards"), rewards,
+                            max_seqlen)
+        mask, t = packed.padded_inputs(pk, response_mask, "rewards", rewards, rewards=rewards,
+                                       values=values)
+        adv, ret = gae(t["rewards"], t["values"], mask, gamma=gamma, lam=lam,
+                       bootstrap_values=bootstrap_values, backend=backend)
+        return packed.unpadded(pk, adv, rewards), packed.unpadded(pk, ret, rewards)
+    packed.packing(None, 0, None, max_seqlen)
     r, v, mask, acc = _seq_tensors("rewards", rewards, "values", values, response_mask)
     gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
     lam = ck.number("lam", lam, lo=0.0, hi=1.0)
@@ -58,7 +72,7 @@ def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_v
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, response_mask, *, kl_coef,
-                         kl_estimator="k1"):
+                         kl_estimator="k1", cu_seqlens=None, max_seqlen=None):
     """Per-token rewards r_t = -kl_coef * kl_t, plus scores[b] on the LAST valid token of
     sequence b (Ziegler et al. 2019, eq. 2; Ouyang et al. 2022).
 
@@ -66,13 +80,24 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, response_mask, *, kl_co
         scores: float [B], the reward model's sequence scores.
         logprobs, ref_logprobs: float [B, T]. response_mask: [B, T].
         kl_coef: >= 0. kl_estimator: "k1" | "k2" | "k3" | "abs".
+        cu_seqlens, max_seqlen: packed sequences, as in pk.gae (scores [S]; the score goes
+            on the last valid token of each packed sequence).
 
     Returns:
-        rewards float32 [B, T], 0 where masked.
+        rewards float32 [B, T] (the packed layout with cu_seqlens), 0 where masked.
 
     Raises:
         TypeError / ValueError naming the argument.
     """
+    if cu_seqlens is not None:
+        pk = packed.packing(cu_seqlens, packed.total_of(logprobs, "logprobs"), logprobs,
+                            max_seqlen)
+        mask, t = packed.padded_inputs(pk, response_mask, "logprobs", logprobs,
+                                       logprobs=logprobs, ref_logprobs=ref_logprobs)
+        r = kl_penalized_rewards(scores, t["logprobs"], t["ref_logprobs"], mask,
+                                 kl_coef=kl_coef, kl_estimator=kl_estimator)
+        return packed.unpadded(pk, r, logprobs)
+    packed.packing(None, 0, None, max_seqlen)
     lp, ref, mask, _ = _seq_tensors("logprobs", logprobs, "ref_logprobs", ref_logprobs,
                                     response_mask)
     _scores(scores, lp)
@@ -89,13 +114,15 @@ def _scores(scores, like):
         raise ValueError(f"scores: expected shape [{like.shape[0]}], got {list(scores.shape)}")
 
 
-def whiten(x, response_mask, *, shift_mean=True, eps=1e-8):
+def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_seqlen=None):
     """Normalise ``x`` over the valid tokens: (x - mean) / sqrt(var + eps), with the unbiased
     (n - 1) variance; ``shift_mean=False`` adds the mean back. Masked positions give 0; one
     valid token is only centred (gives 0), never NaN; no valid token gives all 0.
 
     Args:
         x: float [B, T]. response_mask: [B, T]. eps: >= 0.
+        cu_seqlens, max_seqlen: packed sequences, as in pk.gae (the statistics are over
+            every valid token of the batch either way, so only the layout is checked).
 
     Returns:
         float [B, T] of x's dtype (differentiable); statistics in float32 or wider.
@@ -104,6 +131,14 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8):
         TypeError / ValueError naming the argument.
     """
     ck.tensor("x", x, floating=True)
+    if cu_seqlens is not None:
+        packed.packing(cu_seqlens, packed.total_of(x, "x"), x, max_seqlen)
+        flat = x.dim() == 1
+        out = whiten(x.reshape(1, -1), None if response_mask is None else
+                     packed.packed_like(response_mask, "response_mask", x.shape[-1]),
+                     shift_mean=shift_mean, eps=eps)
+        return out[0] if flat else out
+    packed.packing(None, 0, None, max_seqlen)
     mask = ck.response_mask(response_mask, x, False, like_name="x")
     eps = ck.number("eps", eps, lo=0.0)
     ck.flag("shift_mean", shift_mean)
@@ -170,7 +205,8 @@ def rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator, 
 
 def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *, kl_coef,
                   kl_estimator="k1", gamma=1.0, lam=0.95, temperature=1.0, whiten=True,
-                  tp_group=None, vocab_start=None, backend="auto"):
+                  cu_seqlens=None, max_seqlen=None, tp_group=None, vocab_start=None,
+                  backend="auto"):
     """The rollout side in one pass over the logits: logprobs of the sampled tokens, per-token
     KL to the reference, KL-penalised rewards (score on the last valid token), GAE
     advantages and returns, then (optionally) whitened advantages.
@@ -183,6 +219,9 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
         tp_group, vocab_start: a vocabulary split over ranks, as in pk.token_logprobs (a
             DTensor sharded with Shard(-1) needs neither): the log-probs are merged over the
             group, then the [B, T] steps run on every rank alike.
+        cu_seqlens, max_seqlen: packed sequences (as in pk.gae): logits [1, total, V] or
+            [total, V], the per-token inputs [1, total] or [total], scores [S]; the outputs
+            come back in the packed layout.
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
@@ -195,9 +234,15 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
 
     logits, shard = vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
     logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
+    if cu_seqlens is not None:
+        return _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores,
+                             response_mask, shard, cu_seqlens, max_seqlen,
+                             dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma,
+                                  lam=lam, whiten=whiten), temperature, backend)
+    packed.packing(None, 0, None, max_seqlen)
     if flat:
-        raise ValueError(f"logits: score_rollout needs [B, T, V] or [B, T + 1, V], got "
-                         f"{list(logits.shape)}")
+        raise ValueError(f"logits: score_rollout needs [B, T, V] or [B, T + 1, V] (or "
+                         f"cu_seqlens for the packed [total, V]), got {list(logits.shape)}")
     mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
         tokens2, response_mask, ref_logprobs, values, scores, kl_coef, kl_estimator, gamma,
         lam, whiten)
@@ -221,3 +266,46 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
         if whiten:
             adv = _whiten(adv, mask)
     return Rollout(logp, kl, rewards, adv, ret)
+
+
+def packed_rollout_inputs(tokens2, tokens, ref_logprobs, values, scores, response_mask,
+                          cu_seqlens, max_seqlen, opts):
+    """score_rollout's checks for packed sequences (shared with score_rollout_from_hidden):
+    (packing, the padded mask, ref and values, kl_coef, gamma, lam)."""
+    if tokens2.shape[0] != 1:
+        raise ValueError(f"tokens: with cu_seqlens expected the packed layout [1, total] or "
+                         f"[total], got {list(tokens.shape)}")
+    pk = packed.packing(cu_seqlens, tokens2.shape[1], tokens2, max_seqlen)
+    mask, t = packed.padded_inputs(pk, response_mask, "tokens", tokens2,
+                                   ref_logprobs=ref_logprobs, values=values)
+    if t["ref_logprobs"] is None or t["values"] is None:
+        raise TypeError("ref_logprobs, values: expected tensors, got None")
+    mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
+        pk.pad(tokens2), mask, t["ref_logprobs"], t["values"], scores, opts["kl_coef"],
+        opts["kl_estimator"], opts["gamma"], opts["lam"], opts["whiten"])
+    return pk, mask, ref, vals, kl_coef, gamma, lam
+
+
+def _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores, response_mask,
+                  shard, cu_seqlens, max_seqlen, opts, temperature, backend):
+    """score_rollout of packed sequences: the log-probs on the packed rows, the [B, T]
+    steps on the padded copy, the outputs packed again."""
+    from . import vocab_parallel as vp
+
+    pk, mask, ref, vals, kl_coef, gamma, lam = packed_rollout_inputs(
+        tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens, max_seqlen,
+        opts)
+    temperature = ck.temperature(temperature, logits3)
+    be = get_backend(backend, logits3.device)
+    vp.require_kernels(be, shard)
+    mask_k = pk.unpad(mask)
+    with torch.no_grad():
+        if shard is not None:
+            logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask_k, temperature,
+                                        shard)
+        else:
+            tok = ck.token_range(tokens2, mask_k, logits3.shape[2])
+            logp, _ = be.token_logprobs(logits3.detach(), tok, mask_k, temperature, False)
+    r = rollout_from_logprobs(pk.pad(logp), ref, vals, scores, mask, kl_coef,
+                              opts["kl_estimator"], gamma, lam, opts["whiten"], backend)
+    return Rollout(*(packed.unpadded(pk, x, tokens) for x in r))

@@ -24,10 +24,10 @@ import operator
 import torch
 
 from . import _checks as ck
-from ._checks import SEQUENCE_POLICY_LOSSES, acc_dtype
+from ._checks import acc_dtype
 from ._ops import KernelBackend, effective_grad_scale, get_backend, scale_grad
 from .vocab_parallel import all_reduce_sum_, require_kernels, shard_of
-from .loss import loss_metrics, per_token_loss, prepare_loss
+from .loss import _composite_padded, loss_metrics, per_token_loss, prepare_loss
 
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
 
@@ -303,26 +303,26 @@ def _grad_pass(s, hidden3, weight, bias, g, dlogp, dent, stats):
 def _two_phase_pass(s, hidden3, weight, bias, need):
     from ._two_phase import _middle
 
-    p = s.p
+    p, m = s.p, s.setup  # the middle reads the LossSetup's (padded, with cu_seqlens) tensors
     stats = _stats_pass(s, hidden3, weight, bias, True)
     logp, ent = stats[0].view(s.b, s.t), stats[1].view(s.b, s.t)
 
     def f(lp, h):
-        return _middle(lp, h, s.mask, s.old, s.adv, s.weights, s.w_ent, s.ref, s.isw, p)
+        return _middle(lp, h, m.mask, m.old, m.adv, m.weights, m.w_ent, m.ref, m.isw, p)
 
-    (dlogp, dent), (loss, _) = torch.func.grad_and_value(f, argnums=(0, 1),
-                                                         has_aux=True)(logp, ent)
+    (dlogp, dent), (loss, _) = torch.func.grad_and_value(f, argnums=(0, 1), has_aux=True)(
+        m.padded(logp), m.padded(ent))
     g = _Grads(s, hidden3, weight, bias, need)
     if g.any:
         gs = s.gs
-        _grad_pass(s, hidden3, weight, bias, g, (dlogp * gs).reshape(s.n),
-                   (dent * gs).reshape(s.n) if p["entropy_coef"] != 0.0 else None, stats)
+        _grad_pass(s, hidden3, weight, bias, g, m.kernel(dlogp * gs).reshape(s.n),
+                   m.kernel(dent * gs).reshape(s.n) if p["entropy_coef"] != 0.0 else None,
+                   stats)
     return loss.detach(), logp, ent, g
 
 
 def _loss_pass(s, hidden3, weight, bias, need):
-    if s.p["policy_loss"] in SEQUENCE_POLICY_LOSSES or s.p.get("pg_mask_fn") is not None \
-            or s.shard is not None:  # a split vocabulary merges its statistics in between
+    if ck.sequence_level(s.p) or s.shard is not None:  # a split vocabulary merges its statistics in between
         return _two_phase_pass(s, hidden3, weight, bias, need)
     return _fused_pass(s, hidden3, weight, bias, need)
 
@@ -510,34 +510,41 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
     s = prepare_loss(hidden3, None if shard else lm_head_weight.shape[0], tokens2, flat,
                      response_mask, old_logprobs, advantages, ref_logprobs, **loss_options)
     require_kernels(s.be, shard)
-    p, acc = s.p, s.acc
+    p, acc, k = s.p, s.acc, s.kernel  # k: the packed layout again, with cu_seqlens
     diff = (hidden3, lm_head_weight, lm_head_bias)
     if s.weights is None:
         logp, ent = token_logprobs_from_hidden(
-            hidden3, lm_head_weight, s.tokens, s.mask, lm_head_bias=lm_head_bias,
+            hidden3, lm_head_weight, k(s.tokens), k(s.mask), lm_head_bias=lm_head_bias,
             logit_softcap=cap, temperature=p["temperature"], return_entropy=True,
             chunk_size=chunk, tp_group=None if shard is None else shard.group,
             vocab_start=None if shard is None else shard.start, backend=s.be.name)
+        logp, ent = s.padded(logp), s.padded(ent)
         loss = per_token_loss(s, logp, ent)
     elif not isinstance(s.be, KernelBackend):
-        logits = materialised_logits(*diff, cap, s.mask)
-        loss, _, logp, ent = s.be.ppo_loss(logits, s.tokens, s.mask, s.old, s.adv, s.weights,
-                                           s.ref, s.isw, p, False, s.w_ent)
+        logits = materialised_logits(*diff, cap, k(s.mask))
+        if s.packing is not None and ck.sequence_level(p):
+            loss, logp, ent = _composite_padded(s, logits)
+        else:
+            loss, _, logp, ent = s.be.ppo_loss(logits, k(s.tokens), k(s.mask), k(s.old),
+                                               k(s.adv), k(s.weights), k(s.ref), k(s.isw), p,
+                                               False, k(s.w_ent))
+            logp, ent = s.padded(logp), s.padded(ent)
     else:
         st = _State()
         st.prefix, st.cap, st.chunk, st.temperature, st.p = s.be.prefix, cap, chunk, \
             p["temperature"], p
-        st.tokens, st.mask, st.acc = s.tokens, s.mask, acc
+        st.tokens, st.mask, st.acc, st.setup = k(s.tokens), k(s.mask), acc, s
+        st.old, st.adv, st.ref, st.isw, st.weights, st.w_ent = (
+            k(x) for x in (s.old, s.adv, s.ref, s.isw, s.weights, s.w_ent))
         _set_shard(st, shard)
-        st.old, st.adv, st.ref, st.isw, st.weights, st.w_ent = s.old, s.adv, s.ref, s.isw, \
-            s.weights, s.w_ent
-        st.b, st.t = s.tokens.shape
+        st.b, st.t = st.tokens.shape
         st.n = st.b * st.t
         st.gs = effective_grad_scale(p["grad_scale"], hidden3.dtype)
         if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in diff):
             loss, logp, ent = _LossFromHidden.apply(*diff, st)
         else:
             loss, logp, ent, _ = _loss_pass(st, *diff, (False, False, False))
+        logp, ent = s.padded(logp), s.padded(ent)
     return loss, loss_metrics(s, logp, ent)
 
 

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _checks as ck
-from . import _torch_impl
+from . import _torch_impl, packed
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
 from ._ops import get_backend
@@ -74,7 +74,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              global_num_seqs=None, norm_length=None, rollout_is_weights=None,
              rollout_logprobs=None, rollout_correction=None, rollout_is_threshold=2.0,
              off_policy_mask_threshold=None, grad_scale=1.0, inplace_backward=False,
-             tp_group=None, vocab_start=None, backend="auto"):
+             cu_seqlens=None, max_seqlen=None, tp_group=None, vocab_start=None,
+             backend="auto"):
     """Fused PPO / GRPO policy loss straight from the logits, and its metrics.
 
     Per token (DESIGN.md): rho = exp(clamp(logp - old_logp, -20, 20)); the policy term of
@@ -144,6 +145,13 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             be used afterwards, and one backward only); saves one [N, V] buffer. Kernel
             backends, scalar modes and token-level policy losses only ("torch", "none",
             gspo and gspo-token allocate as usual).
+        cu_seqlens: int [S + 1], packed sequences (verl's / OpenRLHF's remove-padding
+            layout): logits [1, total, V] or [total, V], tokens and the per-token inputs
+            [1, total] or [total] (advantages and rollout_is_weights may be per sequence,
+            [S]); the sequence-level losses, the seq-mean modes, the sequence rollout
+            corrections and the per-sequence metrics then treat each packed sequence as a
+            row of [B, T] (docs/DISTRIBUTED.md). max_seqlen: the longest sequence, if known
+            (saves a host read on devices).
         tp_group, vocab_start: a vocabulary split over ranks, as in token_logprobs: every
             policy loss runs the two-phase path with the row statistics merged between the
             passes (one all-gather); the loss and metrics are the whole vocabulary's, the
@@ -176,32 +184,51 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
                      rollout_correction=rollout_correction,
                      rollout_is_threshold=rollout_is_threshold,
                      off_policy_mask_threshold=off_policy_mask_threshold,
-                     grad_scale=grad_scale, inplace_backward=inplace_backward, backend=backend)
+                     grad_scale=grad_scale, inplace_backward=inplace_backward,
+                     cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=backend)
     if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
                                                                     logits3.shape)):
         raise ValueError("logits: inplace_backward=True writes the gradient into the logits, "
                          f"which needs positions that do not share memory; got strides "
                          f"{list(logits.stride())} (an expanded tensor)")
     _vp.require_kernels(s.be, shard)
+    k, temp = s.kernel, s.p["temperature"]
     if s.weights is None:
         # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
         if shard is not None:
-            logp, ent = _vp.token_logprobs(s.be, logits3, s.tokens, s.mask,
-                                           s.p["temperature"], shard)
+            logp, ent = _vp.token_logprobs(s.be, logits3, k(s.tokens), k(s.mask), temp, shard)
         else:
-            logp, ent = s.be.token_logprobs(logits3, s.tokens, s.mask, s.p["temperature"],
-                                            True)
+            logp, ent = s.be.token_logprobs(logits3, k(s.tokens), k(s.mask), temp, True)
+        logp, ent = s.padded(logp), s.padded(ent)
         loss = per_token_loss(s, logp, ent)
-    elif shard is not None:
-        from . import _two_phase
+    elif shard is not None or (s.packing is not None and ck.sequence_level(s.p)):
+        # the statistics pass, the [B, T] middle (padded: it reduces over sequences), the
+        # gradient pass
+        if s.be.name == "torch":
+            loss, logp, ent = _composite_padded(s, logits3)
+        else:
+            from . import _two_phase
 
-        loss, _, logp, ent = _two_phase.ppo_loss(s.be.prefix, logits3, s.tokens, s.mask, s.old,
-                                                 s.adv, s.weights, s.ref, s.isw, s.p, s.w_ent,
-                                                 shard)
+            loss, _, logp, ent = _two_phase.ppo_loss(
+                s.be.prefix, logits3, s.tokens, s.mask, s.old, s.adv, s.weights, s.ref, s.isw,
+                s.p, s.w_ent, shard, s.packing)
     else:
-        loss, _, logp, ent = s.be.ppo_loss(logits3, s.tokens, s.mask, s.old, s.adv, s.weights,
-                                           s.ref, s.isw, s.p, inplace_backward, s.w_ent)
+        loss, _, logp, ent = s.be.ppo_loss(logits3, k(s.tokens), k(s.mask), k(s.old),
+                                           k(s.adv), k(s.weights), k(s.ref), k(s.isw), s.p,
+                                           inplace_backward, k(s.w_ent))
+        logp, ent = s.padded(logp), s.padded(ent)
     return loss, loss_metrics(s, logp, ent)
+
+
+def _composite_padded(s, logits3):
+    """The eager composite for packed sequences with a sequence-level loss: log-probs on
+    the packed rows, the loss on their padded copy (autograd through both)."""
+    logp, ent = _torch_impl.token_logprobs(logits3, s.kernel(s.tokens), s.kernel(s.mask),
+                                           s.p["temperature"], True)
+    logp, ent = s.padded(logp), s.padded(ent)
+    pol, _ = _torch_impl.token_losses(logp, ent, s.old, s.adv, s.ref, s.isw, s.mask, s.p)
+    loss = _torch_impl.aggregate(pol, ent, s.mask, s.weights, s.w_ent, s.p)
+    return loss, logp.detach(), ent.detach()
 
 
 class LossSetup(NamedTuple):
@@ -221,6 +248,17 @@ class LossSetup(NamedTuple):
     w_ent: Any
     be: Any  # the backend
     flat: bool
+    packing: Any  # packed.Packing (cu_seqlens: the tensors above are padded) or None
+
+    def kernel(self, x):
+        """x [B, T] in the layout the kernels read (packed again with cu_seqlens)."""
+        if x is None or self.packing is None:
+            return x
+        return self.packing.unpad(x).contiguous()
+
+    def padded(self, x):
+        """A kernel output [B, T] in the layout of the fields above."""
+        return x if x is None or self.packing is None else self.packing.pad(x)
 
 
 def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advantages,
@@ -231,11 +269,35 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
                  global_num_tokens=None, global_num_seqs=None, norm_length=None,
                  rollout_is_weights=None, rollout_logprobs=None, rollout_correction=None,
                  rollout_is_threshold=2.0, off_policy_mask_threshold=None, grad_scale=1.0,
-                 inplace_backward=False, backend="auto"):
+                 inplace_backward=False, cu_seqlens=None, max_seqlen=None, backend="auto"):
     """Every check of ppo_loss's arguments but the logits themselves, shared by ppo_loss and
     ppo_loss_from_hidden (like: the logits [B, Tl, V] or the hidden states, whose dtype and
     device the per-token inputs take; vocab: V for the token-range check, None where the
-    vocabulary is split over ranks and the merge checks the ids). Returns a LossSetup."""
+    vocabulary is split over ranks and the merge checks the ids). Returns a LossSetup.
+
+    With cu_seqlens the per-token inputs are those of the packed layout (advantages and
+    rollout_is_weights may be per sequence, [S]); the LossSetup holds their padded
+    [S, max_seqlen] copies (packed.py) and LossSetup.kernel() packs them again."""
+    pk = None
+    if cu_seqlens is not None:
+        if tokens2.shape[0] != 1:
+            raise ValueError(f"tokens: with cu_seqlens expected the packed layout [1, total] "
+                             f"or [total], got {list(tokens2.shape)}")
+        pk = packed.packing(cu_seqlens, tokens2.shape[1], tokens2, max_seqlen)
+        advantages, rollout_is_weights = (
+            pk.per_seq(x) if isinstance(x, torch.Tensor) and x.shape[0] != pk.total and
+            tuple(x.shape) in ((pk.num_seqs,), (pk.num_seqs, 1)) else x
+            for x in (advantages, rollout_is_weights))
+        response_mask, t = packed.padded_inputs(
+            pk, response_mask, "tokens", tokens2, old_logprobs=old_logprobs,
+            advantages=advantages, ref_logprobs=ref_logprobs,
+            rollout_is_weights=rollout_is_weights, rollout_logprobs=rollout_logprobs)
+        old_logprobs, advantages, ref_logprobs = (t["old_logprobs"], t["advantages"],
+                                                  t["ref_logprobs"])
+        rollout_is_weights, rollout_logprobs = t["rollout_is_weights"], t["rollout_logprobs"]
+        tokens2, out_flat, flat = pk.pad(tokens2), flat, False
+    else:
+        packed.packing(None, 0, None, max_seqlen)
     mask = ck.response_mask(response_mask, tokens2, flat)
     acc = ck.acc_dtype(like)
     old = ck.per_token("old_logprobs", old_logprobs, tokens2, flat, acc, optional=True)
@@ -302,7 +364,7 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
             entropy_agg_mode)
     return LossSetup(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref, isw=isw,
                      rollout=rollout, rc_w=rc_w, p=p, weights=weights, w_ent=w_ent, be=be,
-                     flat=flat)
+                     flat=out_flat if pk is not None else flat, packing=pk)
 
 
 def per_token_loss(s, logp, ent):
@@ -310,6 +372,7 @@ def per_token_loss(s, logp, ent):
     H, 0 where masked."""
     loss = torch.where(s.mask, _torch_impl.token_loss(logp, ent, s.old, s.adv, s.ref, s.isw,
                                                       s.p, s.mask), 0.0)
+    loss = s.kernel(loss)  # (the packed layout again, with cu_seqlens)
     return loss[0] if s.flat else loss
 
 
