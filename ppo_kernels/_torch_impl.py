@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._checks import acc_dtype
+from .context_parallel import group_sum, length, seq_any, seq_sum
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -52,9 +53,10 @@ def _clip_surrogate(r, advantages, clip_eps_low, clip_eps_high, dual_clip_c):
 
 
 def seq_mean(x, mask):
-    """Per-sequence mean of x over the valid tokens (0 for an empty sequence), [B, 1]."""
+    """Per-sequence mean of x over the valid tokens (0 for an empty sequence), [B, 1]; the
+    whole sequence's across a context-parallel group (context_parallel.py)."""
     m = mask.to(x.dtype)
-    return (torch.where(mask, x, 0.0)).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1)
+    return seq_sum(torch.where(mask, x, 0.0)) / seq_sum(m).clamp(min=1)
 
 
 def pg_terms(logp, old_logprobs, advantages, mask, p):
@@ -148,20 +150,22 @@ def agg_weights(mask, loss_agg_mode, global_num_tokens=None, norm_length=None, d
     counts empty completions: global_num_seqs = B)."""
     m = mask.to(dtype or torch.float32)
     b, t = m.shape
+    # (the counts and lengths are the whole sequences' across a context-parallel group)
     if loss_agg_mode == "token-mean":
-        denom = global_num_tokens if global_num_tokens is not None else m.sum().clamp(min=1.0)
+        denom = global_num_tokens if global_num_tokens is not None else \
+            group_sum(m.sum()).clamp(min=1.0)
         return m / denom
     if loss_agg_mode == "token-sum":
         return m
     if loss_agg_mode == "seq-mean-token-sum":
         return m / (b if global_num_seqs is None else global_num_seqs)
     if loss_agg_mode == "seq-mean-token-mean":
-        lens = m.sum(1, keepdim=True)
+        lens = seq_sum(m)
         n = (lens > 0).sum().clamp(min=1) if global_num_seqs is None else global_num_seqs
         return m / (lens.clamp(min=1.0) * n)
     if loss_agg_mode == "seq-mean-token-sum-norm":
         n = b if global_num_seqs is None else global_num_seqs
-        return m / (n * (t if norm_length is None else norm_length))
+        return m / (n * (length(t, m) if norm_length is None else norm_length))
     raise AssertionError(loss_agg_mode)  # validated by the caller
 
 
@@ -235,7 +239,7 @@ def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, p):
     zero = torch.zeros((), device=logp.device)
     out = {
         "num_tokens": m.sum().float(),
-        "num_seqs": mask.any(1).sum().float(),
+        "num_seqs": seq_any(mask).sum().float(),
         "clip_frac": mean(pt["clip_high"] | pt["clip_low"]),
         "clip_frac_high": mean(pt["clip_high"]),
         "clip_frac_low": mean(pt["clip_low"]),
@@ -249,7 +253,7 @@ def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, p):
     if "cispo_clip" in pt:
         out["cispo_clip_frac"] = mean(pt["cispo_clip"])
     if "seq_ratio" in pt:
-        s, nonempty = pt["seq_ratio"], mask.any(1)
+        s, nonempty = pt["seq_ratio"], seq_any(mask)
         clipped = (s > 1.0 + p["clip_eps_high"]) | (s < 1.0 - p["clip_eps_low"])
         out["seq_clip_frac"] = ((clipped & nonempty).sum() / nonempty.sum().clamp(min=1)).float()
     return out

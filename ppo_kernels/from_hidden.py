@@ -27,6 +27,7 @@ from . import _checks as ck
 from ._checks import acc_dtype
 from ._ops import KernelBackend, effective_grad_scale, get_backend, scale_grad
 from .vocab_parallel import all_reduce_sum_, require_kernels, shard_of
+from .context_parallel import check_group, sequence_group
 from .loss import _composite_padded, loss_metrics, per_token_loss, prepare_loss
 
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
@@ -470,7 +471,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
 def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages,
                          response_mask=None, ref_logprobs=None, *, lm_head_bias=None,
                          logit_softcap=None, chunk_size=None, tp_group=None, vocab_start=None,
-                         **loss_options):
+                         cp_group=None, **loss_options):
     """pk.ppo_loss(hidden @ lm_head_weight^T (+ lm_head_bias), ...) without the [N, V]
     logits ever being stored (docs/FROM_HIDDEN.md).
 
@@ -488,6 +489,7 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
             loss then runs the two chunked passes with the statistics merged in between
             (one all-gather of 20 bytes per row) and d hidden summed over the group (one
             all-reduce); docs/DISTRIBUTED.md.
+        cp_group: context parallel, as in pk.ppo_loss.
         **loss_options: every keyword of pk.ppo_loss (policy_loss, clip_eps_*, kl_*,
             entropy_*, temperature, loss_agg_mode, global counts, rollout_*, grad_scale,
             backend, ...), checked by the same code (loss.prepare_loss). inplace_backward
@@ -502,6 +504,15 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         lm_head_bias (those that require it). All of it is computed in the forward; the
         backward only rescales it by grad_output (no pass when grad_output == grad_scale).
     """
+    with sequence_group(check_group(cp_group)):
+        return _loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages,
+                                 response_mask, ref_logprobs, lm_head_bias, logit_softcap,
+                                 chunk_size, tp_group, vocab_start, loss_options)
+
+
+def _loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages, response_mask,
+                      ref_logprobs, lm_head_bias, logit_softcap, chunk_size, tp_group,
+                      vocab_start, loss_options):
     hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
                                                               lm_head_bias, tp_group,
                                                               vocab_start)

@@ -8,6 +8,7 @@ import torch
 
 from . import _checks as ck
 from . import _torch_impl, packed
+from . import context_parallel as _cp
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
 from ._ops import get_backend
@@ -75,7 +76,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              rollout_logprobs=None, rollout_correction=None, rollout_is_threshold=2.0,
              off_policy_mask_threshold=None, grad_scale=1.0, inplace_backward=False,
              cu_seqlens=None, max_seqlen=None, tp_group=None, vocab_start=None,
-             backend="auto"):
+             cp_group=None, backend="auto"):
     """Fused PPO / GRPO policy loss straight from the logits, and its metrics.
 
     Per token (DESIGN.md): rho = exp(clamp(logp - old_logp, -20, 20)); the policy term of
@@ -156,6 +157,13 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             policy loss runs the two-phase path with the row statistics merged between the
             passes (one all-gather); the loss and metrics are the whole vocabulary's, the
             same on every rank, and the gradient is this shard's (docs/DISTRIBUTED.md).
+        cp_group: context parallel: each rank of the group holds a contiguous piece of
+            every sequence ([B, T_r], the same B sequences). The sequence reductions (GSPO's
+            ratio, the seq-mean lengths and counts, the token-mean count, the sequence
+            rollout corrections, the off-policy mask, num_seqs / seq_clip_frac) are then
+            the whole sequences', and the sum of the ranks' losses is the whole batch's
+            loss, with each rank's gradient that loss's gradient in its own logits. Token
+            metrics stay this rank's (num_tokens weighs them; pk.distributed.reduce_metrics).
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
@@ -169,29 +177,37 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     Raises:
         TypeError / ValueError naming the argument (see DESIGN.md, "Bad input").
     """
-    logits, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
-    logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
-    s = prepare_loss(logits3, None if shard else logits3.shape[2], tokens2, flat,
-                     response_mask, old_logprobs, advantages, ref_logprobs,
-                     policy_loss=policy_loss, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
-                     dual_clip_c=dual_clip_c, sapo_tau_pos=sapo_tau_pos,
-                     sapo_tau_neg=sapo_tau_neg, kl_coef=kl_coef, kl_estimator=kl_estimator,
-                     kl_bias_correction=kl_bias_correction, entropy_coef=entropy_coef,
-                     entropy_agg_mode=entropy_agg_mode, temperature=temperature,
-                     loss_agg_mode=loss_agg_mode, global_num_tokens=global_num_tokens,
-                     global_num_seqs=global_num_seqs, norm_length=norm_length,
-                     rollout_is_weights=rollout_is_weights, rollout_logprobs=rollout_logprobs,
-                     rollout_correction=rollout_correction,
-                     rollout_is_threshold=rollout_is_threshold,
-                     off_policy_mask_threshold=off_policy_mask_threshold,
-                     grad_scale=grad_scale, inplace_backward=inplace_backward,
-                     cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, backend=backend)
-    if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
-                                                                    logits3.shape)):
-        raise ValueError("logits: inplace_backward=True writes the gradient into the logits, "
-                         f"which needs positions that do not share memory; got strides "
-                         f"{list(logits.stride())} (an expanded tensor)")
-    _vp.require_kernels(s.be, shard)
+    with _cp.sequence_group(_cp.check_group(cp_group)):
+        logits, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
+        logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
+        s = prepare_loss(
+            logits3, None if shard else logits3.shape[2], tokens2, flat, response_mask,
+            old_logprobs, advantages, ref_logprobs, policy_loss=policy_loss,
+            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c,
+            sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg, kl_coef=kl_coef,
+            kl_estimator=kl_estimator, kl_bias_correction=kl_bias_correction,
+            entropy_coef=entropy_coef, entropy_agg_mode=entropy_agg_mode,
+            temperature=temperature, loss_agg_mode=loss_agg_mode,
+            global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
+            norm_length=norm_length, rollout_is_weights=rollout_is_weights,
+            rollout_logprobs=rollout_logprobs, rollout_correction=rollout_correction,
+            rollout_is_threshold=rollout_is_threshold,
+            off_policy_mask_threshold=off_policy_mask_threshold, grad_scale=grad_scale,
+            inplace_backward=inplace_backward, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            backend=backend)
+        if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
+                                                                        logits3.shape)):
+            raise ValueError("logits: inplace_backward=True writes the gradient into the "
+                             "logits, which needs positions that do not share memory; got "
+                             f"strides {list(logits.stride())} (an expanded tensor)")
+        _vp.require_kernels(s.be, shard)
+        loss, logp, ent = _loss_of_logits(s, logits3, shard, inplace_backward)
+        return loss, loss_metrics(s, logp, ent)
+
+
+def _loss_of_logits(s, logits3, shard, inplace_backward):
+    """(loss, logp, H) of a LossSetup on the path its options need; logp and H in the
+    LossSetup's layout."""
     k, temp = s.kernel, s.p["temperature"]
     if s.weights is None:
         # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
@@ -200,24 +216,22 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         else:
             logp, ent = s.be.token_logprobs(logits3, k(s.tokens), k(s.mask), temp, True)
         logp, ent = s.padded(logp), s.padded(ent)
-        loss = per_token_loss(s, logp, ent)
-    elif shard is not None or (s.packing is not None and ck.sequence_level(s.p)):
+        return per_token_loss(s, logp, ent), logp, ent
+    if shard is not None or (s.packing is not None and ck.sequence_level(s.p)):
         # the statistics pass, the [B, T] middle (padded: it reduces over sequences), the
         # gradient pass
         if s.be.name == "torch":
-            loss, logp, ent = _composite_padded(s, logits3)
-        else:
-            from . import _two_phase
+            return _composite_padded(s, logits3)
+        from . import _two_phase
 
-            loss, _, logp, ent = _two_phase.ppo_loss(
-                s.be.prefix, logits3, s.tokens, s.mask, s.old, s.adv, s.weights, s.ref, s.isw,
-                s.p, s.w_ent, shard, s.packing)
-    else:
-        loss, _, logp, ent = s.be.ppo_loss(logits3, k(s.tokens), k(s.mask), k(s.old),
-                                           k(s.adv), k(s.weights), k(s.ref), k(s.isw), s.p,
-                                           inplace_backward, k(s.w_ent))
-        logp, ent = s.padded(logp), s.padded(ent)
-    return loss, loss_metrics(s, logp, ent)
+        loss, _, logp, ent = _two_phase.ppo_loss(
+            s.be.prefix, logits3, s.tokens, s.mask, s.old, s.adv, s.weights, s.ref, s.isw,
+            s.p, s.w_ent, shard, s.packing)
+        return loss, logp, ent
+    loss, _, logp, ent = s.be.ppo_loss(logits3, k(s.tokens), k(s.mask), k(s.old), k(s.adv),
+                                       k(s.weights), k(s.ref), k(s.isw), s.p, inplace_backward,
+                                       k(s.w_ent))
+    return loss, s.padded(logp), s.padded(ent)
 
 
 def _composite_padded(s, logits3):
@@ -385,9 +399,9 @@ def loss_metrics(s, logp, ent):
     if s.p.get("pg_mask_fn") is not None:
         with torch.no_grad():
             dropped = (s.p["pg_mask_fn"](logp) == 0) & s.mask
-            nonempty = s.mask.any(1)
+            nonempty = _cp.seq_any(s.mask)
             metrics["off_policy_masked_frac"] = (
-                (dropped.any(1) & nonempty).sum() / nonempty.sum().clamp(min=1)).float()
+                (_cp.seq_any(dropped) & nonempty).sum() / nonempty.sum().clamp(min=1)).float()
     return metrics
 
 

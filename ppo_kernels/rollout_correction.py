@@ -24,6 +24,7 @@ import torch
 
 from . import _checks as ck
 from ._torch_impl import LOG_RATIO_CLAMP, expm1_minus_x, seq_mean
+from .context_parallel import seq_sum
 
 MODES = ("tis", "tis-seq", "mis", "mis-seq", "geo-seq")
 
@@ -58,7 +59,7 @@ def weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi):
     if mode in ("tis", "mis"):
         r = torch.exp(l_tok)
     elif mode in ("tis-seq", "mis-seq"):
-        r = torch.exp(torch.clamp(l_tok.sum(-1, keepdim=True), -LOG_RATIO_CLAMP,
+        r = torch.exp(torch.clamp(seq_sum(l_tok), -LOG_RATIO_CLAMP,
                                   LOG_RATIO_CLAMP)).expand_as(l_tok)
     else:  # geo-seq
         r = torch.exp(seq_mean(l_tok, mask)).expand_as(l_tok)
