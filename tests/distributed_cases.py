@@ -1,0 +1,402 @@
+"""The multi-process checks of tests/test_distributed.py, run as a script:
+
+    python tests/distributed_cases.py --world 2 --out DIR
+
+spawns ``world`` processes on the gloo backend (CPU). Every rank draws the same inputs
+(same seed), computes the single-process op on the whole batch / vocabulary / sequence
+itself, then the distributed op on its own part, and writes {check: [error, tolerance]}
+(errors relative to the largest reference entry) or {check: "error: ..."} to
+DIR/rank<r>.json. The test file asserts every entry of every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import ppo_kernels as pk
+
+F32, BF16 = 1e-5, 2e-2  # relative to the largest reference entry
+
+POLICIES = [
+    ("vanilla", dict(dual_clip_c=3.0)),
+    ("vanilla", dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, temperature=0.7)),
+    ("cispo", dict(clip_eps_low=1.0, clip_eps_high=4.0)),
+    ("sapo", dict(kl_coef=0.05, kl_estimator="k1+", kl_bias_correction=True)),
+    ("gspo", dict(clip_eps_low=3e-3, clip_eps_high=4e-3)),
+    ("gspo-token", dict(entropy_coef=0.02)),
+    ("vanilla", dict(rollout_correction="tis-seq", rollout_is_threshold=(0.5, 2.0))),
+    ("vanilla", dict(off_policy_mask_threshold=0.01)),
+]
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+             "seq-mean-token-sum-norm"]
+
+
+def err(a, b):
+    """max |a - b| over max |b| (1 where b is all 0)."""
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        raise AssertionError(f"shape {list(a.shape)} vs {list(b.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    scale = max(float(b.abs().max()), 1e-30) if torch.isfinite(b).all() else 1.0
+    return float((a - b).abs().nan_to_num(0.0).max()) / max(scale, 1e-6)
+
+
+def batch(b=7, t=9, v=53, h=12, dtype=torch.float32, seed=0):
+    """Random inputs over the ranges that matter: confident tokens, an empty sequence,
+    ragged masks, per-sequence advantages."""
+    g = torch.Generator().manual_seed(seed)
+    x = {}
+    logits = torch.randn(b, t, v, generator=g) * 3
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    conf = torch.rand(b, t, generator=g) < 0.25  # confident sampled tokens
+    logits[conf, :] -= 0  # (keeps the shape)
+    rows = conf.nonzero()
+    logits[rows[:, 0], rows[:, 1], tokens[conf]] = 40.0
+    mask = torch.rand(b, t, generator=g) > 0.2
+    mask[1] = False  # an empty sequence
+    x["logits"] = logits.to(dtype)
+    x["tokens"], x["mask"] = tokens, mask
+    x["old"] = torch.randn(b, t, generator=g) * 0.3 - 1.5
+    x["ref"] = x["old"] + 0.2 * torch.randn(b, t, generator=g)
+    x["rollout"] = x["old"] + 0.1 * torch.randn(b, t, generator=g)
+    x["adv"] = torch.randn(b, generator=g)
+    x["hidden"] = torch.randn(b, t, h, generator=g).to(dtype)
+    x["weight"] = (torch.randn(v, h, generator=g) * 0.4).to(dtype)
+    x["bias"] = (torch.randn(v, generator=g) * 0.1).to(dtype)
+    x["values"] = torch.randn(b, t, generator=g)
+    x["scores"] = torch.randn(b, generator=g)
+    return x
+
+
+def split(n, world, rank):
+    """An uneven contiguous split of n: (start, stop) of rank."""
+    cuts = [n * r // world + (1 if r and n % world else 0) for r in range(world)] + [n]
+    cuts = sorted(min(c, n) for c in cuts)
+    return cuts[rank], cuts[rank + 1]
+
+
+def loss_kwargs(x, pl, kw, sl=slice(None), tsl=slice(None)):
+    kw = dict(kw)
+    if kw.get("kl_coef"):
+        kw["ref_logprobs"] = x["ref"][sl, tsl]
+    if "rollout_correction" in kw or "off_policy_mask_threshold" in kw:
+        kw["rollout_logprobs"] = x["rollout"][sl, tsl]
+    return dict(policy_loss=pl, **kw)
+
+
+def compare_loss(out, name, ref_loss, ref_metrics, loss, metrics, tol):
+    out[name + "/loss"] = [err(loss, ref_loss), tol]
+    for k, v in ref_metrics.items():
+        out[f"{name}/metric:{k}"] = [err(metrics[k], v), tol]
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+def tp_checks(rank, world, group=None, out=None, tag="tp"):
+    out = {} if out is None else out
+    group = group or dist.group.WORLD
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    for dtype, tol in ((torch.float32, F32), (torch.bfloat16, BF16)):
+        x = batch(dtype=dtype)
+        v0, v1 = split(x["logits"].shape[-1], n, r)
+        d = f"{tag}/{str(dtype)[6:]}"
+        # token_logprobs
+        full = x["logits"].clone().requires_grad_()
+        lp, en = pk.token_logprobs(full, x["tokens"], x["mask"], return_entropy=True)
+        w1, w2 = torch.randn_like(lp), torch.randn_like(lp)
+        (w1 * lp + w2 * en).sum().backward()
+        loc = x["logits"][..., v0:v1].clone().requires_grad_()
+        lq, eq = pk.token_logprobs(loc, x["tokens"], x["mask"], return_entropy=True,
+                                   tp_group=group, vocab_start=v0)
+        (w1 * lq + w2 * eq).sum().backward()
+        out[d + "/token_logprobs/logp"] = [err(lq, lp), tol]
+        out[d + "/token_logprobs/entropy"] = [err(eq, en), tol]
+        out[d + "/token_logprobs/grad"] = [err(loc.grad, full.grad[..., v0:v1]), tol]
+        # ppo_loss, every policy loss, one aggregation mode each (the modes: DP, CP)
+        cases = POLICIES if dtype == torch.float32 else POLICIES[:1] + POLICIES[4:5]
+        for i, (pl, kw) in enumerate(cases):
+            agg = AGG_MODES[i % len(AGG_MODES)]
+            kwargs = loss_kwargs(x, pl, kw)
+            full = x["logits"].clone().requires_grad_()
+            lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"],
+                                 loss_agg_mode=agg, **kwargs)
+            lf.backward()
+            loc = x["logits"][..., v0:v1].clone().requires_grad_()
+            ls, ms = pk.ppo_loss(loc, x["tokens"], x["old"], x["adv"], x["mask"],
+                                 loss_agg_mode=agg, tp_group=group, vocab_start=v0, **kwargs)
+            ls.backward()
+            name = f"{d}/ppo_loss/{pl}-{i}-{agg}"
+            compare_loss(out, name, lf, mf, ls, ms, tol)
+            out[name + "/grad"] = [err(loc.grad, full.grad[..., v0:v1]), tol]
+        # loss_agg_mode="none" and on-policy (old_logprobs=None)
+        full = x["logits"].clone().requires_grad_()
+        lf, _ = pk.ppo_loss(full, x["tokens"], None, x["adv"], x["mask"], loss_agg_mode="none")
+        lf.sum().backward()
+        loc = x["logits"][..., v0:v1].clone().requires_grad_()
+        ls, _ = pk.ppo_loss(loc, x["tokens"], None, x["adv"], x["mask"], loss_agg_mode="none",
+                            tp_group=group, vocab_start=v0)
+        ls.sum().backward()
+        out[d + "/ppo_loss/none/loss"] = [err(ls, lf), tol]
+        out[d + "/ppo_loss/none/grad"] = [err(loc.grad, full.grad[..., v0:v1]), tol]
+        # score_rollout
+        ro = pk.score_rollout(x["logits"], x["tokens"], x["ref"], x["values"], x["scores"],
+                              x["mask"], kl_coef=0.1)
+        rq = pk.score_rollout(x["logits"][..., v0:v1], x["tokens"], x["ref"], x["values"],
+                              x["scores"], x["mask"], kl_coef=0.1, tp_group=group,
+                              vocab_start=v0)
+        for f in ro._fields:
+            out[f"{d}/score_rollout/{f}"] = [err(getattr(rq, f), getattr(ro, f)), tol]
+        from_hidden_tp(out, d, x, group, v0, v1, tol)
+    return out
+
+
+def from_hidden_tp(out, d, x, group, v0, v1, tol):
+    for pl, kw in (("vanilla", dict(entropy_coef=0.01)), ("gspo", dict(logit_softcap=8.0))):
+        h1, w1, b1 = (t.clone().requires_grad_() for t in (x["hidden"], x["weight"], x["bias"]))
+        lf, mf = pk.ppo_loss_from_hidden(h1, w1, x["tokens"], x["old"], x["adv"], x["mask"],
+                                         lm_head_bias=b1, policy_loss=pl, chunk_size=10, **kw)
+        lf.backward()
+        h2 = x["hidden"].clone().requires_grad_()
+        w2 = x["weight"][v0:v1].clone().requires_grad_()
+        b2 = x["bias"][v0:v1].clone().requires_grad_()
+        ls, ms = pk.ppo_loss_from_hidden(h2, w2, x["tokens"], x["old"], x["adv"], x["mask"],
+                                         lm_head_bias=b2, policy_loss=pl, chunk_size=7,
+                                         tp_group=group, vocab_start=v0, **kw)
+        ls.backward()
+        name = f"{d}/ppo_loss_from_hidden/{pl}"
+        compare_loss(out, name, lf, mf, ls, ms, tol)
+        out[name + "/grad_hidden"] = [err(h2.grad, h1.grad), tol]
+        out[name + "/grad_weight"] = [err(w2.grad, w1.grad[v0:v1]), tol]
+        out[name + "/grad_bias"] = [err(b2.grad, b1.grad[v0:v1]), tol]
+    h1 = x["hidden"].clone().requires_grad_()
+    lp, en = pk.token_logprobs_from_hidden(h1, x["weight"], x["tokens"], x["mask"],
+                                           return_entropy=True)
+    (lp.sum() + en.sum()).backward()
+    h2 = x["hidden"].clone().requires_grad_()
+    lq, eq = pk.token_logprobs_from_hidden(h2, x["weight"][v0:v1], x["tokens"], x["mask"],
+                                           return_entropy=True, chunk_size=5, tp_group=group,
+                                           vocab_start=v0)
+    (lq.sum() + eq.sum()).backward()
+    out[f"{d}/token_logprobs_from_hidden/logp"] = [err(lq, lp), tol]
+    out[f"{d}/token_logprobs_from_hidden/entropy"] = [err(eq, en), tol]
+    out[f"{d}/token_logprobs_from_hidden/grad_hidden"] = [err(h2.grad, h1.grad), tol]
+    ro = pk.score_rollout_from_hidden(x["hidden"], x["weight"], x["tokens"], x["ref"],
+                                      x["values"], x["scores"], x["mask"], kl_coef=0.1)
+    rq = pk.score_rollout_from_hidden(x["hidden"], x["weight"][v0:v1], x["tokens"], x["ref"],
+                                      x["values"], x["scores"], x["mask"], kl_coef=0.1,
+                                      tp_group=group, vocab_start=v0)
+    for f in ro._fields:
+        out[f"{d}/score_rollout_from_hidden/{f}"] = [err(getattr(rq, f), getattr(ro, f)), tol]
+
+
+def dtensor_checks(rank, world):
+    """torch's tensor parallel: DTensors sharded on the vocabulary take the same path."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    out = {}
+    mesh = init_device_mesh("cpu", (world,))
+    x = batch(v=50)
+    full = x["logits"].clone().requires_grad_()
+    lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"], policy_loss="gspo")
+    lf.backward()
+    dt = distribute_tensor(x["logits"].clone(), mesh, [Shard(-1)]).requires_grad_()
+    ls, ms = pk.ppo_loss(dt, x["tokens"], x["old"], x["adv"], x["mask"], policy_loss="gspo")
+    ls.backward()
+    compare_loss(out, "dtensor/ppo_loss", lf, mf, ls, ms, F32)
+    out["dtensor/ppo_loss/grad"] = [err(dt.grad.full_tensor(), full.grad), F32]
+    h1, w1 = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+    lf, _ = pk.ppo_loss_from_hidden(h1, w1, x["tokens"], x["old"], x["adv"], x["mask"])
+    lf.backward()
+    h2 = x["hidden"].clone().requires_grad_()
+    w2 = distribute_tensor(x["weight"].clone(), mesh, [Shard(0)]).requires_grad_()
+    ls, _ = pk.ppo_loss_from_hidden(h2, w2, x["tokens"], x["old"], x["adv"], x["mask"])
+    ls.backward()
+    out["dtensor/ppo_loss_from_hidden/loss"] = [err(ls, lf), F32]
+    out["dtensor/ppo_loss_from_hidden/grad_hidden"] = [err(h2.grad, h1.grad), F32]
+    out["dtensor/ppo_loss_from_hidden/grad_weight"] = [err(w2.grad.full_tensor(), w1.grad),
+                                                        F32]
+    # a token id outside the whole vocabulary: a ValueError on every rank
+    bad = x["tokens"].clone()
+    bad[0, 0] = 50
+    m = x["mask"].clone()
+    m[0, 0] = True
+    try:
+        pk.ppo_loss(dt, bad, x["old"], x["adv"], m)
+        out["dtensor/bad_token_raises"] = [1.0, 0.0]
+    except ValueError as e:
+        out["dtensor/bad_token_raises"] = [0.0 if "tokens" in str(e) else 1.0, 0.5]
+    return out
+
+
+# ---------------------------------------------------------------- data parallel
+
+def dp_checks(rank, world, group=None, tp=None, out=None, tag="dp"):
+    """The batch split by sequences; global counts; gradients summed over ranks. With tp
+    (a (group, start, stop) triple), each rank also holds one vocabulary shard."""
+    out = {} if out is None else out
+    group = group or dist.group.WORLD
+    r, n = dist.get_rank(group), dist.get_world_size(group)
+    x = batch()
+    b0, b1 = split(x["tokens"].shape[0], n, r)
+    v0, v1 = (0, x["logits"].shape[-1]) if tp is None else tp[1:]
+    tpk = {} if tp is None else dict(tp_group=tp[0], vocab_start=v0)
+    n_tok = x["mask"].sum().float()
+    nonempty = x["mask"].any(1).sum().float()
+    cases = [(pl, kw, agg) for pl, kw in POLICIES[:6] for agg in AGG_MODES] if tp is None \
+        else [(pl, kw, AGG_MODES[i % 5]) for i, (pl, kw) in enumerate(POLICIES)]
+    for pl, kw, agg in cases:
+        kwargs = loss_kwargs(x, pl, kw)
+        counts = dict(global_num_tokens=n_tok,
+                      global_num_seqs=nonempty if agg == "seq-mean-token-mean" else
+                      float(x["tokens"].shape[0]))
+        full = x["logits"].clone().requires_grad_()
+        lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"],
+                             loss_agg_mode=agg, **kwargs)
+        lf.backward()
+        sl = slice(b0, b1)
+        loc = x["logits"][sl, :, v0:v1].clone().requires_grad_()
+        kl = loss_kwargs(x, pl, kw, sl)
+        ls, ms = pk.ppo_loss(loc, x["tokens"][sl], x["old"][sl], x["adv"][sl], x["mask"][sl],
+                             loss_agg_mode=agg, **counts, **kl, **tpk)
+        ls.backward()
+        total = ls.detach().clone()
+        dist.all_reduce(total, group=group)
+        name = f"{tag}/ppo_loss/{pl}-{agg}-{sorted(kw)}"
+        compare_loss(out, name, lf, mf, total, pk.distributed.reduce_metrics(ms, group), F32)
+        out[name + "/grad"] = [err(loc.grad, full.grad[sl, :, v0:v1]), F32]
+    return out
+
+
+def dp_from_hidden_checks(rank, world):
+    out = {}
+    x = batch()
+    b0, b1 = split(x["tokens"].shape[0], world, rank)
+    sl = slice(b0, b1)
+    n_tok = x["mask"].sum().float()
+    h1, w1 = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+    lf, _ = pk.ppo_loss_from_hidden(h1, w1, x["tokens"], x["old"], x["adv"], x["mask"],
+                                    policy_loss="gspo")
+    lf.backward()
+    h2, w2 = x["hidden"][sl].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+    ls, _ = pk.ppo_loss_from_hidden(h2, w2, x["tokens"][sl], x["old"][sl], x["adv"][sl],
+                                    x["mask"][sl], policy_loss="gspo", global_num_tokens=n_tok)
+    ls.backward()
+    dist.all_reduce(w2.grad)
+    total = ls.detach().clone()
+    dist.all_reduce(total)
+    out["dp/ppo_loss_from_hidden/loss"] = [err(total, lf), F32]
+    out["dp/ppo_loss_from_hidden/grad_hidden"] = [err(h2.grad, h1.grad[sl]), F32]
+    out["dp/ppo_loss_from_hidden/grad_weight"] = [err(w2.grad, w1.grad), F32]
+    return out
+
+
+# ---------------------------------------------------------------- context parallel
+
+def cp_checks(rank, world):
+    """Every sequence split over the ranks along T (uneven)."""
+    out = {}
+    group = dist.group.WORLD
+    for backend in ("cpu", "torch"):
+        x = batch()
+        t0, t1 = split(x["tokens"].shape[1], world, rank)
+        tsl = slice(t0, t1)
+        for pl, kw in POLICIES:
+            for agg in AGG_MODES if backend == "cpu" else AGG_MODES[3:4]:
+                kwargs = loss_kwargs(x, pl, kw)
+                full = x["logits"].clone().requires_grad_()
+                lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"],
+                                     loss_agg_mode=agg, backend=backend, **kwargs)
+                lf.backward()
+                loc = x["logits"][:, tsl].clone().requires_grad_()
+                kl = loss_kwargs(x, pl, kw, slice(None), tsl)
+                ls, ms = pk.ppo_loss(loc, x["tokens"][:, tsl], x["old"][:, tsl], x["adv"],
+                                     x["mask"][:, tsl], loss_agg_mode=agg, cp_group=group,
+                                     backend=backend, **kl)
+                ls.backward()
+                total = ls.detach().clone()
+                dist.all_reduce(total)
+                name = f"cp/{backend}/ppo_loss/{pl}-{agg}-{sorted(kw)}"
+                compare_loss(out, name, lf, mf, total,
+                             pk.distributed.reduce_metrics(ms, group, cp_group=group), F32)
+                out[name + "/grad"] = [err(loc.grad, full.grad[:, tsl]), F32]
+    x = batch()
+    t0, t1 = split(x["tokens"].shape[1], world, rank)
+    tsl = slice(t0, t1)
+    h1, w1 = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+    lf, _ = pk.ppo_loss_from_hidden(h1, w1, x["tokens"], x["old"], x["adv"], x["mask"],
+                                    policy_loss="gspo", loss_agg_mode="seq-mean-token-mean")
+    lf.backward()
+    h2, w2 = x["hidden"][:, tsl].clone().requires_grad_(), x["weight"].clone().requires_grad_()
+    ls, _ = pk.ppo_loss_from_hidden(h2, w2, x["tokens"][:, tsl], x["old"][:, tsl], x["adv"],
+                                    x["mask"][:, tsl], policy_loss="gspo",
+                                    loss_agg_mode="seq-mean-token-mean", cp_group=group)
+    ls.backward()
+    dist.all_reduce(w2.grad)
+    total = ls.detach().clone()
+    dist.all_reduce(total)
+    out["cp/ppo_loss_from_hidden/loss"] = [err(total, lf), F32]
+    out["cp/ppo_loss_from_hidden/grad_hidden"] = [err(h2.grad, h1.grad[:, tsl]), F32]
+    out["cp/ppo_loss_from_hidden/grad_weight"] = [err(w2.grad, w1.grad), F32]
+    return out
+
+
+def tp_dp_checks(rank, world):
+    """A 2 x (world / 2) mesh: TP pairs inside DP groups (world 4: 2 x 2)."""
+    tp_size = 2
+    tp_groups = [dist.new_group(list(range(i, i + tp_size))) for i in range(0, world, tp_size)]
+    dp_groups = [dist.new_group(list(range(j, world, tp_size))) for j in range(tp_size)]
+    tp_group, dp_group = tp_groups[rank // tp_size], dp_groups[rank % tp_size]
+    v0, v1 = split(batch()["logits"].shape[-1], tp_size, rank % tp_size)
+    return dp_checks(rank, world, group=dp_group, tp=(tp_group, v0, v1), tag="tp_x_dp")
+
+
+SUITES = {
+    2: [tp_checks, dtensor_checks, dp_checks, dp_from_hidden_checks, cp_checks],
+    3: [tp_checks, dp_checks, cp_checks],
+    4: [tp_dp_checks],
+}
+
+
+def worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results = {}
+    for fn in SUITES[world]:
+        try:
+            results.update(fn(rank, world))
+        except Exception:  # reported per suite, so one failure does not hide the others
+            results[fn.__name__] = "error: " + traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    mp.spawn(worker, args=(a.world, free_port(), a.out), nprocs=a.world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
