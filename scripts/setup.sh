@@ -30,3 +30,8 @@ else
   echo "$sources" > "$stamp"
 fi
 .venv/bin/python -c "import ppo_kernels as pk; print('ppo_kernels built:', pk.build_info())"
+# verl for its integration tests, without its dependency tree (scripts/install_verl.sh);
+# only once: it is slow to re-resolve
+if ! .venv/bin/python -c "import verl" > /dev/null 2>&1; then
+  bash scripts/install_verl.sh
+fi

@@ -1,0 +1,240 @@
+"""TRL (1.16) drop-in: GRPOTrainer's loss computed by ppo_kernels.ppo_loss_from_hidden from the
+model's last hidden states and LM head weight, never materialising the [B, T, V] logits
+(docs/TRL.md).
+
+    from ppo_kernels.integrations.trl import FusedGRPOTrainer
+    trainer = FusedGRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...), ...)
+
+or, on a GRPOTrainer (or subclass) already built: ``fuse_grpo_loss(trainer)``; or
+``class MyTrainer(FusedGRPOLossMixin, GRPOTrainer)``. For a loop of one's own:
+``from_trl_config(args)`` gives the op's keyword arguments.
+
+The loss, its gradients and the logged metrics (TRL's own names: kl, entropy,
+clip_ratio/*, cispo_clip_ratio, policy_loss, entropy_coef) are those of TRL's
+GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py) for every option the op can
+express; the others raise ValueError when the trainer is built (check_trl_config).
+Numerical differences by design: the op clamps log-ratios to +-20 (TRL does not), so
+they differ only where |logp - old_logp| > 20.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from accelerate.utils import is_peft_model
+from trl import GRPOTrainer
+
+from ..from_hidden import ppo_loss_from_hidden, token_logprobs_from_hidden
+from ..loss import ppo_loss
+from ._trl_config import (check_trl_config, from_trl_config, head_transform,
+                          trl_batch_kwargs)
+from ._trl_metrics import log_loss_metrics
+
+__all__ = ["FusedGRPOTrainer", "FusedGRPOLossMixin", "fuse_grpo_loss", "from_trl_config",
+           "check_trl_config", "trl_batch_kwargs"]
+
+_HIDDEN_FLAG = "ppo_kernels_last_hidden_state"
+# the model inputs TRL's _get_per_token_logps_and_entropies forwards (one chunk: all rows)
+_MODEL_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes",
+                 "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
+
+
+def _policy(trainer):
+    """The causal LM whose forward TRL patched (the PEFT base model when wrapped)."""
+    model = trainer.model
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def _add_hidden_forward(model):
+    """Let ``model(..., ppo_kernels_last_hidden_state=True)`` return the backbone's last hidden
+    state [B, L, H] (no LM head); any other call goes to the forward it had (TRL's fused
+    one). Going through model(...) keeps DDP / FSDP wrappers in the loop."""
+    if getattr(model, "_ppo_kernels_hidden_forward", False):
+        return
+    previous = model.forward
+
+    @functools.wraps(type(model).forward)
+    def forward(self, *args, ppo_kernels_last_hidden_state=False, **kwargs):
+        if not ppo_kernels_last_hidden_state:
+            return previous(*args, **kwargs)
+        kwargs["use_cache"] = False
+        return self.base_model(*args, **kwargs).last_hidden_state
+
+    model.forward = types.MethodType(forward, model)
+    model._ppo_kernels_hidden_forward = True
+
+
+def _dry_run(kw):
+    """Run the op once on a 1 x 2 batch with the config's options, so that anything it
+    rejects is reported when the trainer is built."""
+    opts = {k: v for k, v in kw.items() if k != "logit_softcap"}
+    z = torch.zeros(1, 2, 3)
+    tok = torch.zeros(1, 2, dtype=torch.long)
+    ref = torch.zeros(1, 2) if opts.get("kl_coef", 0.0) > 0 else None
+    try:
+        ppo_loss(z, tok, torch.zeros(1, 2), torch.zeros(1), None, ref, backend="torch",
+                 **opts)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"ppo_kernels TRL integration: this GRPOConfig maps to op options "
+                         f"the op rejects ({opts}): {e}") from e
+
+
+def check_trainer(trainer):
+    """check_trl_config(trainer.args) plus what depends on the model; ValueError naming the
+    option. Returns the config's static op keywords."""
+    kw = from_trl_config(trainer.args, getattr(trainer.model, "config", None))
+    if trainer.aux_loss_enabled:
+        raise ValueError("ppo_kernels TRL integration: router_aux_loss_coef="
+                         f"{trainer.router_aux_loss_coef!r} (a Mixture-of-Experts model's "
+                         "load-balancing loss) is not supported; set router_aux_loss_coef=0")
+    if _policy(trainer).get_output_embeddings() is None:
+        raise ValueError("ppo_kernels TRL integration: the model has no output embeddings "
+                         "(get_output_embeddings() is None): no LM head to fuse")
+    _dry_run(kw)
+    return kw
+
+
+class FusedGRPOLossMixin:
+    """Replaces GRPOTrainer._compute_loss by ppo_loss_from_hidden (module docstring). Put it
+    before GRPOTrainer (or your subclass of it) in the bases and call
+    ``self._ppo_kernels_setup()`` after GRPOTrainer.__init__ (FusedGRPOTrainer does)."""
+
+    def _ppo_kernels_setup(self):
+        self._pk_kwargs = check_trainer(self)
+        self._pk_scale = head_transform(getattr(self.model, "config", None))[1]
+        _add_hidden_forward(_policy(self))
+
+    def _pk_head(self, hidden):
+        """(hidden, W, b) in one dtype on W's device: TRL's cast_lm_head_to_fp32 runs the
+        head in float32; otherwise (autocast) the head takes hidden's dtype; a logit scale
+        multiplies hidden (and b) instead of the logits."""
+        head = _policy(self).get_output_embeddings()
+        w, b = head.weight, head.bias
+        hidden = hidden.to(w.device)
+        if self.args.cast_lm_head_to_fp32:
+            hidden, w = hidden.float(), w.float()
+            b = None if b is None else b.float()
+        elif w.dtype != hidden.dtype:
+            w = w.to(hidden.dtype)
+            b = None if b is None else b.to(hidden.dtype)
+        if self._pk_scale != 1.0:
+            hidden = hidden * self._pk_scale
+            b = None if b is None else b * self._pk_scale
+        return hidden, w, b
+
+    def _compute_loss(self, model, inputs):
+        mode = "train" if self.model.training else "eval"
+        training = mode == "train"
+        ga = self.current_gradient_accumulation_steps if training else 1
+        c_ids, c_mask = inputs["completion_ids"], inputs["completion_mask"]
+        t = c_ids.size(1)
+        mask = c_mask if "tool_mask" not in inputs else c_mask * inputs["tool_mask"]
+        extra = {k: inputs[k] for k in _MODEL_INPUTS if inputs.get(k) is not None}
+        with self.accelerator.autocast():
+            last = model(input_ids=torch.cat([inputs["prompt_ids"], c_ids], 1),
+                         attention_mask=torch.cat([inputs["prompt_mask"], c_mask], 1),
+                         **{_HIDDEN_FLAG: True}, **extra)
+        hidden, w, b = self._pk_head(last[:, -t - 1:-1])
+        kw = dict(self._pk_kwargs)
+        cap = kw.pop("logit_softcap", None)
+        with torch.no_grad():  # TRL's metrics need the per-token values
+            lp, ent = token_logprobs_from_hidden(
+                hidden.detach(), w.detach(), c_ids, mask,
+                lm_head_bias=None if b is None else b.detach(), logit_softcap=cap,
+                temperature=self.temperature, return_entropy=True)
+        adv = inputs["advantages"]
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        old = inputs.get("old_per_token_logps")
+        ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
+        isw = None
+        if self.top_entropy_quantile < 1.0:
+            isw = self.get_high_entropy_mask(ent, mask, 1 - self.top_entropy_quantile).to(
+                lp.dtype)
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            r = inputs["importance_sampling_ratio"]
+            isw = r if isw is None else isw * r
+        rollout = None
+        if self.off_policy_mask_threshold is not None:
+            samp = inputs.get("sampling_per_token_logps", old)
+            samp = lp if samp is None else samp
+            rollout = torch.where(torch.isnan(samp), lp, samp)  # TRL: NaN gives KL 0
+        bonus = self._entropy_bonus_enabled
+        coef = self.entropy_coef
+        if bonus and self.use_adaptive_entropy:
+            coef = coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+        kw["entropy_coef"] = float(coef) if bonus else 0.0
+        bkw, divisor = trl_batch_kwargs(
+            self.args, mask, num_items_in_batch=inputs.get("num_items_in_batch"),
+            grad_accum_steps=ga, num_processes=self.accelerator.num_processes,
+            training=training, entropy_coef=kw["entropy_coef"])
+        kw.update(bkw)
+        loss, _ = ppo_loss_from_hidden(hidden, w, c_ids, old, adv, mask, ref,
+                                       lm_head_bias=b, logit_softcap=cap,
+                                       rollout_is_weights=isw, rollout_logprobs=rollout, **kw)
+        if bonus:
+            self._pk_entropy_bookkeeping(mode, loss, divisor, ga, coef, ent, mask)
+        log_loss_metrics(self, mode, lp, ent, None if old is None else
+                         torch.where(mask.bool(), old, lp), adv, mask,
+                         None if ref is None else torch.where(mask.bool(), ref, lp))
+        return loss / divisor
+
+    def _pk_entropy_bookkeeping(self, mode, loss, divisor, ga, coef, ent, mask):
+        """TRL's policy_loss / entropy_coef metrics and its adaptive entropy controller."""
+        m = mask.to(ent.dtype)
+        ent_sum, n = (ent * m).sum(), m.sum()
+        # the op's loss is policy - coef * (token-mean entropy) * divisor / ga
+        policy = loss.detach() + coef * (ent_sum / n.clamp(min=1.0)) * (divisor / ga)
+        self._metrics[mode]["policy_loss"].append(
+            self.accelerator.gather(policy).nanmean().item())
+        sync = self.accelerator.sync_gradients
+        if self.use_adaptive_entropy and mode == "train":
+            stats = torch.stack([ent_sum, n])
+            self._entropy_window_stats = stats if self._entropy_window_stats is None \
+                else self._entropy_window_stats + stats
+            if sync:
+                tot = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+                world = (tot[0] / tot[1].clamp(min=1.0)).item()
+                a = self.args
+                if world <= a.entropy_target:
+                    self.entropy_coef = min(self.entropy_coef + a.entropy_coef_delta,
+                                            a.entropy_coef_max)
+                else:
+                    self.entropy_coef = max(self.entropy_coef - a.entropy_coef_delta,
+                                            a.entropy_coef_min)
+                self._last_world_entropy = world
+                self._entropy_window_stats = None
+        if mode == "train" and sync:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
+
+
+class FusedGRPOTrainer(FusedGRPOLossMixin, GRPOTrainer):
+    """trl.GRPOTrainer with the loss computed by ppo_kernels.ppo_loss_from_hidden: the same
+    constructor, the same training run (docs/TRL.md). Raises ValueError, before the model
+    is set up, for a GRPOConfig option the op cannot express."""
+
+    def __init__(self, model, reward_funcs, args=None, *rest, **kwargs):
+        if args is not None:
+            check_trl_config(args)  # fail before TRL loads anything
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        self._ppo_kernels_setup()
+
+
+def fuse_grpo_loss(trainer):
+    """The one-line hook: make a built GRPOTrainer (or subclass) compute its loss with
+    ppo_loss_from_hidden. Returns the trainer. Raises ValueError for an unsupported
+    option (check_trl_config), leaving the trainer as it was."""
+    if not isinstance(trainer, GRPOTrainer):
+        raise TypeError(f"trainer: expected a trl.GRPOTrainer, got {type(trainer).__name__}")
+    for name in ("_ppo_kernels_setup", "_pk_head", "_pk_entropy_bookkeeping",
+                 "_compute_loss"):
+        setattr(trainer, name, types.MethodType(getattr(FusedGRPOLossMixin, name), trainer))
+    try:
+        trainer._ppo_kernels_setup()
+    except Exception:
+        for name in ("_ppo_kernels_setup", "_pk_head", "_pk_entropy_bookkeeping",
+                     "_compute_loss"):
+            delattr(trainer, name)
+        raise
+    return trainer

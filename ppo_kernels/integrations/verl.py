@@ -1,0 +1,598 @@
+"""verl (0.9.x) integration: ppo_kernels' losses in verl's policy-loss registry, the fused
+LM-head log-prob / entropy kernel behind verl's ``use_fused_kernels`` path, and the mapping
+of verl's config keys to ``pk.ppo_loss`` / ``pk.ppo_loss_from_hidden`` keyword arguments
+(docs/VERL.md).
+
+Switching it on (every verl process, workers included, must import this module):
+
+    actor_rollout_ref.model.external_lib=ppo_kernels.integrations.verl
+    actor_rollout_ref.actor.policy_loss.loss_mode=ppo_kernels        # or ppo_kernels_gspo, ...
+    actor_rollout_ref.model.use_fused_kernels=True                   # the fused hook
+    actor_rollout_ref.model.fused_kernel_options.impl_backend=torch  # (or triton)
+
+Importing the module
+
+* registers the policy losses ``"ppo_kernels"`` (= ``"ppo_kernels_vanilla"``),
+  ``"ppo_kernels_vanilla"``, ``"ppo_kernels_gspo"``, ``"ppo_kernels_cispo"`` and
+  ``"ppo_kernels_sapo"`` with ``verl.trainer.ppo.core_algos.register_policy_loss``; each
+  computes the verl loss mode of the same name (vanilla PPO with verl's dual clip, verl's
+  GSPO-token form, CISPO with verl's two-sided clip, SAPO) with ppo_kernels' formulas
+  (``ppo_kernels._torch_impl``, the library's eager composite) and returns verl's metrics;
+* installs the fused hook (unless ``PPO_KERNELS_VERL_FUSED_HOOK=0``): verl's
+  ``verl.utils.experimental.torch_functional.FusedLinearForPPO`` (the ``impl_backend=torch``
+  path of ``use_fused_kernels``) and ``verl.utils.kernel.linear_cross_entropy.
+  linear_cross_entropy`` (the ``triton`` path) are replaced by ``FusedLinearForPPO`` /
+  ``linear_cross_entropy`` below, which run ``pk.token_logprobs_from_hidden``: the chunked
+  kernel that never stores the [N, V] logits. verl's model forwards
+  (``verl/models/transformers/dense_common.py`` and the VL variants) look both names up at
+  call time, so they pick the hook up.
+
+verl computes the KL loss (``use_kl_loss``) and the entropy bonus (``entropy_coeff``) itself,
+around the registered policy loss (``verl/workers/utils/losses.py::ppo_loss``), so those keys
+need no support on the registry path; ``from_verl_config`` maps them for users who call
+``pk.ppo_loss`` / ``pk.ppo_loss_from_hidden`` in their own loop, and raises a ValueError
+naming the key for every option the op cannot express.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from collections.abc import Mapping
+
+import torch
+
+from .. import _checks as ck
+from .. import _torch_impl
+from ..from_hidden import token_logprobs_from_hidden
+from ..loss import prepare_loss
+
+try:
+    from verl.trainer.ppo import core_algos as _core_algos
+except ImportError as exc:  # pragma: no cover - exercised only without verl
+    raise ImportError(
+        "ppo_kernels.integrations.verl needs verl 0.9.x and the modules its policy-loss "
+        "registry imports; `bash scripts/install_verl.sh` installs them without verl's "
+        f"heavy dependencies (import failed: {exc})") from exc
+
+__all__ = ["REGISTERED_LOSS_MODES", "VERL_LOSS_MODES", "compute_policy_loss",
+           "from_verl_config", "FusedLinearForPPO", "fused_logprobs_and_entropy",
+           "linear_cross_entropy", "register_policy_losses", "install_fused_hook",
+           "uninstall_fused_hook", "fused_hook_installed"]
+
+# verl loss_mode -> ppo_kernels policy_loss (verl's "gspo" is the paper's GSPO-token form)
+VERL_LOSS_MODES = {"vanilla": "vanilla", "gspo": "gspo-token", "cispo": "cispo",
+                   "sapo": "sapo"}
+# the names registered in verl's POLICY_LOSS_REGISTRY -> the verl loss mode each computes
+REGISTERED_LOSS_MODES = {"ppo_kernels": "vanilla", "ppo_kernels_vanilla": "vanilla",
+                         "ppo_kernels_gspo": "gspo", "ppo_kernels_cispo": "cispo",
+                         "ppo_kernels_sapo": "sapo"}
+# verl loss modes (and options) with no exact counterpart in the op, and why
+_UNSUPPORTED_LOSS_MODES = {
+    "clip_cov": "a randomised subset of tokens loses its gradient (randperm)",
+    "kl_cov": "a top-k-by-covariance subset of tokens gets an extra |lp - old| penalty",
+    "geo_mean": "GMPO's sequence-level geometric mean of sign-clipped ratios",
+    "gpg": "-A * lp with no ratio",
+    "dro": "a quadratic (lp - old)^2 penalty",
+    "dppo_tv": "a detached probability-difference trust mask",
+    "dppo_kl": "a detached binary-KL trust mask",
+    "bypass_mode": "verl's bypass mode (old = rollout log-probs, in-loss IS / RS)",
+}
+# verl kl_loss_type -> kl_estimator (verl/trainer/ppo/core_algos.py::kl_penalty)
+_KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "k2+": "k2", "mse+": "k2",
+             "abs": "abs", "k1+": "k1+", "kl+": "k1+"}
+_KL_UNSUPPORTED = {
+    "low_var_kl": "verl clamps the k3 value to [-10, 10] (and ref - lp to [-20, 20]); "
+                  "ppo_kernels' k3 has no value clamp",
+    "k3": "verl's k3 is low_var_kl: its value is clamped to [-10, 10]; ppo_kernels' k3 "
+          "has no value clamp",
+    "low_var_kl+": "the value is verl's clamped k3 (at most 10), ppo_kernels' k3+ value "
+                   "is not clamped (the gradient, lp - ref, is the same)",
+    "k3+": "the value is verl's clamped k3 (at most 10), ppo_kernels' k3+ value is not "
+           "clamped (the gradient, lp - ref, is the same)",
+    "abs+": "ppo_kernels has no straight-through abs estimator",
+    "full": "verl does not implement it either",
+}
+# ppo_kernels argument -> the verl key it comes from (for error messages)
+_VERL_KEY = {"clip_eps_low": "actor.clip_ratio_low (or actor.clip_ratio)",
+             "clip_eps_high": "actor.clip_ratio_high (or actor.clip_ratio)",
+             "dual_clip_c": "actor.clip_ratio_c", "sapo_tau_pos": "actor.tau_pos",
+             "sapo_tau_neg": "actor.tau_neg", "policy_loss": "actor.policy_loss.loss_mode"}
+_SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+GSPO_LOG_RATIO_MAX = 10.0  # verl clamps GSPO's log ratio here from above; ppo_kernels at 20
+
+
+def _get(cfg, key, default=None):
+    """cfg[key] for a verl dataclass config (BaseConfig), an omegaconf DictConfig, a dict or
+    any object with attributes; default when absent or None-valued configs."""
+    if cfg is None:
+        return default
+    if isinstance(cfg, Mapping):
+        return cfg.get(key, default)
+    getter = getattr(cfg, "get", None)
+    if callable(getter):
+        try:
+            return getter(key, default)
+        except (KeyError, AttributeError, TypeError):
+            pass
+    return getattr(cfg, key, default)
+
+
+def _float(key, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: expected a number, got {value!r}") from None
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{key}: expected a finite number, got {value!r}")
+    return value
+
+
+def _verl_error(exc, kw):
+    """A ppo_kernels argument error re-raised naming the verl key the argument came from."""
+    msg = str(exc)
+    name = msg.split(":", 1)[0]
+    key = _VERL_KEY.get(name, name)
+    value = kw.get(name)
+    return ValueError(f"{key} = {value!r} cannot be expressed by ppo_kernels: {msg}")
+
+
+def _loss_mode(actor, loss_mode=None):
+    """The verl loss mode ("vanilla", "gspo", "cispo", "sapo") that actor's
+    policy_loss.loss_mode (or loss_mode) asks for; ValueError for any other."""
+    mode = loss_mode if loss_mode is not None else _get(_get(actor, "policy_loss"),
+                                                        "loss_mode", "vanilla")
+    verl_mode = REGISTERED_LOSS_MODES.get(mode, mode)
+    if verl_mode in VERL_LOSS_MODES:
+        return verl_mode
+    why = _UNSUPPORTED_LOSS_MODES.get(verl_mode)
+    supported = sorted(VERL_LOSS_MODES) + sorted(REGISTERED_LOSS_MODES)
+    if why is not None:
+        raise ValueError(f"actor.policy_loss.loss_mode = {mode!r} is not supported by "
+                         f"ppo_kernels ({why}); supported: {supported}")
+    raise ValueError(f"actor.policy_loss.loss_mode = {mode!r} is not a loss mode ppo_kernels "
+                     f"knows; supported: {supported}")
+
+
+def _policy_kwargs(actor, loss_mode=None):
+    """(verl mode, the op's policy keyword arguments) of a verl actor config, validated by
+    the library's own checks; a ValueError names the verl key."""
+    verl_mode = _loss_mode(actor, loss_mode)
+    clip = _get(actor, "clip_ratio", 0.2)
+    low, high = _get(actor, "clip_ratio_low", None), _get(actor, "clip_ratio_high", None)
+    low = clip if low is None else low
+    high = clip if high is None else high
+    kw = {"policy_loss": VERL_LOSS_MODES[verl_mode],
+          "clip_eps_low": _float(_VERL_KEY["clip_eps_low"], low),
+          "clip_eps_high": _float(_VERL_KEY["clip_eps_high"], high)}
+    if verl_mode == "vanilla":  # verl's dual clip is always on for vanilla (A < 0 only)
+        c = _float(_VERL_KEY["dual_clip_c"], _get(actor, "clip_ratio_c", 3.0))
+        if not c > 1.0:  # verl asserts it too
+            raise ValueError(f"actor.clip_ratio_c = {c!r}: verl requires clip_ratio_c > 1")
+        kw["dual_clip_c"] = c
+    if verl_mode == "sapo":
+        kw["sapo_tau_pos"] = _float(_VERL_KEY["sapo_tau_pos"], _get(actor, "tau_pos", 1.0))
+        kw["sapo_tau_neg"] = _float(_VERL_KEY["sapo_tau_neg"], _get(actor, "tau_neg", 1.05))
+    try:
+        ck.policy_options(kw["policy_loss"], kw["clip_eps_low"], kw["clip_eps_high"],
+                          kw.get("dual_clip_c"), kw.get("sapo_tau_pos", 1.0),
+                          kw.get("sapo_tau_neg", 1.05))
+    except (ValueError, TypeError) as exc:
+        raise _verl_error(exc, kw) from exc
+    return verl_mode, kw
+
+
+def _rollout_correction_kwargs(rc):
+    """rollout_correction / rollout_is_threshold of verl's algorithm.rollout_correction
+    (decoupled mode: the IS weights of pi_old / pi_rollout)."""
+    if rc is None:
+        return {}
+    if _get(rc, "bypass_mode", False):
+        raise ValueError("algorithm.rollout_correction.bypass_mode = True is not supported by "
+                         "ppo_kernels (old = rollout log-probs with IS / rejection inside the "
+                         "loss, verl's compute_policy_loss_bypass_mode)")
+    if _get(rc, "rollout_is_batch_normalize", False):
+        raise ValueError("algorithm.rollout_correction.rollout_is_batch_normalize = True is not "
+                         "supported by ppo_kernels (the IS weights are not renormalised to "
+                         "mean 1)")
+    rs = _get(rc, "rollout_rs", None)
+    if rs not in (None, "", "null"):
+        raise ValueError(f"algorithm.rollout_correction.rollout_rs = {rs!r} is not supported by "
+                         f"ppo_kernels: verl's rejection sampling removes the rejected tokens "
+                         f"from response_mask (and the token-mean denominator) before the "
+                         f"loss; ppo_kernels' masks keep them in the denominators. Inside "
+                         f"verl the actor already receives the rejected mask: pass that "
+                         f"response_mask and leave rollout_rs out of the mapping")
+    level = _get(rc, "rollout_is", None)
+    if level in (None, "", "null"):
+        return {}
+    if level not in ("token", "sequence"):
+        raise ValueError(f"algorithm.rollout_correction.rollout_is = {level!r}: expected "
+                         f"'token', 'sequence' or None")
+    spec = _get(rc, "rollout_is_threshold", 2.0)
+    key = "algorithm.rollout_correction.rollout_is_threshold"
+    lo = None
+    if isinstance(spec, str) and "_" in spec.strip():
+        lo_s, hi_s = spec.strip().split("_", 1)
+        lo, hi = _float(key, lo_s), _float(key, hi_s)
+        if not (0 < lo <= hi):
+            raise ValueError(f"{key} = {spec!r}: expected 0 < lower <= upper")
+        if lo == hi:
+            raise ValueError(f"{key} = {spec!r}: ppo_kernels needs lower < upper for IcePop "
+                             f"bounds")
+    else:
+        hi = _float(key, spec)
+        if not hi > 0:
+            raise ValueError(f"{key} = {spec!r}: expected an upper bound > 0")
+    seq = "-seq" if level == "sequence" else ""
+    if lo is None:  # TIS: w = min(w, upper), no lower bound
+        return {"rollout_correction": "tis" + seq, "rollout_is_threshold": hi}
+    return {"rollout_correction": "mis" + seq, "rollout_is_threshold": (lo, hi)}
+
+
+def _split_config(config):
+    """(actor config, rollout_correction config or None, temperature or None) of either a
+    full verl trainer config (with actor_rollout_ref and algorithm) or an actor config."""
+    arr = _get(config, "actor_rollout_ref", None)
+    if arr is None:
+        return config, None, None
+    actor = _get(arr, "actor", None)
+    if actor is None:
+        raise ValueError("config.actor_rollout_ref.actor: missing (expected verl's trainer "
+                         "config or its actor_rollout_ref.actor section)")
+    rc = _get(_get(config, "algorithm", None), "rollout_correction", None)
+    temperature = _get(_get(arr, "rollout", None), "temperature", None)
+    return actor, rc, temperature
+
+
+def from_verl_config(config, *, rollout_correction=None):
+    """The keyword arguments of ``pk.ppo_loss`` / ``pk.ppo_loss_from_hidden`` that compute
+    verl 0.9's actor loss (``verl/workers/utils/losses.py::ppo_loss``: the policy loss of
+    ``policy_loss.loss_mode``, minus ``entropy_coeff`` times the aggregated entropy, plus
+    ``kl_loss_coef`` times the aggregated ``kl_loss_type`` KL when ``use_kl_loss``).
+
+    Args:
+        config: verl's actor config (``actor_rollout_ref.actor``: an ``ActorConfig``
+            dataclass, an omegaconf ``DictConfig`` or a plain dict with its keys), or the
+            whole trainer config (then ``algorithm.rollout_correction`` and
+            ``actor_rollout_ref.rollout.temperature`` are read too).
+        rollout_correction: verl's ``algorithm.rollout_correction`` section, when config is
+            only the actor's (decoupled mode; its IS weights of pi_old / pi_rollout are then
+            computed by the op from ``rollout_logprobs``).
+
+    Returns:
+        dict with ``policy_loss``, ``clip_eps_low``, ``clip_eps_high``, ``dual_clip_c``
+        (vanilla), ``sapo_tau_pos`` / ``sapo_tau_neg`` (sapo), ``loss_agg_mode`` (and
+        ``entropy_agg_mode`` for SAPO, whose policy term verl always aggregates
+        "seq-mean-token-mean"), ``norm_length`` (``loss_scale_factor``), ``entropy_coef``,
+        ``kl_coef`` / ``kl_estimator`` (``use_kl_loss``), ``rollout_correction`` /
+        ``rollout_is_threshold`` and ``temperature`` (whole config). The per-step counts
+        of verl's ``global_batch_info`` are data, not config: pass ``global_num_tokens =
+        batch_num_tokens / dp_size`` (token-mean) or ``global_num_seqs = global_batch_size
+        / dp_size`` (seq-mean modes; verl's default is the number of non-empty sequences)
+        yourself.
+
+    Raises:
+        ValueError naming the verl key, for everything the op cannot express exactly:
+        loss modes clip_cov, kl_cov, geo_mean, gpg, dro, dppo_tv, dppo_kl, bypass_mode;
+        kl_loss_type low_var_kl / k3 (value clamp at 10), low_var_kl+ / k3+, abs+, full;
+        clip_ratio_c <= 1 + clip_ratio_high (vanilla) and clip ratios outside the op's
+        ranges; SAPO with use_kl_loss and loss_agg_mode != "seq-mean-token-mean";
+        rollout_correction.bypass_mode, rollout_rs and rollout_is_batch_normalize.
+    """
+    actor, rc, temperature = _split_config(config)
+    if rollout_correction is not None:
+        rc = rollout_correction
+    verl_mode, kw = _policy_kwargs(actor)
+    agg = _get(actor, "loss_agg_mode", "token-mean")
+    if agg not in ck.LOSS_AGG_MODES[:-1]:  # "none" is ppo_kernels', not verl's
+        raise ValueError(f"actor.loss_agg_mode = {agg!r}: expected one of "
+                         f"{list(ck.LOSS_AGG_MODES[:-1])}")
+    entropy_coef = _float("actor.entropy_coeff", _get(actor, "entropy_coeff", 0.0))
+    use_kl = bool(_get(actor, "use_kl_loss", False))
+    if verl_mode == "sapo" and agg != "seq-mean-token-mean":
+        # verl forces the SAPO policy term to seq-mean-token-mean; entropy and KL keep agg
+        if use_kl:
+            raise ValueError(f"actor.loss_agg_mode = {agg!r} with policy_loss.loss_mode = "
+                             f"'sapo' and actor.use_kl_loss = True cannot be expressed by "
+                             f"ppo_kernels: verl aggregates the SAPO term seq-mean-token-mean "
+                             f"but the KL term with {agg!r}, and the op aggregates both with "
+                             f"loss_agg_mode (set loss_agg_mode=seq-mean-token-mean)")
+        kw["loss_agg_mode"] = "seq-mean-token-mean"
+        if entropy_coef != 0.0:
+            kw["entropy_agg_mode"] = agg
+    else:
+        kw["loss_agg_mode"] = agg
+    lsf = _get(actor, "loss_scale_factor", None)
+    if lsf is not None and kw["loss_agg_mode"] == "seq-mean-token-sum-norm":
+        kw["norm_length"] = _float("actor.loss_scale_factor", lsf)
+    kw["entropy_coef"] = entropy_coef
+    if use_kl:
+        kl_type = _get(actor, "kl_loss_type", "low_var_kl")
+        if kl_type in _KL_UNSUPPORTED:
+            raise ValueError(f"actor.kl_loss_type = {kl_type!r} is not supported by "
+                             f"ppo_kernels: {_KL_UNSUPPORTED[kl_type]}; supported: "
+                             f"{sorted(_KL_TYPES)}")
+        if kl_type not in _KL_TYPES:
+            raise ValueError(f"actor.kl_loss_type = {kl_type!r} is not a KL type verl 0.9 "
+                             f"knows; supported by ppo_kernels: {sorted(_KL_TYPES)}")
+        coef = _float("actor.kl_loss_coef", _get(actor, "kl_loss_coef", 0.001))
+        if coef < 0:
+            raise ValueError(f"actor.kl_loss_coef = {coef!r}: ppo_kernels needs kl_coef >= 0")
+        kw["kl_coef"], kw["kl_estimator"] = coef, _KL_TYPES[kl_type]
+    kw.update(_rollout_correction_kwargs(rc))
+    if temperature is not None:
+        kw["temperature"] = _float("actor_rollout_ref.rollout.temperature", temperature)
+    return kw
+
+
+# ------------------------------------------------------------------ the registered loss
+
+def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
+                        loss_agg_mode="token-mean", config=None, rollout_is_weights=None, *,
+                        loss_mode=None):
+    """verl's policy loss (a ``core_algos.PolicyLossFn``) computed by ppo_kernels.
+
+    The formulas are ppo_kernels' (``_torch_impl.pg_terms`` / ``token_losses`` /
+    ``agg_weights``, docs/LOSSES.md) for the verl loss mode ``loss_mode`` (default: the one
+    ``config.policy_loss.loss_mode`` names, ``"ppo_kernels*"`` or a verl mode):
+
+    * vanilla: ``-min(r A, clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high) A)`` capped at
+      ``-clip_ratio_c A`` where ``A < 0``, ``r = exp(clamp(lp - old, +-20))``
+      (Schulman et al. 2017 eq. 7; Ye et al. 2020 eq. 5; verl ``compute_policy_loss_vanilla``);
+    * gspo: the same clip (no dual clip) of ``s_it = sg(s_i) exp(lp_t - sg(lp_t))``,
+      ``s_i = exp(mean_t (lp - old))`` (GSPO-token, Zheng et al. 2025; verl
+      ``compute_policy_loss_gspo``);
+    * cispo: ``-sg(clip(r, 1 - low, 1 + high)) A lp`` (MiniMax-M1; verl two-sided clip);
+    * sapo: ``-(4 / tau) sigmoid(tau (r - 1)) A``, ``tau = tau_pos`` if ``A > 0`` else
+      ``tau_neg``, always aggregated "seq-mean-token-mean" as verl does.
+
+    Each token's term is multiplied by ``rollout_is_weights`` and aggregated by verl's
+    ``agg_loss`` rule with ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
+    ``global_batch_size``, ``loss_scale_factor``).
+
+    Args:
+        old_log_prob, log_prob: float [B, T] log-probs (nats) of the sampled tokens under the
+            old and the current policy; only log_prob gets a gradient.
+        advantages: float [B, T] (or per sequence [B] / [B, 1]).
+        response_mask: [B, T] bool / 0-1, the tokens that count.
+        loss_agg_mode: "token-mean", "token-sum", "seq-mean-token-sum",
+            "seq-mean-token-mean" or "seq-mean-token-sum-norm" (ignored for sapo).
+        config: verl's ActorConfig (or a DictConfig / dict with its keys); required.
+        rollout_is_weights: optional float [B, T] constant IS weights.
+        loss_mode: override config.policy_loss.loss_mode.
+
+    Returns:
+        (pg_loss, metrics): a 0-d tensor (float32; float64 for float64 log-probs)
+        differentiable in log_prob, and verl's metrics as Python floats:
+        ``actor/pg_clipfrac`` (fraction of valid tokens whose clipped branch is strictly
+        active; cispo: whose ratio is clipped; sapo: 0), ``actor/ppo_kl`` (mean of
+        old - lp, clamped to +-20 except for gspo, as verl), ``actor/pg_clipfrac_lower``
+        (vanilla: fraction of A < 0 tokens capped by the dual clip; else 0).
+
+    Raises:
+        ValueError: an option the op cannot express (naming the verl key), an unknown loss
+        mode or agg mode, dp_size > 1 without batch_num_tokens / global_batch_size (as
+        verl), or a bad input shape / dtype (the library's own checks).
+
+    Differences from verl's own functions (docs/VERL.md): gspo clamps the log of the
+    sequence ratio to [-20, 20] where verl clamps it to at most 10 (a warning is issued when
+    a sequence's mean log-ratio exceeds 10); denominators: token-mean without
+    batch_num_tokens and the seq modes use a count clamped at 1 (verl: 0 / 0 = NaN for an
+    all-empty batch) and the per-sequence token mean divides by max(L_i, 1) (verl by
+    L_i + 1e-8).
+    """
+    if config is None:
+        raise ValueError("config: verl's ActorConfig (or a mapping with its keys) is required")
+    verl_mode, kw = _policy_kwargs(config, loss_mode)
+    agg = "seq-mean-token-mean" if verl_mode == "sapo" else loss_agg_mode
+    if agg not in ck.LOSS_AGG_MODES[:-1]:
+        raise ValueError(f"loss_agg_mode: expected one of {list(ck.LOSS_AGG_MODES[:-1])}, got "
+                         f"{agg!r}")
+    info = _get(config, "global_batch_info", None) or {}
+    dp_size = info.get("dp_size", 1) or 1
+    if isinstance(dp_size, torch.Tensor):
+        dp_size = int(dp_size)
+    n_tok, n_seq = info.get("batch_num_tokens"), info.get("global_batch_size")
+    lsf = info.get("loss_scale_factor")  # verl's ppo_loss copies config.loss_scale_factor
+    mask = ck.response_mask(response_mask, log_prob, False, like_name="log_prob")
+    extra = {}
+    if agg == "token-mean":
+        if n_tok is None and dp_size > 1:
+            raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+        extra["global_num_tokens"] = n_tok
+    elif agg in _SEQ_MODES:
+        if n_seq is None:
+            if dp_size > 1:
+                raise ValueError("global_batch_size is required when dp_size > 1")
+            n_seq = mask.any(-1).sum().clamp(min=1)  # verl: the non-empty sequences
+        extra["global_num_seqs"] = n_seq
+        if agg == "seq-mean-token-sum-norm" and lsf is not None:
+            extra["norm_length"] = lsf
+    tokens = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+    s = prepare_loss(log_prob, 1, tokens, False, mask, old_log_prob, advantages, None,
+                     loss_agg_mode=agg, rollout_is_weights=rollout_is_weights,
+                     backend="torch", **kw, **extra)
+    lp = log_prob.to(s.acc)
+    pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, s.p)
+    weights = s.weights if dp_size == 1 else s.weights * dp_size
+    pg_loss = _torch_impl.aggregate(pol, None, s.mask, weights, None, s.p)
+    return pg_loss, _pg_metrics(lp.detach(), s, verl_mode)
+
+
+@torch.no_grad()
+def _pg_metrics(lp, s, verl_mode):
+    """verl's three policy-loss metrics (core_algos.py, compute_policy_loss_<mode>) from
+    ppo_kernels' per-token terms."""
+    pt = _torch_impl.pg_terms(lp, s.old, s.adv, s.mask, s.p)
+    old = lp if s.old is None else s.old
+    n = s.mask.sum().clamp(min=1)
+
+    def mean(x):
+        return float(torch.where(s.mask, x.to(lp.dtype), 0.0).sum() / n)
+
+    if verl_mode == "gspo":
+        neg_kl = old - lp  # verl's GSPO metric does not clamp
+        ls = _torch_impl.seq_mean(lp - old, s.mask)
+        if bool((ls > GSPO_LOG_RATIO_MAX).any()):
+            warnings.warn(f"ppo_kernels gspo: a sequence's mean log-ratio exceeds "
+                          f"{GSPO_LOG_RATIO_MAX:g}; verl clamps it there (value e^10, no "
+                          f"gradient), ppo_kernels only at 20", RuntimeWarning, stacklevel=3)
+    else:
+        neg_kl = -pt["log_ratio"]
+    if verl_mode in ("vanilla", "gspo"):
+        clipfrac = mean(pt["clip_high"] | pt["clip_low"])
+    elif verl_mode == "cispo":
+        clipfrac = mean(pt["cispo_clip"])
+    else:
+        clipfrac = 0.0
+    return {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": mean(neg_kl),
+            "actor/pg_clipfrac_lower": mean(pt["dual"]) if verl_mode == "vanilla" else 0.0}
+
+
+def _registered(name, verl_mode):
+    def policy_loss(old_log_prob, log_prob, advantages, response_mask,
+                    loss_agg_mode="token-mean", config=None, rollout_is_weights=None):
+        return compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
+                                   loss_agg_mode, config, rollout_is_weights,
+                                   loss_mode=verl_mode)
+    policy_loss.__name__ = policy_loss.__qualname__ = f"policy_loss_{name}"
+    policy_loss.__doc__ = (f"verl policy loss {name!r}: verl's {verl_mode!r} loss mode "
+                           f"computed by ppo_kernels (see compute_policy_loss).")
+    return policy_loss
+
+
+def register_policy_losses():
+    """Registers REGISTERED_LOSS_MODES in verl's POLICY_LOSS_REGISTRY (idempotent; done on
+    import). Returns the names."""
+    for name, verl_mode in REGISTERED_LOSS_MODES.items():
+        _core_algos.register_policy_loss(name)(_registered(name, verl_mode))
+    return tuple(REGISTERED_LOSS_MODES)
+
+
+# ------------------------------------------------------------------ the fused hook
+
+def fused_logprobs_and_entropy(hidden_states, vocab_weights, input_ids, temperature=1.0, *,
+                               chunk_size=None, backend="auto"):
+    """verl's fused log-prob / entropy contract (``FusedLinearForPPO.forward``) computed by
+    ``pk.token_logprobs_from_hidden``: ``z = hidden_states @ vocab_weights^T / temperature``,
+    ``log_probs = log_softmax(z)[input_ids]``, ``entropy = logsumexp(z) - sum softmax(z) z``,
+    in chunks of ``chunk_size`` rows (None: about 256 MiB of logits), never storing the
+    [N, V] logits; differentiable in hidden_states and vocab_weights.
+
+    Args:
+        hidden_states: [B, T, H] or [N, H], float32 / bfloat16 / float16 / float64.
+        vocab_weights: the LM head weight [V, H], hidden's dtype and device.
+        input_ids: [B, T] or [N] integer token ids in [0, V) (verl's rolled labels).
+        temperature: float > 0.
+
+    Returns:
+        (log_probs, entropy) of input_ids' shape: log_probs float32 and entropy in hidden's
+        dtype, as verl's FusedLinearForPPO returns them (nats).
+
+    Raises:
+        TypeError / ValueError from the library's checks (dtype or device mismatch, shapes,
+        out-of-range ids, temperature <= 0).
+    """
+    logp, ent = token_logprobs_from_hidden(hidden_states, vocab_weights, input_ids.long(),
+                                           temperature=float(temperature),
+                                           return_entropy=True, chunk_size=chunk_size,
+                                           backend=backend)
+    return logp.to(torch.float32), ent.to(hidden_states.dtype)
+
+
+class FusedLinearForPPO(torch.nn.Module):
+    """Drop-in for verl's ``verl.utils.experimental.torch_functional.FusedLinearForPPO``
+    (same constructor and forward), running ``fused_logprobs_and_entropy``.
+
+    Args:
+        chunk_size: rows per chunk (None: about 256 MiB of logits per chunk; verl's own
+            default is 512 rows).
+        impl_backend: verl's option, "torch" or "liger" (both run ppo_kernels here).
+        backend: ppo_kernels' backend ("auto" picks the compiled kernel of the device).
+    """
+
+    def __init__(self, chunk_size=None, impl_backend="torch", backend="auto"):
+        super().__init__()
+        if impl_backend not in ("torch", "liger"):
+            raise ValueError(f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose "
+                             f"'torch' or 'liger'.")
+        self.chunk_size, self.impl_backend, self.backend = chunk_size, impl_backend, backend
+
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
+        return fused_logprobs_and_entropy(hidden_states, vocab_weights, input_ids, temperature,
+                                          chunk_size=self.chunk_size, backend=self.backend)
+
+
+_ORIGINALS = {}
+_TP_WARNED = []
+
+
+def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
+                         dist_process_group=None):
+    """Drop-in for verl's ``verl.utils.kernel.linear_cross_entropy.linear_cross_entropy``
+    (the ``impl_backend=triton`` path): flat float32 (log_probs [N], entropy [N]) of
+    hidden [..., H] @ weight [V, H]^T / temperature for labels [...], by
+    ``pk.token_logprobs_from_hidden``. Only reduction="none" (the one verl's model forwards
+    use; others raise ValueError). A vocabulary split over a process group of more than one
+    rank (Megatron's tensor parallelism) is handed to verl's own kernel, with a warning."""
+    if dist_process_group is not None and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size(dist_process_group) > 1:
+        if not _TP_WARNED:
+            _TP_WARNED.append(True)
+            warnings.warn("ppo_kernels' verl hook: a vocabulary-parallel linear_cross_entropy "
+                          "runs verl's own kernel", RuntimeWarning, stacklevel=2)
+        original = _ORIGINALS.get("linear_cross_entropy")
+        if original is None:
+            raise NotImplementedError("linear_cross_entropy over a vocabulary split across "
+                                      "ranks (dist_process_group) is not supported")
+        return original(hidden, weight, labels, temperature, reduction, dist_process_group)
+    if not isinstance(reduction, str) or reduction.lower() != "none":
+        raise ValueError(f"reduction: ppo_kernels' linear_cross_entropy supports 'none' only, "
+                         f"got {reduction!r}")
+    logp, ent = token_logprobs_from_hidden(hidden.reshape(-1, hidden.shape[-1]), weight,
+                                           labels.reshape(-1).long(),
+                                           temperature=float(temperature), return_entropy=True)
+    return logp.to(torch.float32), ent.to(torch.float32)
+
+
+def _hook_modules():
+    import verl.utils.experimental.torch_functional as tf
+    import verl.utils.kernel.linear_cross_entropy as lce
+    return tf, lce
+
+
+def install_fused_hook():
+    """Replaces verl's FusedLinearForPPO (use_fused_kernels, impl_backend=torch / liger) and
+    linear_cross_entropy (impl_backend=triton) by this module's (idempotent; done on import
+    unless PPO_KERNELS_VERL_FUSED_HOOK=0). Models whose forward verl already patched pick it
+    up at their next call: verl imports both names inside the forward."""
+    tf, lce = _hook_modules()
+    if not fused_hook_installed():
+        _ORIGINALS["FusedLinearForPPO"] = tf.FusedLinearForPPO
+        _ORIGINALS["linear_cross_entropy"] = lce.linear_cross_entropy
+    tf.FusedLinearForPPO = FusedLinearForPPO
+    lce.linear_cross_entropy = linear_cross_entropy
+
+
+def uninstall_fused_hook():
+    """Puts verl's own FusedLinearForPPO and linear_cross_entropy back."""
+    tf, lce = _hook_modules()
+    if fused_hook_installed():
+        tf.FusedLinearForPPO = _ORIGINALS["FusedLinearForPPO"]
+        lce.linear_cross_entropy = _ORIGINALS["linear_cross_entropy"]
+
+
+def fused_hook_installed():
+    """Whether verl's fused-kernel names currently point at this module's."""
+    tf, lce = _hook_modules()
+    return tf.FusedLinearForPPO is FusedLinearForPPO and \
+        lce.linear_cross_entropy is linear_cross_entropy
+
+
+register_policy_losses()
+if os.environ.get("PPO_KERNELS_VERL_FUSED_HOOK", "1") != "0":
+    install_fused_hook()

@@ -1,0 +1,367 @@
+"""ppo_kernels.integrations.trl against the real TRL 1.16 GRPOTrainer (no downloads: a tiny
+Llama and a character-level tokenizer built here).
+
+For each supported configuration, the loss, the logged metrics and the parameter gradients
+of FusedGRPOTrainer._compute_loss equal the stock GRPOTrainer._compute_loss on the same
+batch (float32, rtol 1e-5 / atol 1e-6); real train() runs log the same metrics; every
+unsupported option raises ValueError when the trainer is built.
+"""
+
+import math
+import os
+from collections import defaultdict
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+import ppo_kernels as pk  # noqa: E402
+from ppo_kernels.integrations.trl import (FusedGRPOTrainer, from_trl_config,  # noqa: E402
+                                          fuse_grpo_loss, trl_batch_kwargs)
+
+RTOL, ATOL = 1e-5, 1e-6
+GA = 2  # gradient-accumulation steps the normalisers see
+B, P, T = 6, 5, 7
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 "
+
+
+def tokenizer():
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>",
+                                   bos_token="<bos>", padding_side="left")
+
+
+def tiny_model(seed=0, **config_attrs):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=160, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, pad_token_id=0, eos_token_id=1,
+                      bos_token_id=2)
+    for k, v in config_attrs.items():  # read by TRL's fused head and by ours
+        setattr(cfg, k, v)
+    return LlamaForCausalLM(cfg).float()
+
+
+DATA = Dataset.from_dict({"prompt": ["abc", "hello", "xyz", "count 12", "go", "rl"]})
+
+
+def reward_len(completions, **kwargs):
+    return [len(c) / 8.0 for c in completions]
+
+
+def config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path), report_to="none", per_device_train_batch_size=4,
+                num_generations=4, max_completion_length=T, use_cpu=True, bf16=False,
+                seed=0, save_strategy="no", logging_steps=1, gradient_accumulation_steps=GA)
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def saved_model(tmp_path, **config_attrs):
+    """A tiny model saved under tmp_path: TRL loads the policy and (beta > 0) the
+    reference model from the path, offline."""
+    path = tmp_path / "model"
+    tiny_model(**config_attrs).save_pretrained(path)
+    return str(path)
+
+
+def trainer_pair(tmp_path, model_attrs=None, **kw):
+    path = saved_model(tmp_path, **(model_attrs or {}))
+    args = config(tmp_path, **kw)
+    made = []
+    for cls in (GRPOTrainer, FusedGRPOTrainer):
+        tr = cls(model=path, reward_funcs=reward_len, args=args,
+                 train_dataset=DATA, processing_class=tokenizer())
+        tr.current_gradient_accumulation_steps = GA
+        made.append(tr)
+    return made
+
+
+def batch(stock, *, seed=1, old=True, ref=True, tool=False, vllm=None, adv_2d=False):
+    """A micro-batch as TRL's _generate_and_score_completions hands it to _compute_loss:
+    left-padded prompts, right-padded completions (one empty), per-sequence advantages."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(3, 40, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.long)
+    prompt_mask[1, :2] = 0
+    prompt_ids[prompt_mask == 0] = 0
+    comp_ids = torch.randint(3, 160, (B, T), generator=g)
+    lens = torch.tensor([T, 4, T, 0, 2, 5])
+    comp_mask = (torch.arange(T)[None] < lens[:, None]).long()
+    comp_ids[comp_mask == 0] = 0
+    with torch.no_grad():
+        lp, _, _ = stock._get_per_token_logps_and_entropies(
+            stock.model, torch.cat([prompt_ids, comp_ids], 1),
+            torch.cat([prompt_mask, comp_mask], 1), T)
+    valid = comp_mask.bool()
+    adv = torch.rand(B, generator=g) * torch.tensor([1.0, -1.0, 0.0, -1.0, 1.0, -1.0])
+    out = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": comp_ids,
+           "completion_mask": comp_mask,
+           "advantages": adv[:, None] * torch.rand(B, T, generator=g) if adv_2d else adv,
+           "num_items_in_batch": comp_mask.sum() * 2 - 3}
+    if old:
+        out["old_per_token_logps"] = torch.where(
+            valid, lp + 0.3 * torch.randn(B, T, generator=g), 0.0)
+    if ref:
+        out["ref_per_token_logps"] = torch.where(
+            valid, lp + 0.3 * torch.randn(B, T, generator=g), 0.0)
+    if tool:
+        tm = torch.ones(B, T, dtype=torch.long)
+        tm[0, 2:4] = 0
+        tm[4, 0] = 0
+        out["tool_mask"] = tm
+    if vllm is not None:  # TRL's importance_sampling_ratio, [B, T] or [B, 1]
+        base = out.get("old_per_token_logps", lp)
+        samp = torch.where(valid, base + 0.2 * torch.randn(B, T, generator=g), 0.0)
+        samp[0, 1] = float("nan")  # a token vLLM could not score
+        diff = torch.nan_to_num((base - samp) * comp_mask, nan=0.0)
+        if vllm.startswith("sequence"):
+            diff = diff.sum(-1, keepdim=True)
+        r = torch.exp(diff)
+        r = torch.clamp(r, max=1.5) if vllm.endswith("truncate") else r.masked_fill(r > 1.5, 0)
+        out["importance_sampling_ratio"], out["sampling_per_token_logps"] = r, samp
+    return out
+
+
+def run_loss(trainer, inputs, train=True):
+    trainer.model.train(train)
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    loss = trainer._compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
+             if p.grad is not None}
+    mode = "train" if train else "eval"
+    return loss.detach(), dict(trainer._metrics[mode]), grads
+
+
+def close(a, b):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, equal_nan=True)
+
+
+def assert_parity(stock, fused, inputs, train=True):
+    ls, ms, gs = run_loss(stock, inputs, train)
+    lf, mf, gf = run_loss(fused, inputs, train)
+    close(lf, ls)
+    assert sorted(mf) == sorted(ms), (sorted(mf), sorted(ms))
+    for k in ms:
+        assert len(mf[k]) == len(ms[k]), k
+        close(mf[k], ms[k])
+    assert sorted(gf) == sorted(gs)
+    assert any(g.abs().max() > 0 for g in gs.values())
+    for n in gs:
+        close(gf[n], gs[n])
+    return ls, ms
+
+
+# (GRPOConfig options, batch options, model config attributes)
+CASES = {
+    "grpo-on-policy": (dict(loss_type="grpo"), dict(old=False), None),
+    "grpo": (dict(loss_type="grpo"), {}, None),
+    "bnpo": (dict(loss_type="bnpo"), {}, None),
+    "dr_grpo": (dict(loss_type="dr_grpo"), {}, None),
+    "dapo": (dict(loss_type="dapo", epsilon_high=0.28), {}, None),
+    "dapo-on-policy": (dict(loss_type="dapo"), dict(old=False), None),
+    "luspo": (dict(loss_type="luspo"), {}, None),
+    "cispo": (dict(loss_type="cispo", epsilon_high=1.2), {}, None),
+    "sapo": (dict(loss_type="sapo", sapo_temperature_pos=0.9, sapo_temperature_neg=1.3), {},
+             None),
+    "gspo": (dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.05,
+                  epsilon_high=0.08), {}, None),
+    "gspo-dapo-kl": (dict(loss_type="dapo", importance_sampling_level="sequence",
+                          epsilon=0.05, epsilon_high=0.08, beta=0.1), {}, None),
+    "beta-bias-corrected": (dict(loss_type="grpo", beta=0.1), {}, None),
+    "beta-plain": (dict(loss_type="grpo", beta=0.1, use_bias_correction_kl=False), {}, None),
+    "beta-on-policy": (dict(loss_type="dapo", beta=0.1), dict(old=False), None),
+    "entropy-grpo": (dict(loss_type="grpo", entropy_coef=0.05), {}, None),
+    "entropy-dapo": (dict(loss_type="dapo", entropy_coef=0.05, beta=0.1), {}, None),
+    "entropy-adaptive": (dict(loss_type="bnpo", use_adaptive_entropy=True, entropy_coef=0.02,
+                              entropy_target=10.0), {}, None),
+    "delta": (dict(loss_type="grpo", epsilon_high=0.28, delta=1.4), {}, None),
+    "vllm-token-truncate": (dict(loss_type="dapo"), dict(vllm="token_truncate"), None),
+    "vllm-token-mask": (dict(loss_type="grpo"), dict(vllm="token_mask"), None),
+    "vllm-seq-mask": (dict(loss_type="dapo", beta=0.1), dict(vllm="sequence_mask"), None),
+    "vllm-seq-truncate": (dict(loss_type="bnpo"), dict(vllm="sequence_truncate"), None),
+    "off-policy-mask": (dict(loss_type="grpo", off_policy_mask_threshold=0.02), {}, None),
+    "off-policy-mask-vllm": (dict(loss_type="dapo", off_policy_mask_threshold=0.02),
+                             dict(vllm="token_truncate"), None),
+    "off-policy-mask-on-policy": (dict(loss_type="grpo", off_policy_mask_threshold=-0.01),
+                                  dict(old=False), None),
+    "tool-mask": (dict(loss_type="dapo", beta=0.1), dict(tool=True), None),
+    "top-entropy-quantile": (dict(loss_type="grpo", top_entropy_quantile=0.5), {}, None),
+    "advantages-2d": (dict(loss_type="bnpo"), dict(adv_2d=True), None),
+    "temperature": (dict(loss_type="grpo", temperature=0.7), {}, None),
+    "softcap-and-scale": (dict(loss_type="dapo", beta=0.1),
+                          {}, dict(final_logit_softcapping=3.0, logit_scale=0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compute_loss_parity(tmp_path, name):
+    cfg, bkw, attrs = CASES[name]
+    stock, fused = trainer_pair(tmp_path, attrs, **cfg)
+    if "vllm" in bkw:
+        for tr in (stock, fused):
+            tr.use_vllm, tr.vllm_importance_sampling_correction = True, True
+    inputs = batch(stock, **bkw)
+    loss, metrics = assert_parity(stock, fused, inputs)
+    assert torch.isfinite(loss) and "entropy" in metrics
+    if cfg.get("beta"):
+        assert "kl" in metrics
+    if cfg["loss_type"] not in ("cispo", "sapo"):
+        assert "clip_ratio/region_mean" in metrics
+
+
+def test_eval_mode_and_adaptive_state(tmp_path):
+    stock, fused = trainer_pair(tmp_path, loss_type="dapo", entropy_coef=0.05)
+    assert_parity(stock, fused, batch(stock), train=False)
+    stock, fused = trainer_pair(tmp_path, loss_type="grpo", use_adaptive_entropy=True,
+                                entropy_coef=0.02, entropy_target=10.0)
+    inputs = batch(stock)
+    for _ in range(2):  # the controller moves the coefficient on both the same way
+        assert_parity(stock, fused, inputs)
+        assert fused.entropy_coef == stock.entropy_coef
+        assert fused._last_world_entropy == stock._last_world_entropy
+    assert stock.entropy_coef != 0.02
+
+
+def test_clipping_is_exercised(tmp_path):
+    """The parity batches are off-policy enough to clip on both sides."""
+    stock, fused = trainer_pair(tmp_path, loss_type="grpo")
+    _, metrics = assert_parity(stock, fused, batch(stock))
+    assert metrics["clip_ratio/low_mean"][0] > 0 and metrics["clip_ratio/high_mean"][0] > 0
+
+
+def test_one_line_hook(tmp_path):
+    stock, _ = trainer_pair(tmp_path, loss_type="dapo", beta=0.1)
+    other = GRPOTrainer(model=str(tmp_path / "model"), reward_funcs=reward_len,
+                        args=stock.args, train_dataset=DATA, processing_class=tokenizer())
+    other.current_gradient_accumulation_steps = GA
+    assert fuse_grpo_loss(other) is other
+    assert "_compute_loss" in vars(other)
+    assert_parity(stock, other, batch(stock))
+
+
+def test_hook_rejects_and_leaves_trainer(tmp_path):
+    stock, _ = trainer_pair(tmp_path, loss_type="grpo")
+    stock.loss_type = stock.args.loss_type = "vespo"
+    with pytest.raises(ValueError, match="loss_type='vespo'"):
+        fuse_grpo_loss(stock)
+    assert "_compute_loss" not in vars(stock)
+
+
+def test_from_trl_config_own_loop(tmp_path):
+    """from_trl_config + trl_batch_kwargs with ppo_loss_from_hidden by hand give the stock
+    trainer's loss (dapo: the token count of the generation batch, entropy bonus)."""
+    stock, _ = trainer_pair(tmp_path, loss_type="dapo", beta=0.1, entropy_coef=0.05)
+    kw = from_trl_config(stock.args, stock.model.config)
+    assert kw["policy_loss"] == "vanilla" and kw["loss_agg_mode"] == "token-mean"
+    assert kw["kl_coef"] == 0.1 and kw["kl_bias_correction"] and kw["kl_estimator"] == "k3"
+    inputs = batch(stock)
+    ls, _, _ = run_loss(stock, inputs)
+    mask = inputs["completion_mask"]
+    bkw, divisor = trl_batch_kwargs(stock.args, mask,
+                                    num_items_in_batch=inputs["num_items_in_batch"],
+                                    grad_accum_steps=GA)
+    assert divisor == 1
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    am = torch.cat([inputs["prompt_mask"], mask], 1)
+    with torch.no_grad():
+        hidden = stock.model.model(input_ids=ids, attention_mask=am).last_hidden_state
+        loss, _ = pk.ppo_loss_from_hidden(
+            hidden[:, -T - 1:], stock.model.lm_head.weight, inputs["completion_ids"],
+            inputs["old_per_token_logps"], inputs["advantages"], mask,
+            inputs["ref_per_token_logps"], **{**kw, **bkw})
+    close(loss / divisor, ls)
+
+
+def test_from_trl_config_mapping(tmp_path):
+    def kw(**c):
+        return from_trl_config(config(tmp_path, **c))
+    assert kw(loss_type="grpo")["loss_agg_mode"] == "seq-mean-token-mean"
+    assert kw(loss_type="dr_grpo")["norm_length"] == T
+    assert kw(loss_type="luspo")["loss_agg_mode"] == "seq-mean-token-sum"
+    c = kw(loss_type="cispo", epsilon_high=5.0)
+    assert (c["policy_loss"], c["clip_eps_low"], c["clip_eps_high"]) == ("cispo", 1.0, 4.0)
+    g = kw(loss_type="grpo", importance_sampling_level="sequence", delta=2.0)
+    assert (g["policy_loss"], g["dual_clip_c"]) == ("gspo", 2.0)
+    s = kw(loss_type="sapo", sapo_temperature_pos=0.5)
+    assert (s["policy_loss"], s["sapo_tau_pos"]) == ("sapo", 0.5)
+    assert kw(loss_type="grpo", off_policy_mask_threshold=0.5)["off_policy_mask_threshold"] \
+        == 0.5
+    assert from_trl_config(config(tmp_path), tiny_model(final_logit_softcapping=30.0).config)[
+        "logit_softcap"] == 30.0
+
+
+UNSUPPORTED = {
+    "vespo": (dict(loss_type="vespo"), "loss_type='vespo'"),
+    "cispo-sequence": (dict(loss_type="cispo", epsilon_high=5.0,
+                            importance_sampling_level="sequence"),
+                       "importance_sampling_level='sequence'"),
+    "sapo-sequence": (dict(loss_type="sapo", importance_sampling_level="sequence"),
+                      "importance_sampling_level='sequence'"),
+    "cispo-cap-below-1": (dict(loss_type="cispo"), "epsilon_high=None"),
+    "delta-in-band": (dict(loss_type="grpo", delta=1.1), "delta=1.1"),
+    "epsilon-high-1": (dict(loss_type="dapo", epsilon_high=1.5), "epsilon_high=1.5"),
+    "quantile-with-bonus": (dict(loss_type="grpo", top_entropy_quantile=0.2,
+                                 entropy_coef=0.01), "top_entropy_quantile=0.2"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_options_raise(tmp_path, name):
+    cfg, match = UNSUPPORTED[name]
+    with pytest.raises(ValueError, match=match.replace("(", r"\(")):
+        FusedGRPOTrainer(model=tiny_model(), reward_funcs=reward_len, args=config(tmp_path, **cfg),
+                         train_dataset=DATA, processing_class=tokenizer())
+    if name != "vespo":  # the stock trainer accepts them: they are ours to reject
+        GRPOTrainer(model=tiny_model(), reward_funcs=reward_len, args=config(tmp_path, **cfg),
+                    train_dataset=DATA, processing_class=tokenizer())
+
+
+def test_moe_aux_loss_raises(tmp_path):
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        FusedGRPOTrainer(model=tiny_model(output_router_logits=False), reward_funcs=reward_len,
+                         args=config(tmp_path, router_aux_loss_coef=0.01), train_dataset=DATA,
+                         processing_class=tokenizer())
+
+
+TIMING_KEYS = ("step_time", "train_runtime", "train_samples_per_second",
+               "train_steps_per_second")
+
+
+def train_logs(tmp_path, cls, **kw):
+    # SGD: a parameter's drift is that of its gradients (Adam's first steps are sign-like)
+    args = config(tmp_path, max_steps=3, learning_rate=0.5, optim="sgd", **kw)
+    tr = cls(model=tiny_model(), reward_funcs=reward_len, args=args, train_dataset=DATA,
+             processing_class=tokenizer())
+    tr.train()
+    params = torch.cat([p.detach().flatten() for p in tr.model.parameters()])
+    return [{k: v for k, v in e.items() if k not in TIMING_KEYS} for e in tr.state.log_history], \
+        params
+
+
+@pytest.mark.parametrize("cfg", [dict(loss_type="dapo", num_iterations=2, entropy_coef=0.01),
+                                 dict(loss_type="grpo", gradient_accumulation_steps=1)],
+                         ids=["dapo-mu2-GA2", "grpo-GA1"])
+def test_train_steps_match(tmp_path, cfg):
+    stock, ps = train_logs(tmp_path, GRPOTrainer, **cfg)
+    fused, pf = train_logs(tmp_path, FusedGRPOTrainer, **cfg)
+    assert len(stock) == len(fused) == 4  # 3 steps + the summary
+    for es, ef in zip(stock, fused):
+        assert sorted(es) == sorted(ef)
+        for k in es:
+            if isinstance(es[k], float) and math.isnan(es[k]):
+                assert math.isnan(ef[k]), k
+            else:
+                assert ef[k] == pytest.approx(es[k], rel=1e-4, abs=1e-6), k
+    assert "entropy" in stock[0] and "reward" in stock[0]
+    torch.testing.assert_close(pf, ps, rtol=1e-4, atol=1e-6)
