@@ -361,10 +361,78 @@ def tp_dp_checks(rank, world):
     return dp_checks(rank, world, group=dp_group, tp=(tp_group, v0, v1), tag="tp_x_dp")
 
 
+def cp_dp_checks(rank, world):
+    """A 2 x (world / 2) mesh: sequences split over CP pairs, the batch over DP groups,
+    with the whole batch's counts."""
+    out = {}
+    cp_size = 2
+    cp_groups = [dist.new_group(list(range(i, i + cp_size))) for i in range(0, world, cp_size)]
+    cp_group = cp_groups[rank // cp_size]
+    dp_rank, dp_size = rank // cp_size, world // cp_size
+    x = batch()
+    b0, b1 = split(x["tokens"].shape[0], dp_size, dp_rank)
+    t0, t1 = split(x["tokens"].shape[1], cp_size, rank % cp_size)
+    sl, tsl = slice(b0, b1), slice(t0, t1)
+    n_tok = x["mask"].sum().float()
+    nonempty = x["mask"].any(1).sum().float()
+    for pl, kw in POLICIES:
+        for agg in ("token-mean", "seq-mean-token-mean"):
+            kwargs = loss_kwargs(x, pl, kw)
+            full = x["logits"].clone().requires_grad_()
+            lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"],
+                                 loss_agg_mode=agg, **kwargs)
+            lf.backward()
+            loc = x["logits"][sl, tsl].clone().requires_grad_()
+            ls, ms = pk.ppo_loss(loc, x["tokens"][sl, tsl], x["old"][sl, tsl], x["adv"][sl],
+                                 x["mask"][sl, tsl], loss_agg_mode=agg, cp_group=cp_group,
+                                 global_num_tokens=n_tok, global_num_seqs=nonempty,
+                                 **loss_kwargs(x, pl, kw, sl, tsl))
+            ls.backward()
+            total = ls.detach().clone()
+            dist.all_reduce(total)
+            name = f"cp_x_dp/ppo_loss/{pl}-{agg}-{sorted(kw)}"
+            compare_loss(out, name, lf, mf, total,
+                         pk.distributed.reduce_metrics(ms, cp_group=cp_group), F32)
+            out[name + "/grad"] = [err(loc.grad, full.grad[sl, tsl]), F32]
+    return out
+
+
+def tp_packed_checks(rank, world):
+    """A split vocabulary over packed sequences: against the padded single-process op."""
+    out = {}
+    x = batch()
+    v0, v1 = split(x["logits"].shape[-1], world, rank)
+    lens = x["mask"].sum(1)
+    keep = torch.arange(x["tokens"].shape[1])[None, :] < lens[:, None]
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
+    mask = keep  # the valid tokens, packed to the left of each row
+
+    def pack(t):
+        return t[keep].unsqueeze(0)
+
+    for pl, kw in POLICIES[3:6]:
+        kwargs = loss_kwargs(x, pl, kw)
+        full = x["logits"].clone().requires_grad_()
+        lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], mask,
+                             loss_agg_mode="seq-mean-token-mean", **kwargs)
+        lf.backward()
+        loc = pack(x["logits"][..., v0:v1]).clone().requires_grad_()
+        kp = {k: pack(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        ls, ms = pk.ppo_loss(loc, pack(x["tokens"]), pack(x["old"]), x["adv"], None,
+                             loss_agg_mode="seq-mean-token-mean", cu_seqlens=cu,
+                             tp_group=dist.group.WORLD, vocab_start=v0, **kp)
+        ls.backward()
+        name = f"tp_packed/ppo_loss/{pl}"
+        compare_loss(out, name, lf, mf, ls, ms, F32)
+        out[name + "/grad"] = [err(loc.grad, pack(full.grad[..., v0:v1])), F32]
+    return out
+
+
 SUITES = {
-    2: [tp_checks, dtensor_checks, dp_checks, dp_from_hidden_checks, cp_checks],
-    3: [tp_checks, dp_checks, cp_checks],
-    4: [tp_dp_checks],
+    2: [tp_checks, dtensor_checks, dp_checks, dp_from_hidden_checks, cp_checks,
+        tp_packed_checks],
+    3: [tp_checks, dp_checks, cp_checks, tp_packed_checks],
+    4: [tp_dp_checks, cp_dp_checks],
 }
 
 
