@@ -76,7 +76,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              rollout_logprobs=None, rollout_correction=None, rollout_is_threshold=2.0,
              off_policy_mask_threshold=None, grad_scale=1.0, inplace_backward=False,
              cu_seqlens=None, max_seqlen=None, tp_group=None, vocab_start=None,
-             cp_group=None, backend="auto"):
+             cp_group=None, return_per_token=False, backend="auto"):
     """Fused PPO / GRPO policy loss straight from the logits, and its metrics.
 
     Per token (DESIGN.md): rho = exp(clamp(logp - old_logp, -20, 20)); the policy term of
@@ -164,6 +164,10 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             the whole sequences', and the sum of the ranks' losses is the whole batch's
             loss, with each rank's gradient that loss's gradient in its own logits. Token
             metrics stay this rank's (num_tokens weighs them; pk.distributed.reduce_metrics).
+        return_per_token: also put the per-token log-probs and entropy the loss used
+            (detached, [B, T] like tokens, 0 where masked) in metrics, as
+            "per_token_logprobs" and "per_token_entropy" (a trainer's own per-sequence
+            metrics need them; no extra pass).
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
@@ -194,7 +198,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             rollout_is_threshold=rollout_is_threshold,
             off_policy_mask_threshold=off_policy_mask_threshold, grad_scale=grad_scale,
             inplace_backward=inplace_backward, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-            backend=backend)
+            return_per_token=return_per_token, backend=backend)
         if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
                                                                         logits3.shape)):
             raise ValueError("logits: inplace_backward=True writes the gradient into the "
@@ -283,7 +287,8 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
                  global_num_tokens=None, global_num_seqs=None, norm_length=None,
                  rollout_is_weights=None, rollout_logprobs=None, rollout_correction=None,
                  rollout_is_threshold=2.0, off_policy_mask_threshold=None, grad_scale=1.0,
-                 inplace_backward=False, cu_seqlens=None, max_seqlen=None, backend="auto"):
+                 inplace_backward=False, cu_seqlens=None, max_seqlen=None,
+                 return_per_token=False, backend="auto"):
     """Every check of ppo_loss's arguments but the logits themselves, shared by ppo_loss and
     ppo_loss_from_hidden (like: the logits [B, Tl, V] or the hidden states, whose dtype and
     device the per-token inputs take; vocab: V for the token-range check, None where the
@@ -361,6 +366,8 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
     if norm_length is not None:
         norm_length = ck.number("norm_length", norm_length, lo=0.0, lo_open=True)
     ck.flag("inplace_backward", inplace_backward)
+    ck.flag("return_per_token", return_per_token)
+    p["return_per_token"] = return_per_token
     be = get_backend(backend, like.device)
     if vocab is not None:
         tokens2 = ck.token_range(tokens2, mask, vocab)
@@ -396,6 +403,10 @@ def loss_metrics(s, logp, ent):
     if s.rollout is not None and s.old is not None:
         metrics.update(_rc.metrics(s.old, s.rollout, s.mask, torch.ones_like(s.old)
                                    if s.rc_w is None else s.rc_w))
+    if s.p.get("return_per_token"):
+        for name, x in (("per_token_logprobs", logp), ("per_token_entropy", ent)):
+            x = s.kernel(torch.where(s.mask, x.detach(), 0.0))
+            metrics[name] = x[0] if s.flat else x
     if s.p.get("pg_mask_fn") is not None:
         with torch.no_grad():
             dropped = (s.p["pg_mask_fn"](logp) == 0) & s.mask

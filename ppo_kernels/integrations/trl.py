@@ -139,14 +139,19 @@ class FusedGRPOLossMixin:
         hidden, w, b = self._pk_head(last[:, -t - 1:-1])
         kw = dict(self._pk_kwargs)
         cap = kw.pop("logit_softcap", None)
-        with torch.no_grad():  # TRL's metrics need the per-token values
-            lp, ent = token_logprobs_from_hidden(
-                hidden.detach(), w.detach(), c_ids, mask,
-                lm_head_bias=None if b is None else b.detach(), logit_softcap=cap,
-                temperature=self.temperature, return_entropy=True)
         adv = inputs["advantages"]
         adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
         old = inputs.get("old_per_token_logps")
+        samp = inputs.get("sampling_per_token_logps", old)
+        lp = ent = None
+        if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
+            # options that read the current per-token values before the loss: one more
+            # pass without a gradient (otherwise the loss hands them back, no extra pass)
+            with torch.no_grad():
+                lp, ent = token_logprobs_from_hidden(
+                    hidden.detach(), w.detach(), c_ids, mask,
+                    lm_head_bias=None if b is None else b.detach(), logit_softcap=cap,
+                    temperature=self.temperature, return_entropy=True)
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
         isw = None
         if self.top_entropy_quantile < 1.0:
@@ -157,7 +162,6 @@ class FusedGRPOLossMixin:
             isw = r if isw is None else isw * r
         rollout = None
         if self.off_policy_mask_threshold is not None:
-            samp = inputs.get("sampling_per_token_logps", old)
             samp = lp if samp is None else samp
             rollout = torch.where(torch.isnan(samp), lp, samp)  # TRL: NaN gives KL 0
         bonus = self._entropy_bonus_enabled
@@ -170,9 +174,12 @@ class FusedGRPOLossMixin:
             grad_accum_steps=ga, num_processes=self.accelerator.num_processes,
             training=training, entropy_coef=kw["entropy_coef"])
         kw.update(bkw)
-        loss, _ = ppo_loss_from_hidden(hidden, w, c_ids, old, adv, mask, ref,
-                                       lm_head_bias=b, logit_softcap=cap,
-                                       rollout_is_weights=isw, rollout_logprobs=rollout, **kw)
+        loss, metrics = ppo_loss_from_hidden(hidden, w, c_ids, old, adv, mask, ref,
+                                             lm_head_bias=b, logit_softcap=cap,
+                                             rollout_is_weights=isw, rollout_logprobs=rollout,
+                                             return_per_token=True, **kw)
+        if lp is None:  # TRL's metrics need the per-token values the loss used
+            lp, ent = metrics["per_token_logprobs"], metrics["per_token_entropy"]
         if bonus:
             self._pk_entropy_bookkeeping(mode, loss, divisor, ga, coef, ent, mask)
         log_loss_metrics(self, mode, lp, ent, None if old is None else
