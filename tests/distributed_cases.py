@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 import ppo_kernels as pk
 
 F32, BF16 = 1e-5, 2e-2  # relative to the largest reference entry
+DEVICE = "cpu"  # --device cuda: each rank on GPU (rank % device_count), e.g. gpu_check.sh
 
 POLICIES = [
     ("vanilla", dict(dual_clip_c=3.0)),
@@ -75,7 +76,7 @@ def batch(b=7, t=9, v=53, h=12, dtype=torch.float32, seed=0):
     x["bias"] = (torch.randn(v, generator=g) * 0.1).to(dtype)
     x["values"] = torch.randn(b, t, generator=g)
     x["scores"] = torch.randn(b, generator=g)
-    return x
+    return {k: v.to(DEVICE) for k, v in x.items()}
 
 
 def split(n, world, rank):
@@ -205,7 +206,7 @@ def dtensor_checks(rank, world):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     out = {}
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(torch.device(DEVICE).type, (world,))
     x = batch(v=50)
     full = x["logits"].clone().requires_grad_()
     lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"], policy_loss="gspo")
@@ -307,12 +308,12 @@ def cp_checks(rank, world):
     """Every sequence split over the ranks along T (uneven)."""
     out = {}
     group = dist.group.WORLD
-    for backend in ("cpu", "torch"):
+    for backend in ("auto", "torch"):
         x = batch()
         t0, t1 = split(x["tokens"].shape[1], world, rank)
         tsl = slice(t0, t1)
         for pl, kw in POLICIES:
-            for agg in AGG_MODES if backend == "cpu" else AGG_MODES[3:4]:
+            for agg in AGG_MODES if backend == "auto" else AGG_MODES[3:4]:
                 kwargs = loss_kwargs(x, pl, kw)
                 full = x["logits"].clone().requires_grad_()
                 lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"],
@@ -403,8 +404,9 @@ def tp_packed_checks(rank, world):
     x = batch()
     v0, v1 = split(x["logits"].shape[-1], world, rank)
     lens = x["mask"].sum(1)
-    keep = torch.arange(x["tokens"].shape[1])[None, :] < lens[:, None]
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(torch.int32)
+    keep = torch.arange(x["tokens"].shape[1], device=DEVICE)[None, :] < lens[:, None]
+    cu = torch.cat([torch.zeros(1, dtype=torch.long, device=DEVICE),
+                    lens.cumsum(0)]).to(torch.int32)
     mask = keep  # the valid tokens, packed to the left of each row
 
     def pack(t):
@@ -436,10 +438,14 @@ SUITES = {
 }
 
 
-def worker(rank, world, port, out_dir):
+def worker(rank, world, port, out_dir, device="cpu", backend="gloo"):
+    global DEVICE
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        DEVICE = f"cuda:{torch.cuda.current_device()}"
+    dist.init_process_group(backend, rank=rank, world_size=world)
     results = {}
     for fn in SUITES[world]:
         try:
@@ -462,8 +468,21 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     a = ap.parse_args(argv)
-    mp.spawn(worker, args=(a.world, free_port(), a.out), nprocs=a.world)
+    mp.spawn(worker, args=(a.world, free_port(), a.out, a.device, a.backend), nprocs=a.world)
+    bad = total = 0
+    for r in range(a.world):  # a summary for logs (the test file asserts each entry)
+        with open(os.path.join(a.out, f"rank{r}.json")) as f:
+            for name, val in json.load(f).items():
+                total += 1
+                if isinstance(val, str) or not val[0] <= val[1]:
+                    bad += 1
+                    print(f"FAIL rank {r} {name}: {val if isinstance(val, list) else val[-800:]}")
+    print(f"distributed_cases world={a.world} device={a.device} backend={a.backend}: "
+          f"{total - bad} of {total} checks within tolerance")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
