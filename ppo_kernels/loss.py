@@ -145,7 +145,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         inplace_backward: write the gradient into the logits' storage (the logits must not
             be used afterwards, and one backward only); saves one [N, V] buffer. Kernel
             backends, scalar modes and token-level policy losses only ("torch", "none",
-            gspo and gspo-token allocate as usual).
+            gspo and gspo-token, packed sequences with those, and a split vocabulary
+            allocate as usual).
         cu_seqlens: int [S + 1], packed sequences (verl's / OpenRLHF's remove-padding
             layout): logits [1, total, V] or [total, V], tokens and the per-token inputs
             [1, total] or [total] (advantages and rollout_is_weights may be per sequence,
