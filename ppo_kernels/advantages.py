@@ -114,7 +114,8 @@ def _scores(scores, like):
         raise ValueError(f"scores: expected shape [{like.shape[0]}], got {list(scores.shape)}")
 
 
-def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_seqlen=None):
+def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_seqlen=None,
+           group=None):
     """Normalise ``x`` over the valid tokens: (x - mean) / sqrt(var + eps), with the unbiased
     (n - 1) variance; ``shift_mean=False`` adds the mean back. Masked positions give 0; one
     valid token is only centred (gives 0), never NaN; no valid token gives all 0.
@@ -123,6 +124,8 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_
         x: float [B, T]. response_mask: [B, T]. eps: >= 0.
         cu_seqlens, max_seqlen: packed sequences, as in pk.gae (the statistics are over
             every valid token of the batch either way, so only the layout is checked).
+        group: a torch.distributed process group (data parallel): the mean and variance
+            are those of the valid tokens of every rank's x (one all-reduce of 3 numbers).
 
     Returns:
         float [B, T] of x's dtype (differentiable); statistics in float32 or wider.
@@ -136,7 +139,7 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_
         flat = x.dim() == 1
         out = whiten(x.reshape(1, -1), None if response_mask is None else
                      packed.packed_like(response_mask, "response_mask", x.shape[-1]),
-                     shift_mean=shift_mean, eps=eps)
+                     shift_mean=shift_mean, eps=eps, group=group)
         return out[0] if flat else out
     packed.packing(None, 0, None, max_seqlen)
     mask = ck.response_mask(response_mask, x, False, like_name="x")
@@ -147,10 +150,24 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_
     acc = torch.promote_types(x.dtype, torch.float32)
     xv = torch.where(mask, x.to(acc), 0.0)
     m = mask.to(acc)
-    n = m.sum()
-    mean = xv.sum() / n.clamp(min=1)
-    centred = (xv - mean) * m
-    var = (centred * centred).sum() / (n - 1).clamp(min=1)
+    if group is None:
+        n = m.sum()
+        mean = xv.sum() / n.clamp(min=1)
+        centred = (xv - mean) * m
+        var = (centred * centred).sum() / (n - 1).clamp(min=1)
+    else:  # the batch of every rank: sum, sum of squares and count in one all-reduce
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialised")
+        stats = torch.stack([m.sum(), xv.sum(), (xv * xv).sum()]).to(torch.float64)
+        dist.all_reduce(stats, group=group)
+        n, total, sq = stats.to(acc).unbind()
+        mean = total / n.clamp(min=1)
+        centred = (xv - mean) * m
+        # (float64 sums: the one-pass variance keeps its digits at these batch sizes)
+        var = ((stats[2] - stats[1] * stats[1] / stats[0].clamp(min=1)).clamp(min=0)
+               / (stats[0] - 1).clamp(min=1)).to(acc)
     scale = torch.where(n > 1, torch.rsqrt(var + eps), torch.ones_like(var))
     out = centred * scale
     if not shift_mean:

@@ -418,7 +418,7 @@ def loss_metrics(s, logp, ent):
 
 
 def value_loss(values, old_values, returns, response_mask=None, *, clip_range=None,
-               loss_agg_mode="token-mean"):
+               loss_agg_mode="token-mean", global_num_tokens=None, global_num_seqs=None):
     """Clipped value loss 0.5 * agg(max((v - R)^2, (clip(v, v_old - c, v_old + c) - R)^2)).
 
     The PPO2 value clipping of OpenAI baselines (also verl's compute_value_loss).
@@ -430,6 +430,7 @@ def value_loss(values, old_values, returns, response_mask=None, *, clip_range=No
         response_mask: [B, T], nonzero = valid; None = all valid.
         clip_range: c >= 0, or None for no clipping.
         loss_agg_mode: as in ppo_loss ("none" gives the per-token loss).
+        global_num_tokens, global_num_seqs: as in ppo_loss (data-parallel denominators).
 
     Returns:
         (loss, metrics): metrics = {"vf_clip_frac": fraction of valid tokens where the
@@ -465,6 +466,11 @@ def value_loss(values, old_values, returns, response_mask=None, *, clip_range=No
     if loss_agg_mode == "none":
         loss = loss_tok[0] if flat else loss_tok
     else:
-        loss = (_torch_impl.agg_weights(mask, loss_agg_mode, dtype=acc) * loss_tok).sum()
+        if global_num_tokens is not None:
+            global_num_tokens = ck.count("global_num_tokens", global_num_tokens, v, acc)
+        if global_num_seqs is not None:
+            global_num_seqs = ck.count("global_num_seqs", global_num_seqs, v, acc)
+        loss = (_torch_impl.agg_weights(mask, loss_agg_mode, global_num_tokens, dtype=acc,
+                                        global_num_seqs=global_num_seqs) * loss_tok).sum()
     n = mask.sum().clamp(min=1)
     return loss, {"vf_clip_frac": (clipped_larger & mask).sum().float() / n}

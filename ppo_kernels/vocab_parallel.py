@@ -110,7 +110,9 @@ def all_gather(x, group):
     """[tp, *x.shape]: every rank's x, stacked (one collective)."""
     n = dist.get_world_size(group)
     out = torch.empty((n * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    # (all_gather_single is all_gather_into_tensor's name from torch 2.14 on)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x.contiguous(), group=group)
     return out.view((n,) + tuple(x.shape))
 
 

@@ -285,6 +285,21 @@ def dp_from_hidden_checks(rank, world):
     b0, b1 = split(x["tokens"].shape[0], world, rank)
     sl = slice(b0, b1)
     n_tok = x["mask"].sum().float()
+    # whiten over the data-parallel batch, the value loss with the global count
+    w = pk.whiten(x["values"], x["mask"])
+    out["dp/whiten"] = [err(pk.whiten(x["values"][sl], x["mask"][sl],
+                                      group=dist.group.WORLD), w[sl]), F32]
+    v = x["values"].clone().requires_grad_()
+    lf, _ = pk.value_loss(v, x["old"], x["ref"], x["mask"], clip_range=0.2)
+    lf.backward()
+    vl = x["values"][sl].clone().requires_grad_()
+    ls, _ = pk.value_loss(vl, x["old"][sl], x["ref"][sl], x["mask"][sl], clip_range=0.2,
+                          global_num_tokens=n_tok)
+    ls.backward()
+    total = ls.detach().clone()
+    dist.all_reduce(total)
+    out["dp/value_loss/loss"] = [err(total, lf), F32]
+    out["dp/value_loss/grad"] = [err(vl.grad, v.grad[sl]), F32]
     h1, w1 = x["hidden"].clone().requires_grad_(), x["weight"].clone().requires_grad_()
     lf, _ = pk.ppo_loss_from_hidden(h1, w1, x["tokens"], x["old"], x["adv"], x["mask"],
                                     policy_loss="gspo")
