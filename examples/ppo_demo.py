@@ -16,7 +16,9 @@ What happens (see tiny_lm.py for the toy world):
       reference; ``pk.token_logprobs`` gives the reference log-probs and
       ``pk.score_rollout_from_hidden`` gives, in one call from the policy's hidden states
       and LM head weight, the old log-probs, the per-token KL to the reference, the
-      KL-penalised rewards and the whitened GAE advantages and returns;
+      KL-penalised rewards and the GAE advantages and returns; ``pk.whiten`` whitens
+      the advantages (a step of its own so that a data-parallel run can whiten over
+      the whole batch);
    c. a few epochs over minibatches of ``pk.ppo_loss_from_hidden`` (clipped surrogate,
       with the LM head fused in: the model hands over its last hidden states and its LM
       head weight, and the [B, L, V] logits are never stored) + ``pk.value_loss``
@@ -29,6 +31,10 @@ Every random choice is seeded, so a run is reproducible. All backends compute th
 function, so ``--backend torch`` reproduces ``--backend cpu`` to the last printed digit
 for the first dozen or so iterations; after that float rounding (1e-7) flips a sampled
 token somewhere and the two runs become different samples of the same curve.
+
+examples/ppo_torchrun.py runs this same loop on several processes (data parallel x a
+tensor-parallel vocabulary, torchrun + gloo): it only replaces the ``Local`` strategy
+below (how the rollout is scored, the minibatch taken and the gradients combined).
 
 Tensor alignment, the one thing that is easy to get wrong: the model's logits
 [B, L, V] (= hidden [B, L, H] @ lm_head_weight.T) at position t predict token t + 1, so the
@@ -51,6 +57,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
@@ -89,8 +96,9 @@ class Settings:
 QUICK = dict(iterations=20, pretrain_steps=300)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def make_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
+    """The demo's command line (examples/ppo_torchrun.py adds its own options to it)."""
+    p = argparse.ArgumentParser(description=description,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="ppo_kernels backend for every op (auto: the compiled kernel for "
@@ -114,7 +122,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write the per-iteration history here")
     p.add_argument("--quick", action="store_true", help="a ~15 s smoke run (CI)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return make_parser().parse_args(argv)
 
 
 def make_settings(args: argparse.Namespace) -> Settings:
@@ -152,15 +164,73 @@ def actions_and_mask(seq, prompt_len: int, lengths):
     return tokens, ((pos >= 0) & (pos < lengths.unsqueeze(1))).float()
 
 
-def rollout_batch(policy, ref_lm, vocab, prompts, s: Settings, gen, pk, backend):
+class Local:
+    """How the rollout is scored and the update computed: here, in one process, nothing
+    split. examples/ppo_torchrun.py subclasses it for data and tensor parallelism (each
+    method is one place where a split run differs); every method of this class computes
+    exactly what the demo always did."""
+
+    def rows(self, n: int) -> slice:
+        """The sequences of an n-sequence rollout that this process scores and trains on."""
+        return slice(0, n)
+
+    def lm_head(self, policy, train: bool):
+        """(the LM head weight, extra keywords) for the ``*_from_hidden`` ops."""
+        return policy.lm_head_weight, {}
+
+    def whiten(self, pk, adv, mask):
+        """The GAE advantages whitened over every valid token of the whole rollout (what
+        score_rollout's whiten=True does with the batch it sees)."""
+        return pk.whiten(adv, mask)
+
+    def seq_mean(self, x) -> float:
+        """The mean over the whole rollout of a per-sequence statistic of this process'
+        sequences."""
+        return x.mean().item()
+
+    def minibatch(self, batch: dict, idx) -> dict:
+        """This process' part of the minibatch ``idx`` (indices into the whole rollout)."""
+        idx = idx.to(batch["seq"].device)
+        return {k: v[idx] for k, v in batch.items()}
+
+    def loss_counts(self, mb: dict) -> dict:
+        """Extra keywords for the policy loss (the global token count in data parallel)."""
+        return {}
+
+    def value_loss(self, pk, values, mb: dict, s: Settings):
+        return pk.value_loss(values, mb["old_values"], mb["returns"], mb["response_mask"],
+                             clip_range=s.vf_clip)
+
+    def sync_grads(self, policy) -> None:
+        """Make the gradients the whole minibatch's (nothing to do in one process)."""
+
+    def step_metrics(self, pg_loss, v_loss, m: dict, vm: dict) -> dict:
+        return dict(pg_loss=pg_loss.item(), v_loss=v_loss.item(),
+                    clip_frac=m["clip_frac"].item(), entropy=m["entropy"].item(),
+                    approx_kl=m["approx_kl"].item(),
+                    vf_clip_frac=vm["vf_clip_frac"].item())
+
+
+LOCAL = Local()
+
+
+def rollout_batch(policy, ref_lm, vocab, prompts, s: Settings, gen, pk, backend,
+                  par: Local = LOCAL):
     """Sample, score and advantage-estimate one batch. Returns a dict of tensors for the
-    update (the sequences included) and a dict of float statistics for the log."""
+    update (the sequences included) and a dict of float statistics for the log.
+
+    Every process samples the whole batch (the same tokens); ``par.rows`` picks the
+    sequences this process scores (all of them in one process)."""
     seq, lengths = tiny_lm.generate(policy.lm, prompts, tiny_lm.MAX_RESPONSE_LEN,
                                     s.temperature, vocab.eos_id, vocab.pad_id, gen)
     P = prompts.shape[1]
     scores, grammatical = tiny_lm.sentiment_score(vocab, seq[:, P:], lengths)
     scores = scores.to(seq.device)
+    reward, grammatical, resp_len = (scores.mean().item(), grammatical.float().mean().item(),
+                                     lengths.float().mean().item())
 
+    rows = par.rows(seq.shape[0])
+    seq, lengths, scores = seq[rows], lengths[rows], scores[rows]
     tokens, response_mask = actions_and_mask(seq, P, lengths)
 
     with torch.no_grad():
@@ -169,18 +239,20 @@ def rollout_batch(policy, ref_lm, vocab, prompts, s: Settings, gen, pk, backend)
         ref_logits = ref_lm(seq).logits
         ref_logprobs = pk.token_logprobs(ref_logits, tokens, response_mask,
                                          temperature=s.temperature, backend=backend)
-        out = pk.score_rollout_from_hidden(hidden, policy.lm_head_weight, tokens,
+        weight, head = par.lm_head(policy, train=False)
+        out = pk.score_rollout_from_hidden(hidden, weight, tokens,
                                            ref_logprobs, values, scores, response_mask,
                                            kl_coef=s.kl_coef, gamma=s.gamma, lam=s.lam,
-                                           temperature=s.temperature, backend=backend)
+                                           temperature=s.temperature, whiten=False,
+                                           backend=backend, **head)
+        advantages = par.whiten(pk, out.advantages, response_mask)
     batch = dict(seq=seq, tokens=tokens, response_mask=response_mask,
                  old_logprobs=out.logprobs, old_values=values,
-                 advantages=out.advantages, returns=out.returns)
-    stats = dict(reward=scores.mean().item(),
+                 advantages=advantages, returns=out.returns)
+    stats = dict(reward=reward,
                  # KL(pi || ref) per sequence: the sum of the per-token k1 estimates.
-                 kl_ref=(out.kl * response_mask).sum(1).mean().item(),
-                 grammatical=grammatical.float().mean().item(),
-                 resp_len=lengths.float().mean().item())
+                 kl_ref=par.seq_mean((out.kl * response_mask).sum(1)),
+                 grammatical=grammatical, resp_len=resp_len)
     return batch, stats
 
 
@@ -205,37 +277,38 @@ def evaluate(lm, ref_lm, vocab, prompts, s: Settings, seed: int, pk, backend) ->
                 grammatical=grammatical.float().mean().item(), samples=seq[:4].tolist())
 
 
-def ppo_update(policy, opt, batch, s: Settings, gen_cpu, pk, backend) -> dict:
+def ppo_update(policy, opt, batch, s: Settings, gen_cpu, pk, backend, par: Local = LOCAL,
+               num_seqs: int | None = None) -> dict:
     """``s.ppo_epochs`` passes over the rollout in random minibatches. Returns the mean of
-    each logged metric over all minibatch steps."""
-    B = batch["seq"].shape[0]
+    each logged metric over all minibatch steps. ``num_seqs``: the whole rollout's
+    sequence count (default: those of ``batch``); ``par.minibatch`` picks this process'
+    part of each minibatch."""
+    B = batch["seq"].shape[0] if num_seqs is None else num_seqs
     sums: dict[str, float] = {}
     n = 0
     policy.train()
     for _ in range(s.ppo_epochs):
         for idx in torch.randperm(B, generator=gen_cpu).split(s.minibatch):
-            idx = idx.to(batch["seq"].device)
-            mb = {k: v[idx] for k, v in batch.items()}
+            mb = par.minibatch(batch, idx)
             # the last hidden states and the LM head weight instead of the logits: the
             # loss applies the head chunk by chunk (docs/FROM_HIDDEN.md); the gradient
             # reaches the head weight (tied to the embedding) and the hidden states
             hidden, values_full = policy.hidden_and_values(mb["seq"])
-            pg_loss, m = pk.ppo_loss_from_hidden(hidden, policy.lm_head_weight, mb["tokens"],
+            weight, head = par.lm_head(policy, train=True)
+            pg_loss, m = pk.ppo_loss_from_hidden(hidden, weight, mb["tokens"],
                                                  mb["old_logprobs"], mb["advantages"],
                                                  mb["response_mask"],
                                                  clip_eps_low=s.clip_eps,
-                                                 temperature=s.temperature, backend=backend)
-            v_loss, vm = pk.value_loss(values_full[:, :-1], mb["old_values"], mb["returns"],
-                                       mb["response_mask"], clip_range=s.vf_clip)
+                                                 temperature=s.temperature, backend=backend,
+                                                 **head, **par.loss_counts(mb))
+            v_loss, vm = par.value_loss(pk, values_full[:, :-1], mb, s)
             loss = pg_loss + s.vf_coef * v_loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            par.sync_grads(policy)
             torch.nn.utils.clip_grad_norm_(policy.parameters(), s.max_grad_norm)
             opt.step()
-            step = dict(pg_loss=pg_loss.item(), v_loss=v_loss.item(),
-                        clip_frac=m["clip_frac"].item(), entropy=m["entropy"].item(),
-                        approx_kl=m["approx_kl"].item(),
-                        vf_clip_frac=vm["vf_clip_frac"].item())
+            step = par.step_metrics(pg_loss, v_loss, m, vm)
             for k, v in step.items():
                 sums[k] = sums.get(k, 0.0) + v
             n += 1
@@ -294,12 +367,11 @@ def show_samples(label: str, vocab, seq, n: int = 4) -> None:
 
 
 # -------------------------------------------------------------------------------- main
-def main(argv=None) -> dict:
-    """Run the demo; returns the summary dict (also written to ``--json`` if given)."""
-    args = parse_args(argv)
+def setup(args: argparse.Namespace, log=print, banner: str = "ppo_demo") -> SimpleNamespace:
+    """Everything before PPO, seeded from ``args.seed``: the pre-trained policy (step 1),
+    the frozen reference, the optimiser and the random generators of the PPO loop. The same
+    on every process of a distributed run. ``log``: where the two status lines go."""
     s = make_settings(args)
-    t_start = time.perf_counter()
-
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # deterministic cuBLAS
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -319,9 +391,9 @@ def main(argv=None) -> dict:
     gen_cpu = torch.Generator().manual_seed(args.seed + 3)             # minibatch order
 
     vocab = tiny_lm.Vocab()
-    print(f"ppo_demo: backend={backend} device={device} seed={args.seed} "
-          f"threads={torch.get_num_threads()} vocab={len(vocab)} "
-          f"settings={'quick' if args.quick else 'default'}")
+    log(f"{banner}: backend={backend} device={device} seed={args.seed} "
+        f"threads={torch.get_num_threads()} vocab={len(vocab)} "
+        f"settings={'quick' if args.quick else 'default'}")
 
     # 1. pre-training ------------------------------------------------------------------
     lm = tiny_lm.build_lm(vocab, tiny_lm.ModelConfig(n_layer=s.n_layer, n_embd=s.n_embd))
@@ -337,38 +409,65 @@ def main(argv=None) -> dict:
     lm.to(device)
     sft_loss = tiny_lm.pretrain(lm, vocab, corpus_rng, s.pretrain_steps, progress=tick)
     bar.close()
-    print(f"pre-trained a {n_params / 1e3:.0f}k-parameter GPT-2 ({s.n_layer} layers, "
-          f"d={s.n_embd}) for {s.pretrain_steps} steps in {time.perf_counter() - t0:.1f}s, "
-          f"final loss {sft_loss:.3f} nats/token")
+    log(f"pre-trained a {n_params / 1e3:.0f}k-parameter GPT-2 ({s.n_layer} layers, "
+        f"d={s.n_embd}) for {s.pretrain_steps} steps in {time.perf_counter() - t0:.1f}s, "
+        f"final loss {sft_loss:.3f} nats/token")
 
     ref_lm = copy.deepcopy(lm).eval().requires_grad_(False)    # the frozen reference
     policy = tiny_lm.PolicyWithValueHead(lm).to(device)
     opt = torch.optim.Adam(policy.parameters(), lr=s.lr, eps=1e-5)
+    return SimpleNamespace(s=s, device=device, pk=pk, backend=backend, vocab=vocab, lm=lm,
+                           ref_lm=ref_lm, policy=policy, opt=opt, prompt_rng=prompt_rng,
+                           gen=gen, gen_cpu=gen_cpu)
 
-    eval_prompts = tiny_lm.make_prompts(vocab, s.eval_batch, random.Random(args.seed + 4))
-    eval_prompts = eval_prompts.to(device)
-    before = evaluate(lm, ref_lm, vocab, eval_prompts, s, args.seed + 5, pk, backend)
 
-    # 2. PPO ---------------------------------------------------------------------------
+def train(run: SimpleNamespace, par: Local = LOCAL, log=tqdm.write, progress: bool = True,
+          on_iteration=None) -> tuple[list[dict], float, float, float]:
+    """Step 2, the PPO loop: ``run.s.iterations`` rollouts and updates. Logs the table
+    (``log``; the header first) and calls ``on_iteration(h)`` with each row's dict.
+    Returns (history, PPO seconds, rollout seconds, update seconds)."""
+    s, vocab, policy, pk, backend = run.s, run.vocab, run.policy, run.pk, run.backend
     history = []
-    print(HEADER)
-    bar = tqdm(range(1, s.iterations + 1), desc="PPO", disable=args.no_progress)
+    log(HEADER)
+    bar = tqdm(range(1, s.iterations + 1), desc="PPO", disable=not progress)
     t0 = time.perf_counter()
     t_rollout = t_update = 0.0
     for it in bar:
         t1 = time.perf_counter()
-        prompts = tiny_lm.make_prompts(vocab, s.rollout_batch, prompt_rng).to(device)
-        batch, stats = rollout_batch(policy, ref_lm, vocab, prompts, s, gen, pk, backend)
+        prompts = tiny_lm.make_prompts(vocab, s.rollout_batch, run.prompt_rng).to(run.device)
+        batch, stats = rollout_batch(policy, run.ref_lm, vocab, prompts, s, run.gen, pk,
+                                     backend, par)
         t2 = time.perf_counter()
-        upd = ppo_update(policy, opt, batch, s, gen_cpu, pk, backend)
+        upd = ppo_update(policy, run.opt, batch, s, run.gen_cpu, pk, backend, par,
+                         num_seqs=prompts.shape[0])
         t_rollout += t2 - t1
         t_update += time.perf_counter() - t2
         h = dict(iter=it, **stats, **upd)
         history.append(h)
         bar.set_postfix(reward=f"{h['reward']:.2f}", kl=f"{h['kl_ref']:.2f}", refresh=False)
-        tqdm.write(format_row(h))
+        log(format_row(h))
+        if on_iteration is not None:
+            on_iteration(h)
     bar.close()
-    ppo_time = time.perf_counter() - t0
+    return history, time.perf_counter() - t0, t_rollout, t_update
+
+
+def main(argv=None) -> dict:
+    """Run the demo; returns the summary dict (also written to ``--json`` if given)."""
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    run = setup(args, log=print)
+    s, lm, ref_lm, vocab, pk, backend = run.s, run.lm, run.ref_lm, run.vocab, run.pk, \
+        run.backend
+    policy = run.policy
+
+    eval_prompts = tiny_lm.make_prompts(vocab, s.eval_batch, random.Random(args.seed + 4))
+    eval_prompts = eval_prompts.to(run.device)
+    before = evaluate(lm, ref_lm, vocab, eval_prompts, s, args.seed + 5, pk, backend)
+
+    # 2. PPO ---------------------------------------------------------------------------
+    history, ppo_time, t_rollout, t_update = train(run, log=tqdm.write,
+                                                   progress=not args.no_progress)
     print(f"PPO: {s.iterations} iterations in {ppo_time:.1f}s (rollouts {t_rollout:.1f}s, "
           f"updates {t_update:.1f}s)")
 
@@ -379,7 +478,7 @@ def main(argv=None) -> dict:
     show_samples(f"samples after {s.iterations} PPO iterations, same prompts", vocab,
                  after["samples"])
     summary = dict(
-        backend=backend, device=str(device), seed=args.seed, quick=args.quick,
+        backend=backend, device=str(run.device), seed=args.seed, quick=args.quick,
         settings=asdict(s),
         reward_start=before["reward"], reward_end=after["reward"],
         kl_end=after["kl_ref"], kl_max=max(h["kl_ref"] for h in history),

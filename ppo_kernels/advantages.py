@@ -158,8 +158,9 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_
     else:  # the batch of every rank: sum, sum of squares and count in one all-reduce
         import torch.distributed as dist
 
-        if not dist.is_initialized():
-            raise ValueError("group: torch.distributed is not initialised")
+        from .context_parallel import check_group
+
+        check_group(group, "group")
         stats = torch.stack([m.sum(), xv.sum(), (xv * xv).sum()]).to(torch.float64)
         dist.all_reduce(stats, group=group)
         n, total, sq = stats.to(acc).unbind()

@@ -31,10 +31,15 @@ def sequence_group(group):
         _GROUP.reset(token)
 
 
-def check_group(cp_group):
-    """cp_group: None or a process group of an initialised torch.distributed."""
-    if cp_group is not None and not dist.is_initialized():
-        raise ValueError("cp_group: torch.distributed is not initialised")
+def check_group(cp_group, name="cp_group"):
+    """cp_group: None or a ProcessGroup of an initialised torch.distributed."""
+    if cp_group is None:
+        return None
+    if not dist.is_initialized():
+        raise ValueError(f"{name}: torch.distributed is not initialised")
+    if not isinstance(cp_group, dist.ProcessGroup):
+        raise TypeError(f"{name}: expected a torch.distributed ProcessGroup, got "
+                        f"{type(cp_group).__name__}")
     return cp_group
 
 

@@ -37,8 +37,12 @@ def reduce_metrics(metrics, group=None, cp_group=None):
         ValueError: metrics without num_tokens / num_seqs, or torch.distributed not
         initialised.
     """
+    from .context_parallel import check_group
+
     if not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialised")
+    check_group(group, "group")
+    check_group(cp_group, "cp_group")
     if not isinstance(metrics, dict) or any(k not in metrics for k in _SUMMED):
         raise ValueError("metrics: expected the dict of pk.ppo_loss (with num_tokens and "
                          "num_seqs)")

@@ -562,8 +562,9 @@ def _loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages, 
 def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, values, scores,
                               response_mask, *, lm_head_bias=None, logit_softcap=None,
                               chunk_size=None, kl_coef, kl_estimator="k1", gamma=1.0,
-                              lam=0.95, temperature=1.0, whiten=True, tp_group=None,
-                              vocab_start=None, backend="auto"):
+                              lam=0.95, temperature=1.0, whiten=True, cu_seqlens=None,
+                              max_seqlen=None, tp_group=None, vocab_start=None,
+                              backend="auto"):
     """pk.score_rollout of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     with logit_softcap, without storing them (docs/FROM_HIDDEN.md): the log-probs come from
     token_logprobs_from_hidden (chunks of chunk_size rows, no gradient), then the same
@@ -574,31 +575,49 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             that sampled ``tokens``; lm_head_weight [V, H], lm_head_bias [V] or None, of
             hidden's dtype and device. No gradient flows to any of them.
         tokens, ref_logprobs, values, scores, response_mask, kl_coef, kl_estimator, gamma,
-        lam, temperature, whiten, backend: as pk.score_rollout.
+        lam, temperature, whiten, cu_seqlens, max_seqlen, backend: as pk.score_rollout
+            (cu_seqlens: hidden [1, total, H] or [total, H]).
         logit_softcap, chunk_size, tp_group, vocab_start: as pk.token_logprobs_from_hidden.
 
     Returns:
         Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each, 0 where
         masked.
     """
-    from .advantages import rollout_from_logprobs, rollout_inputs
+    from . import packed
+    from .advantages import packed_rollout_inputs, rollout_from_logprobs, rollout_inputs
 
     hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
                                                               lm_head_bias, tp_group,
                                                               vocab_start)
     hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
-    if flat:
-        raise ValueError(f"hidden: score_rollout_from_hidden needs [B, T, H] or "
-                         f"[B, T + 1, H], got {list(hidden.shape)}")
-    mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
-        tokens2, response_mask, ref_logprobs, values, scores, kl_coef, kl_estimator, gamma,
-        lam, whiten)
+    pk = None
+    if cu_seqlens is not None:
+        opts = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma, lam=lam,
+                    whiten=whiten)
+        pk, mask, ref, vals, kl_coef, gamma, lam = packed_rollout_inputs(
+            tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens,
+            max_seqlen, opts)
+        mask_k = pk.unpad(mask)
+    else:
+        packed.packing(None, 0, None, max_seqlen)
+        if flat:
+            raise ValueError(f"hidden: score_rollout_from_hidden needs [B, T, H] or "
+                             f"[B, T + 1, H] (or cu_seqlens for the packed [total, H]), got "
+                             f"{list(hidden.shape)}")
+        mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
+            tokens2, response_mask, ref_logprobs, values, scores, kl_coef, kl_estimator,
+            gamma, lam, whiten)
+        mask_k = mask
     with torch.no_grad():
         logp = token_logprobs_from_hidden(
-            hidden3.detach(), lm_head_weight.detach(), tokens2, mask,
+            hidden3.detach(), lm_head_weight.detach(), tokens2, mask_k,
             lm_head_bias=None if lm_head_bias is None else lm_head_bias.detach(),
             logit_softcap=logit_softcap, temperature=temperature, chunk_size=chunk_size,
             tp_group=None if shard is None else shard.group,
             vocab_start=None if shard is None else shard.start, backend=backend)
-    return rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator, gamma,
-                                 lam, whiten, backend)
+    if pk is None:
+        return rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator,
+                                     gamma, lam, whiten, backend)
+    r = rollout_from_logprobs(pk.pad(logp), ref, vals, scores, mask, kl_coef, kl_estimator,
+                              gamma, lam, whiten, backend)
+    return type(r)(*(packed.unpadded(pk, x, tokens) for x in r))

@@ -120,7 +120,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         global_num_seqs: > 0 (number or 0-d tensor), the denominator of the seq-mean modes
             (default: B, or the non-empty sequences for seq-mean-token-mean; TRL's grpo
             counts empty completions: global_num_seqs = B).
-        norm_length: > 0, the seq-mean-token-sum-norm length (default T; Dr. GRPO).
+        norm_length: > 0, the seq-mean-token-sum-norm length (default T; with cu_seqlens
+            the longest sequence; Dr. GRPO).
         rollout_is_weights: float [B, T] or [B] / [B, 1], no gradient; multiplies pg and its
             gradient (not the KL or entropy terms).
         rollout_logprobs: float [B, T], the inference engine's log-probs of the sampled
@@ -150,9 +151,10 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         cu_seqlens: int [S + 1], packed sequences (verl's / OpenRLHF's remove-padding
             layout): logits [1, total, V] or [total, V], tokens and the per-token inputs
             [1, total] or [total] (advantages and rollout_is_weights may be per sequence,
-            [S]); the sequence-level losses, the seq-mean modes, the sequence rollout
-            corrections and the per-sequence metrics then treat each packed sequence as a
-            row of [B, T] (docs/DISTRIBUTED.md). max_seqlen: the longest sequence, if known
+            [S, 1], or [S] unless S == total, where a 1-D tensor is per token); the
+            sequence-level losses, the seq-mean modes, the sequence rollout corrections and
+            the per-sequence metrics then treat each packed sequence as a row of [B, T]
+            (docs/DISTRIBUTED.md). max_seqlen: the longest sequence, if known
             (saves a host read on devices).
         tp_group, vocab_start: a vocabulary split over ranks, as in token_logprobs: every
             policy loss runs the two-phase path with the row statistics merged between the
@@ -304,10 +306,17 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
             raise ValueError(f"tokens: with cu_seqlens expected the packed layout [1, total] "
                              f"or [total], got {list(tokens2.shape)}")
         pk = packed.packing(cu_seqlens, tokens2.shape[1], tokens2, max_seqlen)
+        # per sequence: [S, 1], or [S] where S != total (with S == total a 1-D tensor is
+        # per token)
         advantages, rollout_is_weights = (
-            pk.per_seq(x) if isinstance(x, torch.Tensor) and x.shape[0] != pk.total and
-            tuple(x.shape) in ((pk.num_seqs,), (pk.num_seqs, 1)) else x
+            pk.per_seq(x) if isinstance(x, torch.Tensor) and (
+                tuple(x.shape) == (pk.num_seqs, 1) or
+                (tuple(x.shape) == (pk.num_seqs,) and pk.num_seqs != pk.total)) else x
             for x in (advantages, rollout_is_weights))
+        # seq-mean-token-sum-norm's default length: the longest whole sequence (there is no
+        # padding to take the width of; across a context-parallel group the pieces add up)
+        lens = _cp.group_sum(pk.lens.to(ck.acc_dtype(like)))
+        packed_norm = lens.max().clamp(min=1.0) if pk.num_seqs else 1.0
         response_mask, t = packed.padded_inputs(
             pk, response_mask, "tokens", tokens2, old_logprobs=old_logprobs,
             advantages=advantages, ref_logprobs=ref_logprobs,
@@ -318,6 +327,7 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
         tokens2, out_flat, flat = pk.pad(tokens2), flat, False
     else:
         packed.packing(None, 0, None, max_seqlen)
+        packed_norm = None
     mask = ck.response_mask(response_mask, tokens2, flat)
     acc = ck.acc_dtype(like)
     old = ck.per_token("old_logprobs", old_logprobs, tokens2, flat, acc, optional=True)
@@ -366,6 +376,8 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
         global_num_seqs = ck.count("global_num_seqs", global_num_seqs, like, acc)
     if norm_length is not None:
         norm_length = ck.number("norm_length", norm_length, lo=0.0, lo_open=True)
+    else:
+        norm_length = packed_norm
     ck.flag("inplace_backward", inplace_backward)
     ck.flag("return_per_token", return_per_token)
     p["return_per_token"] = return_per_token

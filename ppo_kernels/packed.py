@@ -21,9 +21,10 @@ class Packing:
     """The index maps of one cu_seqlens: token i of the packed layout is position
     pos[i] of sequence seq_id[i]."""
 
-    def __init__(self, seq_id, pos, num_seqs, max_len, total):
+    def __init__(self, seq_id, pos, num_seqs, max_len, total, lens):
         self.seq_id, self.pos = seq_id, pos
         self.num_seqs, self.max_len, self.total = num_seqs, max_len, total
+        self.lens = lens  # int64 [S], the sequences' lengths
 
     def pad(self, x, fill=0.0):
         """[1, total] (or [total]) -> [S, max_seqlen], ``fill`` off the sequences;
@@ -85,7 +86,7 @@ def packing(cu_seqlens, total, like, max_seqlen=None):
     idx = torch.arange(total, device=cu.device)
     seq_id = torch.searchsorted(cu[1:], idx, right=True).clamp(max=max(s - 1, 0))
     pos = idx - cu[seq_id] if s > 0 else idx
-    return Packing(seq_id, pos.clamp(max=max(max_len - 1, 0)), s, max_len, total)
+    return Packing(seq_id, pos.clamp(max=max(max_len - 1, 0)), s, max_len, total, lens)
 
 
 def packed_like(x, name, total):

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ._checks import host_readable, tensor
+from .context_parallel import check_group
 
 
 class VocabShard:
@@ -48,17 +49,25 @@ class VocabShard:
 
     def merge(self, logp_r, ent_r, row_max, log_sum, own, mask, temperature):
         """The whole row's (logp, H or None, row max, log_sum) [B, T] from this shard's
-        kernel outputs; one all-gather. Valid rows whose token no shard (or more than one)
-        holds are a ValueError on CPU tensors, an asynchronous device assertion elsewhere."""
+        kernel outputs; one all-gather, which also carries every rank's (vocab_start, V_r)
+        so that shards that overlap or leave a gap are caught. Those, and valid rows whose
+        token no shard holds, are a ValueError on CPU tensors, an asynchronous device
+        assertion elsewhere."""
         has_ent = ent_r is not None and ent_r.numel() > 0
+        # a row whose whole shard is -inf (banned) holds no mass here: the kernel's log_sum
+        # and entropy of it are NaN, and must not reach the merge
+        live = mask & (row_max > -math.inf)
         zero = torch.zeros_like(row_max)
         part = torch.stack([
-            torch.where(mask, row_max, zero), torch.where(mask, log_sum, zero),
-            torch.where(mask, ent_r, zero) if has_ent else zero,
+            torch.where(mask, row_max, zero), torch.where(live, log_sum, zero),
+            torch.where(live, ent_r, zero) if has_ent else zero,
             torch.where(mask & own, logp_r + log_sum, -math.inf),  # (x_tok - m_r) / T
-            (mask & own).to(row_max.dtype)], dim=-1)
-        parts = all_gather(part, self.group)  # [tp, B, T, 5]
-        mx, ls, h, d, owners = parts.unbind(-1)
+            (mask & own).to(row_max.dtype)], dim=-1).reshape(-1, 5)
+        layout = part.new_tensor([[self.start, self.v_local, 0.0, 0.0, 0.0]])
+        parts = all_gather(torch.cat([part, layout]), self.group)  # [tp, N + 1, 5]
+        _check_layout(parts[:, -1, 0], parts[:, -1, 1])
+        mx, ls, h, d, owners = parts[:, :-1].reshape((self.size,) + tuple(mask.shape) +
+                                                     (5,)).unbind(-1)
         big = mx.max(0).values
         a = (mx - big) / temperature
         a = torch.where(mask, a, 0.0)  # masked rows: no NaN from -inf - -inf
@@ -91,6 +100,21 @@ class VocabShard:
         col = dz[:, :t, 0]
         col.copy_(torch.where(fix, val.to(dz.dtype), col))
         return dz
+
+
+def _check_layout(starts, sizes):
+    """The shards, in order of their starts, must tile [0, sum V_r) (float32 holds the ids
+    exactly up to 2^24)."""
+    order = torch.argsort(starts)
+    st, sz = starts[order], sizes[order]
+    ok = (st[0] == 0) & (st[1:] == st[:-1] + sz[:-1]).all()
+    msg = ("vocab_start: the vocabulary shards of tp_group must tile the vocabulary (rank "
+           "by rank, each starting where the previous one ends, the first at 0)")
+    if not host_readable(starts):
+        torch._assert_async(ok, msg)
+    elif not bool(ok):
+        shards = [(int(a), int(a + b)) for a, b in zip(st.tolist(), sz.tolist())]
+        raise ValueError(f"{msg}; got the shards {shards}")
 
 
 def _check_owners(count, mask, start, v_local):
@@ -137,6 +161,9 @@ def shard_of(x, tp_group, vocab_start, v_dim, name):
         v = x.shape[v_dim]
         n = mesh.size()
         chunk = -(-v // n)  # DTensor's Shard splits like torch.chunk
+        if chunk * (n - 1) >= v:  # (every rank knows: all of them raise, none waits)
+            raise ValueError(f"{name}: a vocabulary of {v} split over {n} ranks leaves a rank "
+                             f"an empty shard")
         start = min(mesh.get_local_rank() * chunk, v)
         local = x.to_local()
         group = mesh.get_group()
@@ -148,9 +175,7 @@ def shard_of(x, tp_group, vocab_start, v_dim, name):
         tensor(name, x)
         if x.dim() == 0:
             raise ValueError(f"{name}: expected a vocabulary dimension, got a 0-d tensor")
-        local, group = x, tp_group
-        if not dist.is_initialized():
-            raise ValueError("tp_group: torch.distributed is not initialised")
+        local, group = x, check_group(tp_group, "tp_group")
         if vocab_start is None:
             start = dist.get_rank(group) * x.shape[v_dim]
         else:

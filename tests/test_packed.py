@@ -1,0 +1,652 @@
+"""Packed sequences (cu_seqlens, verl's / OpenRLHF's remove-padding layout) against the
+padded [S, max_seqlen] layout of the same sequences: every op that takes cu_seqlens
+(ppo_loss, ppo_loss_from_hidden, score_rollout, gae, kl_penalized_rewards, whiten), every
+policy loss and aggregation mode, the rollout corrections, per-sequence inputs, the
+[total, V], [1, total, V] and [1, total + 1, V] layouts, backends cpu, torch and triton
+(the interpreter, small shapes), float32 tight, bfloat16 loose, float64 gradcheck.
+
+The padded twin of a packed batch: sequence s is row s of [S, L] (L = the longest
+sequence), the padding masked out; per-token inputs hold NaN on the masked positions
+inside the sequences (both layouts), token ids out of range there. The packed result must
+be the padded one read at the packed positions: loss (per token for "none"), every metric,
+the gradient of every packed row of logits.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import ppo_kernels as pk  # noqa: E402
+
+from conftest import TRITON_INTERP, backend_params  # noqa: E402
+
+EXAMPLES = int(os.environ.get("PPO_HYPOTHESIS_EXAMPLES", 60))
+SETTINGS = settings(max_examples=max(4, EXAMPLES // 2), deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+POLICIES = ["vanilla", "cispo", "sapo", "gspo", "gspo-token"]
+AGG = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+       "seq-mean-token-sum-norm", "none"]
+RC = ["tis", "tis-seq", "mis", "mis-seq", "geo-seq"]
+BACKENDS = backend_params(cuda=False)  # cpu, torch, triton (interpreter)
+BACKENDS_FAST = backend_params(interp=False, cuda=False)
+TRITON = [p for p in BACKENDS if p.values[0] is TRITON_INTERP]  # (keeps its skipif mark)
+
+# ragged batches that matter: empty sequences, length 1, a single sequence, lengths that
+# are multiples of nothing
+EDGE_LENS = {
+    "mixed": [3, 0, 1, 5, 0, 2],
+    "single": [7],
+    "s1-len1": [1],
+    "all-len1": [1, 1, 1],
+    "empty-ends": [0, 4, 3, 0],
+    "one-nonempty": [0, 0, 5, 0],
+}
+TRITON_LENS = [2, 0, 1, 4]  # total 7 <= 16 rows for the interpreter
+
+TOL32 = 1e-6  # relative to the largest reference entry
+TOL16 = 1e-2
+
+
+# ------------------------------------------------------------------ batches
+
+
+class Batch:
+    """A random ragged batch in both layouts. ``p``: the packed tensors ([total] per token,
+    [total, V] logits); ``pad(x)``: x [total, ...] as [S, L, ...]."""
+
+    def __init__(self, lens, V, seed, *, dtype=torch.float32, p_mask=0.25, confident=0.25,
+                 scale=2.0, nan=True, H=None):
+        g = torch.Generator().manual_seed(seed)
+        self.lens, self.V, self.dtype = list(lens), V, dtype
+        self.S, self.total = len(lens), int(sum(lens))
+        self.L = max(lens, default=0)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        self.cu = torch.tensor(cu, dtype=torch.int32)
+        self.seq_id = torch.tensor([s for s, n in enumerate(lens) for _ in range(n)],
+                                   dtype=torch.long)
+        self.pos = torch.tensor([i for n in lens for i in range(n)], dtype=torch.long)
+        n = self.total
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        if H is None:
+            logits = torch.randn(n, V, generator=g, dtype=torch.float64) * scale
+        else:  # from hidden states: the logits are hidden @ W^T
+            self.hidden = (torch.randn(n, H, generator=g, dtype=torch.float64)).to(dtype)
+            self.weight = (torch.randn(V, H, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+            logits = self.hidden.double() @ self.weight.double().T
+        tokens = torch.randint(0, V, (n,), generator=g)
+        conf = torch.rand(n, generator=g) < confident
+        if H is None and n:
+            logits[conf, tokens[conf]] = 30.0  # confident sampled tokens, p ~ 1
+        self.logits = logits.to(dtype)
+        mask = torch.rand(n, generator=g) >= p_mask
+        logp = torch.log_softmax(self.logits.double(), -1).gather(-1, tokens[:, None])[:, 0]
+        noise = lambda s: torch.randn(n, generator=g, dtype=torch.float64) * s  # noqa: E731
+        old = logp + noise(0.3)
+        t = {
+            "old": old, "ref": logp + noise(0.3), "rollout": old + noise(0.15),
+            "adv": noise(1.0), "isw": 0.5 + torch.rand(n, generator=g, dtype=torch.float64),
+            "values": noise(1.0), "rewards": noise(1.0), "x": noise(2.0) + 0.7,
+        }
+        self.seq = {"adv": torch.randn(self.S, generator=g, dtype=torch.float64).to(acc),
+                    "isw": (0.5 + torch.rand(self.S, generator=g, dtype=torch.float64)).to(acc),
+                    "scores": torch.randn(self.S, generator=g, dtype=torch.float64).float()}
+        garbage = torch.tensor([-1, V, V + 1000, -7])[torch.randint(0, 4, (n,), generator=g)]
+        self.tokens = torch.where(mask, tokens, garbage)
+        self.mask = mask
+        self.p = {}
+        for k, v in t.items():
+            v = v.to(acc)
+            self.p[k] = torch.where(mask, v, float("nan")) if nan else v
+        self.w_tok = torch.randn(n, generator=g, dtype=torch.float64).to(acc)  # for "none"
+
+    def pad(self, x, fill=0.0):
+        """x [total, ...] -> [S, L, ...], fill off the sequences."""
+        out = torch.full((self.S, self.L) + tuple(x.shape[1:]), fill, dtype=x.dtype)
+        if self.total:
+            out[self.seq_id, self.pos] = x
+        return out
+
+    def unpad(self, y):
+        """y [S, L, ...] -> [total, ...]: the packed positions."""
+        return y[self.seq_id, self.pos]
+
+    @property
+    def padded_mask(self):
+        return self.pad(self.mask, False)
+
+    @property
+    def padded_tokens(self):
+        return self.pad(self.tokens, 0)
+
+
+def shaped(x, layout):
+    """A packed [total, ...] tensor in a layout: "flat" [total], "row"/"raw" [1, total]."""
+    return x if layout == "flat" else x.unsqueeze(0)
+
+
+def packed_logits(b, layout, requires_grad=True):
+    """(leaf, logits) of the packed batch: [total, V], [1, total, V] or the raw
+    [1, total + 1, V] (last position ignored)."""
+    if layout == "flat":
+        leaf = b.logits.clone()
+        logits = leaf
+    elif layout == "row":
+        leaf = b.logits.clone().unsqueeze(0)
+        logits = leaf
+    else:  # raw
+        extra = torch.randn(1, b.V, dtype=torch.float64).to(b.dtype)
+        leaf = torch.cat([b.logits, extra]).unsqueeze(0)
+        logits = leaf
+    leaf.requires_grad_(requires_grad)
+    return leaf, logits
+
+
+def grad_rows(leaf, layout, total):
+    g = leaf.grad
+    assert g is not None, "no gradient reached the logits"
+    if layout == "flat":
+        return g
+    if layout == "raw":
+        assert torch.all(g[0, total:] == 0), "the ignored last position got a gradient"
+    return g[0, :total]
+
+
+def err(a, b):
+    """max |a - b| / max |b| (b all 0: the absolute error)."""
+    a, b = a.detach().double(), b.detach().double()
+    assert a.shape == b.shape, f"shape {list(a.shape)} vs {list(b.shape)}"
+    if a.numel() == 0:
+        return 0.0
+    assert torch.isfinite(a).all(), f"non-finite values: {a}"
+    scale = float(b.abs().max())
+    return float((a - b).abs().max()) / (scale if scale > 0 else 1.0)
+
+
+def assert_same(a, b, tol, what):
+    e = err(a, b)
+    assert e <= tol, f"{what}: relative error {e:.3g} > {tol}"
+
+
+# ------------------------------------------------------------------ ppo_loss, both layouts
+
+
+def loss_inputs(b, *, adv="tok", isw=None, old=True, rc=None, off=None, kl=0.0):
+    """(packed kwargs, padded kwargs) of ppo_loss other than logits / tokens / layout."""
+    P, Q = {}, {}
+    P["old_logprobs"] = b.p["old"] if old else None
+    Q["old_logprobs"] = b.pad(b.p["old"]) if old else None
+    if adv == "tok":
+        P["advantages"], Q["advantages"] = b.p["adv"], b.pad(b.p["adv"])
+    elif adv == "seq":
+        P["advantages"] = Q["advantages"] = b.seq["adv"]
+    else:  # "seq1": [S, 1]
+        P["advantages"] = Q["advantages"] = b.seq["adv"][:, None]
+    if isw == "tok":
+        P["rollout_is_weights"], Q["rollout_is_weights"] = b.p["isw"], b.pad(b.p["isw"])
+    elif isw == "seq":
+        P["rollout_is_weights"] = Q["rollout_is_weights"] = b.seq["isw"]
+    if rc is not None or off is not None:
+        P["rollout_logprobs"], Q["rollout_logprobs"] = b.p["rollout"], b.pad(b.p["rollout"])
+    if rc is not None:
+        P["rollout_correction"] = Q["rollout_correction"] = rc
+    if off is not None:
+        P["off_policy_mask_threshold"] = Q["off_policy_mask_threshold"] = off
+    if kl:
+        P["ref_logprobs"], Q["ref_logprobs"] = b.p["ref"], b.pad(b.p["ref"])
+        P["kl_coef"] = Q["kl_coef"] = kl
+    return P, Q
+
+
+def run_packed_loss(b, layout, backend, P, opts):
+    leaf, logits = packed_logits(b, layout)
+    kw = {}
+    for k, v in P.items():
+        # per-token [total] inputs follow the layout; per-sequence [S] / [S, 1] do not
+        if isinstance(v, torch.Tensor) and v.dim() == 1 and \
+                not any(v is x for x in b.seq.values()):
+            v = shaped(v, layout)
+        kw[k] = v
+    mask = shaped(b.mask, layout)
+    tokens = shaped(b.tokens, layout)
+    loss, metrics = pk.ppo_loss(logits, tokens, response_mask=mask, cu_seqlens=b.cu,
+                                backend=backend, **kw, **opts)
+    if opts.get("loss_agg_mode") == "none":
+        expect_shape = (b.total,) if layout == "flat" else (1, b.total)
+        assert tuple(loss.shape) == expect_shape, f"loss shape {list(loss.shape)}"
+        loss_tok = loss.reshape(b.total)
+        assert torch.all(loss_tok[~b.mask] == 0), "masked positions of the per-token loss"
+        (loss_tok * b.w_tok).sum().backward()
+        loss = loss_tok
+    else:
+        assert loss.dim() == 0
+        loss.backward()
+    return loss.detach(), metrics, grad_rows(leaf, layout, b.total)
+
+
+def run_padded_loss(b, backend, Q, opts):
+    logits = b.pad(b.logits).requires_grad_()
+    loss, metrics = pk.ppo_loss(logits, b.padded_tokens, response_mask=b.padded_mask,
+                                backend=backend, **Q, **opts)
+    if opts.get("loss_agg_mode") == "none":
+        assert torch.all(loss[~b.padded_mask] == 0)
+        (loss * b.pad(b.w_tok)).sum().backward()
+        loss = b.unpad(loss)
+    else:
+        loss.backward()
+    g = logits.grad
+    assert torch.all(g[~b.pad(torch.ones(b.total, dtype=torch.bool), False)] == 0)
+    return loss.detach(), metrics, b.unpad(g)
+
+
+def check_loss(b, layout, backend, opts, tol, nonzero=False, **inputs):
+    P, Q = loss_inputs(b, **inputs)
+    lp, mp, gp = run_packed_loss(b, layout, backend, P, opts)
+    lq, mq, gq = run_padded_loss(b, backend, Q, opts)
+    if nonzero:  # the comparison is not between two zeros
+        assert float(gq.abs().max()) > 0 and float(lq.abs().max()) > 0
+        assert float(mq["num_tokens"]) == float(b.mask.sum())
+    assert_same(lp, lq, tol, "loss")
+    assert set(mp) == set(mq), set(mp) ^ set(mq)
+    for k in mq:
+        assert mp[k].dim() == 0 and not mp[k].requires_grad, k
+        assert_same(mp[k], mq[k], tol, f"metric {k}")
+    assert_same(gp, gq, tol, "dlogits")
+    return lp, mp, gp
+
+
+def _opts(policy, mode, **kw):
+    o = dict(policy_loss=policy, loss_agg_mode=mode)
+    if policy == "cispo":
+        o.update(clip_eps_low=1.0, clip_eps_high=4.0)
+    if policy in ("gspo", "gspo-token"):  # a band the sequence ratios fall on both sides of
+        o.update(clip_eps_low=0.05, clip_eps_high=0.08)
+    o.update(kw)
+    return o
+
+
+@pytest.mark.parametrize("mode", AGG)
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("be", BACKENDS_FAST)
+def test_loss_every_policy_and_mode(be, policy, mode):
+    """Every policy loss x aggregation mode, a ragged batch with empty and length-1
+    sequences, NaN on masked positions, confident tokens; per-token advantages."""
+    b = Batch(EDGE_LENS["mixed"], 23, seed=hash((policy, mode)) % 1000)
+    check_loss(b, "flat", be.name, _opts(policy, mode, kl_coef=0.0), TOL32, nonzero=True)
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_LENS))
+@pytest.mark.parametrize("layout", ["flat", "row", "raw"])
+@pytest.mark.parametrize("be", BACKENDS_FAST)
+def test_loss_edge_batches_and_layouts(be, layout, name):
+    """The edge ragged batches in the three packed layouts, gspo (two-phase path) and
+    vanilla with KL, entropy and a temperature (fused path), per-sequence advantages."""
+    b = Batch(EDGE_LENS[name], 17, seed=len(name) * 7 + len(layout))
+    check_loss(b, layout, be.name, _opts("gspo", "seq-mean-token-mean", entropy_coef=0.01,
+                                         temperature=0.7), TOL32, adv="seq")
+    check_loss(b, layout, be.name, _opts("vanilla", "token-mean", entropy_coef=0.02,
+                                         temperature=1.3, dual_clip_c=3.0), TOL32,
+               adv="seq1" if b.S != b.total else "seq", kl=0.1)  # (S == total: see below)
+
+
+@pytest.mark.parametrize("rc", RC + ["off-policy"])
+@pytest.mark.parametrize("be", BACKENDS_FAST)
+def test_loss_rollout_corrections(be, rc):
+    """The rollout correction modes and the off-policy mask reduce over each packed
+    sequence: per-token and per-sequence rollout_is_weights on top."""
+    b = Batch(EDGE_LENS["mixed"] + [4], 19, seed=len(rc))
+    for isw, policy, mode in ((None, "vanilla", "token-mean"),
+                              ("tok", "gspo", "seq-mean-token-sum"),
+                              ("seq", "sapo", "none")):
+        if rc == "off-policy":
+            inputs = dict(off=0.01)
+        else:
+            inputs = dict(rc=rc)
+        opts = _opts(policy, mode)
+        if rc == "geo-seq":
+            opts["rollout_is_threshold"] = 1.3
+        elif rc != "off-policy":
+            opts["rollout_is_threshold"] = (0.6, 1.5)
+        check_loss(b, "row", be.name, opts, TOL32, isw=isw, adv="seq", **inputs)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("be", BACKENDS_FAST)
+def test_loss_on_policy_old_none(be, policy):
+    """old_logprobs=None (on-policy) with packed sequences."""
+    b = Batch([4, 0, 2, 1], 13, seed=5)
+    for mode in ("token-mean", "seq-mean-token-sum-norm", "none"):
+        check_loss(b, "flat", be.name, _opts(policy, mode), TOL32, old=False, adv="seq")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("be", TRITON)
+def test_loss_triton_interpreter(be, policy):
+    """The Triton kernels (interpreter) on a small packed batch, both the fused and the
+    two-phase paths."""
+    b = Batch(TRITON_LENS, 40, seed=11)
+    for mode in ("seq-mean-token-mean", "none"):
+        check_loss(b, "row", "triton", _opts(policy, mode, entropy_coef=0.01), TOL32,
+                   adv="seq", isw="tok")
+    check_loss(b, "flat", "triton", _opts(policy, "token-mean"), TOL32, rc="tis-seq",
+               adv="tok")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("policy", ["vanilla", "gspo", "cispo"])
+@pytest.mark.parametrize("be", BACKENDS_FAST)
+def test_loss_half_precision(be, policy, dtype):
+    b = Batch(EDGE_LENS["mixed"], 29, seed=3, dtype=dtype)
+    for mode in ("token-mean", "seq-mean-token-mean", "none"):
+        check_loss(b, "row", be.name, _opts(policy, mode, entropy_coef=0.01), TOL16,
+                   adv="seq")
+
+
+@pytest.mark.parametrize("be", TRITON)
+def test_loss_bfloat16_triton(be):
+    b = Batch(TRITON_LENS, 40, seed=4, dtype=torch.bfloat16)
+    check_loss(b, "flat", "triton", _opts("gspo", "seq-mean-token-sum"), TOL16, adv="seq")
+    check_loss(b, "flat", "triton", _opts("vanilla", "token-mean"), TOL16, adv="tok")
+
+
+def test_loss_all_empty_and_no_sequences():
+    """Every sequence empty (total = 0), and S = 0 (cu_seqlens = [0]): a zero loss, zero
+    metrics, an empty gradient, for every policy and mode."""
+    for lens in ([0, 0, 0], []):
+        b = Batch(lens, 7, seed=1)
+        for be in ("cpu", "torch"):
+            for policy in POLICIES:
+                for mode in AGG:
+                    leaf = b.logits.clone().requires_grad_()
+                    loss, m = pk.ppo_loss(leaf, b.tokens, b.p["old"], b.seq["adv"],
+                                          response_mask=b.mask, cu_seqlens=b.cu,
+                                          policy_loss=policy, loss_agg_mode=mode, backend=be)
+                    if mode == "none":
+                        assert loss.shape == (0,)
+                    else:
+                        assert loss.dim() == 0 and float(loss.detach()) == 0.0
+                        loss.backward()
+                        assert leaf.grad is not None and leaf.grad.shape == (0, 7)
+                    assert float(m["num_tokens"]) == 0 and float(m["num_seqs"]) == 0
+                    assert all(torch.isfinite(v) for v in m.values())
+
+
+def test_loss_fully_masked_sequences_match_padded():
+    """Sequences whose every position is masked (length > 0, no valid token)."""
+    b = Batch([3, 2, 4], 11, seed=8, p_mask=0.0)
+    b.mask[3:5] = False  # the second sequence is all masked
+    for k in b.p:
+        b.p[k] = torch.where(b.mask, b.p[k], float("nan"))
+    b.tokens = torch.where(b.mask, b.tokens, -3)
+    for policy in POLICIES:
+        for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "none"):
+            check_loss(b, "flat", "cpu", _opts(policy, mode), TOL32, adv="seq", rc="geo-seq")
+
+
+def test_max_seqlen_is_only_a_hint():
+    """max_seqlen (an upper bound of the longest sequence, as flash-attn takes it) saves a
+    host read: it must not change any result, the seq-mean-token-sum-norm length included
+    (whose default T is the padded width)."""
+    b = Batch([3, 0, 1, 5], 11, seed=2)
+    for policy in ("vanilla", "gspo"):
+        for mode in AGG:
+            for be in ("cpu", "torch"):
+                outs = []
+                for ms in (None, 5, 9):
+                    leaf = b.logits.clone().requires_grad_()
+                    loss, m = pk.ppo_loss(leaf, b.tokens, b.p["old"], b.seq["adv"],
+                                          response_mask=b.mask, cu_seqlens=b.cu,
+                                          max_seqlen=ms, policy_loss=policy,
+                                          loss_agg_mode=mode, backend=be)
+                    (loss * b.w_tok if mode == "none" else loss).sum().backward()
+                    outs.append((loss.detach(), m, leaf.grad))
+                for ms, (lo, mo, go) in zip((5, 9), outs[1:]):
+                    what = f"{policy} {mode} {be} max_seqlen={ms}"
+                    assert_same(lo, outs[0][0], TOL32, what + " loss")
+                    assert_same(go, outs[0][2], TOL32, what + " dlogits")
+                    for k in mo:
+                        assert_same(mo[k], outs[0][1][k], TOL32, what + f" metric {k}")
+
+
+def test_per_sequence_inputs_when_num_seqs_equals_total():
+    """Per-sequence advantages [S, 1] are unambiguous even when S == total (here with an
+    empty sequence and a length-2 one): they must be spread over each sequence's tokens,
+    as [S, 1] is in the padded layout."""
+    b = Batch([2, 0, 1], 9, seed=6, p_mask=0.0)
+    assert b.S == b.total
+    check_loss(b, "flat", "cpu", _opts("vanilla", "token-mean"), TOL32, adv="seq1")
+
+
+def test_loss_nan_logits_on_masked_positions():
+    """Masked positions are never read: NaN / inf logits there change nothing (packed
+    rows of masked tokens, kernel backends)."""
+    b = Batch([3, 0, 4, 2], 13, seed=9, p_mask=0.3)
+    ref = check_loss(b, "flat", "cpu", _opts("gspo", "seq-mean-token-mean"), TOL32, adv="seq")
+    b.logits = torch.where(b.mask[:, None], b.logits, float("nan"))
+    b.logits[~b.mask, 0] = float("inf")
+    P, _ = loss_inputs(b, adv="seq")
+    lp, mp, gp = run_packed_loss(b, "flat", "cpu", P, _opts("gspo", "seq-mean-token-mean"))
+    assert_same(lp, ref[0], 0.0, "loss")
+    assert_same(gp, ref[2], 0.0, "dlogits")
+    assert torch.all(gp[~b.mask] == 0)
+
+
+@st.composite
+def packed_problems(draw):
+    lens = draw(st.lists(st.integers(0, 7), min_size=1, max_size=5))
+    V = draw(st.sampled_from([1, 2, 5, 17, 64]))
+    policy = draw(st.sampled_from(POLICIES))
+    mode = draw(st.sampled_from(AGG))
+    opts = _opts(policy, mode,
+                 entropy_coef=draw(st.sampled_from([0.0, 0.01])),
+                 temperature=draw(st.sampled_from([1.0, 0.6, 1.7])))
+    if policy in ("vanilla", "gspo", "gspo-token") and draw(st.booleans()):
+        opts["dual_clip_c"] = 3.0 if policy == "vanilla" else 1.5
+    rc = draw(st.sampled_from([None, None] + RC))
+    if rc is not None:
+        opts["rollout_is_threshold"] = 1.5 if rc == "geo-seq" else draw(
+            st.sampled_from([2.0, (0.6, 1.5)]))
+    inputs = dict(adv=draw(st.sampled_from(["tok", "seq", "seq1"])),
+                  isw=draw(st.sampled_from([None, "tok", "seq"])),
+                  old=rc is not None or draw(st.integers(0, 3)) > 0,
+                  rc=rc, off=draw(st.sampled_from([None, None, 0.0, 0.05])),
+                  kl=draw(st.sampled_from([0.0, 0.1])))
+    if inputs["adv"] == "seq1" and len(lens) == sum(lens) and len(lens) > 1:
+        inputs["adv"] = "seq"  # [S, 1] with S == total: test_per_sequence_inputs_...
+    if (inputs["adv"] == "seq" or inputs["isw"] == "seq") and len(lens) == sum(lens):
+        inputs["adv"], inputs["isw"] = "tok", (None if inputs["isw"] == "seq" else
+                                                inputs["isw"])  # [S] = [total]: ambiguous
+    layout = draw(st.sampled_from(["flat", "row", "raw"]))
+    return lens, V, draw(st.integers(0, 2**31 - 1)), draw(st.sampled_from([0.0, 0.3])), \
+        opts, inputs, layout
+
+
+@SETTINGS
+@given(packed_problems())
+def test_loss_random_ragged(problem):
+    lens, V, seed, p_mask, opts, inputs, layout = problem
+    b = Batch(lens, V, seed, p_mask=p_mask)
+    for be in ("cpu", "torch"):
+        check_loss(b, layout, be, opts, TOL32, **inputs)
+
+
+# ------------------------------------------------------------------ gradcheck
+
+
+@pytest.mark.parametrize("policy", ["vanilla", "gspo"])
+@pytest.mark.parametrize("be", BACKENDS_FAST)
+def test_gradcheck_float64(be, policy):
+    b = Batch([2, 0, 3, 1], 5, seed=12, dtype=torch.float64, confident=0.0)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        def f(x):
+            return pk.ppo_loss(x, b.tokens, b.p["old"], b.seq["adv"], response_mask=b.mask,
+                               cu_seqlens=b.cu, policy_loss=policy, loss_agg_mode=mode,
+                               entropy_coef=0.05, backend=be.name,
+                               **(dict(clip_eps_low=0.05, clip_eps_high=0.06)
+                                  if policy == "gspo" else {}))[0]
+        x = b.logits.clone().requires_grad_()
+        assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+# ------------------------------------------------------------------ from hidden
+
+
+@pytest.mark.parametrize("policy", ["vanilla", "gspo", "sapo"])
+@pytest.mark.parametrize("be", BACKENDS)
+def test_loss_from_hidden(be, policy):
+    lens = TRITON_LENS if be.small else EDGE_LENS["mixed"]
+    b = Batch(lens, 37, seed=13, H=8)
+    modes = ("seq-mean-token-mean", "none") if be.small else ("token-mean",
+                                                              "seq-mean-token-sum-norm", "none")
+    for mode in modes:
+        for layout in ("flat", "row"):
+            opts = _opts(policy, mode, entropy_coef=0.01)
+            P, Q = loss_inputs(b, adv="seq", rc="tis")
+            h = shaped(b.hidden, layout).clone().requires_grad_()
+            w = b.weight.clone().requires_grad_()
+            kw = {k: (shaped(v, layout) if isinstance(v, torch.Tensor) and
+                      v.shape[0] == b.total else v) for k, v in P.items()}
+            loss, m = pk.ppo_loss_from_hidden(h, w, shaped(b.tokens, layout),
+                                              response_mask=shaped(b.mask, layout),
+                                              cu_seqlens=b.cu, backend=be.name, chunk_size=3,
+                                              **kw, **opts)
+            hq = b.pad(b.hidden).requires_grad_()
+            wq = b.weight.clone().requires_grad_()
+            lq, mq = pk.ppo_loss_from_hidden(hq, wq, b.padded_tokens,
+                                             response_mask=b.padded_mask, backend=be.name,
+                                             chunk_size=3, **Q, **opts)
+            if mode == "none":
+                loss = loss.reshape(b.total)
+                lq = b.unpad(lq)
+                (loss * b.w_tok).sum().backward()
+                (lq * b.w_tok).sum().backward()
+            else:
+                loss.backward()
+                lq.backward()
+            assert_same(loss, lq, TOL32, "loss")
+            for k in mq:
+                assert_same(m[k], mq[k], TOL32, f"metric {k}")
+            assert_same(h.grad.reshape(b.total, -1), b.unpad(hq.grad), TOL32, "dhidden")
+            assert_same(w.grad, wq.grad, TOL32, "dW")
+
+
+# ------------------------------------------------------------------ rollout side
+
+
+def _padded_seq_inputs(b):
+    return b.pad(b.p["rewards"]), b.pad(b.p["values"]), b.padded_mask
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("name", sorted(EDGE_LENS) + ["all-empty", "long"])
+def test_gae(be, name):
+    """(long: sequences past the interpreter's 8-long GAE chunk)"""
+    lens = EDGE_LENS.get(name, [0, 0] if name == "all-empty" else [11, 0, 3, 9])
+    b = Batch(lens, 3, seed=len(name))
+    for layout in ("flat", "row"):
+        boot = torch.randn(b.S, generator=torch.Generator().manual_seed(b.S))
+        for gamma, lam, bv in ((1.0, 0.95, None), (0.9, 1.0, boot), (0.99, 0.0, None),
+                               (0.97, 0.9, boot)):
+            a, r = pk.gae(shaped(b.p["rewards"], layout), shaped(b.p["values"], layout),
+                          shaped(b.mask, layout), gamma=gamma, lam=lam, bootstrap_values=bv,
+                          cu_seqlens=b.cu, backend=be.name)
+            assert a.shape == shaped(b.mask, layout).shape and r.shape == a.shape
+            if b.L == 0:
+                assert a.numel() == 0
+                continue
+            aq, rq = pk.gae(*_padded_seq_inputs(b), gamma=gamma, lam=lam, bootstrap_values=bv,
+                            backend=be.name)
+            assert_same(a.reshape(-1), b.unpad(aq), TOL32, "advantages")
+            assert_same(r.reshape(-1), b.unpad(rq), TOL32, "returns")
+            assert torch.all(a.reshape(-1)[~b.mask] == 0)
+
+
+def test_gae_restarts_at_every_boundary():
+    """With all-valid sequences, the packed scan must equal running gae on each sequence
+    alone (nothing carries across a boundary)."""
+    b = Batch([3, 1, 5, 2], 3, seed=1, p_mask=0.0, nan=False)
+    a, r = pk.gae(b.p["rewards"], b.p["values"], None, gamma=0.97, lam=0.9, cu_seqlens=b.cu)
+    for s in range(b.S):
+        lo, hi = int(b.cu[s]), int(b.cu[s + 1])
+        aa, rr = pk.gae(b.p["rewards"][None, lo:hi], b.p["values"][None, lo:hi], None,
+                        gamma=0.97, lam=0.9)
+        assert_same(a[lo:hi], aa[0], TOL32, f"sequence {s}")
+        assert_same(r[lo:hi], rr[0], TOL32, f"sequence {s} returns")
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_LENS))
+def test_kl_penalized_rewards(name):
+    b = Batch(EDGE_LENS[name], 3, seed=3)
+    for est in ("k1", "k2", "k3", "abs"):
+        for layout in ("flat", "row"):
+            r = pk.kl_penalized_rewards(b.seq["scores"], shaped(b.p["old"], layout),
+                                        shaped(b.p["ref"], layout), shaped(b.mask, layout),
+                                        kl_coef=0.1, kl_estimator=est, cu_seqlens=b.cu)
+            rq = pk.kl_penalized_rewards(b.seq["scores"], b.pad(b.p["old"]),
+                                         b.pad(b.p["ref"]), b.padded_mask, kl_coef=0.1,
+                                         kl_estimator=est)
+            assert r.shape == shaped(b.mask, layout).shape
+            assert_same(r.reshape(-1), b.unpad(rq), TOL32, f"rewards {est}")
+
+
+@pytest.mark.parametrize("name", sorted(EDGE_LENS))
+def test_whiten(name):
+    b = Batch(EDGE_LENS[name], 3, seed=4)
+    for shift in (True, False):
+        for layout in ("flat", "row"):
+            x = shaped(b.p["x"], layout).clone().requires_grad_()
+            y = pk.whiten(x, shaped(b.mask, layout), shift_mean=shift, cu_seqlens=b.cu)
+            xq = b.pad(b.p["x"]).requires_grad_()
+            yq = pk.whiten(xq, b.padded_mask, shift_mean=shift)
+            assert y.shape == x.shape
+            assert_same(y.reshape(-1), b.unpad(yq), TOL32, "whiten")
+            (y.reshape(-1) * b.w_tok).sum().backward()
+            (b.unpad(yq) * b.w_tok).sum().backward()
+            assert_same(x.grad.reshape(-1), b.unpad(xq.grad), TOL32, "d whiten")
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("name", sorted(EDGE_LENS))
+def test_score_rollout(be, name):
+    lens = EDGE_LENS[name]
+    if be.small and sum(lens) > 16:
+        lens = TRITON_LENS
+    dtypes = ((torch.float32, TOL32), (torch.bfloat16, TOL16))
+    if be.small and name != "mixed":
+        dtypes = dtypes[:1]
+    for dtype, tol in dtypes:
+        b = Batch(lens, 31, seed=5 + len(name), dtype=dtype)
+        for layout in (("flat", "row", "raw") if not be.small else ("row",)):
+            for whiten in (True, False):
+                _, logits = packed_logits(b, layout, requires_grad=False)
+                out = pk.score_rollout(logits, shaped(b.tokens, layout),
+                                       shaped(b.p["ref"], layout),
+                                       shaped(b.p["values"], layout), b.seq["scores"],
+                                       shaped(b.mask, layout), kl_coef=0.05, gamma=0.99,
+                                       lam=0.9, temperature=0.8, whiten=whiten,
+                                       cu_seqlens=b.cu, backend=be.name)
+                outq = pk.score_rollout(b.pad(b.logits), b.padded_tokens, b.pad(b.p["ref"]),
+                                        b.pad(b.p["values"]), b.seq["scores"], b.padded_mask,
+                                        kl_coef=0.05, gamma=0.99, lam=0.9, temperature=0.8,
+                                        whiten=whiten, backend=be.name)
+                for f, x, xq in zip(out._fields, out, outq):
+                    assert x.shape == shaped(b.mask, layout).shape, f
+                    assert x.dtype == torch.float32, f
+                    assert_same(x.reshape(-1), b.unpad(xq), tol, f"{f} {layout}")
+                    assert torch.all(x.reshape(-1)[~b.mask] == 0), f
+
+
+def test_score_rollout_all_empty():
+    b = Batch([0, 0], 7, seed=1)
+    out = pk.score_rollout(b.logits, b.tokens, b.p["ref"], b.p["values"], b.seq["scores"],
+                           b.mask, kl_coef=0.1, cu_seqlens=b.cu)
+    assert all(x.shape == (0,) for x in out)
