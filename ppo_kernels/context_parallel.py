@@ -13,22 +13,34 @@ ranks' losses, each rank's gradient is then the whole loss's gradient in its own
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 import torch.distributed as dist
 
-_GROUP = contextvars.ContextVar("ppo_kernels_cp_group", default=None)
+# The group of the op running now (None: none). A module global, not a ContextVar:
+# torch.compile traces a read of a global (a guard) but not ContextVar.set, and only an op
+# with a cp_group ever sets it.
+_GROUP = None
 
 
 @contextlib.contextmanager
 def sequence_group(group):
-    """Within the block, the sequence reductions below sum over ``group`` (None: none)."""
-    token = _GROUP.set(group)
+    """Within the block, the sequence reductions below sum over ``group``."""
+    global _GROUP
+    previous, _GROUP = _GROUP, group
     try:
         yield
     finally:
-        _GROUP.reset(token)
+        _GROUP = previous
+
+
+def run_in(group, fn):
+    """fn() with the sequence reductions over group; a plain call for group None (so that
+    torch.compile sees no context manager at all)."""
+    if group is None:
+        return fn()
+    with sequence_group(group):
+        return fn()
 
 
 def check_group(cp_group, name="cp_group"):
@@ -67,8 +79,7 @@ class _AllReduceSum(torch.autograd.Function):
 def group_sum(x):
     """x summed over the sequence group, elementwise (differentiable); x itself without
     one."""
-    group = _GROUP.get()
-    return x if group is None else _AllReduceSum.apply(x, group)
+    return x if _GROUP is None else _AllReduceSum.apply(x, _GROUP)
 
 
 def seq_sum(x):
@@ -83,6 +94,6 @@ def seq_any(b):
 
 def length(t, like):
     """The whole sequences' padded length: T summed over the group (a 0-d tensor), or T."""
-    if _GROUP.get() is None:
+    if _GROUP is None:
         return t
     return group_sum(torch.tensor(float(t), dtype=like.dtype, device=like.device))

@@ -27,7 +27,7 @@ from . import _checks as ck
 from ._checks import acc_dtype
 from ._ops import KernelBackend, effective_grad_scale, get_backend, scale_grad
 from .vocab_parallel import all_reduce_sum_, require_kernels, shard_of
-from .context_parallel import check_group, sequence_group
+from .context_parallel import check_group, run_in
 from .loss import _composite_padded, loss_metrics, per_token_loss, prepare_loss
 
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
@@ -504,10 +504,9 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         lm_head_bias (those that require it). All of it is computed in the forward; the
         backward only rescales it by grad_output (no pass when grad_output == grad_scale).
     """
-    with sequence_group(check_group(cp_group)):
-        return _loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages,
-                                 response_mask, ref_logprobs, lm_head_bias, logit_softcap,
-                                 chunk_size, tp_group, vocab_start, loss_options)
+    return run_in(check_group(cp_group), lambda: _loss_from_hidden(
+        hidden, lm_head_weight, tokens, old_logprobs, advantages, response_mask, ref_logprobs,
+        lm_head_bias, logit_softcap, chunk_size, tp_group, vocab_start, loss_options))
 
 
 def _loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages, response_mask,

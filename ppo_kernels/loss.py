@@ -184,9 +184,9 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     Raises:
         TypeError / ValueError naming the argument (see DESIGN.md, "Bad input").
     """
-    with _cp.sequence_group(_cp.check_group(cp_group)):
-        logits, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
-        logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
+    def run():
+        local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
+        logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
         s = prepare_loss(
             logits3, None if shard else logits3.shape[2], tokens2, flat, response_mask,
             old_logprobs, advantages, ref_logprobs, policy_loss=policy_loss,
@@ -206,10 +206,12 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
                                                                         logits3.shape)):
             raise ValueError("logits: inplace_backward=True writes the gradient into the "
                              "logits, which needs positions that do not share memory; got "
-                             f"strides {list(logits.stride())} (an expanded tensor)")
+                             f"strides {list(local.stride())} (an expanded tensor)")
         _vp.require_kernels(s.be, shard)
         loss, logp, ent = _loss_of_logits(s, logits3, shard, inplace_backward)
         return loss, loss_metrics(s, logp, ent)
+
+    return _cp.run_in(_cp.check_group(cp_group), run)
 
 
 def _loss_of_logits(s, logits3, shard, inplace_backward):

@@ -13,6 +13,7 @@ the gradient of every packed row of logits.
 """
 
 import os
+import zlib
 
 import torch
 
@@ -255,7 +256,21 @@ def check_loss(b, layout, backend, opts, tol, nonzero=False, **inputs):
     if nonzero:  # the comparison is not between two zeros
         assert float(gq.abs().max()) > 0 and float(lq.abs().max()) > 0
         assert float(mq["num_tokens"]) == float(b.mask.sum())
-    assert_same(lp, lq, tol, "loss")
+    if lq.dim() == 0:
+        # the two layouts sum the same terms in another order: float32 rounding is relative
+        # to sum |w_t l_t|, not to the total, which may cancel
+        none = dict(opts, loss_agg_mode="none")
+        per_tok, _ = pk.ppo_loss(b.pad(b.logits), b.padded_tokens, response_mask=b.padded_mask,
+                                 backend=backend, **Q, **none)
+        w = pk._torch_impl.agg_weights(b.padded_mask, opts["loss_agg_mode"],
+                                       opts.get("global_num_tokens"), opts.get("norm_length"),
+                                       dtype=torch.float64,
+                                       global_num_seqs=opts.get("global_num_seqs"))
+        scale = max(float((w * per_tok.double().abs()).sum()), float(lq.abs()), 1e-30)
+        e = float((lp.double() - lq.double()).abs()) / scale
+        assert e <= tol, f"loss: error {e:.3g} of sum |w l| > {tol}"
+    else:
+        assert_same(lp, lq, tol, "loss")
     assert set(mp) == set(mq), set(mp) ^ set(mq)
     for k in mq:
         assert mp[k].dim() == 0 and not mp[k].requires_grad, k
@@ -269,7 +284,7 @@ def _opts(policy, mode, **kw):
     if policy == "cispo":
         o.update(clip_eps_low=1.0, clip_eps_high=4.0)
     if policy in ("gspo", "gspo-token"):  # a band the sequence ratios fall on both sides of
-        o.update(clip_eps_low=0.05, clip_eps_high=0.08)
+        o.update(clip_eps_low=0.1, clip_eps_high=0.15)
     o.update(kw)
     return o
 
@@ -280,7 +295,7 @@ def _opts(policy, mode, **kw):
 def test_loss_every_policy_and_mode(be, policy, mode):
     """Every policy loss x aggregation mode, a ragged batch with empty and length-1
     sequences, NaN on masked positions, confident tokens; per-token advantages."""
-    b = Batch(EDGE_LENS["mixed"], 23, seed=hash((policy, mode)) % 1000)
+    b = Batch(EDGE_LENS["mixed"], 23, seed=zlib.crc32(f"{policy}/{mode}".encode()) % 1000)
     check_loss(b, "flat", be.name, _opts(policy, mode, kl_coef=0.0), TOL32, nonzero=True)
 
 
