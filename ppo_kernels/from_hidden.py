@@ -6,7 +6,8 @@ The rows of [B, T] (flattened, valid and masked alike) are processed in chunks o
 (oneDNN / cuBLAS), the optional soft cap z = cap * tanh(x / cap), the existing fused kernel
 on the [1, C, V] view of the chunk, writing d loss / d z over the chunk's logits
 (ppo_loss_fwd_inplace), times the soft cap's derivative 1 - tanh^2, then
-d hidden_c = dz_c @ W, dW += dz_c^T h_c (float32 accumulator for bf16 / fp16), db += sum dz_c.
+d hidden_c = dz_c @ W, dW += dz_c^T h_c (float32 accumulator for bf16 / fp16 over several
+chunks), db += sum dz_c.
 All of it in the forward; the backward only rescales the saved (d hidden, dW, db) by
 grad_output, in place (ppo_kernels._ops.scale_grad). The aggregation weights of the whole
 batch are known before any logit, so each chunk's loss is exactly its share of the total.
@@ -140,11 +141,19 @@ class _Grads:
         need_h, need_w, need_b = need
         n, h, v = s.n, weight.shape[1], weight.shape[0]
         dt = hidden3.dtype
-        wide = torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
-        self.wide = wide
+        self.wide = torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
+        # one chunk for all rows: dW and db are that chunk's matmul and sum as they come
+        # (no float32 accumulator for bf16 / fp16: it would add [V, H] float32 of memory
+        # and two passes over it to a product that already rounds once)
+        self.single = n <= s.chunk
         self.dh2 = torch.empty(n, h, dtype=dt, device=hidden3.device) if need_h else None
-        self.dw = torch.zeros(v, h, dtype=wide, device=weight.device) if need_w else None
-        self.db = torch.zeros(v, dtype=wide, device=weight.device) if need_b else None
+        self.need_w, self.need_b = need_w, need_b
+        self.dw = self.db = None
+        if not self.single:
+            if need_w:
+                self.dw = torch.zeros(v, h, dtype=self.wide, device=weight.device)
+            if need_b:
+                self.db = torch.zeros(v, dtype=self.wide, device=weight.device)
         self.any = need_h or need_w or need_b
 
     def add(self, r0, r1, dz, h, weight):
@@ -152,6 +161,12 @@ class _Grads:
         hidden states)."""
         if self.dh2 is not None:
             torch.mm(dz, weight, out=self.dh2[r0:r1])
+        if self.single:
+            if self.need_w:
+                self.dw = torch.mm(dz.t(), h)
+            if self.need_b:
+                self.db = dz.sum(0, dtype=self.wide)
+            return
         if self.dw is not None:
             if self.dw.dtype == dz.dtype:
                 self.dw.addmm_(dz.t(), h)
@@ -170,8 +185,13 @@ class _Grads:
                 full = torch.zeros(b, tl, h, dtype=dh.dtype, device=dh.device)
                 full[:, :s.t] = dh
                 dh = full
-        dw = None if self.dw is None else self.dw.to(weight.dtype)
-        db = None if self.db is None else self.db.to(bias.dtype)
+        dw, db = self.dw, self.db
+        if self.need_w and dw is None:  # no rows at all
+            dw = torch.zeros_like(weight)
+        if self.need_b and db is None:
+            db = torch.zeros_like(bias)
+        dw = None if dw is None else dw.to(weight.dtype)
+        db = None if db is None else db.to(bias.dtype)
         return dh, dw, db
 
 
