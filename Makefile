@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   set everything up on a fresh machine and run the PPO demo (the main job)
 #   make test   set everything up and run the test suite
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench report
 
 setup:
 	./scripts/setup.sh
@@ -14,3 +14,8 @@ test: setup
 
 bench: setup
 	.venv/bin/python benchmarks/cpu_bench.py
+
+# CPU benchmarks of every op over sizes: CSV and plots in benchmarks/results/ (~10 min);
+# REPORT_ARGS="--quick" for a smoke run
+report: setup
+	.venv/bin/python benchmarks/report.py $(REPORT_ARGS)

@@ -27,15 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
 import torch
 
 import ppo_kernels as pk
 from ppo_kernels import _torch_impl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure  # noqa: E402  (the timing loop, the floor and the peak probe)
 
 P = dict(clip_eps_low=0.2, clip_eps_high=0.2, dual_clip_c=None, kl_coef=0.0, kl_estimator="k3",
          entropy_coef=0.0, temperature=1.0)
@@ -55,9 +55,10 @@ def make_inputs(n, v, dtype, seed=0):
     return logits, tokens, mask, old, adv
 
 
-def composite(logits, tokens, mask, old, adv):
+def composite(logits, tokens, mask, old, adv, p=P):
+    """The eager composite's loss with the options p (report.py passes a gspo p)."""
     w = _torch_impl.agg_weights(mask, "token-mean")
-    return _torch_impl.ppo_loss(logits, tokens, mask, old, adv, w, None, None, P)[0]
+    return _torch_impl.ppo_loss(logits, tokens, mask, old, adv, w, None, None, p)[0]
 
 
 def fused(logits, tokens, mask, old, adv):
@@ -91,15 +92,13 @@ def fused_gspo(logits, tokens, mask, old, adv):
     return pk.ppo_loss(logits, tokens, old, adv, mask, backend="cpu", policy_loss="gspo")[0]
 
 
+_floor = _measure.CopyFloor()
+
+
 def floor(logits, *_):
     """Not a loss: the read + write of [N, V] that every forward+backward needs."""
-    out = _floor_out.get(logits.shape)
-    if out is None:
-        out = _floor_out[logits.shape] = torch.zeros_like(logits)  # mapped and touched
-    return out.copy_(logits)
+    return _floor(logits)
 
-
-_floor_out = {}
 
 VARIANTS = {"cpu (fused)": fused, "cpu, inplace_backward": fused_inplace,
             "cpu, (loss / 3)": fused_accum, "cpu, grad_scale=1/3": fused_grad_scale,
@@ -132,31 +131,15 @@ _inplace_src = {}
 
 
 def time_variant(fn, inputs, reps, warmup):
-    for _ in range(warmup):
-        step(fn, prepare(fn, inputs))
-    times = []
-    for _ in range(reps):
-        ready = prepare(fn, inputs)
-        t0 = time.perf_counter()
-        step(fn, ready)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _status_kb(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1])
-    raise KeyError(key)
+    """Median seconds of one forward+backward (the refill of prepare() untimed)."""
+    return _measure.median_s(lambda ready: step(fn, ready), lambda: prepare(fn, inputs),
+                             reps, warmup)
 
 
 def peak_child(name, n, v, dtype):
     """Runs one forward+backward in this script as a subprocess; returns extra peak bytes."""
-    out = subprocess.run([sys.executable, __file__, "--peak-of", name, "--n", str(n),
-                          "--v", str(v), "--dtype", dtype], capture_output=True, text=True,
-                         check=True)
-    return int(out.stdout.strip().splitlines()[-1])
+    return _measure.child_peak([os.path.abspath(__file__), "--peak-of", name, "--n", n,
+                                "--v", v, "--dtype", dtype])
 
 
 def measure_peak_here(name, n, v, dtype):
@@ -166,13 +149,8 @@ def measure_peak_here(name, n, v, dtype):
     step(fn, prepare(fn, small))  # load/compile outside the window
     inputs = prepare(fn, inputs)  # its refill buffer stands for the model's output
     if fn is floor:  # the floor's output buffer is mapped memory by definition
-        _floor_out[inputs[0].shape] = torch.zeros_like(inputs[0])
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    base = _status_kb("VmRSS:")
-    grad = step(fn, inputs)
-    del grad
-    print((_status_kb("VmHWM:") - base) * 1024)
+        _floor.map(inputs[0])
+    print(_measure.peak_extra_bytes(lambda: step(fn, inputs)))
 
 
 def main():

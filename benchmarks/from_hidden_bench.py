@@ -40,10 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +49,8 @@ import ppo_kernels as pk
 from ppo_kernels import _torch_impl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cpu_bench import P, _status_kb  # noqa: E402  (the same loss options, the same probe)
+import _measure  # noqa: E402  (the timing loop and the peak probe)
+from cpu_bench import P  # noqa: E402  (the same loss options)
 
 CLIP = P["clip_eps_low"]
 
@@ -155,25 +153,17 @@ def step(fn, inputs, chunk):
 
 
 def time_variant(fn, inputs, chunk, reps, warmup):
-    for _ in range(warmup):
-        step(fn, inputs, chunk)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step(fn, inputs, chunk)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of one forward + backward."""
+    return _measure.median_s(lambda: step(fn, inputs, chunk), None, reps, warmup)
 
 
 # ------------------------------------------------------------------ peak memory (child)
 
 def peak_child(name, n, a):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--peak-of", name,
-                          "--n", str(n), "--h", str(a.h), "--v", str(a.v), "--dtype", a.dtype,
-                          "--chunk", str(a.chunk)], capture_output=True, text=True,
-                         check=True, env=env)
-    return int(out.stdout.strip().splitlines()[-1])
+    """Extra peak bytes of one forward + backward, in a fresh process (_measure.MMAP_ENV)."""
+    return _measure.child_peak([os.path.abspath(__file__), "--peak-of", name, "--n", n,
+                                "--h", a.h, "--v", a.v, "--dtype", a.dtype, "--chunk", a.chunk],
+                               _measure.MMAP_ENV)
 
 
 def measure_peak_here(name, n, a):
@@ -182,12 +172,7 @@ def measure_peak_here(name, n, a):
     res = step(fn, inputs, a.chunk)  # load / compile at this shape, outside the window
     del res
     pk.empty_cache()  # the CPU kernels' recycled [N, V] gradient buffer: counted in the window
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    base = _status_kb("VmRSS:")
-    res = step(fn, inputs, a.chunk)
-    del res
-    print((_status_kb("VmHWM:") - base) * 1024)
+    print(_measure.peak_extra_bytes(lambda: step(fn, inputs, a.chunk)))
 
 
 # ------------------------------------------------------------------ main

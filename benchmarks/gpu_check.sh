@@ -9,17 +9,23 @@
 #   4. >65,536 rows and 64-bit offsets (B=1, T=70000, V=32768 bf16 with a gradient);
 #   5. every op vs the float64 reference on small odd shapes (benchmarks/gpu_smoke.py);
 #   6. compute-sanitizer memcheck, racecheck, synccheck, initcheck on the quick smoke;
-#   7. pytest -k "cuda or triton";  8. benchmarks/gpu_bench.py;  9. a summary table.
+#   7. pytest -k "cuda or triton", then the distributed checks (tests/distributed_cases.py:
+#   NCCL with 2 GPUs, else gloo carrying CUDA tensors);  8. benchmarks/gpu_bench.py;
+#   9. the loss from hidden states (benchmarks/gpu_from_hidden.py); 10. the report from this GPU
+#   (benchmarks/report.py --device cuda: CSV and plots in $OUT/report); 11. a summary table.
 # Every stage has its own timeout, capped by what is left of CHECK_BUDGET_S (default 470 s,
 # so a 15-minute lease keeps time for a rerun); a stage that does not fit is skipped.
 # Logs and JSON go to $OUT when set (else ./out).
 #
 #   device run:  bash benchmarks/gpu_check.sh
-#   env: BENCH_ARGS="..." extra gpu_bench.py arguments; CHECK_BUDGET_S; SKIP_TESTS=1,
-#        SKIP_SANITIZER=1, SKIP_BENCH=1 to leave a stage out.
+#   env: BENCH_ARGS="..." extra gpu_bench.py arguments; REPORT_ARGS="..." report.py ones;
+#        CHECK_BUDGET_S; SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_REPORT=1 to leave
+#        a stage out.
 #   CPU dry run of the python parts (no build, no GPU):
 #        TRITON_INTERPRET=1 python benchmarks/gpu_review_checks.py all --device cpu --small
 #        python benchmarks/gpu_smoke.py quick --device cpu
+#        TRITON_INTERPRET=1 python benchmarks/report.py --device cuda --dry-run --quick \
+#            --out /tmp/gpu_report     (~7 min: the interpreter; --ops gae for seconds)
 #   Liger-Kernel is not in the H200 image and the machine has no network: to compare with
 #   it, download its wheel first on a machine with PyPI (`echo /.whl/ >> .git/info/exclude;
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl liger-kernel`) and carry
@@ -120,8 +126,22 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
       "$PY" -m pytest tests -k "cuda or triton" -q --maxfail=15 -p no:cacheprovider "${IGN[@]}"
 fi
 
+# tensor parallel (and DP, CP) on the GPU: 2 processes of tests/distributed_cases.py with
+# NCCL needs 2 GPUs (NCCL refuses two ranks on one device); with one GPU, gloo carries the
+# CUDA tensors' collectives instead (the kernels and the merge run on the GPU all the same)
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2> /dev/null || echo 0)
+mkdir -p "$OUTDIR/distributed"
+if [ "${NGPU:-0}" -ge 2 ]; then
+  TAIL_LINES=6 run_stage "tp/dp/cp nccl x2" 90 distributed.log "$PY" \
+      tests/distributed_cases.py --world 2 --device cuda --backend nccl --out "$OUTDIR/distributed"
+else
+  echo "the NCCL tensor-parallel check needs 2 GPUs (this machine has ${NGPU:-0}); gloo instead"
+  TAIL_LINES=6 run_stage "tp/dp/cp gloo+cuda x2" 90 distributed.log "$PY" \
+      tests/distributed_cases.py --world 2 --device cuda --backend gloo --out "$OUTDIR/distributed"
+fi
+
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  b=$(( $(left) - 100 ))  # (leaves the from-hidden stage its time)
+  b=$(( $(left) - 170 ))  # (leaves the from-hidden and report stages their time)
   if [ $b -ge 40 ]; then
     TAIL_LINES=3 run_stage "benchmark" $(( b + 30 )) bench.log "$PY" benchmarks/gpu_bench.py \
         --budget-s "$b" --json "$OUTDIR/gpu_bench.json" ${BENCH_ARGS:-}
@@ -134,6 +154,22 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   # the loss from hidden states vs materialised logits and Liger's fused-linear GRPO loss
   TAIL_LINES=8 run_stage "from hidden vs liger" 90 from_hidden.log "$PY" \
       benchmarks/gpu_from_hidden.py --json "$OUTDIR/gpu_from_hidden.json"
+fi
+
+if [ "${SKIP_BENCH:-0}" != 1 ] && [ "${SKIP_REPORT:-0}" != 1 ]; then
+  # the README's report from this GPU, small sizes (bf16; N 2048, 8192 at V 32768; V 151936
+  # at N 8192); --budget-s: no new op after it, so the CSV and plots get written
+  # (a timeout's SIGTERM also ends it with what it measured written)
+  r=$(( $(left) - 20 ))
+  [ $r -gt 75 ] && r=75
+  if [ $r -ge 20 ]; then
+    TAIL_LINES=16 run_stage "report (gpu)" $(( r + 15 )) report.log "$PY" \
+        benchmarks/report.py --device cuda --dtypes bfloat16 --n-sweep 2048 8192 \
+        --v-sweep 32768 151936 --base 8192 32768 --h 2048 --budget-s "$r" \
+        --out "$OUTDIR/report" ${REPORT_ARGS:-}
+  else
+    stage "report (gpu)" skipped 0 "time budget"
+  fi
 fi
 
 echo
