@@ -108,8 +108,9 @@ def _check_layout(starts, sizes):
     order = torch.argsort(starts)
     st, sz = starts[order], sizes[order]
     ok = (st[0] == 0) & (st[1:] == st[:-1] + sz[:-1]).all()
-    msg = ("vocab_start: the vocabulary shards of tp_group must tile the vocabulary (rank "
-           "by rank, each starting where the previous one ends, the first at 0)")
+    msg = ("vocab_start: the vocabulary shards of tp_group must tile the vocabulary (each "
+           "starting where another ends, the first at 0); its default, rank * local V, "
+           "assumes an even split: pass vocab_start= for an uneven one")
     if not host_readable(starts):
         torch._assert_async(ok, msg)
     elif not bool(ok):

@@ -1,8 +1,7 @@
 """TRL 1.16 GRPOConfig -> the keyword arguments of ppo_kernels.ppo_loss(_from_hidden).
 
 No import of trl here: ``args`` is anything with GRPOConfig's attribute names (docs/TRL.md
-has the mapping table; /work/notes/issue8_spec.md and TRL's GRPOTrainer._compute_loss the
-semantics it reproduces).
+has the mapping table; TRL's GRPOTrainer._compute_loss the semantics it reproduces).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ DIVIDED_BY_GA = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
 
 def _unsupported(option, value, why):
     return ValueError(f"ppo_kernels TRL integration: {option}={value!r} is not supported: "
-                      f"{why}")
+                      f"{why} (use trl.GRPOTrainer itself for it)")
 
 
 def check_trl_config(args):
