@@ -279,6 +279,37 @@ def dp_checks(rank, world, group=None, tp=None, out=None, tag="dp"):
     return out
 
 
+def low_precision_checks(rank, world):
+    """DP and CP with bfloat16 logits (vanilla and gspo): the split ops against the
+    single-process op on the same bf16 inputs."""
+    out = {}
+    group = dist.group.WORLD
+    x = batch(dtype=torch.bfloat16)
+    b0, b1 = split(x["tokens"].shape[0], world, rank)
+    t0, t1 = split(x["tokens"].shape[1], world, rank)
+    n_tok = x["mask"].sum().float()
+    for pl, kw in (POLICIES[0], POLICIES[4]):
+        kwargs = loss_kwargs(x, pl, kw)
+        full = x["logits"].clone().requires_grad_()
+        lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"], **kwargs)
+        lf.backward()
+        for tag, sl, tsl, extra in (("dp", slice(b0, b1), slice(None),
+                                     dict(global_num_tokens=n_tok)),
+                                    ("cp", slice(None), slice(t0, t1), dict(cp_group=group))):
+            loc = x["logits"][sl, tsl].clone().requires_grad_()
+            ls, ms = pk.ppo_loss(loc, x["tokens"][sl, tsl], x["old"][sl, tsl], x["adv"][sl],
+                                 x["mask"][sl, tsl], **loss_kwargs(x, pl, kw, sl, tsl),
+                                 **extra)
+            ls.backward()
+            total = ls.detach().clone()
+            dist.all_reduce(total)
+            name = f"{tag}/bfloat16/ppo_loss/{pl}"
+            compare_loss(out, name, lf, mf, total, pk.distributed.reduce_metrics(
+                ms, group, cp_group=group if tag == "cp" else None), BF16)
+            out[name + "/grad"] = [err(loc.grad, full.grad[sl, tsl]), BF16]
+    return out
+
+
 def dp_from_hidden_checks(rank, world):
     out = {}
     x = batch()
@@ -447,7 +478,7 @@ def tp_packed_checks(rank, world):
 
 SUITES = {
     2: [tp_checks, dtensor_checks, dp_checks, dp_from_hidden_checks, cp_checks,
-        tp_packed_checks],
+        tp_packed_checks, low_precision_checks],
     3: [tp_checks, dp_checks, cp_checks, tp_packed_checks],
     4: [tp_dp_checks, cp_dp_checks],
 }
