@@ -31,7 +31,8 @@ def reduce_metrics(metrics, group=None, cp_group=None):
             once per sequence.
 
     Returns:
-        a dict with the same keys, the same on every rank.
+        a dict with the same keys, the same on every rank (per_token_logprobs /
+        per_token_entropy, of return_per_token, stay the rank's own).
 
     Raises:
         ValueError: metrics without num_tokens / num_seqs, or torch.distributed not
@@ -43,9 +44,12 @@ def reduce_metrics(metrics, group=None, cp_group=None):
         raise ValueError("group: torch.distributed is not initialised")
     check_group(group, "group")
     check_group(cp_group, "cp_group")
-    if not isinstance(metrics, dict) or any(k not in metrics for k in _SUMMED):
-        raise ValueError("metrics: expected the dict of pk.ppo_loss (with num_tokens and "
-                         "num_seqs)")
+    if not isinstance(metrics, dict) or any(k not in metrics for k in _SUMMED) or \
+            not all(isinstance(v, torch.Tensor) for v in metrics.values()):
+        raise ValueError("metrics: expected the dict of tensors of pk.ppo_loss (with "
+                         "num_tokens and num_seqs)")
+    per_token = {k: v for k, v in metrics.items() if v.dim() != 0}  # return_per_token's
+    metrics = {k: v for k, v in metrics.items() if v.dim() == 0}
     cp = 1 if cp_group is None else dist.get_world_size(cp_group)
     n_tok = metrics["num_tokens"].float()
     n_seq = metrics["num_seqs"].float() / cp
@@ -74,4 +78,4 @@ def reduce_metrics(metrics, group=None, cp_group=None):
         m = torch.stack([metrics[k].float() for k in maxed])
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
         out.update(zip(maxed, m.unbind()))
-    return {k: out[k] for k in metrics}
+    return {**{k: out[k] for k in metrics}, **per_token}

@@ -294,7 +294,7 @@ def low_precision_checks(rank, world):
         lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"], **kwargs)
         lf.backward()
         for tag, sl, tsl, extra in (("dp", slice(b0, b1), slice(None),
-                                     dict(global_num_tokens=n_tok)),
+                                     dict(global_num_tokens=n_tok, return_per_token=True)),
                                     ("cp", slice(None), slice(t0, t1), dict(cp_group=group))):
             loc = x["logits"][sl, tsl].clone().requires_grad_()
             ls, ms = pk.ppo_loss(loc, x["tokens"][sl, tsl], x["old"][sl, tsl], x["adv"][sl],
