@@ -10,6 +10,11 @@ sequence ratio). One extra read of the logits compared with the fused single pas
      (d/dz of sum(dlogp * logp + dH * H), pre-scaled by grad_scale).
 
 The backward only rescales dlogits in place (scale_grad_), as for the fused losses.
+
+The same three steps serve every policy loss where the row statistics must be complete
+before any gradient: a vocabulary split over ranks (vocab_parallel.py merges the shards'
+statistics between steps 1 and 2) and packed sequences (packed.py: the kernels read the
+packed rows, the middle runs on their padded [S, max_seqlen] copy).
 """
 
 from __future__ import annotations
