@@ -96,10 +96,16 @@ class Settings:
 QUICK = dict(iterations=20, pretrain_steps=300)
 
 
+class _Defaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows the defaults, except None (those options say their default in their help)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def make_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
     """The demo's command line (examples/ppo_torchrun.py adds its own options to it)."""
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description, formatter_class=_Defaults)
     p.add_argument("--backend", choices=BACKENDS, default="auto",
                    help="ppo_kernels backend for every op (auto: the compiled kernel for "
                         "the device; torch: eager PyTorch composite)")
