@@ -80,22 +80,29 @@ def test_quick_demo_learns(tmp_path):
     assert all(0.0 <= h["clip_frac"] <= 1.0 for h in hist)
 
 
-def test_rollout_alignment():
-    """One rollout of an untrained model: the mask marks exactly the generated tokens (through
-    <eos>), and pk's old log-probs equal a hand-aligned log_softmax at those positions."""
+def _untrained_rollout(seed, n):
+    """One rollout of n prompts by an untrained demo model (seeded): (vocab, lm, policy,
+    settings, prompts, batch, stats)."""
+    import random
+
     demo = _load_demo()
     import tiny_lm
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     vocab = tiny_lm.Vocab()
     lm = tiny_lm.build_lm(vocab, tiny_lm.ModelConfig()).eval()
     policy = tiny_lm.PolicyWithValueHead(lm).eval()
     s = demo.Settings()
-    import random
-
-    prompts = tiny_lm.make_prompts(vocab, 8, random.Random(0))
-    gen = torch.Generator().manual_seed(0)
+    prompts = tiny_lm.make_prompts(vocab, n, random.Random(seed))
+    gen = torch.Generator().manual_seed(seed)
     batch, stats = demo.rollout_batch(policy, lm, vocab, prompts, s, gen, pk, "auto")
+    return vocab, lm, policy, s, prompts, batch, stats
+
+
+def test_rollout_alignment():
+    """One rollout of an untrained model: the mask marks exactly the generated tokens (through
+    <eos>), and pk's old log-probs equal a hand-aligned log_softmax at those positions."""
+    vocab, lm, _, s, prompts, batch, stats = _untrained_rollout(seed=0, n=8)
     seq = batch["seq"]
 
     P = prompts.shape[1]
@@ -135,19 +142,7 @@ def test_update_loss_from_hidden_matches_the_logits():
     """The demo's PPO update hands pk.ppo_loss_from_hidden the policy's last hidden states
     and its (embedding-tied) LM head weight: the same loss and parameter gradients as
     pk.ppo_loss on the model's logits."""
-    demo = _load_demo()
-    import random
-
-    import tiny_lm
-
-    torch.manual_seed(1)
-    vocab = tiny_lm.Vocab()
-    lm = tiny_lm.build_lm(vocab, tiny_lm.ModelConfig()).eval()
-    policy = tiny_lm.PolicyWithValueHead(lm).eval()
-    s = demo.Settings()
-    prompts = tiny_lm.make_prompts(vocab, 6, random.Random(1))
-    gen = torch.Generator().manual_seed(1)
-    batch, _ = demo.rollout_batch(policy, lm, vocab, prompts, s, gen, pk, "auto")
+    _, _, policy, s, _, batch, _ = _untrained_rollout(seed=1, n=6)
     g = torch.Generator().manual_seed(2)
     old = batch["old_logprobs"] + 0.1 * torch.randn(batch["old_logprobs"].shape, generator=g)
     kw = dict(clip_eps_low=s.clip_eps, temperature=s.temperature)
