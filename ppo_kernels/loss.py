@@ -316,9 +316,13 @@ def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advant
                 (tuple(x.shape) == (pk.num_seqs,) and pk.num_seqs != pk.total)) else x
             for x in (advantages, rollout_is_weights))
         # seq-mean-token-sum-norm's default length: the longest whole sequence (there is no
-        # padding to take the width of; across a context-parallel group the pieces add up)
-        lens = _cp.group_sum(pk.lens.to(ck.acc_dtype(like)))
-        packed_norm = lens.max().clamp(min=1.0) if pk.num_seqs else 1.0
+        # padding to take the width of; across a context-parallel group the pieces add up,
+        # an all-reduce, so only for the mode that reads it)
+        packed_norm = None
+        if norm_length is None and "seq-mean-token-sum-norm" in (loss_agg_mode,
+                                                                  entropy_agg_mode):
+            lens = _cp.group_sum(pk.lens.to(ck.acc_dtype(like)))
+            packed_norm = lens.max().clamp(min=1.0) if pk.num_seqs else 1.0
         response_mask, t = packed.padded_inputs(
             pk, response_mask, "tokens", tokens2, old_logprobs=old_logprobs,
             advantages=advantages, ref_logprobs=ref_logprobs,
