@@ -23,6 +23,7 @@ import torch
 
 from . import _torch_impl
 from ._ops import effective_grad_scale, scale_grad
+from .vocab_parallel import logits_grad
 
 
 def _middle(logp, ent, mask, old, adv, weights, w_ent, ref, isw, p):
@@ -64,13 +65,10 @@ def _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix,
     gs = effective_grad_scale(p["grad_scale"], logits.dtype)
     dlogits = None
     if need_grad:  # else no second pass over the logits
-        bwd = getattr(ops, prefix + "token_logprobs_bwd")
         g_lp = kernel(dlogp * gs).contiguous()
         g_ent = kernel(dent * gs).contiguous() if p["entropy_coef"] != 0.0 else None
-        dlogits = bwd(g_lp, g_ent, logits, tok, msk, row_max, log_sum, ent, p["temperature"])
-        if shard is not None:
-            shard.fix_placeholder_(dlogits, logits, own, msk, g_lp, g_ent, row_max, log_sum,
-                                   ent, p["temperature"])
+        dlogits = logits_grad(prefix, g_lp, g_ent, logits, tok, msk, row_max, log_sum, ent,
+                              p["temperature"], shard, own)
     ent_p = padded(ent)
     loss_tok = torch.where(mask, pol - p["entropy_coef"] * ent_p, 0.0)
     return loss.detach(), loss_tok, padded(logp), ent_p, dlogits, gs

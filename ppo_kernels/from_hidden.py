@@ -27,7 +27,7 @@ import torch
 from . import _checks as ck
 from ._checks import acc_dtype
 from ._ops import KernelBackend, effective_grad_scale, get_backend, scale_grad
-from .vocab_parallel import all_reduce_sum_, require_kernels, shard_of
+from .vocab_parallel import all_reduce_sum_, logits_grad, require_kernels, shard_of
 from .context_parallel import check_group, run_in
 from .loss import _composite_padded, loss_metrics, per_token_loss, prepare_loss
 
@@ -290,7 +290,6 @@ def _stats_pass(s, hidden3, weight, bias, return_entropy):
 def _grad_pass(s, hidden3, weight, bias, g, dlogp, dent, stats):
     """Second pass of the two-phase paths: the logits once more (one more matmul), dz by
     token_logprobs_bwd from d loss / d logp and d loss / d H ([N]; dent may be None)."""
-    bwd = getattr(torch.ops.ppo_kernels, s.prefix + "token_logprobs_bwd")
     _, ent, row_max, log_sum = stats
     h2 = _flat_hidden(hidden3, s)
     for r0 in range(0, s.n, s.chunk):
@@ -298,18 +297,15 @@ def _grad_pass(s, hidden3, weight, bias, g, dlogp, dent, stats):
         c = r1 - r0
         hc = _hidden_rows(h2, s, r0, r1)
         z = chunk_logits(hc, weight, bias, s.cap)
-        dz = bwd(dlogp[r0:r1].view(1, c).contiguous(),
-                 None if dent is None else dent[r0:r1].view(1, c).contiguous(),
-                 z.view(1, c, -1), _rows(s.tokens, s, r0, r1), _rows(s.mask, s, r0, r1),
-                 row_max[r0:r1].view(1, c), log_sum[r0:r1].view(1, c),
-                 ent[r0:r1].view(1, c) if ent.numel() else ent, s.temperature).view(c, -1)
-        if s.shard is not None:  # (before the soft cap's factor, which reuses z)
-            s.shard.fix_placeholder_(
-                dz.view(1, c, -1), z.view(1, c, -1), _rows(s.own, s, r0, r1),
-                _rows(s.mask, s, r0, r1), dlogp[r0:r1].view(1, c),
-                None if dent is None else dent[r0:r1].view(1, c), row_max[r0:r1].view(1, c),
-                log_sum[r0:r1].view(1, c), ent[r0:r1].view(1, c) if dent is not None else None,
-                s.temperature)
+        # (a shard's placeholder entries are rewritten here, before the soft cap's factor,
+        # which reuses z)
+        dz = logits_grad(s.prefix, dlogp[r0:r1].view(1, c).contiguous(),
+                         None if dent is None else dent[r0:r1].view(1, c).contiguous(),
+                         z.view(1, c, -1), _rows(s.tokens, s, r0, r1),
+                         _rows(s.mask, s, r0, r1), row_max[r0:r1].view(1, c),
+                         log_sum[r0:r1].view(1, c),
+                         ent[r0:r1].view(1, c) if ent.numel() else ent, s.temperature,
+                         s.shard, _rows(s.own, s, r0, r1)).view(c, -1)
         if s.cap is not None:
             dz.mul_(_softcap_factor_(z, s.cap))
         del z

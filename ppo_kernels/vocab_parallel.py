@@ -102,6 +102,20 @@ class VocabShard:
         return dz
 
 
+def logits_grad(prefix, dlogp, dent, logits, tokens, mask, row_max, log_sum, ent,
+                temperature, shard=None, own=None):
+    """dlogits of sum(dlogp * logp + dent * H) by the token_logprobs_bwd kernel, from the
+    row statistics; with a shard (tokens local, own: which rows' token this rank holds)
+    the placeholder entries are rewritten as well. The one way every path gets a shard's
+    dlogits."""
+    bwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_bwd")
+    dz = bwd(dlogp, dent, logits, tokens, mask, row_max, log_sum, ent, temperature)
+    if shard is not None:
+        shard.fix_placeholder_(dz, logits, own, mask, dlogp, dent, row_max, log_sum, ent,
+                               temperature)
+    return dz
+
+
 def _check_layout(starts, sizes):
     """The shards, in order of their starts, must tile [0, sum V_r) (float32 holds the ids
     exactly up to 2^24)."""
@@ -236,10 +250,8 @@ class ShardedLogprobs(torch.autograd.Function):
         logits, local, own, mask, mx, ls, ent = ctx.saved_tensors
         g_lp = torch.zeros_like(mx) if grad_logp is None else grad_logp.to(mx.dtype)
         g_ent = None if grad_ent is None else grad_ent.to(mx.dtype).contiguous()
-        bwd = getattr(torch.ops.ppo_kernels, ctx.prefix + "token_logprobs_bwd")
-        dz = bwd(g_lp.contiguous(), g_ent, logits, local, mask, mx, ls, ent, ctx.temperature)
-        ctx.shard.fix_placeholder_(dz, logits, own, mask, g_lp, g_ent, mx, ls, ent,
-                                   ctx.temperature)
+        dz = logits_grad(ctx.prefix, g_lp.contiguous(), g_ent, logits, local, mask, mx, ls,
+                         ent, ctx.temperature, ctx.shard, own)
         return dz, None, None, None, None, None
 
 
