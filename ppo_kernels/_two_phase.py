@@ -23,7 +23,7 @@ import torch
 
 from . import _torch_impl
 from ._ops import effective_grad_scale, scale_grad
-from .vocab_parallel import logits_grad
+from .vocab_parallel import logits_grad, shard_stats
 
 
 def _middle(logp, ent, mask, old, adv, weights, w_ent, ref, isw, p):
@@ -50,12 +50,11 @@ def _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix,
 
     tok, msk = kernel(tokens), kernel(mask)
     own = None
-    if shard is not None:
-        tok, own = shard.local_tokens(tok)
-    logp, ent, row_max, log_sum = fwd(logits, tok, msk, p["temperature"], True)
-    if shard is not None:
-        logp, ent, row_max, log_sum = shard.merge(logp, ent, row_max, log_sum, own, msk,
-                                                  p["temperature"])
+    if shard is not None:  # (tok becomes the shard-local ids)
+        logp, ent, row_max, log_sum, tok, own = shard_stats(logits, tok, msk,
+                                                             p["temperature"], shard, prefix)
+    else:
+        logp, ent, row_max, log_sum = fwd(logits, tok, msk, p["temperature"], True)
 
     def f(lp, h):
         return _middle(lp, h, mask, old, adv, weights, w_ent, ref, isw, p)

@@ -225,7 +225,7 @@ def require_kernels(be, shard):
                          f"backends ('cpu', 'cuda', 'triton'), got {be.name!r}")
 
 
-def _stats(logits, tokens, mask, temperature, shard, prefix):
+def shard_stats(logits, tokens, mask, temperature, shard, prefix):
     """(logp, H, row max, log_sum) of the whole rows, then (local ids, own)."""
     local, own = shard.local_tokens(tokens)
     fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
@@ -239,7 +239,8 @@ class ShardedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, tokens, mask, temperature, shard, prefix):
-        logp, ent, mx, ls, local, own = _stats(logits, tokens, mask, temperature, shard, prefix)
+        logp, ent, mx, ls, local, own = shard_stats(logits, tokens, mask, temperature, shard,
+                                                    prefix)
         ctx.save_for_backward(logits, local, own, mask, mx, ls, ent)
         ctx.temperature, ctx.shard, ctx.prefix = temperature, shard, prefix
         return logp, ent
@@ -260,4 +261,4 @@ def token_logprobs(be, logits, tokens, mask, temperature, shard):
     if torch.is_grad_enabled() and logits.requires_grad:
         return ShardedLogprobs.apply(logits, tokens, mask, temperature, shard, be.prefix)
     with torch.no_grad():
-        return _stats(logits, tokens, mask, temperature, shard, be.prefix)[:2]
+        return shard_stats(logits, tokens, mask, temperature, shard, be.prefix)[:2]
