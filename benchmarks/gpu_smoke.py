@@ -23,8 +23,7 @@ quick = "quick" in argv
 dev = argv[argv.index("--device") + 1] if "--device" in argv else "cuda"
 prefix = argv[argv.index("--prefix") + 1] if "--prefix" in argv else ""
 if prefix:
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-    import triton_kernels  # noqa: F401  (registers the triton_* ops)
+    import ppo_kernels.triton_kernels.ops  # noqa: F401  (registers the triton_* ops)
 
 
 class _Ops:

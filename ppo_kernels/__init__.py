@@ -8,7 +8,7 @@ composite); "auto" picks the compiled kernel for the tensors' device. The numpy 
 oracle is ppo_kernels.reference. See DESIGN.md for the math and semantics.
 """
 
-from ._ops import build_info, empty_cache
+from ._extension import build_info, empty_cache
 from .advantages import Rollout, gae, kl_penalized_rewards, score_rollout, whiten
 from .from_hidden import (ppo_loss_from_hidden, score_rollout_from_hidden,
                           token_logprobs_from_hidden)

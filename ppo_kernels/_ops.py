@@ -1,10 +1,6 @@
-"""Loads the compiled kernels and registers, for each kernel op of csrc/ops.cpp (and its
-Triton twin `triton_<name>`), the fake (shape) function and the autograd formula. Also
-holds the backend table the public ops dispatch through.
-
-CPU kernels are compiled once per SIMD capability (setup.py); the best module this
-processor runs is loaded, the same choice ATen makes for its own kernels (it honours
-ATEN_CPU_CAPABILITY, so a lower one can be forced for testing).
+"""Registers, for each kernel op of csrc/ops.cpp (and its Triton twin `triton_<name>`),
+the fake (shape) function and the autograd formula. Also holds the backend table the public
+ops dispatch through. The compiled modules are loaded by ppo_kernels/_extension.py.
 """
 
 from __future__ import annotations
@@ -16,27 +12,7 @@ import torch
 
 from . import _torch_impl
 from ._checks import acc_dtype, sequence_level
-
-_C = None
-CPU_CAPABILITY = None
-_CPU_MODULE = None
-_LOAD_ERROR = None
-try:
-    from . import _C  # noqa: F811  (schemas, CUDA kernels, build_info)
-
-    _order = {"AVX512": ("avx512", "avx2", "default"), "AVX2": ("avx2", "default")}
-    for _cap in _order.get(torch.backends.cpu.get_cpu_capability(), ("default",)):
-        try:
-            _CPU_MODULE = importlib.import_module(f"ppo_kernels._cpu_{_cap}")
-            CPU_CAPABILITY = _cap
-            break
-        except ImportError as e:  # a capability not built on this platform
-            _LOAD_ERROR = e
-except ImportError as e:
-    _LOAD_ERROR = e
-
-HAS_CPU = CPU_CAPABILITY is not None
-HAS_CUDA = _C is not None and bool(_C.build_info()["cuda"])
+from ._extension import HAS_CPU, HAS_CUDA, HAS_SCHEMAS, LOAD_ERROR
 
 # ------------------------------------------------------------------ fake (shape) functions
 
@@ -192,7 +168,7 @@ def _register(prefix):
     _registered.add(prefix)
 
 
-if _C is not None:
+if HAS_SCHEMAS:
     _register("")
 
 
@@ -323,7 +299,7 @@ def get_backend(backend, device):
     if backend == "cpu":
         if not HAS_CPU:
             raise ValueError(f"backend: 'cpu' was asked for but the C++ extension is not built "
-                             f"({_LOAD_ERROR}); build with `pip install -e . "
+                             f"({LOAD_ERROR}); build with `pip install -e . "
                              f"--no-build-isolation` or use backend='torch'")
         if dev != "cpu":
             raise ValueError(f"backend: 'cpu' needs CPU tensors, got tensors on {device}")
@@ -344,19 +320,3 @@ def get_backend(backend, device):
         return KernelBackend("triton", "triton_")
     raise ValueError(f"backend: expected one of ['auto', 'cpu', 'cuda', 'triton', 'torch'], "
                      f"got {backend!r}")
-
-
-def empty_cache():
-    """Returns the CPU kernels' recycled gradient buffer (at most one [N, V] block, kept so
-    that the next step's gradient needs no fresh, page-faulting memory) to the operating
-    system. PPO_KERNELS_CPU_GRAD_CACHE=0 turns the recycling off. CUDA memory is PyTorch's
-    own caching allocator's (torch.cuda.empty_cache)."""
-    if _CPU_MODULE is not None:
-        _CPU_MODULE.empty_cache()
-
-
-def build_info():
-    """Which backends were compiled, the CPU SIMD variant loaded and the thread count."""
-    info = dict(_C.build_info()) if _C is not None else {"cuda": False}
-    info.update(cpu=HAS_CPU, cpu_capability=CPU_CAPABILITY, num_threads=torch.get_num_threads())
-    return info

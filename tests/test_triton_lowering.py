@@ -163,17 +163,7 @@ import importlib, importlib.util, json, os, sys, traceback
 ROOT = sys.argv[1]
 spec_in = json.loads(sys.stdin.read())
 sys.path.insert(0, ROOT)
-try:
-    importlib.import_module("ppo_kernels.triton_kernels")
-except ModuleNotFoundError:
-    import ppo_kernels
-    name = "ppo_kernels.triton_kernels"
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(ROOT, "triton_kernels", "__init__.py"),
-        submodule_search_locations=[os.path.join(ROOT, "triton_kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+importlib.import_module("ppo_kernels.triton_kernels")
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget

@@ -3,7 +3,7 @@
 Runs on CUDA when a device is present, else on CPU tensors under TRITON_INTERPRET=1 (set
 below before triton is imported), where shapes are kept small: the interpreter runs the
 programs one by one. The interpreter runs the kernels with a 32-wide vocabulary block and
-an 8-long GAE chunk (triton_kernels/_config.py), so V = 100, 257 and T = 20 cross several
+an 8-long GAE chunk (ppo_kernels/triton_kernels/_config.py), so V = 100, 257 and T = 20 cross several
 blocks/chunks with a partial last one.
 """
 
@@ -24,31 +24,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _import_triton_kernels():
-    """ppo_kernels.triton_kernels, installed or (source checkout, not installed) loaded from
-    ROOT/triton_kernels under that same package name; never as top-level `triton_kernels`."""
-    try:
-        return importlib.import_module("ppo_kernels.triton_kernels")
-    except ModuleNotFoundError:
-        pass
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    import ppo_kernels
-
-    name = "ppo_kernels.triton_kernels"
-    spec = importlib.util.spec_from_file_location(
-        name, ROOT / "triton_kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "triton_kernels")])
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    ppo_kernels.triton_kernels = mod
-    return mod
-
-
-tk = _import_triton_kernels()
+tk = importlib.import_module("ppo_kernels.triton_kernels")  # noqa: E402
 from ppo_kernels import reference as ref  # noqa: E402
 
 OPS = torch.ops.ppo_kernels

@@ -1,0 +1,194 @@
+"""The frozen table of outputs: every public op over a grid of options, on the CPU backend
+(and the eager composite), with fixed inputs. tests/test_golden.py recomputes each case and
+compares it with tests/data/golden_cpu.npz bit for bit, so that a restructuring of how the
+options travel to the kernels cannot change any result.
+
+    python tests/golden_cases.py          # rewrite tests/data/golden_cpu.npz (only when a
+                                          # result is meant to change; say why in the commit)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+
+import ppo_kernels as pk
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "golden_cpu.npz")
+B, T, V, H = 3, 6, 13, 8
+
+
+def _inputs(dtype=torch.float32):
+    g = torch.Generator().manual_seed(1234)
+    logits = (3.0 * torch.randn(B, T + 1, V, generator=g)).to(dtype)
+    logits[0, 1] *= 8.0  # a confident row
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[2] = False  # an empty sequence
+    mask[2, 0] = True
+    logp = torch.log_softmax(logits[:, :T].double(), -1).gather(-1, tokens[..., None])[..., 0]
+    noise = lambda s: s * torch.randn(B, T, generator=g, dtype=torch.float64)  # noqa: E731
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    old = (logp + noise(0.3)).to(acc)
+    ref = (logp + noise(0.2)).to(acc)
+    rollout = (old.double() + noise(0.1)).to(acc)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64).to(acc)
+    seq_adv = torch.randn(B, generator=g, dtype=torch.float64).to(acc)
+    isw = (0.5 + torch.rand(B, T, generator=g, dtype=torch.float64)).to(acc)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64).to(acc)
+    scores = torch.randn(B, generator=g, dtype=torch.float64).to(acc)
+    hidden = torch.randn(B, T + 1, H, generator=g).to(dtype)
+    weight = (0.7 * torch.randn(V, H, generator=g)).to(dtype)
+    bias = (0.1 * torch.randn(V, generator=g)).to(dtype)
+    return dict(logits=logits, tokens=tokens, mask=mask, old=old, ref=ref, rollout=rollout,
+                adv=adv, seq_adv=seq_adv, isw=isw, values=values, scores=scores,
+                hidden=hidden, weight=weight, bias=bias)
+
+
+def _loss_cases():
+    """(name, keywords) of ppo_loss; the inputs named by the '_in' key are swapped in."""
+    cases = []
+    for pl in ("vanilla", "cispo", "sapo", "gspo", "gspo-token"):
+        for mode in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                     "seq-mean-token-sum-norm", "none"):
+            kw = dict(policy_loss=pl, loss_agg_mode=mode, kl_coef=0.1, entropy_coef=0.01)
+            if pl in ("gspo", "gspo-token"):
+                kw.update(clip_eps_low=3e-3, clip_eps_high=4e-3)
+            cases.append((f"{pl}/{mode}", kw))
+    for est in ("k1", "k2", "k3", "abs", "k1+", "k3+"):
+        for bc in (False, True):
+            cases.append((f"kl/{est}/bias{bc}", dict(kl_coef=0.2, kl_estimator=est,
+                                                     kl_bias_correction=bc)))
+    cases += [
+        ("vanilla/dual", dict(dual_clip_c=3.0, clip_eps_high=0.28)),
+        ("gspo/dual", dict(policy_loss="gspo", dual_clip_c=3.0, clip_eps_low=3e-3,
+                           clip_eps_high=4e-3)),
+        ("cispo/trl", dict(policy_loss="cispo", clip_eps_low=1.0, clip_eps_high=4.0)),
+        ("sapo/tau", dict(policy_loss="sapo", sapo_tau_pos=0.7, sapo_tau_neg=1.3)),
+        ("onpolicy", dict(_in="no_old", kl_coef=0.1)),
+        ("seq_adv", dict(_in="seq_adv", policy_loss="gspo")),
+        ("isw", dict(_in="isw", entropy_coef=0.02)),
+        ("entropy_agg", dict(entropy_coef=0.05, entropy_agg_mode="token-mean",
+                             loss_agg_mode="seq-mean-token-sum")),
+        ("temperature", dict(temperature=0.7, kl_coef=0.05, entropy_coef=0.01)),
+        ("grad_scale", dict(grad_scale=0.25, kl_coef=0.05)),
+        ("global_counts", dict(global_num_tokens=20.0, loss_agg_mode="token-mean")),
+        ("global_seqs", dict(global_num_seqs=5.0, loss_agg_mode="seq-mean-token-mean")),
+        ("norm_length", dict(norm_length=9.0, loss_agg_mode="seq-mean-token-sum-norm")),
+        ("inplace", dict(inplace_backward=True, kl_coef=0.1, entropy_coef=0.01)),
+        ("off_policy", dict(_in="rollout", off_policy_mask_threshold=0.01)),
+        ("per_token", dict(return_per_token=True, entropy_coef=0.01)),
+    ]
+    for rc in ("tis", "tis-seq", "mis", "mis-seq", "geo-seq"):
+        cases.append((f"rc/{rc}", dict(_in="rollout", rollout_correction=rc,
+                                       rollout_is_threshold=1.5 if rc != "geo-seq" else 1.2)))
+    return cases
+
+
+def _backward(loss, leaves):
+    total = loss if loss.dim() == 0 else loss.sum()
+    grads = torch.autograd.grad(total, [x for x in leaves if x is not None])
+    return grads
+
+
+def _pack(out, prefix, loss, metrics, grads, grad_names):
+    out[prefix + "/loss"] = loss.detach().numpy()
+    for k, v in metrics.items():
+        out[f"{prefix}/m/{k}"] = v.detach().numpy()
+    for n, gr in zip(grad_names, grads):
+        out[f"{prefix}/d{n}"] = gr.float().numpy() if gr.dtype == torch.bfloat16 else gr.numpy()
+
+
+def _loss_call(inp, kw):
+    kw = dict(kw)
+    which = kw.pop("_in", None)
+    old = None if which == "no_old" else inp["old"]
+    adv = inp["seq_adv"] if which == "seq_adv" else inp["adv"]
+    if which == "isw":
+        kw["rollout_is_weights"] = inp["isw"]
+    if which == "rollout":
+        kw["rollout_logprobs"] = inp["rollout"]
+    return old, adv, kw
+
+
+def compute():
+    """{key: array} of every case."""
+    out = {}
+    for dtype, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16"),
+                       (torch.float64, "f64")):
+        inp = _inputs(dtype)
+        cases = _loss_cases() if dtype == torch.float32 else _loss_cases()[::4]
+        backends = ("cpu", "torch") if dtype == torch.float32 else ("cpu",)
+        for backend in backends:
+            for name, kw in cases:
+                old, adv, kw = _loss_call(inp, kw)
+                x = inp["logits"].clone().requires_grad_(True)
+                loss, metrics = pk.ppo_loss(x, inp["tokens"], old, adv, inp["mask"],
+                                            inp["ref"], backend=backend, **kw)
+                grads = _backward(loss, [x])
+                _pack(out, f"{tag}/{backend}/logits/{name}", loss, metrics, grads, ["logits"])
+                if dtype == torch.bfloat16 or kw.get("inplace_backward"):
+                    continue
+                h = inp["hidden"].clone().requires_grad_(True)
+                w = inp["weight"].clone().requires_grad_(True)
+                b = inp["bias"].clone().requires_grad_(True)
+                loss, metrics = pk.ppo_loss_from_hidden(
+                    h, w, inp["tokens"], old, adv, inp["mask"], inp["ref"], lm_head_bias=b,
+                    chunk_size=4, backend=backend, **kw)
+                grads = _backward(loss, [h, w, b])
+                _pack(out, f"{tag}/{backend}/hidden/{name}", loss, metrics, grads,
+                      ["hidden", "weight", "bias"])
+        # packed sequences: the valid tokens of each row, back to back
+        lens = inp["mask"].sum(1)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        sel = inp["mask"].reshape(-1)
+        for name, kw in (("vanilla", dict(kl_coef=0.1)),
+                         ("gspo", dict(policy_loss="gspo", clip_eps_low=3e-3,
+                                       clip_eps_high=4e-3, loss_agg_mode="seq-mean-token-mean"))):
+            x = inp["logits"][:, :T].reshape(B * T, V)[sel].clone().requires_grad_(True)
+            pick = lambda t: t.reshape(B * T)[sel]  # noqa: E731
+            loss, metrics = pk.ppo_loss(x, pick(inp["tokens"]), pick(inp["old"]),
+                                        pick(inp["adv"]), None, pick(inp["ref"]),
+                                        cu_seqlens=cu, backend="cpu", **kw)
+            grads = _backward(loss, [x])
+            _pack(out, f"{tag}/cpu/packed/{name}", loss, metrics, grads, ["logits"])
+        # token log-probs, from logits and from hidden
+        x = inp["logits"].clone().requires_grad_(True)
+        logp, ent = pk.token_logprobs(x, inp["tokens"], inp["mask"], temperature=0.9,
+                                      return_entropy=True, backend="cpu")
+        grads = _backward((logp * inp["adv"].to(logp.dtype)).sum() + ent.sum(), [x])
+        _pack(out, f"{tag}/cpu/token_logprobs", logp, {"entropy": ent}, grads, ["logits"])
+        h = inp["hidden"].clone().requires_grad_(True)
+        w = inp["weight"].clone().requires_grad_(True)
+        logp, ent = pk.token_logprobs_from_hidden(h, w, inp["tokens"], inp["mask"],
+                                                  logit_softcap=5.0, return_entropy=True,
+                                                  chunk_size=5, backend="cpu")
+        grads = _backward(logp.sum() + 0.5 * ent.sum(), [h, w])
+        _pack(out, f"{tag}/cpu/token_logprobs_from_hidden", logp, {"entropy": ent}, grads,
+              ["hidden", "weight"])
+        # the rollout side
+        for est in ("k1", "k3"):
+            r = pk.score_rollout(inp["logits"], inp["tokens"], inp["ref"], inp["values"],
+                                 inp["scores"], inp["mask"], kl_coef=0.05, kl_estimator=est,
+                                 gamma=0.99, lam=0.9, backend="cpu")
+            for field, v in zip(r._fields, r):
+                out[f"{tag}/cpu/score_rollout/{est}/{field}"] = v.numpy()
+        a, ret = pk.gae(inp["scores"][:, None].expand(B, T).contiguous(), inp["values"],
+                        inp["mask"], gamma=0.97, lam=0.9, backend="cpu")
+        out[f"{tag}/cpu/gae/advantages"], out[f"{tag}/cpu/gae/returns"] = a.numpy(), ret.numpy()
+    return out
+
+
+def main():
+    os.makedirs(os.path.dirname(DATA), exist_ok=True)
+    out = compute()
+    np.savez_compressed(DATA, torch_version=np.array(torch.__version__), **out)
+    print(f"wrote {len(out)} arrays to {DATA}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
