@@ -5,11 +5,13 @@
 //   output; the positions t >= T are ignored and get a zero gradient); tokens int64 [B, T];
 //   mask bool [B, T]; every other per-token tensor [B, T] of the accumulation dtype
 //   (float64 for float64 logits, else float32); per-token outputs of that dtype; dlogits
-//   the shape and dtype of logits, contiguous. kl_estimator: 0 k1, 1 k2, 2 k3, 3 abs.
+//   the shape and dtype of logits, contiguous. scalars / codes: the loss options in the
+//   slot order of ppo_kernels/spec.py (FLOAT_SLOTS, INT_SLOTS; ppo::slot in ppo_math.h);
 //   dual_clip_c <= 0 means no dual clip. weights are the loss_agg_mode weights w_i,
 //   entropy_weights those of entropy_agg_mode (None: weights). old_logprobs None is
-//   on-policy: old = logp (rho = 1, d rho / d logp = 1). policy_loss: 0 vanilla, 1 cispo,
-//   2 sapo (ppo_math.h PolicyLoss); kl_estimator 4 k1+, 5 k3+ (verl's straight-through).
+//   on-policy: old = logp (rho = 1, d rho / d logp = 1). The policy_loss and kl_estimator
+//   codes are the ids of ppo_kernels/spec.py (POLICY_LOSSES, KL_ESTIMATORS); the kernels run
+//   the token-level losses 0 vanilla, 1 cispo, 2 sapo. score_rollout's kl_estimator too.
 //   row_max / log_sum: the raw max logit of a row and log sum_v exp((x_v - row_max) /
 //   temperature), taken as log1p of the non-top mass (what the backward needs to rebuild
 //   log p_v = (x_v - row_max) / temperature - log_sum with every digit). grad_scale: the
@@ -29,19 +31,13 @@ TORCH_LIBRARY(ppo_kernels, m) {
   m.def(
       "ppo_loss_fwd(Tensor logits, Tensor tokens, Tensor mask, Tensor? old_logprobs, "
       "Tensor advantages, Tensor weights, Tensor? ref_logprobs, Tensor? rollout_is_weights, "
-      "Tensor? entropy_weights, float clip_eps_low, float clip_eps_high, float dual_clip_c, "
-      "float kl_coef, int kl_estimator, float entropy_coef, float temperature, "
-      "float grad_scale, int policy_loss, float sapo_tau_pos, float sapo_tau_neg, "
-      "bool kl_bias_correction, bool compute_grad) "
+      "Tensor? entropy_weights, float[] scalars, int[] codes, bool compute_grad) "
       "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy, Tensor dlogits)");
   // Same as ppo_loss_fwd with compute_grad, but the gradient overwrites the logits.
   m.def(
       "ppo_loss_fwd_inplace(Tensor(a!) logits, Tensor tokens, Tensor mask, "
       "Tensor? old_logprobs, Tensor advantages, Tensor weights, Tensor? ref_logprobs, "
-      "Tensor? rollout_is_weights, Tensor? entropy_weights, float clip_eps_low, "
-      "float clip_eps_high, float dual_clip_c, float kl_coef, int kl_estimator, "
-      "float entropy_coef, float temperature, float grad_scale, int policy_loss, "
-      "float sapo_tau_pos, float sapo_tau_neg, bool kl_bias_correction) "
+      "Tensor? rollout_is_weights, Tensor? entropy_weights, float[] scalars, int[] codes) "
       "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)");
   // grad := grad * (grad_output / applied) and applied := grad_output, decided on the
   // device (no host read): nothing is written when the ratio is 1.

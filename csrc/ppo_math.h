@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define PPO_HD __host__ __device__ __forceinline__
@@ -20,14 +21,34 @@
 
 namespace ppo {
 
-// Matches the integer passed from Python (ppo_kernels/_checks.py: KL_ESTIMATORS). The "+"
-// estimators are verl's straight-through ones: the value of k1 / k3, the gradient of k2.
+// The name <-> id tables of ppo_kernels/spec.py (POLICY_LOSSES, KL_ESTIMATORS; compared by
+// tests/test_spec.py). The "+" estimators are verl's straight-through ones: the value of
+// k1 / k3, the gradient of k2.
 enum KlEstimator : int { kK1 = 0, kK2 = 1, kK3 = 2, kAbs = 3, kK1Plus = 4, kK3Plus = 5 };
 
-// The token-level policy losses of the fused kernels (ppo_kernels/_checks.py:
-// KERNEL_POLICY_LOSSES). The sequence-level ones (gspo, gspo-token) need every token's
-// logp of a sequence before any gradient: ppo_kernels/_two_phase.py runs them.
-enum PolicyLoss : int { kVanilla = 0, kCispo = 1, kSapo = 2 };
+// The fused kernels run the token-level policy losses; the sequence-level ones (gspo,
+// gspo-token) need every token's logp of a sequence before any gradient and never reach a
+// kernel (ppo_kernels/_two_phase.py runs them).
+enum PolicyLoss : int { kVanilla = 0, kCispo = 1, kSapo = 2, kGspo = 3, kGspoToken = 4 };
+
+// The slots of the ppo_loss ops' `float[] scalars` and `int[] codes` (csrc/ops.cpp), named
+// as ppo_kernels/spec.py names them (FLOAT_SLOTS, INT_SLOTS; compared by tests/test_spec.py).
+// dual_clip_c <= 0: no dual clip; kl_bias_correction 0 / 1.
+namespace slot {
+enum Float : int {
+  clip_eps_low,
+  clip_eps_high,
+  dual_clip_c,
+  kl_coef,
+  entropy_coef,
+  temperature,
+  grad_scale,
+  sapo_tau_pos,
+  sapo_tau_neg,
+  kNumFloat
+};
+enum Int : int { policy_loss, kl_estimator, kl_bias_correction, kNumInt };
+}  // namespace slot
 
 // |log-ratio| beyond this is clamped: exp(20) ~ 4.9e8 still fits float32 comfortably,
 // and a token that moved that far carries no trustworthy gradient anyway.
@@ -84,40 +105,27 @@ PPO_HD T clampv(T x, T lo, T hi) {
   return x < lo ? lo : (x > hi ? hi : x);
 }
 
-// Options of the policy loss, as scalars the kernels receive once.
+// The options of the loss as the kernels receive them once: the scalars and codes in slot
+// order, and which optional per-token inputs are present. A new option is a slot above and
+// a read here (f[slot::x] or code(slot::x)) where its formula uses it.
 struct PolicyParams {
-  double clip_eps_low;
-  double clip_eps_high;
-  double dual_clip_c;  // <= 0: no dual clip
-  double kl_coef;
-  int kl_estimator;    // KlEstimator
-  double entropy_coef;
+  double f[slot::kNumFloat];
+  int64_t i[slot::kNumInt];
   bool has_ref;
   bool has_is_weights;
-  int policy_loss = kVanilla;   // PolicyLoss
-  double sapo_tau_pos = 1.0;    // SAPO gate temperatures for A > 0 and A <= 0
-  double sapo_tau_neg = 1.05;
-  bool kl_bias_correction = false;  // the KL term times rho = pi / pi_old
+
+  PPO_HD double operator[](slot::Float s) const { return f[s]; }
+  PPO_HD int code(slot::Int s) const { return static_cast<int>(i[s]); }
 };
 
-// The scalar options of the ppo_loss ops, in the schema's order (csrc/ops.cpp), and the
-// PolicyParams the per-token math takes from them: one conversion for the CPU and CUDA ops.
-struct LossOptions {
-  double clip_eps_low, clip_eps_high, dual_clip_c, kl_coef;
-  long long kl_estimator;
-  double entropy_coef, temperature, grad_scale;
-  long long policy_loss;
-  double sapo_tau_pos, sapo_tau_neg;
-  bool kl_bias_correction;
-};
-
-inline PolicyParams policy_params(const LossOptions& o, bool has_ref, bool has_is_weights) {
-  PolicyParams p{o.clip_eps_low, o.clip_eps_high, o.dual_clip_c, o.kl_coef,
-                 static_cast<int>(o.kl_estimator), o.entropy_coef, has_ref, has_is_weights};
-  p.policy_loss = static_cast<int>(o.policy_loss);
-  p.sapo_tau_pos = o.sapo_tau_pos;
-  p.sapo_tau_neg = o.sapo_tau_neg;
-  p.kl_bias_correction = o.kl_bias_correction;
+// From the ops' float[] / int[] (sizes checked by the caller: kNumFloat, kNumInt).
+inline PolicyParams policy_params(const double* scalars, const int64_t* codes, bool has_ref,
+                                  bool has_is_weights) {
+  PolicyParams p{};
+  for (int k = 0; k < slot::kNumFloat; ++k) p.f[k] = scalars[k];
+  for (int k = 0; k < slot::kNumInt; ++k) p.i[k] = codes[k];
+  p.has_ref = has_ref;
+  p.has_is_weights = has_is_weights;
   return p;
 }
 
@@ -138,12 +146,12 @@ struct PgTerm {
 template <typename T>
 PPO_HD PgTerm<T> pg_vanilla(T rho, bool clamped, T adv, const PolicyParams& p) {
   const T unclipped = -rho * adv;
-  const T clipped = -clampv(rho, T(1) - T(p.clip_eps_low), T(1) + T(p.clip_eps_high)) * adv;
+  const T clipped = -clampv(rho, T(1) - T(p[slot::clip_eps_low]), T(1) + T(p[slot::clip_eps_high])) * adv;
   const bool unclipped_active = unclipped >= clipped;
   T pg = unclipped_active ? unclipped : clipped;
   T grad = unclipped_active ? -rho * adv : T(0);
-  if (p.dual_clip_c > 0 && adv < T(0)) {
-    const T cap = -T(p.dual_clip_c) * adv;
+  if (p[slot::dual_clip_c] > 0 && adv < T(0)) {
+    const T cap = -T(p[slot::dual_clip_c]) * adv;
     if (pg > cap) {
       pg = cap;
       grad = T(0);
@@ -159,7 +167,7 @@ PPO_HD PgTerm<T> pg_vanilla(T rho, bool clamped, T adv, const PolicyParams& p) {
 // eps_high = epsilon_high - 1.
 template <typename T>
 PPO_HD PgTerm<T> pg_cispo(T logp, T rho, bool clamped, T adv, const PolicyParams& p) {
-  const T w = clampv(rho, T(1) - T(p.clip_eps_low), T(1) + T(p.clip_eps_high));
+  const T w = clampv(rho, T(1) - T(p[slot::clip_eps_low]), T(1) + T(p[slot::clip_eps_high]));
   return {-w * adv * logp, -w * adv, rho, clamped ? T(0) : rho};
 }
 
@@ -169,13 +177,13 @@ PPO_HD PgTerm<T> pg_cispo(T logp, T rho, bool clamped, T adv, const PolicyParams
 // 0 where the log-ratio was clamped.
 template <typename T>
 PPO_HD PgTerm<T> pg_sapo(T rho, bool clamped, T adv, const PolicyParams& p) {
-  const T tau = adv > T(0) ? T(p.sapo_tau_pos) : T(p.sapo_tau_neg);
+  const T tau = adv > T(0) ? T(p[slot::sapo_tau_pos]) : T(p[slot::sapo_tau_neg]);
   const T s = T(1) / (T(1) + ppo_exp(-tau * (rho - T(1))));
   const T grad = clamped ? T(0) : T(-4) * s * (T(1) - s) * rho * adv;
   return {-(T(4) / tau) * s * adv, grad, rho, clamped ? T(0) : rho};
 }
 
-// The policy-gradient term of one token and d pg / d logp, for p.policy_loss:
+// The policy-gradient term of one token and d pg / d logp, for the policy_loss code:
 //   d = clamp(logp - old_logp, -20, 20), rho = exp(d), then the loss's own formula.
 template <typename T>
 PPO_HD PgTerm<T> pg_term(T logp, T old_logp, T adv, const PolicyParams& p) {
@@ -183,7 +191,7 @@ PPO_HD PgTerm<T> pg_term(T logp, T old_logp, T adv, const PolicyParams& p) {
   const T d_raw = logp - old_logp;
   const bool clamped = d_raw < -lim || d_raw > lim;
   const T rho = ppo_exp(clampv(d_raw, -lim, lim));
-  switch (p.policy_loss) {
+  switch (p.code(slot::policy_loss)) {
     case kCispo:
       return pg_cispo(logp, rho, clamped, adv, p);
     case kSapo:
@@ -243,22 +251,22 @@ template <typename T>
 PPO_HD TokenLoss<T> token_loss(T logp, T entropy, T old_logp, T adv, T ref_logp, T is_w, T w,
                                T w_ent, const PolicyParams& p) {
   const PgTerm<T> g = pg_term(logp, old_logp, adv, p);
-  T loss = is_w * g.pg - T(p.entropy_coef) * entropy;
+  T loss = is_w * g.pg - T(p[slot::entropy_coef]) * entropy;
   T dlogp = is_w * g.dpg_dlogp;
   if (p.has_ref) {
-    const KlTerm<T> k = kl_term(logp - ref_logp, p.kl_estimator);
-    if (p.kl_bias_correction) {
-      loss += T(p.kl_coef) * k.kl * g.ratio;
-      dlogp += T(p.kl_coef) * (g.ratio * k.dkl_ddelta + k.kl * g.dratio);
+    const KlTerm<T> k = kl_term(logp - ref_logp, p.code(slot::kl_estimator));
+    if (p.code(slot::kl_bias_correction)) {
+      loss += T(p[slot::kl_coef]) * k.kl * g.ratio;
+      dlogp += T(p[slot::kl_coef]) * (g.ratio * k.dkl_ddelta + k.kl * g.dratio);
     } else {
-      loss += T(p.kl_coef) * k.kl;
-      dlogp += T(p.kl_coef) * k.dkl_ddelta;
+      loss += T(p[slot::kl_coef]) * k.kl;
+      dlogp += T(p[slot::kl_coef]) * k.dkl_ddelta;
     }
   }
   // a NaN loss (a NaN logit or input on a valid token) must reach the gradient too: the
   // branch selects above would otherwise hand out a finite 0 (and a skipped row), hiding it
   if (loss != loss) dlogp = loss;
-  return {loss, w * dlogp, -w_ent * T(p.entropy_coef)};
+  return {loss, w * dlogp, -w_ent * T(p[slot::entropy_coef])};
 }
 
 // Row gradient. With z = logits / temperature, p_v = exp(z_v - lse), H the entropy:

@@ -8,15 +8,7 @@ import math
 
 import torch
 
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")  # index = ppo::KlEstimator (ppo_math.h)
-# index = ppo::PolicyLoss (ppo_math.h): the token-level losses the fused kernels run
-KERNEL_POLICY_LOSSES = ("vanilla", "cispo", "sapo")
-# need every logp of a sequence before any gradient: ppo_kernels/_two_phase.py
-SEQUENCE_POLICY_LOSSES = ("gspo", "gspo-token")
-POLICY_LOSSES = KERNEL_POLICY_LOSSES + SEQUENCE_POLICY_LOSSES
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm", "none")
-SEQ_MEAN_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# (the name <-> id tables of the options live in ppo_kernels/spec.py)
 BACKENDS = ("auto", "cpu", "cuda", "triton", "torch")
 LOGITS_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -81,11 +73,16 @@ def number(name, value, *, lo=None, hi=None, lo_open=False, hi_open=False):
 
 
 def temperature(value, logits):
-    """A temperature > 0 whose reciprocal is finite in the logits' accumulation dtype: every
+    """A temperature > 0 whose reciprocal is finite in the logits' accumulation dtype
+    (temperature_in)."""
+    return temperature_in(value, acc_dtype(logits))
+
+
+def temperature_in(value, acc):
+    """A temperature > 0 whose reciprocal is finite in the accumulation dtype acc: every
     kernel multiplies by 1 / temperature, which would overflow to inf (and turn the shifted
     logits into 0 * inf = NaN) below ~2.9e-39 in float32."""
     t = number("temperature", value, lo=0.0, lo_open=True)
-    acc = acc_dtype(logits)
     # (1 / t rounded to acc is inf exactly when 1 / t exceeds acc's max, up to rounding;
     # comparing in float64 against finfo.max decides it without building a tensor)
     if 1.0 / t > torch.finfo(acc).max:
@@ -150,37 +147,6 @@ def response_mask(mask, like, flat, like_name="tokens"):
                          f" got {list(mask.shape[1:] if flat else mask.shape)}"
                          f"{_aligned_hint(mask, like, like_name)}")
     return (mask != 0).contiguous()  # != keeps the input's strides; kernels index flat
-
-
-def policy_options(policy_loss, clip_eps_low, clip_eps_high, dual_clip_c, sapo_tau_pos,
-                   sapo_tau_neg, dtype=torch.float32):
-    """The validated policy-loss options as the dict the backends take."""
-    choice("policy_loss", policy_loss, POLICY_LOSSES)
-    if policy_loss == "cispo":  # a band for a weight, not a trust region: wider ranges
-        eps_low = number("clip_eps_low", clip_eps_low, lo=0.0, hi=1.0)
-        eps_high = eps_low if clip_eps_high is None else number("clip_eps_high", clip_eps_high,
-                                                                lo=0.0)
-    else:
-        eps_low = number("clip_eps_low", clip_eps_low, lo=0.0, hi=1.0, hi_open=True)
-        eps_high = eps_low if clip_eps_high is None else number(
-            "clip_eps_high", clip_eps_high, lo=0.0, hi=1.0, hi_open=True)
-    if dual_clip_c is not None:
-        if policy_loss in ("cispo", "sapo"):
-            raise ValueError(f"dual_clip_c: the dual clip caps PPO's clipped surrogate; "
-                             f"policy_loss={policy_loss!r} has none (got {dual_clip_c!r})")
-        # a cap at or below 1 + eps_high would cut into the clip band itself: the loss
-        # silently became something else (TRL / Liger's delta is this cap)
-        dual_clip_c = number("dual_clip_c", dual_clip_c, lo=1.0 + eps_high, lo_open=True)
-    return dict(policy_loss=policy_loss, policy_loss_id=POLICY_LOSSES.index(policy_loss),
-                clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual_clip_c,
-                sapo_tau_pos=positive_in("sapo_tau_pos", sapo_tau_pos, dtype),
-                sapo_tau_neg=positive_in("sapo_tau_neg", sapo_tau_neg, dtype))
-
-
-def sequence_level(p):
-    """Whether the per-token terms need every logp of their sequence first (the two-phase
-    path): GSPO's sequence ratio, or the off-policy mask's sequence mean."""
-    return p["policy_loss"] in SEQUENCE_POLICY_LOSSES or p.get("pg_mask_fn") is not None
 
 
 def host_readable(x):

@@ -11,8 +11,9 @@ import os
 import torch
 
 from . import _torch_impl
-from ._checks import acc_dtype, sequence_level
+from ._checks import acc_dtype
 from ._extension import HAS_CPU, HAS_CUDA, HAS_SCHEMAS, LOAD_ERROR
+from .spec import KL_ESTIMATORS, F
 
 # ------------------------------------------------------------------ fake (shape) functions
 
@@ -29,10 +30,7 @@ def _fake_token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, 
 
 
 def _fake_ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                       rollout_is_weights, entropy_weights, clip_eps_low, clip_eps_high,
-                       dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature,
-                       grad_scale, policy_loss, sapo_tau_pos, sapo_tau_neg,
-                       kl_bias_correction, compute_grad):
+                       rollout_is_weights, entropy_weights, scalars, codes, compute_grad):
     acc = acc_dtype(logits)
     per_tok = [tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)]
     dl = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype,
@@ -77,13 +75,6 @@ def scale_grad(prefix, dlogits, grad, applied):
     return dlogits
 
 
-def effective_grad_scale(grad_scale, dtype):
-    """The scale the forward writes the gradient with: float16 cannot hold every pre-scaled
-    gradient (a loss scale of 2^16), so there the backward scales up instead, where an
-    overflow is the loss scaler's to see."""
-    return min(grad_scale, 1.0) if dtype == torch.float16 else grad_scale
-
-
 def _lp_setup(ctx, inputs, output):
     logits, tokens, mask, temperature, return_entropy = inputs
     _, ent, row_max, log_sum = output
@@ -105,9 +96,21 @@ def _lp_backward_for(prefix):
     return backward
 
 
-def _loss_setup_for(prefix):
+def _arg_index(qualname, name):
+    """The position of argument ``name`` in the schema of ppo_kernels::<qualname>."""
+    schema = getattr(torch.ops.ppo_kernels, qualname).default._schema
+    return [a.name for a in schema.arguments].index(name)
+
+
+def _loss_autograd_for(prefix):
+    """(setup_context, backward) of prefix + ppo_loss_fwd: the forward wrote dlogits
+    pre-scaled by grad_scale; the backward rescales it in place (scale_grad)."""
+    qualname = prefix + "ppo_loss_fwd"
+    at_scalars = _arg_index(qualname, "scalars")
+    n_args = len(getattr(torch.ops.ppo_kernels, qualname).default._schema.arguments)
+
     def setup(ctx, inputs, output):
-        logits, grad_scale = inputs[0], inputs[16]
+        logits, grad_scale = inputs[0], inputs[at_scalars][F["grad_scale"]]
         # the scale the saved dlogits carry, as a device scalar that the backward compares
         # with grad_output on the device
         ctx.applied = torch.full((), grad_scale, dtype=acc_dtype(logits), device=logits.device)
@@ -117,18 +120,17 @@ def _loss_setup_for(prefix):
         # of its own, so with retain_graph autograd would make the buffer the logits' .grad
         # and the next backward would rescale that .grad in place
         ctx.save_for_backward(output[4].detach())
-        ctx.prefix = prefix
         # the other outputs carry no gradient: materialising zeros for them would allocate a
         # second [N, V] buffer (for the dlogits output) in every backward
         ctx.set_materialize_grads(False)
-    return setup
 
+    def backward(ctx, grad_loss, *_):
+        (dlogits,) = ctx.saved_tensors
+        grad = None if grad_loss is None else scale_grad(prefix, dlogits, grad_loss,
+                                                         ctx.applied)
+        return (grad,) + (None,) * (n_args - 1)
 
-def _loss_backward(ctx, grad_loss, *_):
-    (dlogits,) = ctx.saved_tensors
-    grad = None if grad_loss is None else scale_grad(ctx.prefix, dlogits, grad_loss,
-                                                     ctx.applied)
-    return (grad,) + (None,) * 21
+    return setup, backward
 
 
 def _no_setup(ctx, inputs, output):
@@ -161,8 +163,8 @@ def _register(prefix):
         torch.library.register_fake(lib + name, fn)
     torch.library.register_autograd(lib + "token_logprobs_fwd", _lp_backward_for(prefix),
                                     setup_context=_lp_setup)
-    torch.library.register_autograd(lib + "ppo_loss_fwd", _loss_backward,
-                                    setup_context=_loss_setup_for(prefix))
+    setup, backward = _loss_autograd_for(prefix)
+    torch.library.register_autograd(lib + "ppo_loss_fwd", backward, setup_context=setup)
     torch.library.register_autograd(lib + "token_logprobs_bwd", _no_double_backward,
                                     setup_context=_no_setup)
     _registered.add(prefix)
@@ -179,14 +181,15 @@ class _InplaceLoss(torch.autograd.Function):
     the one [N, V] buffer; the caller promised not to use the logits afterwards."""
 
     @staticmethod
-    def forward(ctx, logits, op, args, tail, prefix, grad_scale):
-        loss, loss_tok, logp, ent = op(logits, *args, grad_scale, *tail)
+    def forward(ctx, logits, op, tensors, scalars, codes, prefix):
+        loss, loss_tok, logp, ent = op(logits, *tensors, scalars, codes)
         # the logits now hold dlogits: anything that saved them for its own backward must
         # see the change (the C++ op has no ADInplaceOrView kernel to do this)
         torch.autograd.graph.increment_version(logits)
         ctx.buf = logits
         ctx.prefix = prefix
-        ctx.applied = torch.full((), grad_scale, dtype=acc_dtype(logits), device=logits.device)
+        ctx.applied = torch.full((), scalars[F["grad_scale"]], dtype=acc_dtype(logits),
+                                 device=logits.device)
         ctx.mark_non_differentiable(loss_tok, logp, ent)
         return loss, loss_tok, logp, ent
 
@@ -198,70 +201,64 @@ class _InplaceLoss(torch.autograd.Function):
                                "logits was already handed out by an earlier backward; "
                                "retain_graph cannot replay it")
         ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
-        return scale_grad(ctx.prefix, buf, grad_loss, ctx.applied), None, None, None, None, None
+        return (scale_grad(ctx.prefix, buf, grad_loss, ctx.applied), None, None, None, None,
+                None)
 
 
 class KernelBackend:
     """A backend made of the compiled ops (prefix "") or the Triton ones ("triton_")."""
 
+    is_kernel = True
+
     def __init__(self, name, prefix):
         self.name, self.prefix = name, prefix
 
-    def _op(self, name):
+    def op(self, name):
+        """torch.ops.ppo_kernels.<prefix><name>: this backend's kernel op ``name``."""
         return getattr(torch.ops.ppo_kernels, self.prefix + name)
 
     def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
-        logp, ent, _, _ = self._op("token_logprobs_fwd")(logits, tokens, mask, temperature,
-                                                          return_entropy)
+        logp, ent, _, _ = self.op("token_logprobs_fwd")(logits, tokens, mask, temperature,
+                                                         return_entropy)
         return logp, (ent if return_entropy else None)
 
-    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace,
-                 w_ent=None):
-        if sequence_level(p):
-            # (inplace_backward does not apply: the gradient sweep is a second pass that
-            # writes a fresh buffer, as documented)
-            from . import _two_phase
-
-            return _two_phase.ppo_loss(self.prefix, logits, tokens, mask, old, adv, weights,
-                                       ref, isw, p, w_ent)
-        args = (tokens, mask, old, adv, weights, ref, isw, w_ent, p["clip_eps_low"],
-                p["clip_eps_high"], p["dual_clip_c"] or 0.0, p["kl_coef"],
-                p["kl_estimator_id"], p["entropy_coef"], p["temperature"])
-        tail = (p["policy_loss_id"], p["sapo_tau_pos"], p["sapo_tau_neg"],
-                bool(p["kl_bias_correction"]))
+    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None):
+        """The fused single pass of a token-level policy loss (the two-phase path is
+        loss.two_phase's to choose): (loss, loss_tok, logp, ent), all but loss detached."""
+        tensors = (tokens, mask, old, adv, weights, ref, isw, w_ent)
+        scalars, codes = spec.kernel_args(logits.dtype)
         need_grad = torch.is_grad_enabled() and logits.requires_grad
-        gs = effective_grad_scale(p["grad_scale"], logits.dtype)
-        if inplace and need_grad:
+        if spec.inplace_backward and need_grad:
             loss, loss_tok, logp, ent = _InplaceLoss.apply(
-                logits, self._op("ppo_loss_fwd_inplace"), args, tail, self.prefix, gs)
+                logits, self.op("ppo_loss_fwd_inplace"), tensors, scalars, codes, self.prefix)
         else:
-            loss, loss_tok, logp, ent, _ = self._op("ppo_loss_fwd")(logits, *args, gs, *tail,
-                                                                     need_grad)
-        if w_ent is not None and p["entropy_coef"] != 0.0:
+            loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(logits, *tensors, scalars,
+                                                                    codes, need_grad)
+        if w_ent is not None and spec.entropy_coef != 0.0:
             # the kernel sums w * (... - entropy_coef H); the entropy term's own weights
             # are w_ent (its gradient already carries them)
-            loss = loss + p["entropy_coef"] * ((weights - w_ent) * ent.detach()).sum()
+            loss = loss + spec.entropy_coef * ((weights - w_ent) * ent.detach()).sum()
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):
-        return self._op("gae")(rewards, values, mask, bootstrap_values, gamma, lam)
+        return self.op("gae")(rewards, values, mask, bootstrap_values, gamma, lam)
 
     def score_rollout(self, *args):
-        return self._op("score_rollout")(*args)
+        return self.op("score_rollout")(*args)
 
 
 class TorchBackend:
     """The eager composite of _torch_impl, behind the same methods."""
 
     name = "torch"
+    is_kernel = False
 
     def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
         return _torch_impl.token_logprobs(logits, tokens, mask, temperature, return_entropy)
 
-    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, p, inplace,
-                 w_ent=None):
+    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None):
         loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, tokens, mask, old, adv, weights,
-                                                         ref, isw, p, w_ent)
+                                                         ref, isw, spec, w_ent)
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):
@@ -269,8 +266,6 @@ class TorchBackend:
 
     def score_rollout(self, logits, tokens, mask, ref, values, scores, kl_coef, kl_estimator_id,
                       gamma, lam, temperature):
-        from ._checks import KL_ESTIMATORS
-
         return _torch_impl.score_rollout(logits, tokens, mask, ref, values, scores, kl_coef,
                                          KL_ESTIMATORS[kl_estimator_id], gamma, lam, temperature)
 

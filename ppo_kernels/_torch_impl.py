@@ -52,15 +52,15 @@ def _clip_surrogate(r, advantages, clip_eps_low, clip_eps_high, dual_clip_c):
             (rd < 1.0 - clip_eps_low) & (advantages < 0), dual)
 
 
-def seq_mean(x, mask):
+def seq_mean(x, mask, group=None):
     """Per-sequence mean of x over the valid tokens (0 for an empty sequence), [B, 1]; the
     whole sequence's across a context-parallel group (context_parallel.py)."""
     m = mask.to(x.dtype)
-    return seq_sum(torch.where(mask, x, 0.0)) / seq_sum(m).clamp(min=1)
+    return seq_sum(torch.where(mask, x, 0.0), group) / seq_sum(m, group).clamp(min=1)
 
 
-def pg_terms(logp, old_logprobs, advantages, mask, p):
-    """Policy-gradient term per token for p["policy_loss"] (reference.pg_terms documents
+def pg_terms(logp, old_logprobs, advantages, mask, spec):
+    """Policy-gradient term per token for spec.policy_loss (reference.pg_terms documents
     each formula and its source). Returns a dict: pg (keeps logp's autograd graph), ratio
     (the ratio the loss uses, with its graph: the KL bias correction multiplies by it),
     log_ratio (clamped token log-ratio), clip_high, clip_low, dual (bool [B, T]) and, for
@@ -68,11 +68,11 @@ def pg_terms(logp, old_logprobs, advantages, mask, p):
     old = logp.detach() if old_logprobs is None else old_logprobs  # on-policy: rho = 1
     d = torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     rho = torch.exp(d)
-    kind = p.get("policy_loss", "vanilla")
-    eps_low, eps_high = p["clip_eps_low"], p["clip_eps_high"]
+    kind = spec.policy_loss
+    eps_low, eps_high = spec.clip_eps_low, spec.clip_eps_high
     out = {"log_ratio": d.detach()}
     if kind == "vanilla":
-        pg, ch, cl, dual = _clip_surrogate(rho, advantages, eps_low, eps_high, p["dual_clip_c"])
+        pg, ch, cl, dual = _clip_surrogate(rho, advantages, eps_low, eps_high, spec.dual_clip_c)
         out.update(pg=pg, ratio=rho, clip_high=ch, clip_low=cl, dual=dual)
     elif kind == "cispo":
         w = torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high).detach()
@@ -84,14 +84,14 @@ def pg_terms(logp, old_logprobs, advantages, mask, p):
                    (rd < 1.0 - eps_low))
     elif kind == "sapo":
         # (full_like: torch.where of two Python floats would round them to float32)
-        tau = torch.full_like(advantages, p["sapo_tau_neg"]).masked_fill(advantages > 0,
-                                                                         p["sapo_tau_pos"])
+        tau = torch.full_like(advantages, spec.sapo_tau_neg).masked_fill(advantages > 0,
+                                                                         spec.sapo_tau_pos)
         gate = torch.sigmoid(tau * (rho - 1.0))
         out.update(pg=-(4.0 / tau) * gate * advantages, ratio=rho,
                    clip_high=torch.zeros_like(mask), clip_low=torch.zeros_like(mask),
                    dual=torch.zeros_like(mask))
     else:  # gspo, gspo-token: the sequence ratio s = exp(clamp(mean_t (logp - old)))
-        ls_raw = seq_mean(logp - old, mask)
+        ls_raw = seq_mean(logp - old, mask, spec.cp_group)
         ls = torch.clamp(ls_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         if kind == "gspo":
             s = torch.exp(ls).expand_as(logp)
@@ -99,7 +99,7 @@ def pg_terms(logp, old_logprobs, advantages, mask, p):
             # where the sequence's log-ratio was clamped, as for every clamped ratio)
             live = (ls_raw.detach().abs() <= LOG_RATIO_CLAMP).to(logp.dtype)
             s = torch.exp((logp - logp.detach()) * live + ls.detach())
-        pg, ch, cl, dual = _clip_surrogate(s, advantages, eps_low, eps_high, p["dual_clip_c"])
+        pg, ch, cl, dual = _clip_surrogate(s, advantages, eps_low, eps_high, spec.dual_clip_c)
         out.update(pg=pg, ratio=s, clip_high=ch, clip_low=cl, dual=dual,
                    seq_ratio=torch.exp(ls.detach())[:, 0])
     return out
@@ -143,48 +143,57 @@ def kl_terms(logp, ref_logprobs, kl_estimator):
 
 
 def agg_weights(mask, loss_agg_mode, global_num_tokens=None, norm_length=None, dtype=None,
-                global_num_seqs=None):
+                global_num_seqs=None, group=None):
     """w [B, T] such that the aggregated loss is sum(w * loss_tok); 0 where masked.
     global_num_tokens / global_num_seqs (numbers or 0-d tensors) replace the local counts
     as the denominators of the token-mean / seq-mean modes (data-parallel ranks; TRL's grpo
-    counts empty completions: global_num_seqs = B)."""
+    counts empty completions: global_num_seqs = B). group: a context-parallel group, over
+    which the counts and lengths are the whole sequences'."""
     m = mask.to(dtype or torch.float32)
     b, t = m.shape
-    # (the counts and lengths are the whole sequences' across a context-parallel group)
     if loss_agg_mode == "token-mean":
         denom = global_num_tokens if global_num_tokens is not None else \
-            group_sum(m.sum()).clamp(min=1.0)
+            group_sum(m.sum(), group).clamp(min=1.0)
         return m / denom
     if loss_agg_mode == "token-sum":
         return m
     if loss_agg_mode == "seq-mean-token-sum":
         return m / (b if global_num_seqs is None else global_num_seqs)
     if loss_agg_mode == "seq-mean-token-mean":
-        lens = seq_sum(m)
+        lens = seq_sum(m, group)
         n = (lens > 0).sum().clamp(min=1) if global_num_seqs is None else global_num_seqs
         return m / (lens.clamp(min=1.0) * n)
     if loss_agg_mode == "seq-mean-token-sum-norm":
         n = b if global_num_seqs is None else global_num_seqs
-        return m / (n * (length(t, m) if norm_length is None else norm_length))
+        return m / (n * (length(t, m, group) if norm_length is None else norm_length))
     raise AssertionError(loss_agg_mode)  # validated by the caller
 
 
+def off_policy_keep(logp, behaviour_logprobs, advantages, mask, threshold, group=None):
+    """1 / 0 [B, T]: 0 on the tokens of sequences with A < 0 whose mean of
+    (behaviour_logp - sg(logp)) exceeds the threshold (DeepSeek-V3.2; rollout_correction.py)."""
+    kl = seq_mean(torch.where(mask, behaviour_logprobs - logp.detach(), 0.0), mask, group)
+    return ((advantages >= 0) | (kl <= threshold)).to(logp.dtype)
+
+
 def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights,
-                 mask, p):
+                 mask, spec, behaviour=None):
     """(policy part is_w * pg + kl_coef * kl [* ratio], entropy part H) per token; the
-    per-token loss is the first minus entropy_coef times the second. p: the ppo_loss
-    options."""
-    pt = pg_terms(logp, old_logprobs, advantages, mask, p)
+    per-token loss is the first minus entropy_coef times the second. spec: the LossSpec;
+    behaviour: the log-probs the off-policy mask compares with (spec.off_policy_mask_threshold;
+    None: no mask)."""
+    pt = pg_terms(logp, old_logprobs, advantages, mask, spec)
     loss = pt["pg"]
     if rollout_is_weights is not None:
         loss = loss * rollout_is_weights
-    if p.get("pg_mask_fn") is not None:  # the off-policy mask: reads the (detached) logp
-        loss = loss * p["pg_mask_fn"](logp)
+    if behaviour is not None:  # the off-policy mask: reads the (detached) logp
+        loss = loss * off_policy_keep(logp, behaviour, advantages, mask,
+                                      spec.off_policy_mask_threshold, spec.cp_group)
     if ref_logprobs is not None:
-        kl = kl_terms(logp, ref_logprobs, p["kl_estimator"])
-        if p.get("kl_bias_correction"):
+        kl = kl_terms(logp, ref_logprobs, spec.kl_estimator)
+        if spec.kl_bias_correction:
             kl = kl * pt["ratio"]
-        loss = loss + p["kl_coef"] * kl
+        loss = loss + spec.kl_coef * kl
     # a NaN loss (a NaN logit or input on a valid token) must reach the gradient too:
     # clamp's and where's backward would hand out a finite 0 for it (ppo_math.h does same)
     # (both factors are 0 off the NaN tokens, so no 0 * NaN reaches any other gradient)
@@ -193,43 +202,43 @@ def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_
     return loss, entropy
 
 
-def token_loss(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights, p,
-               mask):
+def token_loss(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights, spec,
+               mask, behaviour=None):
     """Per-token loss is_w * pg + kl_coef * kl - entropy_coef * H (DESIGN.md)."""
     pol, ent = token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs,
-                            rollout_is_weights, mask, p)
-    return pol - p["entropy_coef"] * ent if p["entropy_coef"] != 0.0 else pol
+                            rollout_is_weights, mask, spec, behaviour)
+    return pol - spec.entropy_coef * ent if spec.entropy_coef != 0.0 else pol
 
 
-def aggregate(pol, ent, mask, weights, entropy_weights, p):
+def aggregate(pol, ent, mask, weights, entropy_weights, spec):
     """sum(w * policy part) - entropy_coef * sum(w_ent * H) over valid tokens."""
     loss = (weights * torch.where(mask, pol, 0.0)).sum()
-    if p["entropy_coef"] != 0.0:
+    if spec.entropy_coef != 0.0:
         w_ent = weights if entropy_weights is None else entropy_weights
-        loss = loss - p["entropy_coef"] * (w_ent * torch.where(mask, ent, 0.0)).sum()
+        loss = loss - spec.entropy_coef * (w_ent * torch.where(mask, ent, 0.0)).sum()
     return loss
 
 
 def ppo_loss(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-             rollout_is_weights, p, entropy_weights=None):
+             rollout_is_weights, spec, entropy_weights=None):
     """Eager composite: returns (loss, loss_tok, logp, entropy), loss differentiable."""
-    logp, ent = token_logprobs(logits, tokens, mask, p["temperature"], True)
+    logp, ent = token_logprobs(logits, tokens, mask, spec.temperature, True)
     pol, _ = token_losses(logp, ent, old_logprobs, advantages, ref_logprobs,
-                          rollout_is_weights, mask, p)
-    loss = aggregate(pol, ent, mask, weights, entropy_weights, p)
-    loss_tok = torch.where(mask, pol - p["entropy_coef"] * ent, 0.0)
+                          rollout_is_weights, mask, spec)
+    loss = aggregate(pol, ent, mask, weights, entropy_weights, spec)
+    loss_tok = torch.where(mask, pol - spec.entropy_coef * ent, 0.0)
     return loss, loss_tok, logp, ent
 
 
 @torch.no_grad()
-def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, p):
+def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, spec):
     """The metrics dict of ppo_loss (DESIGN.md): means over valid tokens, 0 if none, and the
     counts num_tokens / num_seqs that make means combine exactly across micro-batches and
     ranks."""
     logp, entropy = logp.detach(), entropy.detach()
-    pt = pg_terms(logp, old_logprobs, advantages, mask, p)
+    pt = pg_terms(logp, old_logprobs, advantages, mask, spec)
     d, rho = pt["log_ratio"], pt["ratio"]
-    kl = None if ref_logprobs is None else kl_terms(logp, ref_logprobs, p["kl_estimator"])
+    kl = None if ref_logprobs is None else kl_terms(logp, ref_logprobs, spec.kl_estimator)
     m = mask.to(logp.dtype)
     n = m.sum().clamp(min=1.0)
 
@@ -239,7 +248,7 @@ def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, p):
     zero = torch.zeros((), device=logp.device)
     out = {
         "num_tokens": m.sum().float(),
-        "num_seqs": seq_any(mask).sum().float(),
+        "num_seqs": seq_any(mask, spec.cp_group).sum().float(),
         "clip_frac": mean(pt["clip_high"] | pt["clip_low"]),
         "clip_frac_high": mean(pt["clip_high"]),
         "clip_frac_low": mean(pt["clip_low"]),
@@ -253,8 +262,8 @@ def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, p):
     if "cispo_clip" in pt:
         out["cispo_clip_frac"] = mean(pt["cispo_clip"])
     if "seq_ratio" in pt:
-        s, nonempty = pt["seq_ratio"], seq_any(mask)
-        clipped = (s > 1.0 + p["clip_eps_high"]) | (s < 1.0 - p["clip_eps_low"])
+        s, nonempty = pt["seq_ratio"], seq_any(mask, spec.cp_group)
+        clipped = (s > 1.0 + spec.clip_eps_high) | (s < 1.0 - spec.clip_eps_low)
         out["seq_clip_frac"] = ((clipped & nonempty).sum() / nonempty.sum().clamp(min=1)).float()
     return out
 

@@ -22,64 +22,57 @@ from __future__ import annotations
 import torch
 
 from . import _torch_impl
-from ._ops import effective_grad_scale, scale_grad
+from ._ops import scale_grad
 from .vocab_parallel import logits_grad, shard_stats
 
 
-def _middle(logp, ent, mask, old, adv, weights, w_ent, ref, isw, p):
-    """The aggregated loss as a function of the per-token logp and H ([B, T])."""
-    pol, _ = _torch_impl.token_losses(logp, ent, old, adv, ref, isw, mask, p)
-    return _torch_impl.aggregate(pol, ent, mask, weights, w_ent, p), pol
+def middle(logp, ent, spec, x):
+    """The aggregated loss as a function of the per-token logp and H ([B, T], the layout of
+    the LossInputs x), and the per-token policy part."""
+    pol, _ = _torch_impl.token_losses(logp, ent, x.old, x.adv, x.ref, x.isw, x.mask, spec,
+                                      x.behaviour)
+    return _torch_impl.aggregate(pol, ent, x.mask, x.weights, x.w_ent, spec), pol
 
 
-def _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, need_grad,
-            shard=None, packing=None):
+def middle_grad(logp, ent, spec, x):
+    """(d loss / d logp, d loss / d H, loss, pol): the middle and its gradient in logp and H
+    (torch.func.grad on [B, T] tensors: cheap next to [N, V])."""
+    (dlogp, dent), (loss, pol) = torch.func.grad_and_value(
+        lambda lp, h: middle(lp, h, spec, x), argnums=(0, 1), has_aux=True)(logp, ent)
+    return dlogp, dent, loss, pol
+
+
+def _passes(logits, spec, x, prefix, need_grad, shard=None):
     """The three steps: (loss, loss_tok, logp, ent, dlogits or None, the scale dlogits
     carries). shard: a vocab_parallel.VocabShard when the logits are this rank's shard of
-    the vocabulary (the statistics are merged over its group between steps 1 and 2).
-    packing: a packed.Packing when the logits' rows are packed sequences; the [B, T]
-    tensors are then padded ([S, max_seqlen]) and the kernels read them packed again."""
-    ops = torch.ops.ppo_kernels
-    fwd = getattr(ops, prefix + "token_logprobs_fwd")
-
-    def kernel(x):
-        return x if x is None or packing is None else packing.unpad(x).contiguous()
-
-    def padded(x):
-        return x if packing is None else packing.pad(x)
-
-    tok, msk = kernel(tokens), kernel(mask)
+    the vocabulary (the statistics are merged over its group between steps 1 and 2). With
+    x.packing the logits' rows are packed sequences: the [B, T] tensors of x are padded
+    ([S, max_seqlen]) and the kernels read them packed again (x.kernel)."""
+    fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
+    tok, msk = x.kernel(x.tokens), x.kernel(x.mask)
     own = None
     if shard is not None:  # (tok becomes the shard-local ids)
-        logp, ent, row_max, log_sum, tok, own = shard_stats(logits, tok, msk,
-                                                             p["temperature"], shard, prefix)
+        logp, ent, row_max, log_sum, tok, own = shard_stats(logits, tok, msk, spec.temperature,
+                                                             shard, prefix)
     else:
-        logp, ent, row_max, log_sum = fwd(logits, tok, msk, p["temperature"], True)
-
-    def f(lp, h):
-        return _middle(lp, h, mask, old, adv, weights, w_ent, ref, isw, p)
-
-    (dlogp, dent), (loss, pol) = torch.func.grad_and_value(f, argnums=(0, 1), has_aux=True)(
-        padded(logp), padded(ent))
-    gs = effective_grad_scale(p["grad_scale"], logits.dtype)
+        logp, ent, row_max, log_sum = fwd(logits, tok, msk, spec.temperature, True)
+    dlogp, dent, loss, pol = middle_grad(x.padded(logp), x.padded(ent), spec, x)
+    gs = spec.effective_grad_scale(logits.dtype)
     dlogits = None
     if need_grad:  # else no second pass over the logits
-        g_lp = kernel(dlogp * gs).contiguous()
-        g_ent = kernel(dent * gs).contiguous() if p["entropy_coef"] != 0.0 else None
+        g_lp = x.kernel(dlogp * gs).contiguous()
+        g_ent = x.kernel(dent * gs).contiguous() if spec.entropy_coef != 0.0 else None
         dlogits = logits_grad(prefix, g_lp, g_ent, logits, tok, msk, row_max, log_sum, ent,
-                              p["temperature"], shard, own)
-    ent_p = padded(ent)
-    loss_tok = torch.where(mask, pol - p["entropy_coef"] * ent_p, 0.0)
-    return loss.detach(), loss_tok, padded(logp), ent_p, dlogits, gs
+                              spec.temperature, shard, own)
+    ent_p = x.padded(ent)
+    loss_tok = torch.where(x.mask, pol - spec.entropy_coef * ent_p, 0.0)
+    return loss.detach(), loss_tok, x.padded(logp), ent_p, dlogits, gs
 
 
 class TwoPhaseLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix,
-                shard, packing):
-        loss, loss_tok, logp, ent, dlogits, gs = _passes(
-            logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix, True, shard,
-            packing)
+    def forward(ctx, logits, spec, x, prefix, shard):
+        loss, loss_tok, logp, ent, dlogits, gs = _passes(logits, spec, x, prefix, True, shard)
         ctx.prefix = prefix
         ctx.applied = torch.full((), gs, dtype=logp.dtype, device=logits.device)
         ctx.save_for_backward(dlogits)
@@ -89,16 +82,13 @@ class TwoPhaseLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         (dlogits,) = ctx.saved_tensors
-        return (scale_grad(ctx.prefix, dlogits, grad_loss, ctx.applied),) + (None,) * 12
+        return scale_grad(ctx.prefix, dlogits, grad_loss, ctx.applied), None, None, None, None
 
 
-def ppo_loss(prefix, logits, tokens, mask, old, adv, weights, ref, isw, p, w_ent, shard=None,
-             packing=None):
-    """(loss, loss_tok, logp, ent) of a sequence-level policy loss (or of any policy loss
-    over a vocabulary split across ranks: shard) on a kernel backend."""
+def ppo_loss(prefix, logits, spec, x, shard=None):
+    """(loss, loss_tok, logp, ent) of the two-phase path on a kernel backend (loss.two_phase
+    says when); logp, ent and loss_tok in the layout of the LossInputs x."""
     if not (torch.is_grad_enabled() and logits.requires_grad):
         with torch.no_grad():
-            return _passes(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p, prefix,
-                           False, shard, packing)[:4]
-    return TwoPhaseLoss.apply(logits, tokens, mask, old, adv, weights, w_ent, ref, isw, p,
-                              prefix, shard, packing)
+            return _passes(logits, spec, x, prefix, False, shard)[:4]
+    return TwoPhaseLoss.apply(logits, spec, x, prefix, shard)

@@ -10,6 +10,7 @@ from . import _checks as ck
 from . import _torch_impl
 from . import packed
 from ._ops import get_backend
+from .spec import KL_ESTIMATORS
 
 
 def _seq_tensors(rewards_name, rewards, values_name, values, response_mask):
@@ -54,7 +55,7 @@ def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_v
         adv, ret = gae(t["rewards"], t["values"], mask, gamma=gamma, lam=lam,
                        bootstrap_values=bootstrap_values, backend=backend)
         return packed.unpadded(pk, adv, rewards), packed.unpadded(pk, ret, rewards)
-    packed.packing(None, 0, None, max_seqlen)
+    packed.check_max_seqlen(max_seqlen)
     r, v, mask, acc = _seq_tensors("rewards", rewards, "values", values, response_mask)
     gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
     lam = ck.number("lam", lam, lo=0.0, hi=1.0)
@@ -97,12 +98,12 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, response_mask, *, kl_co
         r = kl_penalized_rewards(scores, t["logprobs"], t["ref_logprobs"], mask,
                                  kl_coef=kl_coef, kl_estimator=kl_estimator)
         return packed.unpadded(pk, r, logprobs)
-    packed.packing(None, 0, None, max_seqlen)
+    packed.check_max_seqlen(max_seqlen)
     lp, ref, mask, _ = _seq_tensors("logprobs", logprobs, "ref_logprobs", ref_logprobs,
                                     response_mask)
     _scores(scores, lp)
     kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
-    ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
+    ck.choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     with torch.no_grad():
         return _torch_impl.kl_penalized_rewards(scores, lp, ref, mask, kl_coef, kl_estimator)[0]
 
@@ -141,7 +142,7 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_
                      packed.packed_like(response_mask, "response_mask", x.shape[-1]),
                      shift_mean=shift_mean, eps=eps, group=group)
         return out[0] if flat else out
-    packed.packing(None, 0, None, max_seqlen)
+    packed.check_max_seqlen(max_seqlen)
     mask = ck.response_mask(response_mask, x, False, like_name="x")
     eps = ck.number("eps", eps, lo=0.0)
     ck.flag("shift_mean", shift_mean)
@@ -198,7 +199,7 @@ def rollout_inputs(tokens2, response_mask, ref_logprobs, values, scores, kl_coef
     vals = ck.per_token("values", values, tokens2, False, torch.float32)
     _scores(scores, ref)
     kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
-    ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
+    ck.choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
     lam = ck.number("lam", lam, lo=0.0, hi=1.0)
     ck.flag("whiten", whiten)
@@ -257,7 +258,7 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
                              response_mask, shard, cu_seqlens, max_seqlen,
                              dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma,
                                   lam=lam, whiten=whiten), temperature, backend)
-    packed.packing(None, 0, None, max_seqlen)
+    packed.check_max_seqlen(max_seqlen)
     if flat:
         raise ValueError(f"logits: score_rollout needs [B, T, V] or [B, T + 1, V] (or "
                          f"cu_seqlens for the packed [total, V]), got {list(logits.shape)}")
@@ -279,7 +280,7 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     with torch.no_grad():
         logp, kl, rewards, adv, ret = be.score_rollout(
             logits3.detach(), tokens2, mask, ref.detach(), vals.detach(),
-            scores.detach().float().contiguous(), kl_coef, ck.KL_ESTIMATORS.index(kl_estimator),
+            scores.detach().float().contiguous(), kl_coef, KL_ESTIMATORS.index(kl_estimator),
             gamma, lam, temperature)
         if whiten:
             adv = _whiten(adv, mask)

@@ -20,16 +20,18 @@ pass recomputes the logits (one more matmul) and writes dz with token_logprobs_b
 
 from __future__ import annotations
 
+import dataclasses
 import operator
+from typing import Any, Optional
 
 import torch
 
 from . import _checks as ck
 from ._checks import acc_dtype
-from ._ops import KernelBackend, effective_grad_scale, get_backend, scale_grad
+from ._ops import get_backend, scale_grad
+from ._two_phase import middle_grad
+from .loss import composite_padded, loss_metrics, per_token_loss, prepare_loss, two_phase
 from .vocab_parallel import all_reduce_sum_, logits_grad, require_kernels, shard_of
-from .context_parallel import check_group, run_in
-from .loss import _composite_padded, loss_metrics, per_token_loss, prepare_loss
 
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
 
@@ -105,17 +107,38 @@ def default_chunk_size(vocab, dtype):
     return max(1, CHUNK_BYTES // (vocab * itemsize))
 
 
-class _State:
+@dataclasses.dataclass
+class _Chunks:
     """Everything but the three differentiable tensors, validated: what the chunk loops
-    read."""
+    read. The per-token tensors are [B, T] in the layout the kernels read (packed again
+    with cu_seqlens); tokens are shard-local ids over a split vocabulary (own: whether this
+    rank holds the token)."""
 
+    prefix: str
+    cap: Optional[float]
+    chunk: int
+    temperature: float
+    tokens: Any
+    mask: Any
+    acc: Any
+    shard: Any = None
+    own: Any = None
+    return_entropy: bool = True
+    spec: Any = None  # the LossSpec (the loss ops)
+    inputs: Any = None  # the LossInputs, in their own (padded) layout
+    old: Any = None
+    adv: Any = None
+    ref: Any = None
+    isw: Any = None
+    weights: Any = None
+    w_ent: Any = None
+    gs: float = 1.0
 
-def _set_shard(s, shard):
-    """A split vocabulary: the chunk loops hand the kernels shard-local ids (own: whether
-    this rank holds the token)."""
-    s.shard, s.own = shard, None
-    if shard is not None:
-        s.tokens, s.own = shard.local_tokens(s.tokens)
+    def __post_init__(self):
+        if self.shard is not None:
+            self.tokens, self.own = self.shard.local_tokens(self.tokens)
+        self.b, self.t = self.tokens.shape
+        self.n = self.b * self.t
 
 
 # ------------------------------------------------------------------ the chunk pieces
@@ -217,17 +240,14 @@ def _fused_pass(s, hidden3, weight, bias, need):
     """Token-level losses: one pass. Returns (loss, logp [B, T], ent [B, T], grads)."""
     op_name = "ppo_loss_fwd_inplace"
     ops = torch.ops.ppo_kernels
-    p = s.p
+    spec = s.spec
     h2 = _flat_hidden(hidden3, s)
     g = _Grads(s, hidden3, weight, bias, need)
     dev = hidden3.device
     logp = torch.empty(s.n, dtype=s.acc, device=dev)
     ent = torch.empty(s.n, dtype=s.acc, device=dev)
     loss = torch.zeros((), dtype=s.acc, device=dev)
-    scalars = (p["clip_eps_low"], p["clip_eps_high"], p["dual_clip_c"] or 0.0, p["kl_coef"],
-               p["kl_estimator_id"], p["entropy_coef"], p["temperature"], s.gs,
-               p["policy_loss_id"], p["sapo_tau_pos"], p["sapo_tau_neg"],
-               bool(p["kl_bias_correction"]))
+    scalars, codes = spec.kernel_args(hidden3.dtype)
     for r0 in range(0, s.n, s.chunk):
         r1 = min(s.n, r0 + s.chunk)
         c = r1 - r0
@@ -238,23 +258,23 @@ def _fused_pass(s, hidden3, weight, bias, need):
         if g.any:
             factor = None if s.cap is None else _softcap_factor_(z.clone(), s.cap)
             lc, _, lp, en = getattr(ops, s.prefix + op_name)(z.view(1, c, -1), *per_tok,
-                                                              *scalars)
+                                                              scalars, codes)
             if factor is not None:
                 z.mul_(factor)
                 del factor
             g.add(r0, r1, z, hc, weight)
         else:
             lc, _, lp, en, _ = getattr(ops, s.prefix + "ppo_loss_fwd")(
-                z.view(1, c, -1), *per_tok, *scalars, False)
+                z.view(1, c, -1), *per_tok, scalars, codes, False)
         del z
         loss += lc
         logp[r0:r1] = lp.view(c)
         ent[r0:r1] = en.view(c)
     logp, ent = logp.view(s.b, s.t), ent.view(s.b, s.t)
-    if s.w_ent is not None and p["entropy_coef"] != 0.0:
+    if s.w_ent is not None and spec.entropy_coef != 0.0:
         # as KernelBackend.ppo_loss: the kernel's value sums w * (... - entropy_coef H); the
         # entropy term's own weights are w_ent (its gradient already carries them)
-        loss = loss + p["entropy_coef"] * ((s.weights - s.w_ent) * ent).sum()
+        loss = loss + spec.entropy_coef * ((s.weights - s.w_ent) * ent).sum()
     return loss, logp, ent, g
 
 
@@ -318,28 +338,21 @@ def _grad_pass(s, hidden3, weight, bias, g, dlogp, dent, stats):
 
 
 def _two_phase_pass(s, hidden3, weight, bias, need):
-    from ._two_phase import _middle
-
-    p, m = s.p, s.setup  # the middle reads the LossSetup's (padded, with cu_seqlens) tensors
+    spec, x = s.spec, s.inputs  # the middle reads the LossInputs' (padded) tensors
     stats = _stats_pass(s, hidden3, weight, bias, True)
     logp, ent = stats[0].view(s.b, s.t), stats[1].view(s.b, s.t)
-
-    def f(lp, h):
-        return _middle(lp, h, m.mask, m.old, m.adv, m.weights, m.w_ent, m.ref, m.isw, p)
-
-    (dlogp, dent), (loss, _) = torch.func.grad_and_value(f, argnums=(0, 1), has_aux=True)(
-        m.padded(logp), m.padded(ent))
+    dlogp, dent, loss, _ = middle_grad(x.padded(logp), x.padded(ent), spec, x)
     g = _Grads(s, hidden3, weight, bias, need)
     if g.any:
         gs = s.gs
-        _grad_pass(s, hidden3, weight, bias, g, m.kernel(dlogp * gs).reshape(s.n),
-                   m.kernel(dent * gs).reshape(s.n) if p["entropy_coef"] != 0.0 else None,
+        _grad_pass(s, hidden3, weight, bias, g, x.kernel(dlogp * gs).reshape(s.n),
+                   x.kernel(dent * gs).reshape(s.n) if spec.entropy_coef != 0.0 else None,
                    stats)
     return loss.detach(), logp, ent, g
 
 
 def _loss_pass(s, hidden3, weight, bias, need):
-    if ck.sequence_level(s.p) or s.shard is not None:  # a split vocabulary merges its statistics in between
+    if two_phase(s.spec, s.inputs, s.shard):
         return _two_phase_pass(s, hidden3, weight, bias, need)
     return _fused_pass(s, hidden3, weight, bias, need)
 
@@ -460,17 +473,13 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     require_kernels(be, shard)
     if shard is None:
         tokens2 = ck.token_range(tokens2, mask, lm_head_weight.shape[0])
-    if not isinstance(be, KernelBackend):
+    if not be.is_kernel:
         logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, cap, mask)
         logp, ent = be.token_logprobs(logits, tokens2, mask, temperature, return_entropy)
     else:
-        s = _State()
-        s.prefix, s.cap, s.chunk, s.temperature = be.prefix, cap, chunk, temperature
-        s.tokens, s.mask, s.acc = tokens2, mask, acc_dtype(hidden3)
-        _set_shard(s, shard)
-        s.b, s.t = tokens2.shape
-        s.n = s.b * s.t
-        s.return_entropy = return_entropy
+        s = _Chunks(prefix=be.prefix, cap=cap, chunk=chunk, temperature=temperature,
+                    tokens=tokens2, mask=mask, acc=acc_dtype(hidden3), shard=shard,
+                    return_entropy=return_entropy)
         args = (hidden3, lm_head_weight, lm_head_bias)
         if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args):
             logp, ent = _LogprobsFromHidden.apply(*args, s)
@@ -508,7 +517,8 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         cp_group: context parallel, as in pk.ppo_loss.
         **loss_options: every keyword of pk.ppo_loss (policy_loss, clip_eps_*, kl_*,
             entropy_*, temperature, loss_agg_mode, global counts, rollout_*, grad_scale,
-            backend, ...), checked by the same code (loss.prepare_loss). inplace_backward
+            backend, ...), checked by the same code (loss.prepare_loss; an unknown keyword
+            is a TypeError). inplace_backward
             is accepted and has no effect (the chunks' logits are always overwritten by
             their gradient; nothing of the caller's is). loss_agg_mode="none" goes through
             token_logprobs_from_hidden.
@@ -520,58 +530,47 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         lm_head_bias (those that require it). All of it is computed in the forward; the
         backward only rescales it by grad_output (no pass when grad_output == grad_scale).
     """
-    return run_in(check_group(cp_group), lambda: _loss_from_hidden(
-        hidden, lm_head_weight, tokens, old_logprobs, advantages, response_mask, ref_logprobs,
-        lm_head_bias, logit_softcap, chunk_size, tp_group, vocab_start, loss_options))
-
-
-def _loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages, response_mask,
-                      ref_logprobs, lm_head_bias, logit_softcap, chunk_size, tp_group,
-                      vocab_start, loss_options):
+    options = dict(loss_options, old_logprobs=old_logprobs, advantages=advantages,
+                   response_mask=response_mask, ref_logprobs=ref_logprobs, cp_group=cp_group)
     hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
                                                               lm_head_bias, tp_group,
                                                               vocab_start)
     hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
     cap, chunk = _head_options(hidden3, lm_head_weight, logit_softcap, chunk_size)
-    s = prepare_loss(hidden3, None if shard else lm_head_weight.shape[0], tokens2, flat,
-                     response_mask, old_logprobs, advantages, ref_logprobs, **loss_options)
-    require_kernels(s.be, shard)
-    p, acc, k = s.p, s.acc, s.kernel  # k: the packed layout again, with cu_seqlens
+    spec, x = prepare_loss(hidden3, None if shard else lm_head_weight.shape[0], tokens2, flat,
+                           options)
+    require_kernels(x.be, shard)
+    k = x.kernel  # the packed layout again, with cu_seqlens
     diff = (hidden3, lm_head_weight, lm_head_bias)
-    if s.weights is None:
+    if x.weights is None:
         logp, ent = token_logprobs_from_hidden(
-            hidden3, lm_head_weight, k(s.tokens), k(s.mask), lm_head_bias=lm_head_bias,
-            logit_softcap=cap, temperature=p["temperature"], return_entropy=True,
+            hidden3, lm_head_weight, k(x.tokens), k(x.mask), lm_head_bias=lm_head_bias,
+            logit_softcap=cap, temperature=spec.temperature, return_entropy=True,
             chunk_size=chunk, tp_group=None if shard is None else shard.group,
-            vocab_start=None if shard is None else shard.start, backend=s.be.name)
-        logp, ent = s.padded(logp), s.padded(ent)
-        loss = per_token_loss(s, logp, ent)
-    elif not isinstance(s.be, KernelBackend):
-        logits = materialised_logits(*diff, cap, k(s.mask))
-        if s.packing is not None and ck.sequence_level(p):
-            loss, logp, ent = _composite_padded(s, logits)
+            vocab_start=None if shard is None else shard.start, backend=x.be.name)
+        logp, ent = x.padded(logp), x.padded(ent)
+        loss = per_token_loss(spec, x, logp, ent)
+    elif not x.be.is_kernel:
+        logits = materialised_logits(*diff, cap, k(x.mask))
+        if two_phase(spec, x, shard):
+            loss, logp, ent = composite_padded(spec, x, logits)
         else:
-            loss, _, logp, ent = s.be.ppo_loss(logits, k(s.tokens), k(s.mask), k(s.old),
-                                               k(s.adv), k(s.weights), k(s.ref), k(s.isw), p,
-                                               False, k(s.w_ent))
-            logp, ent = s.padded(logp), s.padded(ent)
+            loss, _, logp, ent = x.be.ppo_loss(logits, k(x.tokens), k(x.mask), k(x.old),
+                                               k(x.adv), k(x.weights), k(x.ref), k(x.isw),
+                                               spec, k(x.w_ent))
+            logp, ent = x.padded(logp), x.padded(ent)
     else:
-        st = _State()
-        st.prefix, st.cap, st.chunk, st.temperature, st.p = s.be.prefix, cap, chunk, \
-            p["temperature"], p
-        st.tokens, st.mask, st.acc, st.setup = k(s.tokens), k(s.mask), acc, s
-        st.old, st.adv, st.ref, st.isw, st.weights, st.w_ent = (
-            k(x) for x in (s.old, s.adv, s.ref, s.isw, s.weights, s.w_ent))
-        _set_shard(st, shard)
-        st.b, st.t = st.tokens.shape
-        st.n = st.b * st.t
-        st.gs = effective_grad_scale(p["grad_scale"], hidden3.dtype)
-        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in diff):
+        st = _Chunks(prefix=x.be.prefix, cap=cap, chunk=chunk, temperature=spec.temperature,
+                     tokens=k(x.tokens), mask=k(x.mask), acc=x.acc, shard=shard, spec=spec,
+                     inputs=x, old=k(x.old), adv=k(x.adv), ref=k(x.ref), isw=k(x.isw),
+                     weights=k(x.weights), w_ent=k(x.w_ent),
+                     gs=spec.effective_grad_scale(hidden3.dtype))
+        if torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in diff):
             loss, logp, ent = _LossFromHidden.apply(*diff, st)
         else:
             loss, logp, ent, _ = _loss_pass(st, *diff, (False, False, False))
-        logp, ent = s.padded(logp), s.padded(ent)
-    return loss, loss_metrics(s, logp, ent)
+        logp, ent = x.padded(logp), x.padded(ent)
+    return loss, loss_metrics(spec, x, logp, ent)
 
 
 def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, values, scores,
@@ -614,7 +613,7 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             max_seqlen, opts)
         mask_k = pk.unpad(mask)
     else:
-        packed.packing(None, 0, None, max_seqlen)
+        packed.check_max_seqlen(max_seqlen)
         if flat:
             raise ValueError(f"hidden: score_rollout_from_hidden needs [B, T, H] or "
                              f"[B, T + 1, H] (or cu_seqlens for the packed [total, H]), got "

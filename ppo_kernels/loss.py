@@ -12,6 +12,7 @@ from . import context_parallel as _cp
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
 from ._ops import get_backend
+from .spec import LOSS_AGG_MODES, LossSpec
 
 
 def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
@@ -184,89 +185,84 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     Raises:
         TypeError / ValueError naming the argument (see DESIGN.md, "Bad input").
     """
-    def run():
-        local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
-        logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
-        s = prepare_loss(
-            logits3, None if shard else logits3.shape[2], tokens2, flat, response_mask,
-            old_logprobs, advantages, ref_logprobs, policy_loss=policy_loss,
-            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, dual_clip_c=dual_clip_c,
-            sapo_tau_pos=sapo_tau_pos, sapo_tau_neg=sapo_tau_neg, kl_coef=kl_coef,
-            kl_estimator=kl_estimator, kl_bias_correction=kl_bias_correction,
-            entropy_coef=entropy_coef, entropy_agg_mode=entropy_agg_mode,
-            temperature=temperature, loss_agg_mode=loss_agg_mode,
-            global_num_tokens=global_num_tokens, global_num_seqs=global_num_seqs,
-            norm_length=norm_length, rollout_is_weights=rollout_is_weights,
-            rollout_logprobs=rollout_logprobs, rollout_correction=rollout_correction,
-            rollout_is_threshold=rollout_is_threshold,
-            off_policy_mask_threshold=off_policy_mask_threshold, grad_scale=grad_scale,
-            inplace_backward=inplace_backward, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-            return_per_token=return_per_token, backend=backend)
-        if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
-                                                                        logits3.shape)):
-            raise ValueError("logits: inplace_backward=True writes the gradient into the "
-                             "logits, which needs positions that do not share memory; got "
-                             f"strides {list(local.stride())} (an expanded tensor)")
-        _vp.require_kernels(s.be, shard)
-        loss, logp, ent = _loss_of_logits(s, logits3, shard, inplace_backward)
-        return loss, loss_metrics(s, logp, ent)
-
-    return _cp.run_in(_cp.check_group(cp_group), run)
+    options = dict(locals())  # every keyword: LossSpec's and the tensors' (prepare_loss)
+    local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
+    logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
+    spec, x = prepare_loss(logits3, None if shard else logits3.shape[2], tokens2, flat,
+                           options)
+    if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
+                                                                    logits3.shape)):
+        raise ValueError("logits: inplace_backward=True writes the gradient into the "
+                         "logits, which needs positions that do not share memory; got "
+                         f"strides {list(local.stride())} (an expanded tensor)")
+    _vp.require_kernels(x.be, shard)
+    loss, logp, ent = _loss_of_logits(spec, x, logits3, shard)
+    return loss, loss_metrics(spec, x, logp, ent)
 
 
-def _loss_of_logits(s, logits3, shard, inplace_backward):
-    """(loss, logp, H) of a LossSetup on the path its options need; logp and H in the
-    LossSetup's layout."""
-    k, temp = s.kernel, s.p["temperature"]
-    if s.weights is None:
+def two_phase(spec, x, shard):
+    """Whether the loss takes the two-phase path (statistics pass, [B, T] middle, gradient
+    pass; _two_phase.py) rather than the fused single pass: the per-token terms need every
+    logp of their sequence first (GSPO's ratio, the off-policy mask's mean), or the row
+    statistics must be merged over a split vocabulary first. The one place this is decided,
+    for the logits and the hidden-state paths alike."""
+    return spec.sequence_loss or x.behaviour is not None or shard is not None
+
+
+def _loss_of_logits(spec, x, logits3, shard):
+    """(loss, logp, H) on the path the options need; logp and H in the LossInputs' layout."""
+    k = x.kernel
+    if x.weights is None:
         # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
         if shard is not None:
-            logp, ent = _vp.token_logprobs(s.be, logits3, k(s.tokens), k(s.mask), temp, shard)
+            logp, ent = _vp.token_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
+                                           spec.temperature, shard)
         else:
-            logp, ent = s.be.token_logprobs(logits3, k(s.tokens), k(s.mask), temp, True)
-        logp, ent = s.padded(logp), s.padded(ent)
-        return per_token_loss(s, logp, ent), logp, ent
-    if shard is not None or (s.packing is not None and ck.sequence_level(s.p)):
-        # the statistics pass, the [B, T] middle (padded: it reduces over sequences), the
-        # gradient pass
-        if s.be.name == "torch":
-            return _composite_padded(s, logits3)
+            logp, ent = x.be.token_logprobs(logits3, k(x.tokens), k(x.mask), spec.temperature,
+                                            True)
+        logp, ent = x.padded(logp), x.padded(ent)
+        return per_token_loss(spec, x, logp, ent), logp, ent
+    if not x.be.is_kernel:
+        if two_phase(spec, x, shard):
+            return composite_padded(spec, x, logits3)
+    elif two_phase(spec, x, shard):
         from . import _two_phase
 
-        loss, _, logp, ent = _two_phase.ppo_loss(
-            s.be.prefix, logits3, s.tokens, s.mask, s.old, s.adv, s.weights, s.ref, s.isw,
-            s.p, s.w_ent, shard, s.packing)
+        loss, _, logp, ent = _two_phase.ppo_loss(x.be.prefix, logits3, spec, x, shard)
         return loss, logp, ent
-    loss, _, logp, ent = s.be.ppo_loss(logits3, k(s.tokens), k(s.mask), k(s.old), k(s.adv),
-                                       k(s.weights), k(s.ref), k(s.isw), s.p, inplace_backward,
-                                       k(s.w_ent))
-    return loss, s.padded(logp), s.padded(ent)
+    loss, _, logp, ent = x.be.ppo_loss(logits3, k(x.tokens), k(x.mask), k(x.old), k(x.adv),
+                                       k(x.weights), k(x.ref), k(x.isw), spec, k(x.w_ent))
+    return loss, x.padded(logp), x.padded(ent)
 
 
-def _composite_padded(s, logits3):
-    """The eager composite for packed sequences with a sequence-level loss: log-probs on
-    the packed rows, the loss on their padded copy (autograd through both)."""
-    logp, ent = _torch_impl.token_logprobs(logits3, s.kernel(s.tokens), s.kernel(s.mask),
-                                           s.p["temperature"], True)
-    logp, ent = s.padded(logp), s.padded(ent)
-    pol, _ = _torch_impl.token_losses(logp, ent, s.old, s.adv, s.ref, s.isw, s.mask, s.p)
-    loss = _torch_impl.aggregate(pol, ent, s.mask, s.weights, s.w_ent, s.p)
+def composite_padded(spec, x, logits3):
+    """The eager composite of the two-phase losses: log-probs on the kernels' rows (packed
+    with cu_seqlens), the loss on the LossInputs' [B, T] layout (padded; autograd through
+    both)."""
+    logp, ent = _torch_impl.token_logprobs(logits3, x.kernel(x.tokens), x.kernel(x.mask),
+                                           spec.temperature, True)
+    logp, ent = x.padded(logp), x.padded(ent)
+    pol, _ = _torch_impl.token_losses(logp, ent, x.old, x.adv, x.ref, x.isw, x.mask, spec,
+                                      x.behaviour)
+    loss = _torch_impl.aggregate(pol, ent, x.mask, x.weights, x.w_ent, spec)
     return loss, logp.detach(), ent.detach()
 
 
-class LossSetup(NamedTuple):
-    """prepare_loss's result (a NamedTuple: torch.compile traces it)."""
+class LossInputs(NamedTuple):
+    """The checked tensors of a loss call, [B, T] (padded [S, max_seqlen] with cu_seqlens),
+    and the backend: prepare_loss's second result beside the LossSpec (a NamedTuple:
+    torch.compile traces it)."""
 
     tokens: Any
     mask: Any
-    acc: Any
+    acc: Any  # the accumulation dtype
     old: Any
     adv: Any
     ref: Any
     isw: Any  # rollout-corrected
     rollout: Any
     rc_w: Any
-    p: dict  # the backends' options
+    behaviour: Any  # the off-policy mask's log-probs (None: no mask)
     weights: Any  # None for loss_agg_mode="none"
     w_ent: Any
     be: Any  # the backend
@@ -284,154 +280,145 @@ class LossSetup(NamedTuple):
         return x if x is None or self.packing is None else self.packing.pad(x)
 
 
-def prepare_loss(like, vocab, tokens2, flat, response_mask, old_logprobs, advantages,
-                 ref_logprobs, *, policy_loss="vanilla", clip_eps_low=0.2, clip_eps_high=None,
-                 dual_clip_c=None, sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0,
-                 kl_estimator="k3", kl_bias_correction=False, entropy_coef=0.0,
-                 entropy_agg_mode=None, temperature=1.0, loss_agg_mode="token-mean",
-                 global_num_tokens=None, global_num_seqs=None, norm_length=None,
-                 rollout_is_weights=None, rollout_logprobs=None, rollout_correction=None,
-                 rollout_is_threshold=2.0, off_policy_mask_threshold=None, grad_scale=1.0,
-                 inplace_backward=False, cu_seqlens=None, max_seqlen=None,
-                 return_per_token=False, backend="auto"):
-    """Every check of ppo_loss's arguments but the logits themselves, shared by ppo_loss and
-    ppo_loss_from_hidden (like: the logits [B, Tl, V] or the hidden states, whose dtype and
-    device the per-token inputs take; vocab: V for the token-range check, None where the
-    vocabulary is split over ranks and the merge checks the ids). Returns a LossSetup.
+_TENSOR_OPTIONS = ("old_logprobs", "advantages", "response_mask", "ref_logprobs",
+                   "global_num_tokens", "global_num_seqs", "rollout_is_weights",
+                   "rollout_logprobs", "cu_seqlens", "max_seqlen", "backend")
+# the arguments ppo_loss reads itself (the logits' path, the split vocabulary)
+_CALL_ARGUMENTS = ("logits", "tokens", "tp_group", "vocab_start")
+
+
+def prepare_loss(like, vocab, tokens2, flat, options):
+    """Every check of a loss call's arguments but the logits themselves, shared by ppo_loss
+    and ppo_loss_from_hidden: (LossSpec, LossInputs). options: the call's keywords by name
+    (ppo_loss's; an unknown one is a TypeError); like: the logits [B, Tl, V] or the hidden
+    states, whose dtype and device the per-token inputs take; vocab: V for the token-range
+    check, None where the vocabulary is split over ranks and the merge checks the ids.
 
     With cu_seqlens the per-token inputs are those of the packed layout (advantages and
-    rollout_is_weights may be per sequence, [S]); the LossSetup holds their padded
-    [S, max_seqlen] copies (packed.py) and LossSetup.kernel() packs them again."""
+    rollout_is_weights may be per sequence, [S]); the LossInputs hold their padded
+    [S, max_seqlen] copies (packed.py) and LossInputs.kernel() packs them again."""
+    t = {k: options.get(k) for k in _TENSOR_OPTIONS}
+    t["backend"] = options.get("backend", "auto")
+    acc = ck.acc_dtype(like)
+    spec = LossSpec.build(acc, **{k: v for k, v in options.items()
+                                  if k not in _TENSOR_OPTIONS + _CALL_ARGUMENTS})
+    group = _cp.check_group(spec.cp_group)
+    response_mask, old_logprobs, advantages = (t["response_mask"], t["old_logprobs"],
+                                               t["advantages"])
+    ref_logprobs, rollout_is_weights = t["ref_logprobs"], t["rollout_is_weights"]
+    rollout_logprobs = t["rollout_logprobs"]
     pk = None
-    if cu_seqlens is not None:
+    norm_length = spec.norm_length
+    if t["cu_seqlens"] is not None:
         if tokens2.shape[0] != 1:
             raise ValueError(f"tokens: with cu_seqlens expected the packed layout [1, total] "
                              f"or [total], got {list(tokens2.shape)}")
-        pk = packed.packing(cu_seqlens, tokens2.shape[1], tokens2, max_seqlen)
+        pk = packed.packing(t["cu_seqlens"], tokens2.shape[1], tokens2, t["max_seqlen"])
         # per sequence: [S, 1], or [S] where S != total (with S == total a 1-D tensor is
         # per token)
         advantages, rollout_is_weights = (
-            pk.per_seq(x) if isinstance(x, torch.Tensor) and (
-                tuple(x.shape) == (pk.num_seqs, 1) or
-                (tuple(x.shape) == (pk.num_seqs,) and pk.num_seqs != pk.total)) else x
-            for x in (advantages, rollout_is_weights))
+            pk.per_seq(v) if isinstance(v, torch.Tensor) and (
+                tuple(v.shape) == (pk.num_seqs, 1) or
+                (tuple(v.shape) == (pk.num_seqs,) and pk.num_seqs != pk.total)) else v
+            for v in (advantages, rollout_is_weights))
         # seq-mean-token-sum-norm's default length: the longest whole sequence (there is no
         # padding to take the width of; across a context-parallel group the pieces add up,
         # an all-reduce, so only for the mode that reads it)
-        packed_norm = None
-        if norm_length is None and "seq-mean-token-sum-norm" in (loss_agg_mode,
-                                                                  entropy_agg_mode):
-            lens = _cp.group_sum(pk.lens.to(ck.acc_dtype(like)))
-            packed_norm = lens.max().clamp(min=1.0) if pk.num_seqs else 1.0
-        response_mask, t = packed.padded_inputs(
+        if norm_length is None and "seq-mean-token-sum-norm" in (spec.loss_agg_mode,
+                                                                  spec.entropy_agg_mode):
+            lens = _cp.group_sum(pk.lens.to(acc), group)
+            norm_length = lens.max().clamp(min=1.0) if pk.num_seqs else 1.0
+        response_mask, padded = packed.padded_inputs(
             pk, response_mask, "tokens", tokens2, old_logprobs=old_logprobs,
             advantages=advantages, ref_logprobs=ref_logprobs,
             rollout_is_weights=rollout_is_weights, rollout_logprobs=rollout_logprobs)
-        old_logprobs, advantages, ref_logprobs = (t["old_logprobs"], t["advantages"],
-                                                  t["ref_logprobs"])
-        rollout_is_weights, rollout_logprobs = t["rollout_is_weights"], t["rollout_logprobs"]
+        old_logprobs, advantages, ref_logprobs = (padded["old_logprobs"], padded["advantages"],
+                                                  padded["ref_logprobs"])
+        rollout_is_weights = padded["rollout_is_weights"]
+        rollout_logprobs = padded["rollout_logprobs"]
         tokens2, out_flat, flat = pk.pad(tokens2), flat, False
     else:
-        packed.packing(None, 0, None, max_seqlen)
-        packed_norm = None
+        packed.check_max_seqlen(t["max_seqlen"])
     mask = ck.response_mask(response_mask, tokens2, flat)
-    acc = ck.acc_dtype(like)
     old = ck.per_token("old_logprobs", old_logprobs, tokens2, flat, acc, optional=True)
     adv = ck.per_token("advantages", advantages, tokens2, flat, acc, per_seq_ok=True)
     ref = ck.per_token("ref_logprobs", ref_logprobs, tokens2, flat, acc, optional=True)
     isw = ck.per_token("rollout_is_weights", rollout_is_weights, tokens2, flat, acc,
                        optional=True, per_seq_ok=True)
-    p = ck.policy_options(policy_loss, clip_eps_low, clip_eps_high, dual_clip_c, sapo_tau_pos,
-                          sapo_tau_neg, acc)
     rollout = ck.per_token("rollout_logprobs", rollout_logprobs, tokens2, flat, acc,
                            optional=True)
     # masked positions hold anything (NaN included); the [B, T] formulas that reduce over
     # a sequence (GSPO's ratio, the off-policy mask) would carry 0 * NaN into the valid
     # tokens' gradient, so they are set apart here, before any of them (the kernels never
     # read them anyway)
-    old, adv, ref, isw, rollout = (None if x is None else torch.where(mask, x, 0.0)
-                                   for x in (old, adv, ref, isw, rollout))
+    old, adv, ref, isw, rollout = (None if v is None else torch.where(mask, v, 0.0)
+                                   for v in (old, adv, ref, isw, rollout))
     rc_w = None
-    if rollout_correction is not None:
-        ck.choice("rollout_correction", rollout_correction, _rc.MODES)
+    if spec.rollout_correction is not None:
         if rollout is None or old is None:
-            raise ValueError(f"rollout_correction: {rollout_correction!r} weighs pi_old / "
+            raise ValueError(f"rollout_correction: {spec.rollout_correction!r} weighs pi_old / "
                              f"pi_rollout and needs both old_logprobs and rollout_logprobs")
-        lo, hi = _rc.bounds(rollout_correction, rollout_is_threshold)
-        rc_w = _rc.weights(old, rollout, mask, rollout_correction, lo, hi)
+        lo, hi = _rc.bounds(spec.rollout_correction, spec.rollout_is_threshold)
+        rc_w = _rc.weights(old, rollout, mask, spec.rollout_correction, lo, hi, group)
         isw = rc_w if isw is None else isw * rc_w
-    if off_policy_mask_threshold is not None:
-        delta = ck.number("off_policy_mask_threshold", off_policy_mask_threshold)
+    behaviour = None
+    if spec.off_policy_mask_threshold is not None:
+        # on-policy (neither old nor rollout log-probs): the KL is 0, nothing is masked
         behaviour = rollout if rollout is not None else old
-        if behaviour is not None:  # on-policy: the KL is 0, nothing is masked
-            p["pg_mask_fn"] = lambda lp: _rc.off_policy_keep(lp, behaviour, adv, mask, delta)
-    kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
-    ck.choice("kl_estimator", kl_estimator, ck.KL_ESTIMATORS)
-    ck.flag("kl_bias_correction", kl_bias_correction)
-    if kl_coef > 0 and ref is None:
-        raise ValueError(f"ref_logprobs: kl_coef = {kl_coef} > 0 needs ref_logprobs, got None")
-    entropy_coef = ck.number("entropy_coef", entropy_coef)
-    temperature = ck.temperature(temperature, like)
-    grad_scale = ck.positive_in("grad_scale", grad_scale, acc)
-    ck.choice("loss_agg_mode", loss_agg_mode, ck.LOSS_AGG_MODES)
-    if entropy_agg_mode is not None:
-        ck.choice("entropy_agg_mode", entropy_agg_mode, ck.LOSS_AGG_MODES[:-1])
+    if spec.kl_coef > 0 and ref is None:
+        raise ValueError(f"ref_logprobs: kl_coef = {spec.kl_coef} > 0 needs ref_logprobs, got "
+                         f"None")
+    global_num_tokens, global_num_seqs = t["global_num_tokens"], t["global_num_seqs"]
     if global_num_tokens is not None:
         global_num_tokens = ck.count("global_num_tokens", global_num_tokens, like, acc)
     if global_num_seqs is not None:
         global_num_seqs = ck.count("global_num_seqs", global_num_seqs, like, acc)
-    if norm_length is not None:
-        norm_length = ck.number("norm_length", norm_length, lo=0.0, lo_open=True)
-    else:
-        norm_length = packed_norm
-    ck.flag("inplace_backward", inplace_backward)
-    ck.flag("return_per_token", return_per_token)
-    p["return_per_token"] = return_per_token
-    be = get_backend(backend, like.device)
+    be = get_backend(t["backend"], like.device)
     if vocab is not None:
         tokens2 = ck.token_range(tokens2, mask, vocab)
-    p.update(kl_coef=kl_coef, kl_estimator=kl_estimator,
-             kl_estimator_id=ck.KL_ESTIMATORS.index(kl_estimator),
-             kl_bias_correction=kl_bias_correction, entropy_coef=entropy_coef,
-             temperature=temperature, grad_scale=grad_scale)
     weights = w_ent = None
-    if loss_agg_mode != "none":
+    if spec.loss_agg_mode != "none":
         def weights_of(mode):
             return _torch_impl.agg_weights(mask, mode, global_num_tokens, norm_length,
-                                           dtype=acc, global_num_seqs=global_num_seqs)
-        weights = weights_of(loss_agg_mode)
-        w_ent = None if entropy_agg_mode in (None, loss_agg_mode) else weights_of(
-            entropy_agg_mode)
-    return LossSetup(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref, isw=isw,
-                     rollout=rollout, rc_w=rc_w, p=p, weights=weights, w_ent=w_ent, be=be,
-                     flat=out_flat if pk is not None else flat, packing=pk)
+                                           dtype=acc, global_num_seqs=global_num_seqs,
+                                           group=group)
+        weights = weights_of(spec.loss_agg_mode)
+        w_ent = None if spec.entropy_agg_mode in (None, spec.loss_agg_mode) else weights_of(
+            spec.entropy_agg_mode)
+    return spec, LossInputs(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref,
+                            isw=isw, rollout=rollout, rc_w=rc_w, behaviour=behaviour,
+                            weights=weights, w_ent=w_ent, be=be,
+                            flat=out_flat if pk is not None else flat, packing=pk)
 
 
-def per_token_loss(s, logp, ent):
+def per_token_loss(spec, x, logp, ent):
     """loss_agg_mode="none": the per-token loss [B, T] (or [N]) from differentiable logp,
     H, 0 where masked."""
-    loss = torch.where(s.mask, _torch_impl.token_loss(logp, ent, s.old, s.adv, s.ref, s.isw,
-                                                      s.p, s.mask), 0.0)
-    loss = s.kernel(loss)  # (the packed layout again, with cu_seqlens)
-    return loss[0] if s.flat else loss
+    loss = torch.where(x.mask, _torch_impl.token_loss(logp, ent, x.old, x.adv, x.ref, x.isw,
+                                                      spec, x.mask, x.behaviour), 0.0)
+    loss = x.kernel(loss)  # (the packed layout again, with cu_seqlens)
+    return loss[0] if x.flat else loss
 
 
-def loss_metrics(s, logp, ent):
+def loss_metrics(spec, x, logp, ent):
     """ppo_loss's metrics dict from the per-token logp and entropy (DESIGN.md, Metrics)."""
-    metrics = _torch_impl.metrics(logp, ent, s.old, s.adv, s.ref, s.mask, s.p)
-    if s.rollout is not None and s.old is not None:
-        metrics.update(_rc.metrics(s.old, s.rollout, s.mask, torch.ones_like(s.old)
-                                   if s.rc_w is None else s.rc_w))
-    if s.p.get("return_per_token"):
-        for name, x in (("per_token_logprobs", logp), ("per_token_entropy", ent)):
-            x = s.kernel(torch.where(s.mask, x.detach(), 0.0))
-            metrics[name] = x[0] if s.flat else x
-    if s.p.get("pg_mask_fn") is not None:
+    metrics = _torch_impl.metrics(logp, ent, x.old, x.adv, x.ref, x.mask, spec)
+    if x.rollout is not None and x.old is not None:
+        metrics.update(_rc.metrics(x.old, x.rollout, x.mask, torch.ones_like(x.old)
+                                   if x.rc_w is None else x.rc_w))
+    if spec.return_per_token:
+        for name, v in (("per_token_logprobs", logp), ("per_token_entropy", ent)):
+            v = x.kernel(torch.where(x.mask, v.detach(), 0.0))
+            metrics[name] = v[0] if x.flat else v
+    if x.behaviour is not None:
         with torch.no_grad():
-            dropped = (s.p["pg_mask_fn"](logp) == 0) & s.mask
-            nonempty = _cp.seq_any(s.mask)
+            keep = _torch_impl.off_policy_keep(logp, x.behaviour, x.adv, x.mask,
+                                               spec.off_policy_mask_threshold, spec.cp_group)
+            dropped = (keep == 0) & x.mask
+            nonempty = _cp.seq_any(x.mask, spec.cp_group)
             metrics["off_policy_masked_frac"] = (
-                (_cp.seq_any(dropped) & nonempty).sum() / nonempty.sum().clamp(min=1)).float()
+                (_cp.seq_any(dropped, spec.cp_group) & nonempty).sum() /
+                nonempty.sum().clamp(min=1)).float()
     return metrics
 
 
@@ -468,7 +455,7 @@ def value_loss(values, old_values, returns, response_mask=None, *, clip_range=No
     mask = ck.response_mask(response_mask, v, flat, like_name="values")
     if clip_range is not None:
         clip_range = ck.number("clip_range", clip_range, lo=0.0)
-    ck.choice("loss_agg_mode", loss_agg_mode, ck.LOSS_AGG_MODES)
+    ck.choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
     # masked positions are set apart before any arithmetic, so a NaN there reaches
     # neither the loss nor the gradient
     v = torch.where(mask, v.to(acc), 0.0)

@@ -42,6 +42,12 @@ class Packing:
         return a.reshape(self.num_seqs)[self.seq_id].unsqueeze(0)
 
 
+def check_max_seqlen(max_seqlen):
+    """Without cu_seqlens there is no packing for max_seqlen to describe."""
+    if max_seqlen is not None:
+        raise ValueError("max_seqlen: only meaningful with cu_seqlens")
+
+
 def packing(cu_seqlens, total, like, max_seqlen=None):
     """Checks cu_seqlens against ``total`` packed positions (like: a tensor of the device
     they must share) and returns a Packing, or None for cu_seqlens=None.
@@ -51,8 +57,7 @@ def packing(cu_seqlens, total, like, max_seqlen=None):
     to avoid it, as with flash-attn). On CPU tensors a bad cu_seqlens is a ValueError; on a
     device an asynchronous device assertion."""
     if cu_seqlens is None:
-        if max_seqlen is not None:
-            raise ValueError("max_seqlen: only meaningful with cu_seqlens")
+        check_max_seqlen(max_seqlen)
         return None
     ck.tensor("cu_seqlens", cu_seqlens, integer=True)
     ck.same_device("cu_seqlens", cu_seqlens, "tokens", like)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# the names only (the formulas here are the oracle's own)
+from .spec import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, SEQUENCE_POLICY_LOSSES
+
 LOG_RATIO_CLAMP = 20.0
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm", "none")
 
 
 def as_f64(x):
@@ -108,10 +108,6 @@ def token_logprobs_grad(logits, tokens, response_mask, temperature, grad_logprob
 
 
 # ---------------------------------------------------------------- per-token PPO terms
-
-POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token")
-SEQUENCE_POLICY_LOSSES = ("gspo", "gspo-token")
-
 
 def _clip_surrogate(r, a, eps_low, eps_high, dual_clip_c):
     """PPO's clipped surrogate of a ratio r (Schulman et al. 2017, eq. 7) with the dual clip

@@ -26,8 +26,6 @@ from . import _checks as ck
 from ._torch_impl import LOG_RATIO_CLAMP, expm1_minus_x, seq_mean
 from .context_parallel import seq_sum
 
-MODES = ("tis", "tis-seq", "mis", "mis-seq", "geo-seq")
-
 
 def bounds(mode, threshold):
     """(lo, hi) of rollout_is_threshold: a number C is (0, C), i.e. an upper bound only
@@ -52,17 +50,18 @@ def bounds(mode, threshold):
 
 
 @torch.no_grad()
-def weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi):
-    """w [B, T] (0 where masked) of a rollout_correction mode (module docstring)."""
+def weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi, group=None):
+    """w [B, T] (0 where masked) of a rollout_correction mode (module docstring); group: a
+    context-parallel group (the sequence modes reduce over the whole sequences)."""
     l_tok = torch.where(mask, torch.clamp(old_logprobs - rollout_logprobs, -LOG_RATIO_CLAMP,
                                           LOG_RATIO_CLAMP), 0.0)
     if mode in ("tis", "mis"):
         r = torch.exp(l_tok)
     elif mode in ("tis-seq", "mis-seq"):
-        r = torch.exp(torch.clamp(seq_sum(l_tok), -LOG_RATIO_CLAMP,
+        r = torch.exp(torch.clamp(seq_sum(l_tok, group), -LOG_RATIO_CLAMP,
                                   LOG_RATIO_CLAMP)).expand_as(l_tok)
     else:  # geo-seq
-        r = torch.exp(seq_mean(l_tok, mask)).expand_as(l_tok)
+        r = torch.exp(seq_mean(l_tok, mask, group)).expand_as(l_tok)
     inside = (r >= lo) & (r <= hi)
     if mode in ("tis", "tis-seq"):
         w = torch.clamp(r, lo, hi)
@@ -71,13 +70,6 @@ def weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi):
     else:
         w = torch.where(inside, r, 0.0)
     return torch.where(mask, w, 0.0)
-
-
-def off_policy_keep(logp, behaviour_logprobs, advantages, mask, threshold):
-    """1 / 0 [B, T]: 0 on the tokens of sequences with A < 0 whose mean of
-    (behaviour_logp - sg(logp)) exceeds the threshold (DeepSeek-V3.2)."""
-    kl = seq_mean(torch.where(mask, behaviour_logprobs - logp.detach(), 0.0), mask)
-    return ((advantages >= 0) | (kl <= threshold)).to(logp.dtype)
 
 
 @torch.no_grad()

@@ -218,9 +218,7 @@ def all_reduce_sum_(x, group):
 
 def require_kernels(be, shard):
     """The merge runs on the kernels' row statistics: no eager-composite twin."""
-    from ._ops import KernelBackend
-
-    if shard is not None and not isinstance(be, KernelBackend):
+    if shard is not None and not be.is_kernel:
         raise ValueError(f"backend: a vocabulary split over tp_group runs on the kernel "
                          f"backends ('cpu', 'cuda', 'triton'), got {be.name!r}")
 

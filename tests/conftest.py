@@ -241,19 +241,15 @@ def interp_ok(*case):
 
 
 def loss_params(**kw):
-    """The options dict the backends' ppo_loss takes, as pk.ppo_loss builds it (defaults of
-    the public API; keyword arguments override)."""
-    from ppo_kernels import _checks as ck
+    """The LossSpec the backends' ppo_loss takes, as pk.ppo_loss builds it (defaults of the
+    public API; keyword arguments override)."""
+    return pk.LossSpec.build(**kw)
 
-    pol = dict(policy_loss="vanilla", clip_eps_low=0.2, clip_eps_high=None, dual_clip_c=None,
-               sapo_tau_pos=1.0, sapo_tau_neg=1.05)
-    pol.update({k: kw.pop(k) for k in list(kw) if k in pol})
-    p = ck.policy_options(*pol.values())
-    est = kw.pop("kl_estimator", "k3")
-    p.update(kl_coef=0.0, kl_estimator=est, kl_estimator_id=ck.KL_ESTIMATORS.index(est),
-             kl_bias_correction=False, entropy_coef=0.0, temperature=1.0, grad_scale=1.0)
-    p.update(kw)
-    return p
+
+def kernel_args(dtype=torch.float32, **kw):
+    """(scalars, codes): the float[] / int[] the ppo_loss kernel ops take for LossSpec
+    options kw (the logits of ``dtype``)."""
+    return pk.LossSpec.build(**kw).kernel_args(dtype)
 
 
 # ------------------------------------------------------------------ comparisons

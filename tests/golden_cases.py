@@ -96,11 +96,13 @@ def _backward(loss, leaves):
 
 
 def _pack(out, prefix, loss, metrics, grads, grad_names):
-    out[prefix + "/loss"] = loss.detach().numpy()
+    out[prefix + "/loss"] = loss.detach().float().numpy() if loss.dtype == torch.bfloat16 \
+        else loss.detach().numpy()
     for k, v in metrics.items():
         out[f"{prefix}/m/{k}"] = v.detach().numpy()
     for n, gr in zip(grad_names, grads):
-        out[f"{prefix}/d{n}"] = gr.float().numpy() if gr.dtype == torch.bfloat16 else gr.numpy()
+        gr = gr.detach()
+        out[f"{prefix}/d{n}"] = (gr.float() if gr.dtype == torch.bfloat16 else gr).numpy()
 
 
 def _loss_call(inp, kw):

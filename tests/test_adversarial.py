@@ -13,7 +13,7 @@ import torch
 
 import ppo_kernels as pk
 
-from conftest import backend_params
+from conftest import backend_params, kernel_args
 
 BES = backend_params(cuda=False)  # cpu, torch, triton (interpreter)
 KERNEL_BES = [p for p in BES if p.values[0].name != "torch"]  # those with an in-place path
@@ -270,6 +270,8 @@ def test_raw_cpu_ops_reject_bad_input_without_crashing():
     d = _inputs()
     L, tk, m = d["logits"], d["tokens"], torch.ones(2, 3, dtype=torch.bool)
     O, A, W = torch.zeros(2, 3), torch.ones(2, 3), torch.full((2, 3), 1 / 6)
+    fs, codes = kernel_args()
+    ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, None, fs, codes, True)  # the good call
     bad = [
         lambda: ops.token_logprobs_fwd(L, torch.full((2, 3), 5), m, 1.0, False),
         lambda: ops.token_logprobs_fwd(L, torch.full((2, 3), -1), m, 1.0, False),
@@ -279,13 +281,14 @@ def test_raw_cpu_ops_reject_bad_input_without_crashing():
         lambda: ops.token_logprobs_fwd(torch.randn(2, 3, 10)[..., ::2], tk, m, 1.0, False),
         lambda: ops.token_logprobs_bwd(O, None, L, tk, m, O[:, :1], O, 1.0),
         lambda: ops.token_logprobs_bwd(O, None, L, torch.full((2, 3), 10**9), m, O, O, 1.0),
-        lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, .2, .2, 0., 0., 7, 0., 1., True),
-        lambda: ops.ppo_loss_fwd(L, tk, m, O.double(), A, W, None, None, .2, .2, 0., 0., 0, 0.,
-                                 1., True),
-        lambda: ops.ppo_loss_fwd(L, tk, m, O, A[:, :2], W, None, None, .2, .2, 0., 0., 0, 0.,
-                                 1., True),
-        lambda: ops.ppo_loss_fwd(L, torch.full((2, 3), 10**9), m, O, A, W, None, None, .2, .2,
-                                 0., 0., 0, 0., 1., True),
+        lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, None, fs, [0, 7, 0], True),
+        lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, None, fs, [5, 2, 0], True),
+        lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, None, fs[:-1], codes, True),
+        lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, None, fs, codes + [0], True),
+        lambda: ops.ppo_loss_fwd(L, tk, m, O.double(), A, W, None, None, None, fs, codes, True),
+        lambda: ops.ppo_loss_fwd(L, tk, m, O, A[:, :2], W, None, None, None, fs, codes, True),
+        lambda: ops.ppo_loss_fwd(L, torch.full((2, 3), 10**9), m, O, A, W, None, None, None, fs,
+                                 codes, True),
         lambda: ops.gae(torch.randn(3, 2).t(), O, m, None, 1., .9),
         lambda: ops.gae(O, O, m, torch.zeros(5), 1., .9),
         lambda: ops.score_rollout(L, torch.full((2, 3), 5), m, O, O, torch.zeros(2), .1, 0, 1.,

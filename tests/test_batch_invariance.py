@@ -20,7 +20,7 @@ def _rows(be, logits, tokens, old, adv, ref_lp, n_global):
     p = loss_params(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1,
                     entropy_coef=0.01, temperature=0.9)
     loss, loss_tok, logp, ent = _ops.get_backend(be.name, x.device).ppo_loss(
-        x, be.t(tokens), mask, be.t(old), be.t(adv), w, be.t(ref_lp), None, p, False)
+        x, be.t(tokens), mask, be.t(old), be.t(adv), w, be.t(ref_lp), None, p)
     loss.backward()
     V = logits.shape[-1]
     return (logp.reshape(-1).cpu(), ent.reshape(-1).cpu(), loss_tok.reshape(-1).cpu(),

@@ -8,7 +8,7 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import assert_grad_close, make_inputs
+from conftest import assert_grad_close, kernel_args, make_inputs
 
 OPS = torch.ops.ppo_kernels
 B, T, V = 3, 5, 37
@@ -49,8 +49,10 @@ def _loss_args(inp, logits, *, ref_=True, isw=True):
     # optional=False also leaves out old_logprobs (on-policy) and uses entropy weights
     return (logits, inp["tokens"], inp["mask"], inp["old"] if ref_ else None, inp["adv"],
             inp["weights"], inp["ref"] if ref_ else None, inp["isw"] if isw else None,
-            None if ref_ else inp["weights"] * 0.5, 0.2, 0.28, 3.0, 0.1, 2, 0.01, 0.9, 0.5,
-            0, 1.0, 1.05, not ref_)
+            None if ref_ else inp["weights"] * 0.5,
+            *kernel_args(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1,
+                         kl_estimator="k3", entropy_coef=0.01, temperature=0.9, grad_scale=0.5,
+                         kl_bias_correction=not ref_))
 
 
 @pytest.mark.parametrize("grad", [False, True])

@@ -39,7 +39,7 @@ def _backend_loss(be, logits, tokens, old, adv, ref_lp, p, weights=None):
     mask = torch.ones(tokens.shape, dtype=torch.bool, device=logits.device)
     w = torch.ones(tokens.shape, device=logits.device) if weights is None else weights
     return _ops.get_backend(be.name, logits.device).ppo_loss(
-        logits, tokens, mask, old, adv, w, ref_lp, None, p, False)
+        logits, tokens, mask, old, adv, w, ref_lp, None, p)
 
 
 def _leaf(be, x):

@@ -26,6 +26,7 @@ import pytest  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 tk = importlib.import_module("ppo_kernels.triton_kernels")  # noqa: E402
 from ppo_kernels import reference as ref  # noqa: E402
+from ppo_kernels.spec import FLOAT_SLOTS, INT_SLOTS  # noqa: E402
 
 OPS = torch.ops.ppo_kernels
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -276,6 +277,16 @@ def _opt(inp, key, acc):
     return None if x is None else per_token(x, acc)
 
 
+def _args(eps_low, eps_high, dual, kl_coef, kl_est, ent_coef, temp, grad_scale, policy_loss,
+          tau_pos, tau_neg, kl_bias):
+    """(scalars, codes) of the ppo_loss ops, by slot name (ppo_kernels/spec.py)."""
+    f = dict(clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual, kl_coef=kl_coef,
+             entropy_coef=ent_coef, temperature=temp, grad_scale=grad_scale,
+             sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg)
+    i = dict(policy_loss=policy_loss, kl_estimator=kl_est, kl_bias_correction=int(kl_bias))
+    return [float(f[n]) for n in FLOAT_SLOTS], [int(i[n]) for n in INT_SLOTS]
+
+
 def _run_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
              kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, grad_scale=1.0,
              compute_grad=True, policy_loss=0, tau_pos=1.0, tau_neg=1.05, kl_bias=False):
@@ -283,8 +294,9 @@ def _run_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
     return OPS.triton_ppo_loss_fwd(
         logits, tokens, mask, _opt(inp, "old", acc), per_token(inp["adv"], acc),
         per_token(inp["w"], acc), _opt(inp, "ref", acc), _opt(inp, "isw", acc),
-        _opt(inp, "went", acc), eps_low, eps_high, dual, kl_coef, kl_est, ent_coef, temp,
-        grad_scale, policy_loss, tau_pos, tau_neg, kl_bias, compute_grad)
+        _opt(inp, "went", acc), *_args(eps_low, eps_high, dual, kl_coef, kl_est, ent_coef,
+                                       temp, grad_scale, policy_loss, tau_pos, tau_neg,
+                                       kl_bias), compute_grad)
 
 
 def _ref_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
@@ -393,7 +405,7 @@ def test_ppo_loss_inplace(layout, dtype):
     res = OPS.triton_ppo_loss_fwd_inplace(
         logits, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
         per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
-        None, 0.2, 0.28, 3.0, 0.1, 1, 0.01, 1.0, 1.0, 0, 1.0, 1.05, False)
+        None, *_args(0.2, 0.28, 3.0, 0.1, 1, 0.01, 1.0, 1.0, 0, 1.0, 1.05, False))
     assert len(res) == 4
     # the same numbers as the out-of-place kernel (bit for bit under the interpreter; on a
     # GPU the in-place launch uses a fixed config, the other an autotuned block size, so
@@ -700,7 +712,7 @@ def test_menu_inplace_and_grad_scale(layout, dtype):
     res = OPS.triton_ppo_loss_fwd_inplace(
         logits, tokens, mask, None, per_token(inp["adv"], acc), per_token(inp["w"], acc),
         per_token(inp["ref"], acc), per_token(inp["isw"], acc), per_token(inp["went"], acc),
-        0.2, 0.28, 0.0, 0.1, 5, 0.05, 1.0, 3.0, 2, 1.5, 0.7, True)
+        *_args(0.2, 0.28, 0.0, 0.1, 5, 0.05, 1.0, 3.0, 2, 1.5, 0.7, True))
     rtol, atol = TOK_TOL[dtype]
     for a, b, what in zip(res, out[:4], ("loss", "loss_tok", "logprobs", "entropy")):
         close(a, b.cpu().double().numpy(), rtol, atol, what)
@@ -729,8 +741,9 @@ def test_many_rows_and_64bit_offsets_cuda():
     # rho = 1 (old = logp): dlogp = -w A on every row, dlogits = dlogp (onehot - p)
     adv = torch.randn(B, T, device="cuda", generator=gen)
     w = torch.full((B, T), 1.0 / T, device="cuda")
-    out = OPS.triton_ppo_loss_fwd(logits, tokens, mask, logp, adv, w, None, None, None, 0.2,
-                                  0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False, True)
+    out = OPS.triton_ppo_loss_fwd(logits, tokens, mask, logp, adv, w, None, None, None,
+                                  *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
+                                         False), True)
     dl = out[4]
     onehot = torch.nn.functional.one_hot(tokens[0, rows], V).float()
     want_g = (-w[0, rows] * adv[0, rows])[:, None] * (onehot - lsm.exp())
@@ -1005,8 +1018,8 @@ def test_k3_through_the_ops():
     assert rel_err(out[1], expm1_minus_x64(-delta)) < 5e-7, "score_rollout kl"
     w = torch.ones(B, T, device=DEV)
     loss, loss_tok, _, _, dl = OPS.triton_ppo_loss_fwd(
-        logits, tokens, mask, logp, zero, w, refl, None, None, 0.2, 0.2, 0.0, 1.0, 2, 0.0, 1.0,
-        1.0, 0, 1.0, 1.05, False, True)
+        logits, tokens, mask, logp, zero, w, refl, None, None,
+        *_args(0.2, 0.2, 0.0, 1.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False), True)
     assert rel_err(loss_tok, expm1_minus_x64(-delta)) < 5e-7, "loss_tok = k3"
     assert rel_err(dl[..., 1], -np.expm1(-delta)) < 5e-7, "dlogit = d k3 / d delta"
 
@@ -1032,7 +1045,7 @@ def test_grad_scale(dtype, gs):
     res = OPS.triton_ppo_loss_fwd_inplace(
         x, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
         per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
-        None, 0.2, 0.28, 3.0, 0.1, 2, 0.05, 1.0, gs, 0, 1.0, 1.05, False)
+        None, *_args(0.2, 0.28, 3.0, 0.1, 2, 0.05, 1.0, gs, 0, 1.0, 1.05, False))
     for a, b in zip(res, base[:4]):
         close(a, b.cpu().double().numpy(), *TOK_TOL[dtype])
     close(x, gs * rdl, *grad_tol(dtype, gs * rdl), "in-place dlogits")
@@ -1257,13 +1270,13 @@ def test_bad_input_raises():
     z = torch.zeros(2, 3, device=DEV)
     with pytest.raises((ValueError, TypeError), match="advantages"):
         OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z.double(), z, None, None, None,
-                                0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False,
-                                False)
+                                *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
+                                       False), False)
     for bad in (6, -1):
         with pytest.raises(ValueError, match="kl_estimator"):
             OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, z, None, None,
-                                    0.2, 0.2, 0.0, 0.1, bad, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
-                                    False, False)
+                                    *_args(0.2, 0.2, 0.0, 0.1, bad, 0.0, 1.0, 1.0, 0, 1.0,
+                                           1.05, False), False)
         with pytest.raises(ValueError, match="kl_estimator"):
             OPS.triton_score_rollout(logits, tokens, mask, z, z, torch.zeros(2, device=DEV),
                                      0.1, bad, 1.0, 1.0, 1.0)
@@ -1315,10 +1328,12 @@ def _opcheck_cases():
     return {
         "triton_token_logprobs_fwd": (L, t, m, 0.9, True),
         "triton_token_logprobs_bwd": (z, z.clone(), L, t, m, row_max, log_sum, ent, 0.9),
-        "triton_ppo_loss_fwd": (L, t, m, z, z, w, z, None, None, 0.2, 0.2, 3.0, 0.1, 2, 0.01,
-                                1.0, 0.5, 0, 1.0, 1.05, False, True),
-        "triton_ppo_loss_fwd_inplace": (L.clone(), t, m, None, z, w, z, None, w.clone(), 0.2,
-                                        0.2, 0.0, 0.1, 5, 0.01, 1.0, 2.0, 2, 0.9, 1.1, True),
+        "triton_ppo_loss_fwd": (L, t, m, z, z, w, z, None, None,
+                                *_args(0.2, 0.2, 3.0, 0.1, 2, 0.01, 1.0, 0.5, 0, 1.0, 1.05,
+                                       False), True),
+        "triton_ppo_loss_fwd_inplace": (L.clone(), t, m, None, z, w, z, None, w.clone(),
+                                        *_args(0.2, 0.2, 0.0, 0.1, 5, 0.01, 1.0, 2.0, 2, 0.9,
+                                               1.1, True)),
         "triton_scale_grad_": (L.clone(), torch.tensor(0.25, device=DEV),
                                torch.tensor(2.0, device=DEV)),
         "triton_gae": (z, z.clone(), m, s, 0.9, 0.95),

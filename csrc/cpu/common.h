@@ -59,11 +59,6 @@ inline void check_kl_estimator(int64_t kl_estimator) {
               kl_estimator);
 }
 
-inline void check_policy_loss(int64_t policy_loss) {
-  TORCH_CHECK(policy_loss >= ppo::kVanilla && policy_loss <= ppo::kSapo,
-              "policy_loss: expected 0 (vanilla), 1 (cispo) or 2 (sapo), got ", policy_loss);
-}
-
 inline at::ScalarType acc_type(const at::Tensor& logits) {
   return logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }

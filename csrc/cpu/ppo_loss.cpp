@@ -6,6 +6,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "../loss_args.h"
 #include "common.h"
 
 namespace ppo_cpu {
@@ -88,15 +89,13 @@ at::Tensor weighted_sum(const at::Tensor& w, const at::Tensor& loss_tok) {
   return loss;
 }
 
-using ppo::LossOptions;
-
 // Shared by the functional and the inplace op. dlogits: an output buffer, or undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
     const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
     const std::optional<at::Tensor>& old, const at::Tensor& advantages,
     const at::Tensor& weights, const std::optional<at::Tensor>& ref,
     const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
-    const LossOptions& o, const at::Tensor& dlogits) {
+    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, const at::Tensor& dlogits) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   const at::ScalarType acc = acc_type(logits);
@@ -106,15 +105,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
   if (ref) check_per_token(*ref, "ref_logprobs", tokens, acc);
   if (is_w) check_per_token(*is_w, "rollout_is_weights", tokens, acc);
   if (w_ent) check_per_token(*w_ent, "entropy_weights", tokens, acc);
-  check_kl_estimator(o.kl_estimator);
-  check_policy_loss(o.policy_loss);
-  check_temperature(o.temperature);
-  TORCH_CHECK(std::isfinite(o.grad_scale) && o.grad_scale > 0, "grad_scale: expected a finite "
-              "number > 0, got ", o.grad_scale);
+  const ppo::PolicyParams p = ppo::loss_params(scalars, codes, ref.has_value(), is_w.has_value());
   r.check_tokens(tokens.data_ptr<int64_t>(), mask.data_ptr<bool>());
-  const ppo::PolicyParams p = ppo::policy_params(o, ref.has_value(), is_w.has_value());
   const LossInputs in{tokens, mask, advantages, weights, old, ref, is_w, w_ent, p,
-                      o.temperature, o.grad_scale};
+                      p[ppo::slot::temperature], p[ppo::slot::grad_scale]};
   const auto opts = logits.options().dtype(acc);
   at::Tensor loss_tok = at::empty({r.B, r.T}, opts), logp = at::empty({r.B, r.T}, opts),
              ent = at::empty({r.B, r.T}, opts);
@@ -133,17 +127,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_
     const std::optional<at::Tensor>& old, const at::Tensor& advantages,
     const at::Tensor& weights, const std::optional<at::Tensor>& ref,
     const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
-    double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
-    int64_t kl_estimator, double entropy_coef, double temperature, double grad_scale,
-    int64_t policy_loss, double sapo_tau_pos, double sapo_tau_neg, bool kl_bias_correction,
-    bool compute_grad) {
+    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, bool compute_grad) {
   at::Tensor dlogits = compute_grad ? new_grad_buffer(logits.sizes(), logits.options())
                                     : at::empty({0}, logits.options());
-  const LossOptions o{clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
-                      entropy_coef, temperature, grad_scale, policy_loss, sapo_tau_pos,
-                      sapo_tau_neg, kl_bias_correction};
   auto [loss, loss_tok, logp, ent] = run(logits, tokens, mask, old, advantages, weights, ref,
-                                         is_w, w_ent, o, compute_grad ? dlogits : at::Tensor());
+                                         is_w, w_ent, scalars, codes,
+                                         compute_grad ? dlogits : at::Tensor());
   return {loss, loss_tok, logp, ent, dlogits};
 }
 
@@ -152,14 +141,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd_inplace(
     const std::optional<at::Tensor>& old, const at::Tensor& advantages,
     const at::Tensor& weights, const std::optional<at::Tensor>& ref,
     const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
-    double clip_eps_low, double clip_eps_high, double dual_clip_c, double kl_coef,
-    int64_t kl_estimator, double entropy_coef, double temperature, double grad_scale,
-    int64_t policy_loss, double sapo_tau_pos, double sapo_tau_neg, bool kl_bias_correction) {
-  const LossOptions o{clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, kl_estimator,
-                      entropy_coef, temperature, grad_scale, policy_loss, sapo_tau_pos,
-                      sapo_tau_neg, kl_bias_correction};
+    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes) {
   // each row is read (its exps kept) before its gradient overwrites it
-  return run(logits, tokens, mask, old, advantages, weights, ref, is_w, w_ent, o, logits);
+  return run(logits, tokens, mask, old, advantages, weights, ref, is_w, w_ent, scalars, codes,
+             logits);
 }
 
 }  // namespace

@@ -92,12 +92,6 @@ inline void check_kl_estimator(int64_t kl_estimator) {
 
 // policy_loss: the integer code of ppo_kernels/_checks.py (ppo::PolicyLoss); the sequence
 // losses (gspo, gspo-token) never reach the fused kernels.
-inline void check_policy_loss(int64_t policy_loss) {
-  TORCH_CHECK(policy_loss >= ppo::kVanilla && policy_loss <= ppo::kSapo,
-              "ppo_kernels (CUDA): policy_loss: expected 0 (vanilla), 1 (cispo) or 2 (sapo), "
-              "got ", policy_loss);
-}
-
 // A per-token [B, T] tensor of the accumulation dtype on the logits' device, made
 // contiguous (a gradient can arrive expanded, stride 0; this copy is [B, T], not [N, V]).
 inline at::Tensor per_token(const at::Tensor& x, const char* name, at::ScalarType acc,

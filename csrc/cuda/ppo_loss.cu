@@ -9,7 +9,7 @@
 // token epilogue), so a known loss scale (gradient accumulation) costs no pass at all, and
 // any other grad_output one in-place pass (scale_grad.cu), never an [N, V] allocation.
 // A second tiny launch reduces loss = sum(w * loss_tok) in a fixed order (deterministic).
-// The loss menu (issue 8) is all in the per-token epilogue (token_epilogue.cuh ->
+// The loss menu is all in the per-token epilogue (token_epilogue.cuh ->
 // ppo::token_loss): policy_loss vanilla / cispo / sapo, kl_estimator k1..k3+, the KL bias
 // correction, on-policy (old_logprobs None: old = logp) and entropy_weights (the gradient's
 // d loss / d H = -entropy_weights * entropy_coef; the loss output stays sum(w * loss_tok),
@@ -18,6 +18,7 @@
 #include <ATen/MemoryOverlap.h>
 #include <torch/library.h>
 
+#include "../loss_args.h"
 #include "row_kernels.cuh"
 
 namespace ppo_cuda {
@@ -26,8 +27,6 @@ namespace {
 using Tensor = at::Tensor;
 using OptTensor = std::optional<at::Tensor>;
 
-using ppo::LossOptions;
-
 // Returns (loss, loss_tok, logprobs, entropy, dlogits); dlogits is numel 0 when no gradient
 // is asked for, and undefined when it was written over the logits (inplace).
 // old_logprobs None: on-policy (the kernel takes old = logp); entropy_weights None: weights.
@@ -35,19 +34,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
     const Tensor& logits, const Tensor& tokens_in, const Tensor& mask_in,
     const OptTensor& old_logprobs, const Tensor& advantages, const Tensor& weights,
     const OptTensor& ref_logprobs, const OptTensor& rollout_is_weights,
-    const OptTensor& entropy_weights, const LossOptions& o, bool compute_grad, bool inplace) {
+    const OptTensor& entropy_weights, c10::ArrayRef<double> scalars,
+    c10::ArrayRef<int64_t> codes, bool compute_grad, bool inplace) {
   check_logits(logits, tokens_in, mask_in);
-  TORCH_CHECK(std::isfinite(o.grad_scale) && o.grad_scale > 0.0,
-              "ppo_kernels (CUDA): grad_scale: expected a finite number > 0, got ", o.grad_scale);
-  check_temperature(o.temperature, logits.scalar_type());
-  check_kl_estimator(o.kl_estimator);
-  check_policy_loss(o.policy_loss);
-  if (o.policy_loss == ppo::kSapo) {
-    TORCH_CHECK(std::isfinite(o.sapo_tau_pos) && o.sapo_tau_pos > 0.0 &&
-                    std::isfinite(o.sapo_tau_neg) && o.sapo_tau_neg > 0.0,
-                "ppo_kernels (CUDA): sapo_tau_pos / sapo_tau_neg: expected finite numbers > 0, "
-                "got ", o.sapo_tau_pos, " / ", o.sapo_tau_neg);
-  }
+  const ppo::PolicyParams params =
+      ppo::loss_params(scalars, codes, ref_logprobs.has_value(), rollout_is_weights.has_value());
+  const double temperature = params[ppo::slot::temperature];
+  check_temperature(temperature, logits.scalar_type());
   c10::cuda::CUDAGuard guard(logits.device());
   const Tensor tokens = tokens_in.contiguous();
   const Tensor mask = mask_in.contiguous();
@@ -75,8 +68,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
                            : at::empty({0}, logits.options());
   }
 
-  const ppo::PolicyParams params = ppo::policy_params(o, ref.has_value(), isw.has_value());
-
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int device = dev.index();
   AT_DISPATCH_FLOATING_TYPES_AND2(
@@ -103,8 +94,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
         io.logp = logp.data_ptr<A>();
         io.entropy = ent.data_ptr<A>();
         io.loss_tok = loss_tok.data_ptr<A>();
-        io.grad_scale = static_cast<A>(o.grad_scale);
-        run_rows<scalar_t>(rv, io, make_temp<A>(o.temperature), acc_opts, device, stream);
+        io.grad_scale = static_cast<A>(params[ppo::slot::grad_scale]);
+        run_rows<scalar_t>(rv, io, make_temp<A>(temperature), acc_opts, device, stream);
         weighted_sum_kernel<A><<<1, kMaxThreads, 0, stream>>>(
             w.data_ptr<A>(), loss_tok.data_ptr<A>(), B * T, loss.data_ptr<A>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -115,15 +106,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_cuda(
     const Tensor& logits, const Tensor& tokens, const Tensor& mask, const OptTensor& old_logprobs,
     const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
-    const OptTensor& rollout_is_weights, const OptTensor& entropy_weights, double clip_eps_low,
-    double clip_eps_high, double dual_clip_c, double kl_coef, int64_t kl_estimator,
-    double entropy_coef, double temperature, double grad_scale, int64_t policy_loss,
-    double sapo_tau_pos, double sapo_tau_neg, bool kl_bias_correction, bool compute_grad) {
-  const LossOptions o{clip_eps_low, clip_eps_high, dual_clip_c,  kl_coef,
-                      kl_estimator, entropy_coef,  temperature,  grad_scale,
-                      policy_loss,  sapo_tau_pos,  sapo_tau_neg, kl_bias_correction};
+    const OptTensor& rollout_is_weights, const OptTensor& entropy_weights,
+    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, bool compute_grad) {
   return ppo_loss_impl(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                       rollout_is_weights, entropy_weights, o, compute_grad, false);
+                       rollout_is_weights, entropy_weights, scalars, codes, compute_grad, false);
 }
 
 // Tensor(a!) in the schema: the dispatcher wants `Tensor&` here, the same C++ signature as
@@ -131,16 +117,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_cuda(
 std::tuple<Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_inplace_cuda(
     Tensor& logits, const Tensor& tokens, const Tensor& mask, const OptTensor& old_logprobs,
     const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
-    const OptTensor& rollout_is_weights, const OptTensor& entropy_weights, double clip_eps_low,
-    double clip_eps_high, double dual_clip_c, double kl_coef, int64_t kl_estimator,
-    double entropy_coef, double temperature, double grad_scale, int64_t policy_loss,
-    double sapo_tau_pos, double sapo_tau_neg, bool kl_bias_correction) {
-  const LossOptions o{clip_eps_low, clip_eps_high, dual_clip_c,  kl_coef,
-                      kl_estimator, entropy_coef,  temperature,  grad_scale,
-                      policy_loss,  sapo_tau_pos,  sapo_tau_neg, kl_bias_correction};
+    const OptTensor& rollout_is_weights, const OptTensor& entropy_weights,
+    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes) {
   auto [loss, loss_tok, logp, ent, unused] =
       ppo_loss_impl(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                    rollout_is_weights, entropy_weights, o, true, true);
+                    rollout_is_weights, entropy_weights, scalars, codes, true, true);
   (void)unused;
   return {loss, loss_tok, logp, ent};
 }

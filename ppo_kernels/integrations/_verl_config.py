@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from .. import _checks as ck
+from ..spec import LOSS_AGG_MODES, LossSpec
 
 # verl loss_mode -> ppo_kernels policy_loss (verl's "gspo" is the paper's GSPO-token form)
 VERL_LOSS_MODES = {"vanilla": "vanilla", "gspo": "gspo-token", "cispo": "cispo",
@@ -126,9 +126,7 @@ def _policy_kwargs(actor, loss_mode=None):
         kw["sapo_tau_pos"] = _float(_VERL_KEY["sapo_tau_pos"], _get(actor, "tau_pos", 1.0))
         kw["sapo_tau_neg"] = _float(_VERL_KEY["sapo_tau_neg"], _get(actor, "tau_neg", 1.05))
     try:
-        ck.policy_options(kw["policy_loss"], kw["clip_eps_low"], kw["clip_eps_high"],
-                          kw.get("dual_clip_c"), kw.get("sapo_tau_pos", 1.0),
-                          kw.get("sapo_tau_neg", 1.05))
+        LossSpec.build(**kw)
     except (ValueError, TypeError) as exc:
         raise _verl_error(exc, kw) from exc
     return verl_mode, kw
@@ -237,9 +235,9 @@ def from_verl_config(config, *, rollout_correction=None):
         rc = rollout_correction
     verl_mode, kw = _policy_kwargs(actor)
     agg = _get(actor, "loss_agg_mode", "token-mean")
-    if agg not in ck.LOSS_AGG_MODES[:-1]:  # "none" is ppo_kernels', not verl's
+    if agg not in LOSS_AGG_MODES[:-1]:  # "none" is ppo_kernels', not verl's
         raise ValueError(f"actor.loss_agg_mode = {agg!r}: expected one of "
-                         f"{list(ck.LOSS_AGG_MODES[:-1])}")
+                         f"{list(LOSS_AGG_MODES[:-1])}")
     entropy_coef = _float("actor.entropy_coeff", _get(actor, "entropy_coeff", 0.0))
     use_kl = bool(_get(actor, "use_kl_loss", False))
     if verl_mode == "sapo" and agg != "seq-mean-token-mean":

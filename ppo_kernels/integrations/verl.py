@@ -45,6 +45,7 @@ from .. import _checks as ck
 from .. import _torch_impl
 from ..from_hidden import token_logprobs_from_hidden
 from ..loss import prepare_loss
+from ..spec import LOSS_AGG_MODES
 from ._verl_config import (_SEQ_MODES, GSPO_LOG_RATIO_MAX, REGISTERED_LOSS_MODES,
                            VERL_LOSS_MODES, _get, _policy_kwargs, from_verl_config)
 
@@ -119,8 +120,8 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
         raise ValueError("config: verl's ActorConfig (or a mapping with its keys) is required")
     verl_mode, kw = _policy_kwargs(config, loss_mode)
     agg = "seq-mean-token-mean" if verl_mode == "sapo" else loss_agg_mode
-    if agg not in ck.LOSS_AGG_MODES[:-1]:
-        raise ValueError(f"loss_agg_mode: expected one of {list(ck.LOSS_AGG_MODES[:-1])}, got "
+    if agg not in LOSS_AGG_MODES[:-1]:
+        raise ValueError(f"loss_agg_mode: expected one of {list(LOSS_AGG_MODES[:-1])}, got "
                          f"{agg!r}")
     info = _get(config, "global_batch_info", None) or {}
     dp_size = info.get("dp_size", 1) or 1
@@ -143,21 +144,22 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
         if agg == "seq-mean-token-sum-norm" and lsf is not None:
             extra["norm_length"] = lsf
     tokens = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
-    s = prepare_loss(log_prob, 1, tokens, False, mask, old_log_prob, advantages, None,
-                     loss_agg_mode=agg, rollout_is_weights=rollout_is_weights,
-                     backend="torch", **kw, **extra)
+    spec, s = prepare_loss(log_prob, 1, tokens, False, dict(
+        response_mask=mask, old_logprobs=old_log_prob, advantages=advantages,
+        loss_agg_mode=agg, rollout_is_weights=rollout_is_weights, backend="torch", **kw,
+        **extra))
     lp = log_prob.to(s.acc)
-    pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, s.p)
+    pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, spec)
     weights = s.weights if dp_size == 1 else s.weights * dp_size
-    pg_loss = _torch_impl.aggregate(pol, None, s.mask, weights, None, s.p)
-    return pg_loss, _pg_metrics(lp.detach(), s, verl_mode)
+    pg_loss = _torch_impl.aggregate(pol, None, s.mask, weights, None, spec)
+    return pg_loss, _pg_metrics(lp.detach(), spec, s, verl_mode)
 
 
 @torch.no_grad()
-def _pg_metrics(lp, s, verl_mode):
+def _pg_metrics(lp, spec, s, verl_mode):
     """verl's three policy-loss metrics (core_algos.py, compute_policy_loss_<mode>) from
     ppo_kernels' per-token terms."""
-    pt = _torch_impl.pg_terms(lp, s.old, s.adv, s.mask, s.p)
+    pt = _torch_impl.pg_terms(lp, s.old, s.adv, s.mask, spec)
     old = lp if s.old is None else s.old
     n = s.mask.sum().clamp(min=1)
 

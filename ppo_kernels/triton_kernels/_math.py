@@ -11,8 +11,8 @@ The helpers are scalar-agnostic: they work on 0-d values (one token per program)
 blocks alike. ``ACC`` is the accumulation dtype, ``tl.float32`` or ``tl.float64``.
 
 The vocabulary-wide helpers (block_stats, stats_merge, row_stats, row_grad) are the twins of
-csrc/cpu/row_kernels.h and csrc/cuda/row_reduce.cuh: the row statistics (m, rest, t) of the
-issue 7 spec, section 2. tl has no expm1 / log1p in every triton version: expm1,
+csrc/cpu/row_kernels.h and csrc/cuda/row_reduce.cuh: the row statistics (m, rest, t) of
+docs/DESIGN.md ("Row statistics"). tl has no expm1 / log1p in every triton version: expm1,
 expm1_minus_x and log1p below are written from tl.exp / tl.log (accurate, no libdevice).
 """
 
@@ -25,17 +25,34 @@ from . import _config
 
 # |log-ratio| beyond this is clamped (ppo_math.h: kLogRatioClamp).
 LOG_RATIO_CLAMP = tl.constexpr(20.0)
-# Matches csrc/ppo_math.h KlEstimator and the integer the Python layer passes.
+# The ids of ppo_kernels/spec.py KL_ESTIMATORS and POLICY_LOSSES (csrc/ppo_math.h
+# KlEstimator, PolicyLoss; compared by tests/test_spec.py).
 KL_K1 = tl.constexpr(0)
 KL_K2 = tl.constexpr(1)
 KL_K3 = tl.constexpr(2)
 KL_ABS = tl.constexpr(3)
 KL_K1_PLUS = tl.constexpr(4)  # value of k1, gradient of k2 (verl's straight-through)
 KL_K3_PLUS = tl.constexpr(5)  # value of k3, gradient of k2
-# Matches csrc/ppo_math.h PolicyLoss (the token-level policy losses of the fused kernel).
-PG_VANILLA = tl.constexpr(0)
+PG_VANILLA = tl.constexpr(0)  # the token-level policy losses of the fused kernel
 PG_CISPO = tl.constexpr(1)
 PG_SAPO = tl.constexpr(2)
+# The slots of the ops' `float[] scalars` (ppo_kernels/spec.py FLOAT_SLOTS, csrc/ppo_math.h
+# ppo::slot::Float; compared by tests/test_spec.py): the kernels take the list as a tuple FS
+# and read FS[F_...].
+F_CLIP_EPS_LOW = tl.constexpr(0)
+F_CLIP_EPS_HIGH = tl.constexpr(1)
+F_DUAL_CLIP_C = tl.constexpr(2)
+F_KL_COEF = tl.constexpr(3)
+F_ENTROPY_COEF = tl.constexpr(4)
+F_TEMPERATURE = tl.constexpr(5)
+F_GRAD_SCALE = tl.constexpr(6)
+F_SAPO_TAU_POS = tl.constexpr(7)
+F_SAPO_TAU_NEG = tl.constexpr(8)
+# The slots of `int[] codes` (spec.py INT_SLOTS, ppo::slot::Int): the launcher passes each
+# as a constexpr of the kernel (POLICY_LOSS, KL_EST, KL_BIAS), so each specialises it.
+I_POLICY_LOSS = tl.constexpr(0)
+I_KL_ESTIMATOR = tl.constexpr(1)
+I_KL_BIAS_CORRECTION = tl.constexpr(2)
 # Running under TRITON_INTERPRET=1 (numpy), decided at import as triton.jit decides it.
 INTERPRETED = tl.constexpr(_config.INTERPRET)
 # 1 / k! for k = 2..12: the coefficients of the e^u - 1 - u series (expm1_minus_x).
@@ -232,10 +249,9 @@ def kl_term(delta, KL_EST: tl.constexpr):
 
 
 @triton.jit
-def token_loss(logp, ent, old_logp, adv, ref_logp, is_w, w, w_ent, eps_low, eps_high,
-               dual_c, kl_coef, entropy_coef, tau_pos, tau_neg, KL_EST: tl.constexpr,
-               HAS_REF: tl.constexpr, HAS_DUAL: tl.constexpr, POLICY_LOSS: tl.constexpr,
-               KL_BIAS: tl.constexpr):
+def token_loss(logp, ent, old_logp, adv, ref_logp, is_w, w, w_ent, FS, ACC: tl.constexpr,
+               KL_EST: tl.constexpr, HAS_REF: tl.constexpr, HAS_DUAL: tl.constexpr,
+               POLICY_LOSS: tl.constexpr, KL_BIAS: tl.constexpr):
     """ppo_math.h token_loss: (loss, dlogp, dent) of one token.
 
     loss  = is_w * pg + kl_coef * kl (* rho) - entropy_coef * H   (kl only with HAS_REF)
@@ -243,8 +259,13 @@ def token_loss(logp, ent, old_logp, adv, ref_logp, is_w, w, w_ent, eps_low, eps_
     dent  = -w_ent * entropy_coef                                          d loss_agg / d H
     w is the token's loss_agg_mode weight, w_ent its entropy_agg_mode weight. KL_BIAS
     (kl_bias_correction): the KL term is kl * rho with rho differentiable,
-    d / d logp = rho d kl / d delta + kl d rho / d logp.
+    d / d logp = rho d kl / d delta + kl d rho / d logp. FS: the options' scalars in slot
+    order (F_*), float64 kernel arguments, each rounded once to ACC here.
     """
+    eps_low, eps_high = as_acc(FS[F_CLIP_EPS_LOW], ACC), as_acc(FS[F_CLIP_EPS_HIGH], ACC)
+    dual_c, kl_coef = as_acc(FS[F_DUAL_CLIP_C], ACC), as_acc(FS[F_KL_COEF], ACC)
+    entropy_coef = as_acc(FS[F_ENTROPY_COEF], ACC)
+    tau_pos, tau_neg = as_acc(FS[F_SAPO_TAU_POS], ACC), as_acc(FS[F_SAPO_TAU_NEG], ACC)
     pg, dpg, rho, dratio = pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, tau_pos,
                                    tau_neg, HAS_DUAL, POLICY_LOSS)
     loss = is_w * pg - entropy_coef * ent

@@ -40,18 +40,12 @@ SCHEMAS = {
     "triton_ppo_loss_fwd":
         "(Tensor logits, Tensor tokens, Tensor mask, Tensor? old_logprobs, "
         "Tensor advantages, Tensor weights, Tensor? ref_logprobs, Tensor? rollout_is_weights, "
-        "Tensor? entropy_weights, float clip_eps_low, float clip_eps_high, float dual_clip_c, "
-        "float kl_coef, int kl_estimator, float entropy_coef, float temperature, "
-        "float grad_scale, int policy_loss, float sapo_tau_pos, float sapo_tau_neg, "
-        "bool kl_bias_correction, bool compute_grad) "
+        "Tensor? entropy_weights, float[] scalars, int[] codes, bool compute_grad) "
         "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy, Tensor dlogits)",
     "triton_ppo_loss_fwd_inplace":
         "(Tensor(a!) logits, Tensor tokens, Tensor mask, "
         "Tensor? old_logprobs, Tensor advantages, Tensor weights, Tensor? ref_logprobs, "
-        "Tensor? rollout_is_weights, Tensor? entropy_weights, float clip_eps_low, "
-        "float clip_eps_high, float dual_clip_c, float kl_coef, int kl_estimator, "
-        "float entropy_coef, float temperature, float grad_scale, int policy_loss, "
-        "float sapo_tau_pos, float sapo_tau_neg, bool kl_bias_correction) "
+        "Tensor? rollout_is_weights, Tensor? entropy_weights, float[] scalars, int[] codes) "
         "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)",
     "triton_scale_grad_":
         "(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()",
@@ -81,32 +75,21 @@ def token_logprobs_bwd(grad_logprobs: Tensor, grad_entropy: Optional[Tensor], lo
 def ppo_loss_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, old_logprobs: Optional[Tensor],
                  advantages: Tensor, weights: Tensor, ref_logprobs: Optional[Tensor],
                  rollout_is_weights: Optional[Tensor], entropy_weights: Optional[Tensor],
-                 clip_eps_low: float, clip_eps_high: float, dual_clip_c: float,
-                 kl_coef: float, kl_estimator: int, entropy_coef: float, temperature: float,
-                 grad_scale: float, policy_loss: int, sapo_tau_pos: float,
-                 sapo_tau_neg: float, kl_bias_correction: bool, compute_grad: bool
+                 scalars: list[float], codes: list[int], compute_grad: bool
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights,
-                         ref_logprobs, rollout_is_weights, entropy_weights, clip_eps_low,
-                         clip_eps_high, dual_clip_c, kl_coef, kl_estimator, entropy_coef,
-                         temperature, grad_scale, policy_loss, sapo_tau_pos, sapo_tau_neg,
-                         kl_bias_correction, compute_grad)
+                         ref_logprobs, rollout_is_weights, entropy_weights, scalars, codes,
+                         compute_grad)
 
 
 def ppo_loss_fwd_inplace(logits: Tensor, tokens: Tensor, mask: Tensor,
                          old_logprobs: Optional[Tensor], advantages: Tensor, weights: Tensor,
                          ref_logprobs: Optional[Tensor], rollout_is_weights: Optional[Tensor],
-                         entropy_weights: Optional[Tensor], clip_eps_low: float,
-                         clip_eps_high: float, dual_clip_c: float, kl_coef: float,
-                         kl_estimator: int, entropy_coef: float, temperature: float,
-                         grad_scale: float, policy_loss: int, sapo_tau_pos: float,
-                         sapo_tau_neg: float, kl_bias_correction: bool
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         entropy_weights: Optional[Tensor], scalars: list[float],
+                         codes: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _ppo_loss_fwd_inplace(logits, tokens, mask, old_logprobs, advantages, weights,
-                                 ref_logprobs, rollout_is_weights, entropy_weights,
-                                 clip_eps_low, clip_eps_high, dual_clip_c, kl_coef,
-                                 kl_estimator, entropy_coef, temperature, grad_scale,
-                                 policy_loss, sapo_tau_pos, sapo_tau_neg, kl_bias_correction)
+                                 ref_logprobs, rollout_is_weights, entropy_weights, scalars,
+                                 codes)
 
 
 def scale_grad_(grad: Tensor, grad_output: Tensor, applied: Tensor) -> None:

@@ -5,9 +5,10 @@ Tl >= T); tokens int64, mask bool, old_logprobs, advantages, weights, ref_logpro
 rollout_is_weights, entropy_weights [B, T] contiguous of the accumulation dtype ACC (float64
 for float64 logits, else float32). old_logprobs None is on-policy (old = logp inside the
 kernel: rho = 1, d rho / d logp = 1, no extra pass); entropy_weights None means weights.
-policy_loss 0 vanilla, 1 cispo, 2 sapo (sapo_tau_pos / sapo_tau_neg its gate temperatures);
-kl_estimator 0 k1, 1 k2, 2 k3, 3 abs, 4 k1+, 5 k3+; kl_bias_correction multiplies the KL term
-by rho (csrc/ppo_math.h token_loss). Outputs: loss 0-d = sum(weights * loss_tok) (as the C++
+scalars / codes: the loss options in the slot order of ppo_kernels/spec.py (FLOAT_SLOTS,
+INT_SLOTS; F_* / I_* in _math.py); the policy_loss code 0 vanilla, 1 cispo, 2 sapo, the
+kl_estimator code 0 k1, 1 k2, 2 k3, 3 abs, 4 k1+, 5 k3+; kl_bias_correction multiplies the
+KL term by rho (csrc/ppo_math.h token_loss). Outputs: loss 0-d = sum(weights * loss_tok) (as the C++
 ops, whatever the entropy weights: only the gradient's entropy part uses them); loss_tok,
 logprobs, entropy [B, T] of ACC (0 on masked rows); dlogits = grad_scale * d loss / d logits like
 logits (contiguous, zeros on masked rows and rows t >= T), or numel 0 when compute_grad is
@@ -29,8 +30,9 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from . import _config
-from ._math import (as_acc, round_to, row_grad, row_stats, row_zero, token_col, token_logit,
-                    token_logp, token_loss)
+from ..spec import FLOAT_SLOTS, INT_SLOTS, F, I
+from ._math import (F_GRAD_SCALE, as_acc, round_to, row_grad, row_stats, row_zero, token_col,
+                    token_logit, token_logp, token_loss)
 from .logprobs import (_check_logits, acc_dtype, check_kl_estimator, check_per_token,
                        device_guard, inv_temperature, tl_acc)
 
@@ -40,10 +42,7 @@ def _ppo_loss_kernel_fn(
     tokens_ptr, mask_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, isw_ptr, went_ptr,
     loss_tok_ptr, logp_ptr, ent_ptr,
     grad_ptr, stride_gb, stride_gt,
-    T, TG, V,
-    clip_eps_low: tl.float64, clip_eps_high: tl.float64, dual_clip_c: tl.float64,
-    kl_coef: tl.float64, entropy_coef: tl.float64, inv_temp: tl.float64,
-    grad_scale: tl.float64, sapo_tau_pos: tl.float64, sapo_tau_neg: tl.float64,
+    T, TG, V, FS, inv_temp: tl.float64,
     ACC: tl.constexpr, KL_EST: tl.constexpr, HAS_REF: tl.constexpr, HAS_ISW: tl.constexpr,
     HAS_DUAL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_WENT: tl.constexpr,
     POLICY_LOSS: tl.constexpr, KL_BIAS: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
@@ -66,7 +65,7 @@ def _ppo_loss_kernel_fn(
     if valid:
         inv = as_acc(inv_temp, ACC)
         in_row = logits_ptr + b * stride_lb + t * stride_lt
-        # every per-token load is issued before the sweep, which hides its latency (S5)
+        # every per-token load is issued before the sweep, which hides its latency
         tok = tl.load(tokens_ptr + idx)
         x_tok = token_logit(in_row, tok, V, ACC)
         if HAS_OLD:
@@ -89,16 +88,13 @@ def _ppo_loss_kernel_fn(
         logp = token_logp(x_tok, row_max, log_sum, inv)
         if not HAS_OLD:
             old = logp  # on-policy: rho = exp(logp - sg(logp)) = 1, d rho / d logp = 1
-        loss, dlogp, dent = token_loss(
-            logp, ent, old, adv, ref, is_w, w, w_ent,
-            as_acc(clip_eps_low, ACC), as_acc(clip_eps_high, ACC), as_acc(dual_clip_c, ACC),
-            as_acc(kl_coef, ACC), as_acc(entropy_coef, ACC), as_acc(sapo_tau_pos, ACC),
-            as_acc(sapo_tau_neg, ACC), KL_EST, HAS_REF, HAS_DUAL, POLICY_LOSS, KL_BIAS)
+        loss, dlogp, dent = token_loss(logp, ent, old, adv, ref, is_w, w, w_ent, FS, ACC,
+                                       KL_EST, HAS_REF, HAS_DUAL, POLICY_LOSS, KL_BIAS)
         tl.store(loss_tok_ptr + idx, loss)
         tl.store(logp_ptr + idx, logp)
         tl.store(ent_ptr + idx, ent)
         if COMPUTE_GRAD:
-            gs = as_acc(grad_scale, ACC)
+            gs = as_acc(FS[F_GRAD_SCALE], ACC)
             row_grad(in_row, out_row, V, token_col(tok, V), logp, row_max, log_sum, ent,
                      dlogp * gs, dent * gs, inv, ACC, BLOCK_V)
     else:
@@ -130,22 +126,22 @@ def check_grad_scale(grad_scale):
     return g
 
 
-# ppo_math.h PolicyLoss, as the ops take it (ppo_kernels/_checks.py: KERNEL_POLICY_LOSSES)
-POLICY_LOSSES = ("vanilla", "cispo", "sapo")
-
-
-def check_policy_loss(policy_loss):
-    """policy_loss as the ops take it: 0 (vanilla), 1 (cispo) or 2 (sapo)."""
-    if isinstance(policy_loss, bool) or int(policy_loss) not in range(len(POLICY_LOSSES)):
-        raise ValueError(f"policy_loss: expected 0 (vanilla), 1 (cispo) or 2 (sapo), "
-                         f"got {policy_loss}")
-    return int(policy_loss)
+def _check_args(scalars, codes):
+    """The ops' float[] / int[] (the slots of ppo_kernels/spec.py): (FS tuple, codes)."""
+    if len(scalars) != len(FLOAT_SLOTS) or len(codes) != len(INT_SLOTS):
+        raise ValueError(f"scalars / codes: expected {len(FLOAT_SLOTS)} numbers and "
+                         f"{len(INT_SLOTS)} integers in the slot order of ppo_kernels/spec.py, "
+                         f"got {len(scalars)} and {len(codes)}")
+    check_kl_estimator(codes[I["kl_estimator"]])
+    pl = codes[I["policy_loss"]]
+    if isinstance(pl, bool) or int(pl) not in range(3):
+        raise ValueError(f"policy_loss: expected 0 (vanilla), 1 (cispo) or 2 (sapo), got {pl}")
+    check_grad_scale(scalars[F["grad_scale"]])
+    return tuple(float(x) for x in scalars), [int(c) for c in codes]
 
 
 def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-            rollout_is_weights, entropy_weights, clip_eps_low, clip_eps_high, dual_clip_c,
-            kl_coef, kl_estimator, entropy_coef, temperature, grad_scale, policy_loss,
-            sapo_tau_pos, sapo_tau_neg, kl_bias_correction, grad, inplace):
+            rollout_is_weights, entropy_weights, scalars, codes, grad, inplace):
     _check_logits(logits, tokens, mask)
     B, T = tokens.shape
     TL, V = logits.shape[1], logits.shape[2]
@@ -157,10 +153,8 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
                     ("entropy_weights", entropy_weights)):
         if x is not None:
             check_per_token(name, x, (B, T), acc, dev)
-    check_kl_estimator(kl_estimator)
-    pl = check_policy_loss(policy_loss)
-    inv = inv_temperature(temperature, acc)
-    gs = check_grad_scale(grad_scale)
+    fs, codes = _check_args(scalars, codes)
+    inv = inv_temperature(fs[F["temperature"]], acc)
     loss_tok = torch.empty((B, T), dtype=acc, device=dev)
     logp = torch.empty((B, T), dtype=acc, device=dev)
     ent = torch.empty((B, T), dtype=acc, device=dev)
@@ -182,15 +176,13 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
                 entropy_weights if entropy_weights is not None else advantages,
                 loss_tok, logp, ent,
                 g, g.stride(0), g.stride(1),
-                T, TL if compute_grad else T, V,
-                float(clip_eps_low), float(clip_eps_high), float(dual_clip_c),
-                float(kl_coef), float(entropy_coef), inv, gs, float(sapo_tau_pos),
-                float(sapo_tau_neg),
-                ACC=tl_acc(acc), KL_EST=int(kl_estimator), HAS_REF=ref_logprobs is not None,
-                HAS_ISW=rollout_is_weights is not None, HAS_DUAL=float(dual_clip_c) > 0.0,
-                HAS_OLD=old_logprobs is not None, HAS_WENT=entropy_weights is not None,
-                POLICY_LOSS=pl, KL_BIAS=bool(kl_bias_correction),
-                COMPUTE_GRAD=compute_grad, **launch)
+                T, TL if compute_grad else T, V, fs, inv,
+                ACC=tl_acc(acc), KL_EST=codes[I["kl_estimator"]],
+                HAS_REF=ref_logprobs is not None, HAS_ISW=rollout_is_weights is not None,
+                HAS_DUAL=fs[F["dual_clip_c"]] > 0.0, HAS_OLD=old_logprobs is not None,
+                HAS_WENT=entropy_weights is not None, POLICY_LOSS=codes[I["policy_loss"]],
+                KL_BIAS=bool(codes[I["kl_bias_correction"]]), COMPUTE_GRAD=compute_grad,
+                **launch)
     # sum(w * loss_tok) over [B, T] in a deterministic order (no atomics): this reads
     # 8 bytes per token, nothing next to the [B, T, V] sweep.
     loss = torch.dot(weights.reshape(-1), loss_tok.reshape(-1))
@@ -198,34 +190,24 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
 
 
 def ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                 rollout_is_weights, entropy_weights, clip_eps_low, clip_eps_high,
-                 dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature, grad_scale,
-                 policy_loss, sapo_tau_pos, sapo_tau_neg, kl_bias_correction, compute_grad):
+                 rollout_is_weights, entropy_weights, scalars, codes, compute_grad):
     """(loss, loss_tok, logprobs, entropy, dlogits); dlogits (like logits, contiguous) is
     grad_scale * d loss / d logits, numel 0 unless compute_grad."""
     grad = (torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             if compute_grad else torch.empty((0,), dtype=logits.dtype, device=logits.device))
     loss, loss_tok, logp, ent = _launch(
         logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-        rollout_is_weights, entropy_weights, clip_eps_low, clip_eps_high, dual_clip_c,
-        kl_coef, kl_estimator, entropy_coef, temperature, grad_scale, policy_loss,
-        sapo_tau_pos, sapo_tau_neg, kl_bias_correction, grad if compute_grad else None,
-        inplace=False)
+        rollout_is_weights, entropy_weights, scalars, codes,
+        grad if compute_grad else None, inplace=False)
     return loss, loss_tok, logp, ent, grad
 
 
 def ppo_loss_fwd_inplace(logits, tokens, mask, old_logprobs, advantages, weights,
-                         ref_logprobs, rollout_is_weights, entropy_weights, clip_eps_low,
-                         clip_eps_high, dual_clip_c, kl_coef, kl_estimator, entropy_coef,
-                         temperature, grad_scale, policy_loss, sapo_tau_pos, sapo_tau_neg,
-                         kl_bias_correction):
+                         ref_logprobs, rollout_is_weights, entropy_weights, scalars, codes):
     """(loss, loss_tok, logprobs, entropy); the logits now hold grad_scale * dlogits
     (zeros on masked rows and rows t >= T), in their own dtype and strides."""
     return _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                   rollout_is_weights, entropy_weights, clip_eps_low, clip_eps_high,
-                   dual_clip_c, kl_coef, kl_estimator, entropy_coef, temperature, grad_scale,
-                   policy_loss, sapo_tau_pos, sapo_tau_neg, kl_bias_correction, logits,
-                   inplace=True)
+                   rollout_is_weights, entropy_weights, scalars, codes, logits, inplace=True)
 
 
 # ------------------------------------------------------------------ scale_grad_

@@ -715,18 +715,24 @@ static void epilogue_cases(std::mt19937& rng) {
     io.w_ent = c.has_went ? went.data() : nullptr;
     io.is_w = c.has_isw ? isw.data() : nullptr;
     io.ref_logp = c.has_ref ? ref.data() : nullptr;
-    io.params.clip_eps_low = c.eps_lo;
-    io.params.clip_eps_high = c.eps_hi;
-    io.params.dual_clip_c = c.dual_c;
-    io.params.kl_coef = c.kl_coef;
-    io.params.kl_estimator = c.kl_estimator;
-    io.params.entropy_coef = c.ent_coef;
-    io.params.has_ref = c.has_ref;
-    io.params.has_is_weights = c.has_isw;
-    io.params.policy_loss = c.policy_loss;
-    io.params.sapo_tau_pos = c.tau_pos;
-    io.params.sapo_tau_neg = c.tau_neg;
-    io.params.kl_bias_correction = c.kl_bias;
+    {
+      using namespace ppo::slot;
+      double f[kNumFloat] = {};
+      int64_t k[kNumInt] = {};
+      f[clip_eps_low] = c.eps_lo;
+      f[clip_eps_high] = c.eps_hi;
+      f[dual_clip_c] = c.dual_c;
+      f[kl_coef] = c.kl_coef;
+      f[entropy_coef] = c.ent_coef;
+      f[temperature] = 1.0;
+      f[grad_scale] = c.grad_scale;
+      f[sapo_tau_pos] = c.tau_pos;
+      f[sapo_tau_neg] = c.tau_neg;
+      k[policy_loss] = c.policy_loss;
+      k[kl_estimator] = c.kl_estimator;
+      k[kl_bias_correction] = c.kl_bias;
+      io.params = ppo::policy_params(f, k, c.has_ref, c.has_isw);
+    }
     io.grad_scale = static_cast<A>(c.grad_scale);
     io.logp = o_logp.data();
     io.entropy = o_ent.data();

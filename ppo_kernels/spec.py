@@ -1,0 +1,165 @@
+"""The one record of a loss call's non-tensor options (LossSpec) and the name <-> id tables
+that every language mirrors.
+
+``LossSpec.build(**keywords)`` checks every option of ``pk.ppo_loss`` once (each bad value a
+ValueError / TypeError naming the keyword) and returns a frozen record; everything below the
+public call reads the record's fields, and the kernels get its numbers as two lists,
+``LossSpec.kernel_args(dtype) -> (float[], int[])``, in the slot order of FLOAT_SLOTS and
+INT_SLOTS. The C++ kernels (csrc/ppo_math.h, namespace ppo::slot) and the Triton kernels
+(ppo_kernels/triton_kernels/_math.py, F_* / I_*) index those lists with named constants that
+mirror the tables here; tests/test_spec.py compares them, and the enums (policy losses, KL
+estimators), with the C++ and Triton sources.
+
+How to add an option: docs/DESIGN.md, "Adding a policy loss, a KL estimator or a kernel
+option".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from . import _checks as ck
+
+# id = index: ppo::PolicyLoss (csrc/ppo_math.h), PG_* (triton_kernels/_math.py). The fused
+# kernels run the token-level losses; the sequence-level ones need every token's logp of a
+# sequence before any gradient (the two-phase path, ppo_kernels/_two_phase.py).
+POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token")
+SEQUENCE_POLICY_LOSSES = ("gspo", "gspo-token")
+KERNEL_POLICY_LOSSES = tuple(x for x in POLICY_LOSSES if x not in SEQUENCE_POLICY_LOSSES)
+# id = index: ppo::KlEstimator, KL_* (triton_kernels/_math.py). "k1+" / "k3+": verl's
+# straight-through estimators (the value of k1 / k3, the gradient of k2).
+KL_ESTIMATORS = ("k1", "k2", "k3", "abs", "k1+", "k3+")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                  "seq-mean-token-sum-norm", "none")
+SEQ_MEAN_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+ROLLOUT_CORRECTIONS = ("tis", "tis-seq", "mis", "mis-seq", "geo-seq")
+
+# The kernel ops' `float[] scalars` and `int[] codes`, slot = index (ppo::slot::Float /
+# ppo::slot::Int in csrc/ppo_math.h, F_* / I_* in triton_kernels/_math.py). dual_clip_c's
+# slot holds 0 for "no dual clip"; kl_bias_correction's 0 or 1.
+FLOAT_SLOTS = ("clip_eps_low", "clip_eps_high", "dual_clip_c", "kl_coef", "entropy_coef",
+               "temperature", "grad_scale", "sapo_tau_pos", "sapo_tau_neg")
+INT_SLOTS = ("policy_loss", "kl_estimator", "kl_bias_correction")
+F = {name: i for i, name in enumerate(FLOAT_SLOTS)}
+I = {name: i for i, name in enumerate(INT_SLOTS)}  # noqa: E741
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """Every non-tensor option of a ppo_loss call, checked (pk.ppo_loss documents each).
+
+    Built by LossSpec.build; the defaults are ppo_loss's. clip_eps_high is never None in a
+    built record (None means clip_eps_low); cp_group is a torch.distributed group or None.
+    """
+
+    policy_loss: str = "vanilla"
+    clip_eps_low: float = 0.2
+    clip_eps_high: Optional[float] = None
+    dual_clip_c: Optional[float] = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_bias_correction: bool = False
+    entropy_coef: float = 0.0
+    entropy_agg_mode: Optional[str] = None
+    temperature: float = 1.0
+    loss_agg_mode: str = "token-mean"
+    norm_length: Optional[float] = None
+    rollout_correction: Optional[str] = None
+    rollout_is_threshold: Any = 2.0
+    off_policy_mask_threshold: Optional[float] = None
+    grad_scale: float = 1.0
+    inplace_backward: bool = False
+    return_per_token: bool = False
+    cp_group: Any = None
+
+    @classmethod
+    def build(cls, dtype=torch.float32, **options):
+        """The checked record of ppo_loss's keywords (unknown ones a TypeError). dtype: the
+        accumulation dtype, in which grad_scale and the SAPO temperatures must stay
+        positive normal numbers."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"{unknown[0]}: not an option of ppo_loss (the options: "
+                            f"{sorted(names)})")
+        o = cls(**options)
+        ck.choice("policy_loss", o.policy_loss, POLICY_LOSSES)
+        if o.policy_loss == "cispo":  # a band for a weight, not a trust region: wider ranges
+            eps_low = ck.number("clip_eps_low", o.clip_eps_low, lo=0.0, hi=1.0)
+            eps_high = eps_low if o.clip_eps_high is None else ck.number(
+                "clip_eps_high", o.clip_eps_high, lo=0.0)
+        else:
+            eps_low = ck.number("clip_eps_low", o.clip_eps_low, lo=0.0, hi=1.0, hi_open=True)
+            eps_high = eps_low if o.clip_eps_high is None else ck.number(
+                "clip_eps_high", o.clip_eps_high, lo=0.0, hi=1.0, hi_open=True)
+        dual = o.dual_clip_c
+        if dual is not None:
+            if o.policy_loss in ("cispo", "sapo"):
+                raise ValueError(f"dual_clip_c: the dual clip caps PPO's clipped surrogate; "
+                                 f"policy_loss={o.policy_loss!r} has none (got {dual!r})")
+            # a cap at or below 1 + eps_high would cut into the clip band itself: the loss
+            # silently became something else (TRL / Liger's delta is this cap)
+            dual = ck.number("dual_clip_c", dual, lo=1.0 + eps_high, lo_open=True)
+        checked = dict(
+            clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual,
+            sapo_tau_pos=ck.positive_in("sapo_tau_pos", o.sapo_tau_pos, dtype),
+            sapo_tau_neg=ck.positive_in("sapo_tau_neg", o.sapo_tau_neg, dtype))
+        if o.rollout_correction is not None:
+            ck.choice("rollout_correction", o.rollout_correction, ROLLOUT_CORRECTIONS)
+        if o.off_policy_mask_threshold is not None:
+            checked["off_policy_mask_threshold"] = ck.number("off_policy_mask_threshold",
+                                                             o.off_policy_mask_threshold)
+        checked["kl_coef"] = ck.number("kl_coef", o.kl_coef, lo=0.0)
+        ck.choice("kl_estimator", o.kl_estimator, KL_ESTIMATORS)
+        ck.flag("kl_bias_correction", o.kl_bias_correction)
+        checked["entropy_coef"] = ck.number("entropy_coef", o.entropy_coef)
+        checked["temperature"] = ck.temperature_in(o.temperature, dtype)
+        checked["grad_scale"] = ck.positive_in("grad_scale", o.grad_scale, dtype)
+        ck.choice("loss_agg_mode", o.loss_agg_mode, LOSS_AGG_MODES)
+        if o.entropy_agg_mode is not None:
+            ck.choice("entropy_agg_mode", o.entropy_agg_mode, LOSS_AGG_MODES[:-1])
+        if o.norm_length is not None:
+            checked["norm_length"] = ck.number("norm_length", o.norm_length, lo=0.0,
+                                               lo_open=True)
+        ck.flag("inplace_backward", o.inplace_backward)
+        ck.flag("return_per_token", o.return_per_token)
+        return dataclasses.replace(o, **checked)
+
+    # ---------------------------------------------------------------- derived
+
+    @property
+    def policy_loss_id(self):
+        return POLICY_LOSSES.index(self.policy_loss)
+
+    @property
+    def kl_estimator_id(self):
+        return KL_ESTIMATORS.index(self.kl_estimator)
+
+    @property
+    def sequence_loss(self):
+        """Whether the policy loss itself reduces over a sequence (GSPO's ratio)."""
+        return self.policy_loss in SEQUENCE_POLICY_LOSSES
+
+    def effective_grad_scale(self, dtype):
+        """The scale the forward writes the gradient with: float16 cannot hold every
+        pre-scaled gradient (a loss scale of 2^16), so there the backward scales up
+        instead, where an overflow is the loss scaler's to see."""
+        return min(self.grad_scale, 1.0) if dtype == torch.float16 else self.grad_scale
+
+    def kernel_args(self, dtype):
+        """(scalars, codes): the float[] and int[] the ppo_loss kernel ops take, in the slot
+        order of FLOAT_SLOTS / INT_SLOTS; dtype: the logits' (or hidden states') dtype."""
+        values = dict(
+            clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
+            dual_clip_c=self.dual_clip_c or 0.0, kl_coef=self.kl_coef,
+            entropy_coef=self.entropy_coef, temperature=self.temperature,
+            grad_scale=self.effective_grad_scale(dtype), sapo_tau_pos=self.sapo_tau_pos,
+            sapo_tau_neg=self.sapo_tau_neg)
+        codes = dict(policy_loss=self.policy_loss_id, kl_estimator=self.kl_estimator_id,
+                     kl_bias_correction=int(self.kl_bias_correction))
+        return [float(values[n]) for n in FLOAT_SLOTS], [int(codes[n]) for n in INT_SLOTS]
