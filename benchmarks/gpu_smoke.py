@@ -143,7 +143,7 @@ for split in splits:
                             torch.tensor(0.5, dtype=acc, device=dev))
             close(f"scale_grad_ inplace view {tag}", view, rdl, tg, 1e-3)
             close(f"ppo inplace untouched {tag}", buf[:, T + 1:], base.to(dt)[:, T + 1:].double(), 0)
-            # the loss menu (issue 8): cispo / sapo, k1+ / k3+, the KL bias correction,
+            # the loss menu: cispo / sapo, k1+ / k3+, the KL bias correction,
             # on-policy (old_logprobs None), entropy_weights (entropy_agg_mode)
             w_ent = torch.tensor(R.agg_weights(mask, "seq-mean-token-mean")).to(acc)
             for mname, kw in MENU:

@@ -26,8 +26,9 @@ inline PolicyParams loss_params(c10::ArrayRef<double> scalars, c10::ArrayRef<int
   TORCH_CHECK(est >= kK1 && est <= kK3Plus,
               "kl_estimator: expected 0 (k1), 1 (k2), 2 (k3), 3 (abs), 4 (k1+) or 5 (k3+), got ",
               est);
-  TORCH_CHECK(pl >= kVanilla && pl <= kSapo,
-              "policy_loss: expected 0 (vanilla), 1 (cispo) or 2 (sapo), got ", pl);
+  TORCH_CHECK(kernel_policy_loss(pl),
+              "policy_loss: expected the id of a token-level policy loss (ppo_kernels/spec.py "
+              "KERNEL_POLICY_LOSSES), got ", pl);
   const double t = p[slot::temperature], gs = p[slot::grad_scale];
   TORCH_CHECK(std::isfinite(t) && t > 0, "temperature: expected a finite number > 0, got ", t);
   TORCH_CHECK(std::isfinite(gs) && gs > 0, "grad_scale: expected a finite number > 0, got ", gs);

@@ -31,6 +31,9 @@ enum KlEstimator : int { kK1 = 0, kK2 = 1, kK3 = 2, kAbs = 3, kK1Plus = 4, kK3Pl
 // kernel (ppo_kernels/_two_phase.py runs them).
 enum PolicyLoss : int { kVanilla = 0, kCispo = 1, kSapo = 2, kGspo = 3, kGspoToken = 4 };
 
+// Whether the fused kernels run policy loss id pl (pg_term has its case).
+PPO_HD bool kernel_policy_loss(int pl) { return pl == kVanilla || pl == kCispo || pl == kSapo; }
+
 // The slots of the ppo_loss ops' `float[] scalars` and `int[] codes` (csrc/ops.cpp), named
 // as ppo_kernels/spec.py names them (FLOAT_SLOTS, INT_SLOTS; compared by tests/test_spec.py).
 // dual_clip_c <= 0: no dual clip; kl_bias_correction 0 / 1.

@@ -82,53 +82,53 @@ class LossSpec:
         """The checked record of ppo_loss's keywords (unknown ones a TypeError). dtype: the
         accumulation dtype, in which grad_scale and the SAPO temperatures must stay
         positive normal numbers."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - names)
+        unknown = sorted(set(options) - set(_DEFAULTS))
         if unknown:
             raise TypeError(f"{unknown[0]}: not an option of ppo_loss (the options: "
-                            f"{sorted(names)})")
-        o = cls(**options)
-        ck.choice("policy_loss", o.policy_loss, POLICY_LOSSES)
-        if o.policy_loss == "cispo":  # a band for a weight, not a trust region: wider ranges
-            eps_low = ck.number("clip_eps_low", o.clip_eps_low, lo=0.0, hi=1.0)
-            eps_high = eps_low if o.clip_eps_high is None else ck.number(
-                "clip_eps_high", o.clip_eps_high, lo=0.0)
+                            f"{sorted(_DEFAULTS)})")
+        o = {**_DEFAULTS, **options}
+        ck.choice("policy_loss", o["policy_loss"], POLICY_LOSSES)
+        if o["policy_loss"] == "cispo":  # a band for a weight, not a trust region: wider ranges
+            eps_low = ck.number("clip_eps_low", o["clip_eps_low"], lo=0.0, hi=1.0)
+            eps_high = eps_low if o["clip_eps_high"] is None else ck.number(
+                "clip_eps_high", o["clip_eps_high"], lo=0.0)
         else:
-            eps_low = ck.number("clip_eps_low", o.clip_eps_low, lo=0.0, hi=1.0, hi_open=True)
-            eps_high = eps_low if o.clip_eps_high is None else ck.number(
-                "clip_eps_high", o.clip_eps_high, lo=0.0, hi=1.0, hi_open=True)
-        dual = o.dual_clip_c
+            eps_low = ck.number("clip_eps_low", o["clip_eps_low"], lo=0.0, hi=1.0, hi_open=True)
+            eps_high = eps_low if o["clip_eps_high"] is None else ck.number(
+                "clip_eps_high", o["clip_eps_high"], lo=0.0, hi=1.0, hi_open=True)
+        dual = o["dual_clip_c"]
         if dual is not None:
-            if o.policy_loss in ("cispo", "sapo"):
+            if o["policy_loss"] in ("cispo", "sapo"):
                 raise ValueError(f"dual_clip_c: the dual clip caps PPO's clipped surrogate; "
-                                 f"policy_loss={o.policy_loss!r} has none (got {dual!r})")
+                                 f"policy_loss={o['policy_loss']!r} has none (got {dual!r})")
             # a cap at or below 1 + eps_high would cut into the clip band itself: the loss
             # silently became something else (TRL / Liger's delta is this cap)
             dual = ck.number("dual_clip_c", dual, lo=1.0 + eps_high, lo_open=True)
         checked = dict(
             clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual,
-            sapo_tau_pos=ck.positive_in("sapo_tau_pos", o.sapo_tau_pos, dtype),
-            sapo_tau_neg=ck.positive_in("sapo_tau_neg", o.sapo_tau_neg, dtype))
-        if o.rollout_correction is not None:
-            ck.choice("rollout_correction", o.rollout_correction, ROLLOUT_CORRECTIONS)
-        if o.off_policy_mask_threshold is not None:
+            sapo_tau_pos=ck.positive_in("sapo_tau_pos", o["sapo_tau_pos"], dtype),
+            sapo_tau_neg=ck.positive_in("sapo_tau_neg", o["sapo_tau_neg"], dtype))
+        if o["rollout_correction"] is not None:
+            ck.choice("rollout_correction", o["rollout_correction"], ROLLOUT_CORRECTIONS)
+        if o["off_policy_mask_threshold"] is not None:
             checked["off_policy_mask_threshold"] = ck.number("off_policy_mask_threshold",
-                                                             o.off_policy_mask_threshold)
-        checked["kl_coef"] = ck.number("kl_coef", o.kl_coef, lo=0.0)
-        ck.choice("kl_estimator", o.kl_estimator, KL_ESTIMATORS)
-        ck.flag("kl_bias_correction", o.kl_bias_correction)
-        checked["entropy_coef"] = ck.number("entropy_coef", o.entropy_coef)
-        checked["temperature"] = ck.temperature_in(o.temperature, dtype)
-        checked["grad_scale"] = ck.positive_in("grad_scale", o.grad_scale, dtype)
-        ck.choice("loss_agg_mode", o.loss_agg_mode, LOSS_AGG_MODES)
-        if o.entropy_agg_mode is not None:
-            ck.choice("entropy_agg_mode", o.entropy_agg_mode, LOSS_AGG_MODES[:-1])
-        if o.norm_length is not None:
-            checked["norm_length"] = ck.number("norm_length", o.norm_length, lo=0.0,
+                                                             o["off_policy_mask_threshold"])
+        checked["kl_coef"] = ck.number("kl_coef", o["kl_coef"], lo=0.0)
+        ck.choice("kl_estimator", o["kl_estimator"], KL_ESTIMATORS)
+        ck.flag("kl_bias_correction", o["kl_bias_correction"])
+        checked["entropy_coef"] = ck.number("entropy_coef", o["entropy_coef"])
+        checked["temperature"] = ck.temperature_in(o["temperature"], dtype)
+        checked["grad_scale"] = ck.positive_in("grad_scale", o["grad_scale"], dtype)
+        ck.choice("loss_agg_mode", o["loss_agg_mode"], LOSS_AGG_MODES)
+        if o["entropy_agg_mode"] is not None:
+            ck.choice("entropy_agg_mode", o["entropy_agg_mode"], LOSS_AGG_MODES[:-1])
+        if o["norm_length"] is not None:
+            checked["norm_length"] = ck.number("norm_length", o["norm_length"], lo=0.0,
                                                lo_open=True)
-        ck.flag("inplace_backward", o.inplace_backward)
-        ck.flag("return_per_token", o.return_per_token)
-        return dataclasses.replace(o, **checked)
+        ck.flag("inplace_backward", o["inplace_backward"])
+        ck.flag("return_per_token", o["return_per_token"])
+        # (one constructor call from a plain dict: torch.compile traces it)
+        return cls(**{**o, **checked})
 
     # ---------------------------------------------------------------- derived
 
@@ -163,3 +163,8 @@ class LossSpec:
         codes = dict(policy_loss=self.policy_loss_id, kl_estimator=self.kl_estimator_id,
                      kl_bias_correction=int(self.kl_bias_correction))
         return [float(values[n]) for n in FLOAT_SLOTS], [int(codes[n]) for n in INT_SLOTS]
+
+
+# ppo_loss's defaults, by option (read by LossSpec.build, where torch.compile cannot trace
+# dataclasses.fields)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossSpec)}

@@ -180,7 +180,7 @@ def test_confident_tokens_in_the_fused_loss(be, gen):
 @pytest.mark.parametrize("be", BACKENDS)
 @pytest.mark.parametrize("temperature", [1e-3, 1e-10])
 def test_token_logprobs_backward_at_tiny_temperature(be, temperature):
-    """The review's row (C4): rebuilt from the lse alone, log p of the max entry came back
+    """A row from an attack on the kernels: rebuilt from the lse alone, log p of the max entry came back
     +213.8 at temperature 1e-10 (p = inf) and 8.6e-6 off at 1e-3."""
     logits = torch.tensor([[[1.5410, -0.2934, -2.1788, 0.5684, -1.0845]]])
     for tok in range(5):
@@ -215,7 +215,7 @@ def test_token_logprobs_backward_at_huge_logits(be, dtype, gen):
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
 def test_leading_block_at_finfo_min(be, temperature, entropy_coef, gen):
     """HF-style masks fill banned logits with finfo.min, not -inf: a leading block of them
-    made Triton's entropy, loss and every dlogit NaN (review C1), even with entropy_coef 0."""
+    made Triton's entropy, loss and every dlogit NaN, even with entropy_coef 0."""
     V, n = 96, 4
     logits = torch.randn(1, n, V, generator=gen)
     logits[..., :64] = torch.finfo(torch.float32).min

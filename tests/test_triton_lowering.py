@@ -24,6 +24,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 232448  # max dynamic shared memory per block on sm_90 (227 KiB)
 
+N_FLOAT_SLOTS = 9  # len(ppo_kernels.spec.FLOAT_SLOTS), checked by test_slot_count
 LOGITS = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16", "fp64": "*fp64"}
 
 
@@ -42,6 +43,8 @@ def _row_types(logits, acc="fp32"):
         "inv_temp": "fp64", "kl_coef": "fp64", "clip_eps_low": "fp64",
         "clip_eps_high": "fp64", "dual_clip_c": "fp64", "entropy_coef": "fp64",
         "grad_scale": "fp64", "sapo_tau_pos": "fp64", "sapo_tau_neg": "fp64",
+        # the ppo_loss options in slot order (ppo_kernels/spec.py FLOAT_SLOTS), a tuple
+        "FS": ["fp64"] * N_FLOAT_SLOTS,
     }
 
 
@@ -128,7 +131,7 @@ for acc, flags in (("fp32", dict(HAS_BOOT=True, HAS_SCORES=False)),
     VARIANTS[name] = ("gae", "_gae_kernel", _gae_types(acc),
                       dict(ACC=acc, BLOCK_T=1024, **flags), {"num_warps": 4})
 
-# the loss menu (issue 8): each policy loss, the KL bias correction, on-policy (no
+# the loss menu: each policy loss, the KL bias correction, on-policy (no
 # old_logprobs), separate entropy weights, the straight-through KL estimators
 for dt in ("fp32", "bf16"):
     for pl, est in ((0, 4), (1, 5), (2, 2)):
@@ -179,7 +182,10 @@ for name, (modname, attr, types, consts, options, aligned) in spec_in.items():
         while not isinstance(fn, triton.runtime.jit.JITFunction):
             fn = fn.fn                          # an Autotuner wraps the JITFunction
         consts = {k: TL.get(v, v) if k == "ACC" else v for k, v in consts.items()}
-        sig = {n: ("constexpr" if n in consts else types[n]) for n in fn.arg_names}
+        # (a tuple argument's types come as a JSON list)
+        sig = {n: ("constexpr" if n in consts else
+                   tuple(types[n]) if isinstance(types[n], list) else types[n])
+               for n in fn.arg_names}
         attrs = None
         if aligned:
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
@@ -236,3 +242,9 @@ def test_vocab_loop_vectorizes_when_aligned(compiled, name):
     res = compiled[name]
     assert "error" not in res, res.get("error")
     assert res["v4_loads"] > 0
+
+
+def test_slot_count():
+    from ppo_kernels.spec import FLOAT_SLOTS
+
+    assert N_FLOAT_SLOTS == len(FLOAT_SLOTS)

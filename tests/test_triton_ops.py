@@ -424,7 +424,7 @@ def test_ppo_loss_inplace(layout, dtype):
         assert torch.equal(base[:, T:], before[:, T:])
 
 
-# ------------------------------------------------------------------ loss menu (issue 8)
+# ------------------------------------------------------------------ loss menu
 
 POLICY = ("vanilla", "cispo", "sapo")
 KL_MENU = KL + ("k1+", "k3+")  # index = the kl_estimator the ops take
@@ -751,7 +751,7 @@ def test_many_rows_and_64bit_offsets_cuda():
     del dl, out
 
 
-# ------------------------------------------------------------------ precision (issue 7)
+# ------------------------------------------------------------------ precision
 
 from ppo_kernels.triton_kernels._math import expm1, expm1_minus_x, kl_term, log1p  # noqa: E402
 import triton  # noqa: E402
@@ -791,7 +791,7 @@ def rel_err(actual, expected):
 @pytest.mark.parametrize("temp", [1.0, 0.7])
 @pytest.mark.parametrize("ent_coef", [0.0, 0.05])
 def test_finfo_min_leading_block_is_finite(temp, ent_coef):
-    """Review C1: a leading vocabulary block masked with finfo.min (HF-style masks) and the
+    """a leading vocabulary block masked with finfo.min (HF-style masks) and the
     token in a later block: the merge must not form 0 * inf. Entropy, loss and dlogits are
     finite and equal to the reference, also with entropy_coef = 0 (where a NaN entropy
     used to leak into the loss and dlogits through 0 * NaN)."""
@@ -871,14 +871,14 @@ def test_confident_tokens_keep_their_digits(temp):
     assert rel_err(got, want) < EXP_RTOL, "fused loss: token dlogit"
 
 
-C4_ROWS = [[1.5410, -0.2934, -2.1788, 0.5684, -1.0845],  # review C4 (from test_adversarial)
+C4_ROWS = [[1.5410, -0.2934, -2.1788, 0.5684, -1.0845],  # from test_adversarial
            [1.5410, 1.5405, 1.5400, 0.5684, -1.0845]]    # close maxima: p non-trivial
 
 
 @GENUINE_INF
 @pytest.mark.parametrize("temp", [1e-3, 1e-10])
 def test_token_logprobs_bwd_small_temperature(temp):
-    """Review C4: the backward rebuilds log p_v = (x_v - row_max) / T - log_sum from the
+    """the backward rebuilds log p_v = (x_v - row_max) / T - log_sum from the
     forward's (row_max, log_sum), never x_v / T - lse: at T = 1e-10 the max entry's
     log p came back +213.8 (p = inf) on a GPU, at 1e-3 8.6e-6 off."""
     logits = torch.tensor([C4_ROWS], dtype=torch.float32).to(DEV)
@@ -1298,7 +1298,7 @@ def test_bad_input_raises():
             OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, None, None, None,
                                     0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, bad, 0, 1.0, 1.05, False,
                                     False)
-    # a temperature whose reciprocal overflows float32 (C9), or not positive
+    # a temperature whose reciprocal overflows float32, or not positive
     for bad in (1e-40, 0.0, -1.0):
         with pytest.raises(ValueError, match="temperature"):
             OPS.triton_token_logprobs_fwd(logits, tokens, mask, bad, False)

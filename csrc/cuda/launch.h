@@ -118,7 +118,7 @@ inline const A* ptr_or_null(const std::optional<at::Tensor>& x) {
   return x.has_value() ? x->data_ptr<A>() : nullptr;
 }
 
-// Multiprocessor count of a device, cached per device. Relaxed atomics (review S7): two
+// Multiprocessor count of a device, cached per device. Relaxed atomics: two
 // threads may both query the driver once, never race on the value.
 inline int sm_count(int device) {
   static std::atomic<int> cached[64] = {};

@@ -2,10 +2,10 @@
 //
 // fwd: one pass over the logits (row_kernels.cuh, no gradient sweep): logprob of the
 //      sampled token, entropy (when asked), the raw row max and log_sum = log1p(rest) per
-//      position (issue 7 spec, sections 1-2), 0 on masked positions.
+//      position (docs/DESIGN.md, Precision), 0 on masked positions.
 // bwd: one pass that reads the logits and writes dlogits, from the saved row_max, log_sum
 //      (and entropy): dlogits_v = (glp (1[v = tok] - p_v) - gent p_v (log p_v + H)) / T,
-//      with log p_v = (x_v - row_max) / T - log_sum (review C4: never through lse, whose
+//      with log p_v = (x_v - row_max) / T - log_sum (never through lse, whose
 //      FMA residue on the max entry was +213 at T = 1e-10); grid (row, chunk) so even a
 //      handful of rows fills the chip.
 #include <ATen/Dispatch.h>

@@ -29,15 +29,15 @@
 
 namespace ppo_cuda {
 
-// Most threads of a fused block (review S2: 512 x 64 registers leaves room for two blocks
+// Most threads of a fused block (512 x 64 registers leaves room for two blocks
 // per multiprocessor, so one block's epilogue overlaps the other's sweep; also fp64 gets
-// 128 registers and no spills, review C10).
+// 128 registers and no spills).
 constexpr int kFusedMaxThreads = 512;
 
 // ---------------------------------------------------------------- fused: one block per row
 
-// __launch_bounds__(512, 2): at most 64 registers, two blocks per multiprocessor (S2);
-// float64 (gradcheck only) gets one block and 128 registers instead of spilling (C10).
+// __launch_bounds__(512, 2): at most 64 registers, two blocks per multiprocessor;
+// float64 (gradcheck only) gets one block and 128 registers instead of spilling.
 template <typename scalar_t>
 constexpr int kFusedMinBlocks = sizeof(scalar_t) == 8 ? 1 : 2;
 
@@ -164,7 +164,7 @@ __global__ void combine_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> 
 
 // Where the grad kernel finds a row's GradRow: the combine kernel's info, or
 // (token_logprobs_bwd) the saved row_max / log_sum / entropy and the incoming gradients
-// (review C4: the raw max and log_sum, never lse, so the max entry's d2 is exactly 0).
+// (the raw max and log_sum, never lse, so the max entry's d2 is exactly 0).
 template <typename A>
 struct GradSource {
   const A* info;     // [B * T, kInfo], or null: use the arrays below

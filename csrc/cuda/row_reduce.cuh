@@ -9,7 +9,7 @@
 // A row that is not 16-byte aligned reads its interior packs with two aligned 16-byte loads
 // and a funnel shift (ld_pack_shifted); only its first and last packs go element by element.
 // The writing sweeps (gradient, zero, scale) have no reduction: they vectorize on the
-// OUTPUT's alignment (review C6) and fetch the matching input with the same shifted load.
+// OUTPUT's alignment and fetch the matching input with the same shifted load.
 //
 // The per-token PPO math is NOT here: the gradient entries call ppo::dlogit_dense /
 // dlogit_token (ppo_math.h).
@@ -43,7 +43,7 @@ constexpr int kMaxThreads = 1024;
 
 // ---------------------------------------------------------------- math of the sweeps
 //
-// No --use_fast_math (review C5): every libm call keeps its documented accuracy. The one
+// No --use_fast_math: every libm call keeps its documented accuracy. The one
 // per-element exponential of each sweep is exp2 of a base-2 shifted logit
 // d2 = (x - xmax) * inv_temp * log2(e): CUDA's exp2f is a single MUFU.EX2 (plus a denormal
 // fix-up), max error 2 ulp over the whole range (CUDA C Programming Guide, "Mathematical
@@ -109,7 +109,7 @@ PPO_CUDA_HD uint4 ld_block(const void* p, bool last) {
 template <typename T>
 PPO_CUDA_HD Pack<T> to_pack(const uint4& w) {
   Pack<T> r;
-  memcpy(&r, &w, 16);  // no type punning through pointers (review S7)
+  memcpy(&r, &w, 16);  // no type punning through pointers
   return r;
 }
 
@@ -232,7 +232,7 @@ PPO_CUDA_HD ChunkPlan chunk_plan(int64_t V) {
 //                                    entry equal to m adds 0, every other entry 2^d2
 //   t2   = sum_v 2^d2_v * d2_v       (0 for the top entries and for -inf entries)
 // so log_sum = log1p(rest), H = log_sum - ln2 t2 / (1 + rest), logp = d_tok - log_sum
-// (issue 7 spec, section 2, with t = ln2 t2). Why rest and not s = 1 + rest: when
+// (docs/DESIGN.md, Precision, with t = ln2 t2). Why rest and not s = 1 + rest: when
 // 1 - p_top is below float epsilon, log(s) with s rounded drops rest, so the confident
 // token's logp came back 0 and the entropy lost percents; log1p(rest) keeps their relative
 // digits down to 1 - p ~ 1e-12.
@@ -255,7 +255,7 @@ PPO_CUDA_HD bool stats_is_empty(const Stats<A>& s) {
 
 // Rebases a non-top part of mass s = 1 + rest, entropy sum t, from max m_old to m_new > m_old
 // (al = 2^dm2 < 1, dm2 = (m_old - m_new) inv2): s' = al s, t' = al (t + dm2 s). When al
-// underflows to 0 (dm2 may be -inf: finfo.min entries, review C1) t' is 0 without 0 * inf.
+// underflows to 0 (dm2 may be -inf: finfo.min entries) t' is 0 without 0 * inf.
 // A NaN s stays NaN (al * NaN), also when al is 0.
 template <typename A>
 PPO_CUDA_HD void rebase(A& s, A& t, A m_old, A m_new, A inv2) {

@@ -1,9 +1,9 @@
 // CUDA scale_grad_(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()
-// (schema in csrc/ops.cpp; issue 7 spec, section 1): autograd's backward of ppo_loss.
+// (schema in csrc/ops.cpp; docs/DESIGN.md, Precision): autograd's backward of ppo_loss.
 //
 // The forward wrote dlogits already multiplied by `applied` (its grad_scale). The backward
 // must hand out grad_output * d loss / d logits, i.e. grad * f with f = grad_output / applied,
-// WITHOUT reading anything on the host (CUDA-graph capture, review C2/C3):
+// WITHOUT reading anything on the host (CUDA-graph capture):
 //   1. scale_grad_kernel: every block reads the two scalars; f == 1 (the usual case:
 //      (loss * grad_scale).backward()) -> it returns at once, grad is not touched. Else it
 //      multiplies its part of grad by f in the accumulation type, rounded once, in place.

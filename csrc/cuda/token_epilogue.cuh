@@ -55,8 +55,8 @@ struct TokenIO {
   A* rewards;
 };
 
-// What the epilogue reads of one row, fetched by its thread at the START of the row (review
-// S2) so that the loads are in flight during sweep 1, not after its barriers.
+// What the epilogue reads of one row, fetched by its thread at the START of the row, so
+// that the loads are in flight during sweep 1, not after its barriers.
 template <typename A>
 struct TokenIn {
   int64_t tok;

@@ -6,7 +6,7 @@ The row kernels stream a row of V logits once (statistics) and, with a gradient,
 (H100/H200: 228 KiB shared memory per SM, up to 64 warps per SM): blocks of 1-16 Ki
 elements, 4-16 warps.
 
-The autotune keys hold V and the kernel flags, never the row count (review S4): the block
+The autotune keys hold V and the kernel flags, never the row count: the block
 size fixes the order of a row's reductions, hence its bits, and a row must come out
 bitwise the same alone or in any batch (batch invariance). Within a process the first
 call's choice for a V is kept for every batch size.
@@ -31,8 +31,8 @@ INTERPRET_BLOCK_T = 8
 
 _HOPPER_ROW_CONFIGS = [
     # (BLOCK_V, num_warps). No num_stages: the vocabulary loop has no tl.dot, so triton
-    # does not pipeline its loads and the PTX is identical for 1, 2 or 3 stages (review
-    # C7); the load latency is hidden by occupancy only.
+    # does not pipeline its loads and the PTX is identical for 1, 2 or 3 stages; the
+    # load latency is hidden by occupancy only.
     (1024, 4),
     (2048, 8),
     (4096, 8),

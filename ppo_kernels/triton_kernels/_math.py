@@ -333,7 +333,7 @@ def stats_merge(m_a, r_a, t_a, m_b, r_b, t_b, inv_temp):
     al = exp(dm) <= 1, s_lo = 1 + r_lo (no cancellation issue: al * s_lo <= al);
     rest = r_hi + al s_lo, t = t_hi + al (t_lo + dm s_lo); equal maxes add the rests
     directly, r_a + r_b + 1, so that a tiny rest is never rounded into 1 + rest.
-    Review C1: al == 0 (a side at finfo.min, or empty, under a normal max: dm is then huge
+    al == 0 (a side at finfo.min, or empty, under a normal max: dm is then huge
     or -inf and dm * s_lo = -inf) contributes exactly 0 to t, never 0 * inf = NaN. An
     empty side (m = -inf, rest = -1) gets dm = -inf without forming -inf - -inf, so merging
     it changes nothing, and two empty sides stay empty.
@@ -422,7 +422,7 @@ def row_grad(in_row, out_row, V, tok_col, logp_tok, row_max, log_sum, ent, dlogp
     dent = d loss / d H of the row's token (column tok_col, logp logp_tok).
 
     Dense entries use dlogit_dense; the token's entry is computed once, as a scalar, by
-    dlogit_token and put in its lane by a select (review C8). A banned entry (p_v = 0,
+    dlogit_token and put in its lane by a select. A banned entry (p_v = 0,
     also the lanes past V) gets exactly 0, never 0 * inf. dlogp == dent == 0 (a clipped
     token without KL/entropy terms, or weight 0) skips the sweep: the row is all zeros.
 

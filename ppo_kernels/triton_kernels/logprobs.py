@@ -6,7 +6,7 @@ strides on B and Tl (read in place, never copied), Tl >= T; tokens int64 [B, T];
 float64 logits, else float32). One program per row (token position), on grid axis 0 only
 (2^31 - 1 programs; axes 1/2 would stop at 65,535). Masked rows never read their token.
 
-Math (DESIGN.md; issue 7 spec section 2): z = logits / temperature, with the row's raw max
+Math (DESIGN.md; docs/DESIGN.md, Precision): z = logits / temperature, with the row's raw max
 row_max and d_v = (x_v - row_max) / temperature, log_sum = log sum exp(d) (computed as
 log1p of the non-top mass), logp = d[token] - log_sum, H = log_sum - sum p d;
 d/dz of sum(g_logp * logp + g_H * H) is g_logp (onehot - p) - g_H p (log p + H), divided by
@@ -35,7 +35,7 @@ def tl_acc(dtype):
 
 
 def device_guard(t):
-    """Context of a launch on t's device (review S1): triton launches on the current CUDA
+    """Context of a launch on t's device: triton launches on the current CUDA
     device, so tensors on cuda:1 while device 0 is current need the guard. CPU tensors
     (the interpreter) need none."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
@@ -43,7 +43,7 @@ def device_guard(t):
 
 def inv_temperature(temperature, acc):
     """1 / temperature in double on the host, the one rounding to ACC left to the kernel
-    (review C9: not a 2-ulp float32 division on the device). A temperature that is not
+    (not a 2-ulp float32 division on the device). A temperature that is not
     positive or whose reciprocal overflows ACC is a ValueError (the Python layer,
     ppo_kernels/_checks.py, rejects those first; this guards the raw ops)."""
     t = float(temperature)
@@ -56,7 +56,7 @@ def inv_temperature(temperature, acc):
 
 # Autotuning is keyed on V and the flags, never on the row count: the block size sets the
 # order of a row's reductions and so its bits, and a key with the row count could pick a
-# different BLOCK_V for a bigger batch, breaking batch invariance (spec section 6; review S4
+# different BLOCK_V for a bigger batch, breaking batch invariance (DESIGN.md, Batch invariance
 # asked for a row-count bucket - rejected for this reason).
 @triton.autotune(configs=_config.row_configs(), key=["V", "NEED_ENT", "SCORE"],
                  prune_configs_by={"early_config_prune": _config.prune_row_configs})
@@ -126,7 +126,7 @@ def _logprobs_bwd_kernel(
     (writing those zeros here saves a separate memset pass over [B, Tl, V]).
 
     log p_v = (x_v - row_max) inv_temp - log_sum, from the forward's row_max and log_sum
-    (review C4: rebuilding it from lse alone, x_v inv_temp - lse, loses the digits of the
+    (rebuilding it from lse alone, x_v inv_temp - lse, loses the digits of the
     max entry at small temperatures or huge logits: p = inf at T = 1e-10)."""
     row = tl.program_id(0).to(tl.int64)
     b = row // TL

@@ -30,7 +30,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from . import _config
-from ..spec import FLOAT_SLOTS, INT_SLOTS, F, I
+from ..spec import FLOAT_SLOTS, INT_SLOTS, KERNEL_POLICY_LOSSES, POLICY_LOSSES, F, I
 from ._math import (F_GRAD_SCALE, as_acc, round_to, row_grad, row_stats, row_zero, token_col,
                     token_logit, token_logp, token_loss)
 from .logprobs import (_check_logits, acc_dtype, check_kl_estimator, check_per_token,
@@ -134,8 +134,10 @@ def _check_args(scalars, codes):
                          f"got {len(scalars)} and {len(codes)}")
     check_kl_estimator(codes[I["kl_estimator"]])
     pl = codes[I["policy_loss"]]
-    if isinstance(pl, bool) or int(pl) not in range(3):
-        raise ValueError(f"policy_loss: expected 0 (vanilla), 1 (cispo) or 2 (sapo), got {pl}")
+    kernel_ids = [POLICY_LOSSES.index(x) for x in KERNEL_POLICY_LOSSES]
+    if isinstance(pl, bool) or int(pl) not in kernel_ids:
+        raise ValueError(f"policy_loss: expected the id of a token-level policy loss "
+                         f"{kernel_ids} (ppo_kernels/spec.py KERNEL_POLICY_LOSSES), got {pl}")
     check_grad_scale(scalars[F["grad_scale"]])
     return tuple(float(x) for x in scalars), [int(c) for c in codes]
 

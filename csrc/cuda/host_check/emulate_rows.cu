@@ -10,7 +10,7 @@
 //    row, give the same bits (logp, H, log_sum, every dlogit);
 //  - every 16-byte block the shifted loads read lies inside the row (load hook below);
 //  - confident rows (1 - p_top from 1e-3 down to 1e-12): logp, H and the token's gradient
-//    to ~1e-6 relative; a leading chunk at finfo.min (review C1), at temperature 1 and 0.7;
+//    to ~1e-6 relative; a leading chunk at finfo.min, at temperature 1 and 0.7;
 //  - extreme logits (fp16/bf16 max, float 3e38, temperature 1e-10), NaN stays loud, all -inf
 //    rows give NaN; scale_range (scale_grad_) rounds x * f once, at every phase;
 //  - the per-token epilogue of ppo_loss (token_epilogue.cuh: fetch_token + token_epilogue,
@@ -428,7 +428,7 @@ static void confident_rows() {
 // ---------------------------------------------------------------- finfo.min chunks
 
 // The first chunk (or more) at finfo(T).min, the rest normal (HF-style masks): every merge
-// rebases from a max near -3.4e38, where dm * s overflows (review C1). Must stay finite.
+// rebases from a max near -3.4e38, where dm * s overflows. Must stay finite.
 template <typename T>
 static void finfo_min_rows() {
   using A = acc_of<T>;
@@ -515,7 +515,7 @@ static void extreme_cases() {
     check_extreme<float>("float 3e38 + near", xf, 7, 1.0);
     cases += 4;
   }
-  {  // temperature 1e-10 and 1e-3: the max entry must give d = 0 exactly (review C4)
+  {  // temperature 1e-10 and 1e-3: the max entry must give d = 0 exactly
     const int64_t V = 1000;
     std::normal_distribution<double> nd(0.0, 3.0);
     std::vector<double> xs(V);
