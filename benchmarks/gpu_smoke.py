@@ -23,7 +23,7 @@ quick = "quick" in argv
 dev = argv[argv.index("--device") + 1] if "--device" in argv else "cuda"
 prefix = argv[argv.index("--prefix") + 1] if "--prefix" in argv else ""
 if prefix:
-    import ppo_kernels.triton_kernels.ops  # noqa: F401  (registers the triton_* ops)
+    import ppo_kernels.triton_kernels.library  # noqa: F401  (registers the triton_* ops)
 
 
 class _Ops:

@@ -1,5 +1,5 @@
 // Operator schemas of ppo_kernels; the kernels register implementations per device
-// (csrc/cpu/*.cpp for CPU, csrc/cuda/*.cu for CUDA) and ppo_kernels/_ops.py registers the
+// (csrc/cpu/*.cpp for CPU, csrc/cuda/*.cu for CUDA) and ppo_kernels/_autograd.py registers the
 // fake (meta) and autograd formulas. Shapes and conventions, shared by every backend:
 //   logits [B, Tl, V] with stride(2) == 1 and Tl >= T (Tl = T + 1 for the model's raw
 //   output; the positions t >= T are ignored and get a zero gradient); tokens int64 [B, T];
@@ -16,7 +16,7 @@
 //   temperature), taken as log1p of the non-top mass (what the backward needs to rebuild
 //   log p_v = (x_v - row_max) / temperature - log_sum with every digit). grad_scale: the
 //   written dlogits are grad_scale * d loss / d logits (the loss itself is unscaled);
-//   scale_grad_ is the backward's in-place rescale (see ppo_kernels/_ops.py).
+//   scale_grad_ is the backward's in-place rescale (see ppo_kernels/_autograd.py).
 #include <torch/library.h>
 
 TORCH_LIBRARY(ppo_kernels, m) {

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import _torch_impl
-from ._ops import scale_grad
+from ._autograd import scale_grad
 from .vocab_parallel import logits_grad, shard_stats
 
 

@@ -9,7 +9,7 @@ import torch
 from . import _checks as ck
 from . import _torch_impl
 from . import packed
-from ._ops import get_backend
+from ._backends import get_backend
 from .spec import KL_ESTIMATORS
 
 
@@ -48,13 +48,13 @@ def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_v
         TypeError / ValueError naming the argument.
     """
     if cu_seqlens is not None:
-        pk = packed.packing(cu_seqlens, packed.total_of(rewards, "rewards"), rewards,
+        packing = packed.packing(cu_seqlens, packed.total_of(rewards, "rewards"), rewards,
                             max_seqlen)
-        mask, t = packed.padded_inputs(pk, response_mask, "rewards", rewards, rewards=rewards,
+        mask, t = packed.padded_inputs(packing, response_mask, "rewards", rewards, rewards=rewards,
                                        values=values)
         adv, ret = gae(t["rewards"], t["values"], mask, gamma=gamma, lam=lam,
                        bootstrap_values=bootstrap_values, backend=backend)
-        return packed.unpadded(pk, adv, rewards), packed.unpadded(pk, ret, rewards)
+        return packed.unpadded(packing, adv, rewards), packed.unpadded(packing, ret, rewards)
     packed.check_max_seqlen(max_seqlen)
     r, v, mask, acc = _seq_tensors("rewards", rewards, "values", values, response_mask)
     gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
@@ -80,7 +80,8 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, response_mask, *, kl_co
     Args:
         scores: float [B], the reward model's sequence scores.
         logprobs, ref_logprobs: float [B, T]. response_mask: [B, T].
-        kl_coef: >= 0. kl_estimator: "k1" | "k2" | "k3" | "abs".
+        kl_coef: >= 0. kl_estimator: "k1" | "k2" | "k3" | "abs" | "k1+" | "k3+" (the "+"
+            estimators give the values of k1 / k3 here: no gradient flows).
         cu_seqlens, max_seqlen: packed sequences, as in pk.gae (scores [S]; the score goes
             on the last valid token of each packed sequence).
 
@@ -91,13 +92,13 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, response_mask, *, kl_co
         TypeError / ValueError naming the argument.
     """
     if cu_seqlens is not None:
-        pk = packed.packing(cu_seqlens, packed.total_of(logprobs, "logprobs"), logprobs,
+        packing = packed.packing(cu_seqlens, packed.total_of(logprobs, "logprobs"), logprobs,
                             max_seqlen)
-        mask, t = packed.padded_inputs(pk, response_mask, "logprobs", logprobs,
+        mask, t = packed.padded_inputs(packing, response_mask, "logprobs", logprobs,
                                        logprobs=logprobs, ref_logprobs=ref_logprobs)
         r = kl_penalized_rewards(scores, t["logprobs"], t["ref_logprobs"], mask,
                                  kl_coef=kl_coef, kl_estimator=kl_estimator)
-        return packed.unpadded(pk, r, logprobs)
+        return packed.unpadded(packing, r, logprobs)
     packed.check_max_seqlen(max_seqlen)
     lp, ref, mask, _ = _seq_tensors("logprobs", logprobs, "ref_logprobs", ref_logprobs,
                                     response_mask)
@@ -233,7 +234,9 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     Args:
         logits: [B, T, V] or [B, T + 1, V] of the policy that sampled ``tokens`` (no grad).
         tokens: int [B, T]. ref_logprobs, values: float [B, T]. scores: float [B].
-        response_mask: [B, T]. kl_coef: >= 0. kl_estimator: "k1" | "k2" | "k3" | "abs".
+        response_mask: [B, T]. kl_coef: >= 0. kl_estimator: "k1" | "k2" | "k3" | "abs" |
+            "k1+" | "k3+" (the "+" estimators give the values of k1 / k3 here: no gradient
+            flows).
         gamma, lam: in [0, 1]. temperature: > 0. whiten: whiten the advantages.
         tp_group, vocab_start: a vocabulary split over ranks, as in pk.token_logprobs (a
             DTensor sharded with Shard(-1) needs neither): the log-probs are merged over the
@@ -294,15 +297,15 @@ def packed_rollout_inputs(tokens2, tokens, ref_logprobs, values, scores, respons
     if tokens2.shape[0] != 1:
         raise ValueError(f"tokens: with cu_seqlens expected the packed layout [1, total] or "
                          f"[total], got {list(tokens.shape)}")
-    pk = packed.packing(cu_seqlens, tokens2.shape[1], tokens2, max_seqlen)
-    mask, t = packed.padded_inputs(pk, response_mask, "tokens", tokens2,
+    packing = packed.packing(cu_seqlens, tokens2.shape[1], tokens2, max_seqlen)
+    mask, t = packed.padded_inputs(packing, response_mask, "tokens", tokens2,
                                    ref_logprobs=ref_logprobs, values=values)
     if t["ref_logprobs"] is None or t["values"] is None:
         raise TypeError("ref_logprobs, values: expected tensors, got None")
     mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
-        pk.pad(tokens2), mask, t["ref_logprobs"], t["values"], scores, opts["kl_coef"],
+        packing.pad(tokens2), mask, t["ref_logprobs"], t["values"], scores, opts["kl_coef"],
         opts["kl_estimator"], opts["gamma"], opts["lam"], opts["whiten"])
-    return pk, mask, ref, vals, kl_coef, gamma, lam
+    return packing, mask, ref, vals, kl_coef, gamma, lam
 
 
 def _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores, response_mask,
@@ -311,13 +314,13 @@ def _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores, respon
     steps on the padded copy, the outputs packed again."""
     from . import vocab_parallel as vp
 
-    pk, mask, ref, vals, kl_coef, gamma, lam = packed_rollout_inputs(
+    packing, mask, ref, vals, kl_coef, gamma, lam = packed_rollout_inputs(
         tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens, max_seqlen,
         opts)
     temperature = ck.temperature(temperature, logits3)
     be = get_backend(backend, logits3.device)
     vp.require_kernels(be, shard)
-    mask_k = pk.unpad(mask)
+    mask_k = packing.unpad(mask)
     with torch.no_grad():
         if shard is not None:
             logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask_k, temperature,
@@ -325,6 +328,6 @@ def _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores, respon
         else:
             tok = ck.token_range(tokens2, mask_k, logits3.shape[2])
             logp, _ = be.token_logprobs(logits3.detach(), tok, mask_k, temperature, False)
-    r = rollout_from_logprobs(pk.pad(logp), ref, vals, scores, mask, kl_coef,
+    r = rollout_from_logprobs(packing.pad(logp), ref, vals, scores, mask, kl_coef,
                               opts["kl_estimator"], gamma, lam, opts["whiten"], backend)
-    return Rollout(*(packed.unpadded(pk, x, tokens) for x in r))
+    return Rollout(*(packed.unpadded(packing, x, tokens) for x in r))

@@ -9,7 +9,7 @@ on the [1, C, V] view of the chunk, writing d loss / d z over the chunk's logits
 d hidden_c = dz_c @ W, dW += dz_c^T h_c (float32 accumulator for bf16 / fp16 over several
 chunks), db += sum dz_c.
 All of it in the forward; the backward only rescales the saved (d hidden, dW, db) by
-grad_output, in place (ppo_kernels._ops.scale_grad). The aggregation weights of the whole
+grad_output, in place (ppo_kernels._autograd.scale_grad). The aggregation weights of the whole
 batch are known before any logit, so each chunk's loss is exactly its share of the total.
 
 The sequence-level losses (gspo, gspo-token, off_policy_mask_threshold) need every logp
@@ -28,7 +28,8 @@ import torch
 
 from . import _checks as ck
 from ._checks import acc_dtype
-from ._ops import get_backend, scale_grad
+from ._autograd import scale_grad
+from ._backends import get_backend
 from ._two_phase import middle_grad
 from .loss import composite_padded, loss_metrics, per_token_loss, prepare_loss, two_phase
 from .vocab_parallel import all_reduce_sum_, logits_grad, require_kernels, shard_of
@@ -591,7 +592,7 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
         tokens, ref_logprobs, values, scores, response_mask, kl_coef, kl_estimator, gamma,
         lam, temperature, whiten, cu_seqlens, max_seqlen, backend: as pk.score_rollout
             (cu_seqlens: hidden [1, total, H] or [total, H]).
-        logit_softcap, chunk_size, tp_group, vocab_start: as pk.token_logprobs_from_hidden.
+        logit_softcap, chunk_size, tp_group, vocab_start: as packing.token_logprobs_from_hidden.
 
     Returns:
         Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each, 0 where
@@ -604,14 +605,14 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
                                                               lm_head_bias, tp_group,
                                                               vocab_start)
     hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
-    pk = None
+    packing = None
     if cu_seqlens is not None:
         opts = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma, lam=lam,
                     whiten=whiten)
-        pk, mask, ref, vals, kl_coef, gamma, lam = packed_rollout_inputs(
+        packing, mask, ref, vals, kl_coef, gamma, lam = packed_rollout_inputs(
             tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens,
             max_seqlen, opts)
-        mask_k = pk.unpad(mask)
+        mask_k = packing.unpad(mask)
     else:
         packed.check_max_seqlen(max_seqlen)
         if flat:
@@ -629,9 +630,9 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             logit_softcap=logit_softcap, temperature=temperature, chunk_size=chunk_size,
             tp_group=None if shard is None else shard.group,
             vocab_start=None if shard is None else shard.start, backend=backend)
-    if pk is None:
+    if packing is None:
         return rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator,
                                      gamma, lam, whiten, backend)
-    r = rollout_from_logprobs(pk.pad(logp), ref, vals, scores, mask, kl_coef, kl_estimator,
+    r = rollout_from_logprobs(packing.pad(logp), ref, vals, scores, mask, kl_coef, kl_estimator,
                               gamma, lam, whiten, backend)
-    return type(r)(*(packed.unpadded(pk, x, tokens) for x in r))
+    return type(r)(*(packed.unpadded(packing, x, tokens) for x in r))

@@ -11,7 +11,7 @@ from . import _torch_impl, packed
 from . import context_parallel as _cp
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
-from ._ops import get_backend
+from ._backends import get_backend
 from .spec import LOSS_AGG_MODES, LossSpec
 
 
@@ -307,36 +307,36 @@ def prepare_loss(like, vocab, tokens2, flat, options):
                                                t["advantages"])
     ref_logprobs, rollout_is_weights = t["ref_logprobs"], t["rollout_is_weights"]
     rollout_logprobs = t["rollout_logprobs"]
-    pk = None
+    packing = None
     norm_length = spec.norm_length
     if t["cu_seqlens"] is not None:
         if tokens2.shape[0] != 1:
             raise ValueError(f"tokens: with cu_seqlens expected the packed layout [1, total] "
                              f"or [total], got {list(tokens2.shape)}")
-        pk = packed.packing(t["cu_seqlens"], tokens2.shape[1], tokens2, t["max_seqlen"])
+        packing = packed.packing(t["cu_seqlens"], tokens2.shape[1], tokens2, t["max_seqlen"])
         # per sequence: [S, 1], or [S] where S != total (with S == total a 1-D tensor is
         # per token)
+        s_ = packing.num_seqs
         advantages, rollout_is_weights = (
-            pk.per_seq(v) if isinstance(v, torch.Tensor) and (
-                tuple(v.shape) == (pk.num_seqs, 1) or
-                (tuple(v.shape) == (pk.num_seqs,) and pk.num_seqs != pk.total)) else v
-            for v in (advantages, rollout_is_weights))
+            packing.per_seq(v) if isinstance(v, torch.Tensor) and (
+                tuple(v.shape) == (s_, 1) or (tuple(v.shape) == (s_,) and s_ != packing.total))
+            else v for v in (advantages, rollout_is_weights))
         # seq-mean-token-sum-norm's default length: the longest whole sequence (there is no
         # padding to take the width of; across a context-parallel group the pieces add up,
         # an all-reduce, so only for the mode that reads it)
         if norm_length is None and "seq-mean-token-sum-norm" in (spec.loss_agg_mode,
                                                                   spec.entropy_agg_mode):
-            lens = _cp.group_sum(pk.lens.to(acc), group)
-            norm_length = lens.max().clamp(min=1.0) if pk.num_seqs else 1.0
+            lens = _cp.group_sum(packing.lens.to(acc), group)
+            norm_length = lens.max().clamp(min=1.0) if packing.num_seqs else 1.0
         response_mask, padded = packed.padded_inputs(
-            pk, response_mask, "tokens", tokens2, old_logprobs=old_logprobs,
+            packing, response_mask, "tokens", tokens2, old_logprobs=old_logprobs,
             advantages=advantages, ref_logprobs=ref_logprobs,
             rollout_is_weights=rollout_is_weights, rollout_logprobs=rollout_logprobs)
         old_logprobs, advantages, ref_logprobs = (padded["old_logprobs"], padded["advantages"],
                                                   padded["ref_logprobs"])
         rollout_is_weights = padded["rollout_is_weights"]
         rollout_logprobs = padded["rollout_logprobs"]
-        tokens2, out_flat, flat = pk.pad(tokens2), flat, False
+        tokens2, out_flat, flat = packing.pad(tokens2), flat, False
     else:
         packed.check_max_seqlen(t["max_seqlen"])
     mask = ck.response_mask(response_mask, tokens2, flat)
@@ -388,7 +388,7 @@ def prepare_loss(like, vocab, tokens2, flat, options):
     return spec, LossInputs(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref,
                             isw=isw, rollout=rollout, rc_w=rc_w, behaviour=behaviour,
                             weights=weights, w_ent=w_ent, be=be,
-                            flat=out_flat if pk is not None else flat, packing=pk)
+                            flat=out_flat if packing is not None else flat, packing=packing)
 
 
 def per_token_loss(spec, x, logp, ent):

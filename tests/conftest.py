@@ -2,7 +2,7 @@
 
 Backends (DESIGN.md): "cpu" and "torch" always run, on CPU tensors. "triton" runs on CPU
 tensors under the Triton interpreter (TRITON_INTERPRET=1, set below before anything
-imports triton) at small shapes only, when ppo_kernels.triton_kernels.ops imports.
+imports triton) at small shapes only, when ppo_kernels.triton_kernels.library imports.
 "cuda" and "triton_cuda" run on CUDA tensors only when a CUDA device is present (and the
 extension was built with CUDA for "cuda"); otherwise they are skipped, never passed.
 Every backend id contains the backend's name, so `pytest -k cuda` / `-k triton` select
@@ -36,7 +36,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 def _triton_ok():
     try:
-        importlib.import_module("ppo_kernels.triton_kernels.ops")
+        importlib.import_module("ppo_kernels.triton_kernels.library")
         return True
     except Exception:  # ImportError, or triton failing to initialise
         return False
@@ -70,7 +70,7 @@ CUDA = Backend("cuda", "cuda")
 TRITON_CUDA = Backend("triton", "cuda")
 
 _SKIP_INTERP = not (TRITON_OK and INTERPRET and not HAS_CUDA_DEVICE)
-_INTERP_REASON = ("triton interpreter unavailable (ppo_kernels.triton_kernels.ops does not "
+_INTERP_REASON = ("triton interpreter unavailable (ppo_kernels.triton_kernels.library does not "
                   "import, TRITON_INTERPRET != 1, or a GPU is present and triton runs there)")
 
 

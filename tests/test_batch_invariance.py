@@ -7,7 +7,7 @@ case on a GPU)."""
 import pytest
 import torch
 
-from ppo_kernels import _ops
+from ppo_kernels import _backends
 
 from conftest import BACKENDS, loss_params, make_inputs
 
@@ -19,7 +19,7 @@ def _rows(be, logits, tokens, old, adv, ref_lp, n_global):
     w = torch.full(tokens.shape, 1.0 / n_global, device=x.device)
     p = loss_params(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1,
                     entropy_coef=0.01, temperature=0.9)
-    loss, loss_tok, logp, ent = _ops.get_backend(be.name, x.device).ppo_loss(
+    loss, loss_tok, logp, ent = _backends.get_backend(be.name, x.device).ppo_loss(
         x, be.t(tokens), mask, be.t(old), be.t(adv), w, be.t(ref_lp), None, p)
     loss.backward()
     V = logits.shape[-1]

@@ -477,7 +477,7 @@ def _triton_interp_ok():
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
         return False
     try:
-        import ppo_kernels.triton_kernels.ops  # noqa: F401
+        import ppo_kernels.triton_kernels.library  # noqa: F401
     except Exception:
         return False
     return True

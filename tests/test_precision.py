@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import ppo_kernels as pk
-from ppo_kernels import _ops
+from ppo_kernels import _backends
 from ppo_kernels import reference as ref
 
 from conftest import BACKENDS, assert_close_np, assert_grad_close, loss_params
@@ -38,7 +38,7 @@ def _backend_loss(be, logits, tokens, old, adv, ref_lp, p, weights=None):
     """(loss, loss_tok, logp, ent) of the backend's fused loss, as pk.ppo_loss calls it."""
     mask = torch.ones(tokens.shape, dtype=torch.bool, device=logits.device)
     w = torch.ones(tokens.shape, device=logits.device) if weights is None else weights
-    return _ops.get_backend(be.name, logits.device).ppo_loss(
+    return _backends.get_backend(be.name, logits.device).ppo_loss(
         logits, tokens, mask, old, adv, w, ref_lp, None, p)
 
 

@@ -215,7 +215,7 @@ def test_token_logprobs_bwd(V, with_entropy, dtype):
 
 
 class _LogProbsFn(torch.autograd.Function):
-    """fwd/bwd ops glued for gradcheck (the package's own autograd is ppo_kernels/_ops.py;
+    """fwd/bwd ops glued for gradcheck (the package's own autograd is ppo_kernels/_autograd.py;
     this checks that the two kernels agree with each other in float64)."""
 
     @staticmethod
@@ -1280,24 +1280,25 @@ def test_bad_input_raises():
         with pytest.raises(ValueError, match="kl_estimator"):
             OPS.triton_score_rollout(logits, tokens, mask, z, z, torch.zeros(2, device=DEV),
                                      0.1, bad, 1.0, 1.0, 1.0)
-    for bad in (3, -1):
+    for bad in (3, -1):  # 3: gspo, which no kernel runs
         with pytest.raises(ValueError, match="policy_loss"):
             OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, None, None, None,
-                                    0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, bad, 1.0, 1.05,
-                                    False, False)
+                                    *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, bad, 1.0,
+                                           1.05, False), False)
         with pytest.raises(ValueError, match="policy_loss"):
             OPS.triton_ppo_loss_fwd_inplace(logits.clone(), tokens, mask, None, z, z, None,
-                                            None, None, 0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0,
-                                            bad, 1.0, 1.05, False)
+                                            None, None,
+                                            *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, bad,
+                                                   1.0, 1.05, False))
     with pytest.raises((ValueError, TypeError), match="entropy_weights"):
         OPS.triton_ppo_loss_fwd(logits, tokens, mask, None, z, z, None, None, z[:, :2],
-                                0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False,
-                                False)
+                                *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
+                                       False), False)
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="grad_scale"):
             OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, None, None, None,
-                                    0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, bad, 0, 1.0, 1.05, False,
-                                    False)
+                                    *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, bad, 0, 1.0, 1.05,
+                                           False), False)
     # a temperature whose reciprocal overflows float32, or not positive
     for bad in (1e-40, 0.0, -1.0):
         with pytest.raises(ValueError, match="temperature"):
@@ -1347,13 +1348,13 @@ def _opcheck_cases():
                                   "triton_score_rollout"])
 def test_opcheck(name):
     """torch.library.opcheck of each op with the fake/autograd registrations of
-    ppo_kernels/_ops.py: the schema's mutation annotations are honest (only the in-place
+    ppo_kernels/_autograd.py: the schema's mutation annotations are honest (only the in-place
     op writes an input), the fake shapes/dtypes match the real outputs. Under the
     interpreter torch cannot trace a Triton kernel (wrap_triton hands interpreted kernels
     back untraced), so the AOT-dispatch checks run on CUDA only."""
-    from ppo_kernels import _ops
+    from ppo_kernels import _backends
 
-    _ops.get_backend("triton", torch.device(DEV))  # registers the triton_* fakes/autograd
+    _backends.get_backend("triton", torch.device(DEV))  # registers the triton_* fakes/autograd
     utils = ["test_schema", "test_autograd_registration", "test_faketensor"]
     if DEV == "cuda":
         utils.append("test_aot_dispatch_dynamic")

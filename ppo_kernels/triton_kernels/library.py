@@ -2,7 +2,7 @@
 
 Each op has the schema of its C++ twin in csrc/ops.cpp (same argument names, order,
 outputs, dtypes and semantics), prefixed with ``triton_``. Only the implementations live
-here: ppo_kernels/_ops.py registers the fake (meta) and autograd formulas of these names
+here: ppo_kernels/_autograd.py registers the fake (meta) and autograd formulas of these names
 together with the C++ ops. torch.library.triton_op (rather than custom_op) lets
 torch.compile see the kernels inside (each launch goes through wrap_triton).
 

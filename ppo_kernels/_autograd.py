@@ -1,19 +1,17 @@
-"""Registers, for each kernel op of csrc/ops.cpp (and its Triton twin `triton_<name>`),
-the fake (shape) function and the autograd formula. Also holds the backend table the public
-ops dispatch through. The compiled modules are loaded by ppo_kernels/_extension.py.
+"""The autograd side of the kernel ops: for each op of csrc/ops.cpp (and its Triton twin
+`triton_<name>`) the fake (shape) function and the autograd formula (torch.library), and
+the backward's in-place rescale of a gradient the forward already wrote (scale_grad). The
+compiled modules are loaded by ppo_kernels/_extension.py; the backends that call these ops
+are ppo_kernels/_backends.py.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import torch
 
-from . import _torch_impl
 from ._checks import acc_dtype
-from ._extension import HAS_CPU, HAS_CUDA, HAS_SCHEMAS, LOAD_ERROR
-from .spec import KL_ESTIMATORS, F
+from ._extension import HAS_SCHEMAS
+from .spec import F
 
 # ------------------------------------------------------------------ fake (shape) functions
 
@@ -148,7 +146,7 @@ def _no_double_backward(ctx, *grads):
 _registered = set()
 
 
-def _register(prefix):
+def register(prefix):
     """fake + autograd for the kernel ops named prefix + name (once per prefix)."""
     if prefix in _registered:
         return
@@ -171,12 +169,11 @@ def _register(prefix):
 
 
 if HAS_SCHEMAS:
-    _register("")
+    register("")
 
 
-# ------------------------------------------------------------------ backends
 
-class _InplaceLoss(torch.autograd.Function):
+class InplaceLoss(torch.autograd.Function):
     """ppo_loss whose gradient is written over the logits (inplace_backward=True): saves
     the one [N, V] buffer; the caller promised not to use the logits afterwards."""
 
@@ -203,115 +200,3 @@ class _InplaceLoss(torch.autograd.Function):
         ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
         return (scale_grad(ctx.prefix, buf, grad_loss, ctx.applied), None, None, None, None,
                 None)
-
-
-class KernelBackend:
-    """A backend made of the compiled ops (prefix "") or the Triton ones ("triton_")."""
-
-    is_kernel = True
-
-    def __init__(self, name, prefix):
-        self.name, self.prefix = name, prefix
-
-    def op(self, name):
-        """torch.ops.ppo_kernels.<prefix><name>: this backend's kernel op ``name``."""
-        return getattr(torch.ops.ppo_kernels, self.prefix + name)
-
-    def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
-        logp, ent, _, _ = self.op("token_logprobs_fwd")(logits, tokens, mask, temperature,
-                                                         return_entropy)
-        return logp, (ent if return_entropy else None)
-
-    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None):
-        """The fused single pass of a token-level policy loss (the two-phase path is
-        loss.two_phase's to choose): (loss, loss_tok, logp, ent), all but loss detached."""
-        tensors = (tokens, mask, old, adv, weights, ref, isw, w_ent)
-        scalars, codes = spec.kernel_args(logits.dtype)
-        need_grad = torch.is_grad_enabled() and logits.requires_grad
-        if spec.inplace_backward and need_grad:
-            loss, loss_tok, logp, ent = _InplaceLoss.apply(
-                logits, self.op("ppo_loss_fwd_inplace"), tensors, scalars, codes, self.prefix)
-        else:
-            loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(logits, *tensors, scalars,
-                                                                    codes, need_grad)
-        if w_ent is not None and spec.entropy_coef != 0.0:
-            # the kernel sums w * (... - entropy_coef H); the entropy term's own weights
-            # are w_ent (its gradient already carries them)
-            loss = loss + spec.entropy_coef * ((weights - w_ent) * ent.detach()).sum()
-        return loss, loss_tok.detach(), logp.detach(), ent.detach()
-
-    def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):
-        return self.op("gae")(rewards, values, mask, bootstrap_values, gamma, lam)
-
-    def score_rollout(self, *args):
-        return self.op("score_rollout")(*args)
-
-
-class TorchBackend:
-    """The eager composite of _torch_impl, behind the same methods."""
-
-    name = "torch"
-    is_kernel = False
-
-    def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
-        return _torch_impl.token_logprobs(logits, tokens, mask, temperature, return_entropy)
-
-    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None):
-        loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, tokens, mask, old, adv, weights,
-                                                         ref, isw, spec, w_ent)
-        return loss, loss_tok.detach(), logp.detach(), ent.detach()
-
-    def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):
-        return _torch_impl.gae(rewards, values, mask, bootstrap_values, gamma, lam)
-
-    def score_rollout(self, logits, tokens, mask, ref, values, scores, kl_coef, kl_estimator_id,
-                      gamma, lam, temperature):
-        return _torch_impl.score_rollout(logits, tokens, mask, ref, values, scores, kl_coef,
-                                         KL_ESTIMATORS[kl_estimator_id], gamma, lam, temperature)
-
-
-def _triton_importable():
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        importlib.import_module("ppo_kernels.triton_kernels.ops")
-    except ImportError:
-        return False
-    _register("triton_")
-    return True
-
-
-def get_backend(backend, device):
-    """The backend object for `backend` and the tensors' device, or a ValueError."""
-    dev = device.type
-    if backend == "auto":
-        if dev == "cuda":
-            backend = "cuda" if HAS_CUDA else ("triton" if _triton_importable() else "torch")
-        else:
-            backend = "cpu" if HAS_CPU else "torch"
-    if backend == "torch":
-        return TorchBackend()
-    if backend == "cpu":
-        if not HAS_CPU:
-            raise ValueError(f"backend: 'cpu' was asked for but the C++ extension is not built "
-                             f"({LOAD_ERROR}); build with `pip install -e . "
-                             f"--no-build-isolation` or use backend='torch'")
-        if dev != "cpu":
-            raise ValueError(f"backend: 'cpu' needs CPU tensors, got tensors on {device}")
-        return KernelBackend("cpu", "")
-    if backend == "cuda":
-        if not HAS_CUDA:
-            raise ValueError("backend: 'cuda' was asked for but the extension was built "
-                             "without CUDA; use backend='triton' or 'torch'")
-        if dev != "cuda":
-            raise ValueError(f"backend: 'cuda' needs CUDA tensors, got tensors on {device}")
-        return KernelBackend("cuda", "")
-    if backend == "triton":
-        if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for "
-                             f"the interpreter), got tensors on {device}")
-        if not _triton_importable():
-            raise ValueError("backend: 'triton' was asked for but triton is not importable")
-        return KernelBackend("triton", "triton_")
-    raise ValueError(f"backend: expected one of ['auto', 'cpu', 'cuda', 'triton', 'torch'], "
-                     f"got {backend!r}")
