@@ -19,7 +19,7 @@ from ppo_kernels import _torch_impl  # noqa: E402
 
 OPS = ["token_logprobs", "ppo_loss", "ppo_loss_gspo", "score_rollout", "gae",
        "ppo_loss_from_hidden"]
-GSPO = dict(cpu_bench.P, policy_loss="gspo")
+GSPO = pk.LossSpec.build(policy_loss="gspo")
 KL = 0.05
 
 

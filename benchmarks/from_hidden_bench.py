@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _measure  # noqa: E402  (the timing loop and the peak probe)
 from cpu_bench import P  # noqa: E402  (the same loss options)
 
-CLIP = P["clip_eps_low"]
+CLIP = P.clip_eps_low
 
 
 def make_inputs(n, h, v, dtype, seed=0):

@@ -73,6 +73,44 @@ def scale_grad(prefix, dlogits, grad, applied):
     return dlogits
 
 
+def first_order_only(what):
+    """Raises in a backward run with create_graph=True (the engine enables grad mode in a
+    backward only then): the kernels give first derivatives, and a gradient without its own
+    graph would make loss + f(grad) differentiate as the loss alone, silently."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"ppo_kernels: {what} is differentiable once; a second derivative "
+                           f"(create_graph=True, torch.autograd.functional.hessian, "
+                           f"gradient penalties) is not supported on the kernel backends: "
+                           f"use backend='torch' for it")
+
+
+def _graph_retained():
+    """Whether the running backward keeps the graph (retain_graph=True): then a later
+    backward reads the saved gradient again, so this one must not hand it out."""
+    if torch.compiler.is_compiling():  # (traced backward graphs are functional)
+        return False
+    return torch._C._autograd._get_current_graph_task_keep_graph()
+
+
+def hand_out(prefix, buf, grad_output, applied, shape3=None):
+    """grad_output * d loss / d x from buf, the gradient the forward wrote pre-scaled by
+    ``applied`` (0-d, the accumulation dtype): the one place every fused backward gives its
+    gradient. A backward that frees the graph (the plain loss.backward()) rescales buf in
+    place (no pass at all when grad_output == applied) and hands it out: it is the last
+    reader. A backward that keeps the graph (retain_graph=True, autograd.grad(...,
+    retain_graph=True)) returns a fresh copy and leaves buf and applied as they were, so
+    every backward gives exactly its own gradient and their sum is exact (also with
+    copying saved-tensor hooks: nothing the next backward reads is changed). shape3: the
+    [B, Tl, V]-like view scale_grad_ takes, when buf is not 3-D."""
+    if buf is None or grad_output is None:
+        return None
+    out, ap = buf, applied
+    if _graph_retained():
+        out, ap = buf.clone(), applied.clone()
+    scale_grad(prefix, out if shape3 is None else out.view(shape3), grad_output, ap)
+    return out
+
+
 def _lp_setup(ctx, inputs, output):
     logits, tokens, mask, temperature, return_entropy = inputs
     _, ent, row_max, log_sum = output
@@ -82,6 +120,7 @@ def _lp_setup(ctx, inputs, output):
 
 def _lp_backward_for(prefix):
     def backward(ctx, grad_logp, grad_ent, _grad_max, _grad_log_sum):
+        first_order_only("token_logprobs")
         logits, tokens, mask, row_max, log_sum, ent = ctx.saved_tensors
         bwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_bwd")
         acc = row_max.dtype
@@ -123,10 +162,9 @@ def _loss_autograd_for(prefix):
         ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_loss, *_):
+        first_order_only("ppo_loss")
         (dlogits,) = ctx.saved_tensors
-        grad = None if grad_loss is None else scale_grad(prefix, dlogits, grad_loss,
-                                                         ctx.applied)
-        return (grad,) + (None,) * (n_args - 1)
+        return (hand_out(prefix, dlogits, grad_loss, ctx.applied),) + (None,) * (n_args - 1)
 
     return setup, backward
 
@@ -184,6 +222,7 @@ class InplaceLoss(torch.autograd.Function):
         # see the change (the C++ op has no ADInplaceOrView kernel to do this)
         torch.autograd.graph.increment_version(logits)
         ctx.buf = logits
+        ctx.version = logits._version  # a change after this is the caller's, and an error
         ctx.prefix = prefix
         ctx.applied = torch.full((), scalars[F["grad_scale"]], dtype=acc_dtype(logits),
                                  device=logits.device)
@@ -192,11 +231,18 @@ class InplaceLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
+        first_order_only("ppo_loss(inplace_backward=True)")
         buf = ctx.buf
         if buf is None:
             raise RuntimeError("ppo_loss(inplace_backward=True): the gradient stored in the "
-                               "logits was already handed out by an earlier backward; "
-                               "retain_graph cannot replay it")
-        ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
-        return (scale_grad(ctx.prefix, buf, grad_loss, ctx.applied), None, None, None, None,
-                None)
+                               "logits was already handed out by an earlier backward that "
+                               "freed the graph")
+        if buf._version != ctx.version:
+            raise RuntimeError("logits: changed in place between the forward and the backward "
+                               "of ppo_loss(inplace_backward=True), which stored the gradient "
+                               "in them; leave them untouched until the backward, or use "
+                               "inplace_backward=False")
+        grad = hand_out(ctx.prefix, buf, grad_loss, ctx.applied)
+        if grad is buf:  # handed out: the logits' storage is the caller's gradient now
+            ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
+        return grad, None, None, None, None, None

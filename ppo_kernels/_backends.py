@@ -91,8 +91,19 @@ def _triton_importable():
     return True
 
 
+def _outside_functorch(name):
+    """The kernel ops have autograd formulas but no functorch rules: under torch.func.grad /
+    vjp / jacrev / vmap they would fail inside PyTorch with a message about setup_context."""
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            f"backend: {name!r} does not run under torch.func transforms (grad, vjp, jacrev, "
+            f"vmap): the kernel ops have no functorch rules; use backend='torch' (the eager "
+            f"composite, which they differentiate exactly)")
+
+
 def get_backend(backend, device):
-    """The backend object for `backend` and the tensors' device, or a ValueError."""
+    """The backend object for `backend` and the tensors' device, or a ValueError (a
+    NotImplementedError for a kernel backend under a torch.func transform)."""
     dev = device.type
     if backend == "auto":
         if dev == "cuda":
@@ -101,6 +112,8 @@ def get_backend(backend, device):
             backend = "cpu" if HAS_CPU else "torch"
     if backend == "torch":
         return TorchBackend()
+    if backend in ("cpu", "cuda", "triton"):
+        _outside_functorch(backend)
     if backend == "cpu":
         if not HAS_CPU:
             raise ValueError(f"backend: 'cpu' was asked for but the C++ extension is not built "

@@ -59,7 +59,9 @@ def number(name, value, *, lo=None, hi=None, lo_open=False, hi_open=False):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     v = float(value)
-    bad = not math.isfinite(v)
+    # (v - v is 0 exactly for a finite v, NaN for inf and NaN: plain arithmetic, which
+    # torch.compile(dynamic=True) traces on a symbolic float, unlike math.isfinite)
+    bad = not (v - v == 0.0)
     if lo is not None:
         bad |= v <= lo if lo_open else v < lo
     if hi is not None:
@@ -149,11 +151,33 @@ def response_mask(mask, like, flat, like_name="tokens"):
     return (mask != 0).contiguous()  # != keeps the input's strides; kernels index flat
 
 
+def rows_disjoint(x):
+    """Whether no two elements of x share memory, decided from the strides alone: sorted by
+    stride, each dimension of more than one entry must step past everything the smaller
+    ones span (a sufficient condition; a slice such as logits[:, :-1] passes, an expanded
+    or overlapping as_strided view does not)."""
+    span = 0
+    for size, stride in sorted(((n, st) for n, st in zip(x.shape, x.stride()) if n > 1),
+                               key=lambda d: d[1]):
+        if stride <= span:
+            return False
+        span += (size - 1) * stride
+    return True
+
+
 def host_readable(x):
     """Whether reading x's values costs nothing: a CPU tensor outside of tracing. A device
-    tensor's value read would stall the host and break CUDA-graph capture, and under
-    torch.compile it would break the graph."""
+    tensor's value read would stall the host and break CUDA-graph capture, under
+    torch.compile it would break the graph (under torch.func, read plain(x))."""
     return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def plain(x):
+    """x without torch.func's wrappers: under vmap, the whole batch (the values a check on
+    the host reads)."""
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    return x
 
 
 def token_range(tokens, mask, vocab):
@@ -171,10 +195,11 @@ def token_range(tokens, mask, vocab):
         torch._assert_async(~bad.any(), f"tokens: ids must lie in [0, {vocab}) on valid "
                                         "positions")
         return torch.where(bad, 0, tokens)
+    bad, ids = plain(bad), plain(tokens)
     if bool(bad.any()):
         idx = [int(i) for i in bad.nonzero()[0]]
         raise ValueError(f"tokens: ids must lie in [0, {vocab}) on valid positions; got "
-                         f"{int(tokens[tuple(idx)])} at position {idx}")
+                         f"{int(ids[tuple(idx)])} at position {idx}")
     return tokens
 
 

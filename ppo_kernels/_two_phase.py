@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import _torch_impl
-from ._autograd import scale_grad
+from ._autograd import first_order_only, hand_out
 from .vocab_parallel import logits_grad, shard_stats
 
 
@@ -36,10 +36,21 @@ def middle(logp, ent, spec, x):
 
 def middle_grad(logp, ent, spec, x):
     """(d loss / d logp, d loss / d H, loss, pol): the middle and its gradient in logp and H
-    (torch.func.grad on [B, T] tensors: cheap next to [N, V])."""
-    (dlogp, dent), (loss, pol) = torch.func.grad_and_value(
-        lambda lp, h: middle(lp, h, spec, x), argnums=(0, 1), has_aux=True)(logp, ent)
-    return dlogp, dent, loss, pol
+    ([B, T] tensors: cheap next to [N, V]). Eagerly by autograd on detached leaves, which
+    also runs under saved-tensor hooks (activation offloading, non-reentrant checkpoints),
+    where torch.func cannot; traced (torch.compile) by torch.func, which Dynamo captures
+    whole."""
+    if torch.compiler.is_compiling():
+        (dlogp, dent), (loss, pol) = torch.func.grad_and_value(
+            lambda lp, h: middle(lp, h, spec, x), argnums=(0, 1), has_aux=True)(logp, ent)
+        return dlogp, dent, loss, pol
+    with torch.enable_grad():
+        lp, h = logp.detach().requires_grad_(True), ent.detach().requires_grad_(True)
+        loss, pol = middle(lp, h, spec, x)
+        dlogp, dent = torch.autograd.grad(loss, (lp, h), allow_unused=True)
+    dlogp = torch.zeros_like(lp) if dlogp is None else dlogp
+    dent = torch.zeros_like(h) if dent is None else dent
+    return dlogp, dent, loss.detach(), pol.detach()
 
 
 def _passes(logits, spec, x, prefix, need_grad, shard=None):
@@ -81,8 +92,9 @@ class TwoPhaseLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
+        first_order_only("ppo_loss")
         (dlogits,) = ctx.saved_tensors
-        return scale_grad(ctx.prefix, dlogits, grad_loss, ctx.applied), None, None, None, None
+        return hand_out(ctx.prefix, dlogits, grad_loss, ctx.applied), None, None, None, None
 
 
 def ppo_loss(prefix, logits, spec, x, shard=None):

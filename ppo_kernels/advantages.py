@@ -171,7 +171,9 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_
         # (float64 sums: the one-pass variance keeps its digits at these batch sizes)
         var = ((stats[2] - stats[1] * stats[1] / stats[0].clamp(min=1)).clamp(min=0)
                / (stats[0] - 1).clamp(min=1)).to(acc)
-    scale = torch.where(n > 1, torch.rsqrt(var + eps), torch.ones_like(var))
+    # (var + eps == 0: a constant input with eps = 0, whose centred values are all 0 and
+    # stay so, rather than 0 * inf = NaN)
+    scale = torch.where((n > 1) & (var + eps > 0), torch.rsqrt(var + eps), torch.ones_like(var))
     out = centred * scale
     if not shift_mean:
         out = out + mean * m
@@ -189,6 +191,10 @@ class Rollout(NamedTuple):
     rewards: torch.Tensor  # KL-penalised, with the score on the last valid token
     advantages: torch.Tensor  # GAE, whitened over valid tokens when whiten=True
     returns: torch.Tensor  # advantages + values, computed before whitening
+
+
+# a saved Rollout loads with torch.load's default weights_only=True
+torch.serialization.add_safe_globals([Rollout])
 
 
 def rollout_inputs(tokens2, response_mask, ref_logprobs, values, scores, kl_coef,

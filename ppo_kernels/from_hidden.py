@@ -9,8 +9,8 @@ on the [1, C, V] view of the chunk, writing d loss / d z over the chunk's logits
 d hidden_c = dz_c @ W, dW += dz_c^T h_c (float32 accumulator for bf16 / fp16 over several
 chunks), db += sum dz_c.
 All of it in the forward; the backward only rescales the saved (d hidden, dW, db) by
-grad_output, in place (ppo_kernels._autograd.scale_grad). The aggregation weights of the whole
-batch are known before any logit, so each chunk's loss is exactly its share of the total.
+grad_output, in place (ppo_kernels._autograd.hand_out). The aggregation weights of the
+whole batch are known before any logit, so each chunk's loss is exactly its share of the total.
 
 The sequence-level losses (gspo, gspo-token, off_policy_mask_threshold) need every logp
 before any gradient: a first chunked pass (token_logprobs_fwd) collects logp, H and the row
@@ -28,7 +28,7 @@ import torch
 
 from . import _checks as ck
 from ._checks import acc_dtype
-from ._autograd import scale_grad
+from ._autograd import first_order_only, hand_out
 from ._backends import get_backend
 from ._two_phase import middle_grad
 from .loss import composite_padded, loss_metrics, per_token_loss, prepare_loss, two_phase
@@ -362,13 +362,6 @@ def _applied(s, like):
     return torch.full((), s.gs, dtype=acc_dtype(like), device=like.device)
 
 
-def _scale(prefix, grad, shape3, go, applied):
-    if grad is None:
-        return None
-    scale_grad(prefix, grad.view(shape3), go, applied)
-    return grad
-
-
 class _LossFromHidden(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden3, weight, bias, s):
@@ -383,17 +376,13 @@ class _LossFromHidden(torch.autograd.Function):
         return loss, logp, ent
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss, *_):
+        first_order_only("ppo_loss_from_hidden")
         dh, dw, db = ctx.saved_tensors
-        if grad_loss is None:
-            return None, None, None, None
-        ap = ctx.applied
-        dh = _scale(ctx.prefix, dh, dh.shape if dh is not None else None, grad_loss, ap[0])
-        dw = _scale(ctx.prefix, dw, (1,) + tuple(dw.shape) if dw is not None else None,
-                    grad_loss, ap[1])
-        db = _scale(ctx.prefix, db, (1, 1, db.numel()) if db is not None else None,
-                    grad_loss, ap[2])
+        ap, pre = ctx.applied, ctx.prefix
+        dh = hand_out(pre, dh, grad_loss, ap[0])
+        dw = hand_out(pre, dw, grad_loss, ap[1], None if dw is None else (1, *dw.shape))
+        db = hand_out(pre, db, grad_loss, ap[2], None if db is None else (1, 1, db.numel()))
         return dh, dw, db, None
 
 
@@ -413,8 +402,8 @@ class _LogprobsFromHidden(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp, grad_ent):
+        first_order_only("token_logprobs_from_hidden")
         s = ctx.s
         hidden3, weight, bias, ent, row_max, log_sum = ctx.saved_tensors
         need = tuple(ctx.needs_input_grad[:3])

@@ -190,11 +190,11 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
     spec, x = prepare_loss(logits3, None if shard else logits3.shape[2], tokens2, flat,
                            options)
-    if inplace_backward and any(st == 0 and n > 1 for st, n in zip(logits3.stride(),
-                                                                    logits3.shape)):
+    if inplace_backward and not ck.rows_disjoint(logits3):
         raise ValueError("logits: inplace_backward=True writes the gradient into the "
-                         "logits, which needs positions that do not share memory; got "
-                         f"strides {list(local.stride())} (an expanded tensor)")
+                         "logits, which needs entries that do not share memory; got "
+                         f"shape {list(local.shape)} with strides {list(local.stride())} "
+                         f"(an expanded or overlapping view)")
     _vp.require_kernels(x.be, shard)
     loss, logp, ent = _loss_of_logits(spec, x, logits3, shard)
     return loss, loss_metrics(spec, x, logp, ent)

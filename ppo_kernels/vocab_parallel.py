@@ -29,6 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ._autograd import first_order_only
 from ._checks import host_readable, tensor
 from .context_parallel import check_group
 
@@ -244,8 +245,8 @@ class ShardedLogprobs(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logp, grad_ent):
+        first_order_only("token_logprobs (a split vocabulary)")
         logits, local, own, mask, mx, ls, ent = ctx.saved_tensors
         g_lp = torch.zeros_like(mx) if grad_logp is None else grad_logp.to(mx.dtype)
         g_ent = None if grad_ent is None else grad_ent.to(mx.dtype).contiguous()
