@@ -65,7 +65,8 @@ def scale_grad(prefix, dlogits, grad, applied):
     after grad_scale=1, or (loss * s).backward() after grad_scale=s)."""
     op = getattr(torch.ops.ppo_kernels, prefix + "scale_grad_")
     if prefix == "triton_" and not torch.compiler.is_compiling():
-        # eager: the launcher itself. Through the Python-registered op every call would
+        # eager: the launcher itself (imported here: the Triton package is optional).
+        # Through the Python-registered op every call would
         # bump dlogits' version counter, and a retained graph's second backward would
         # refuse the saved (rescaled) tensor; the C++ ops do not bump it either
         from .triton_kernels import scale_grad_ as op
@@ -222,7 +223,8 @@ class InplaceLoss(torch.autograd.Function):
         # see the change (the C++ op has no ADInplaceOrView kernel to do this)
         torch.autograd.graph.increment_version(logits)
         ctx.buf = logits
-        ctx.version = logits._version  # a change after this is the caller's, and an error
+        # a change after this is the caller's, and an error (traced: no version to compare)
+        ctx.version = None if torch.compiler.is_compiling() else logits._version
         ctx.prefix = prefix
         ctx.applied = torch.full((), scalars[F["grad_scale"]], dtype=acc_dtype(logits),
                                  device=logits.device)
@@ -237,7 +239,7 @@ class InplaceLoss(torch.autograd.Function):
             raise RuntimeError("ppo_loss(inplace_backward=True): the gradient stored in the "
                                "logits was already handed out by an earlier backward that "
                                "freed the graph")
-        if buf._version != ctx.version:
+        if ctx.version is not None and buf._version != ctx.version:
             raise RuntimeError("logits: changed in place between the forward and the backward "
                                "of ppo_loss(inplace_backward=True), which stored the gradient "
                                "in them; leave them untouched until the backward, or use "

@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from . import _checks as ck
 from . import _torch_impl
 from . import packed
+from . import vocab_parallel as vp
+from .context_parallel import check_group
 from ._backends import get_backend
 from .spec import KL_ESTIMATORS
 
@@ -158,10 +161,6 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_
         centred = (xv - mean) * m
         var = (centred * centred).sum() / (n - 1).clamp(min=1)
     else:  # the batch of every rank: sum, sum of squares and count in one all-reduce
-        import torch.distributed as dist
-
-        from .context_parallel import check_group
-
         check_group(group, "group")
         stats = torch.stack([m.sum(), xv.sum(), (xv * xv).sum()]).to(torch.float64)
         dist.all_reduce(stats, group=group)
@@ -258,8 +257,6 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     Raises:
         TypeError / ValueError naming the argument.
     """
-    from . import vocab_parallel as vp
-
     logits, shard = vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
     logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
     if cu_seqlens is not None:
@@ -318,8 +315,6 @@ def _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores, respon
                   shard, cu_seqlens, max_seqlen, opts, temperature, backend):
     """score_rollout of packed sequences: the log-probs on the packed rows, the [B, T]
     steps on the padded copy, the outputs packed again."""
-    from . import vocab_parallel as vp
-
     packing, mask, ref, vals, kl_coef, gamma, lam = packed_rollout_inputs(
         tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens, max_seqlen,
         opts)

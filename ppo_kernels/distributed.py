@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .context_parallel import check_group
+
 _SUMMED = ("num_tokens", "num_seqs")
 _MAXED = ("ratio_max", "rollout_is_max")
 _PER_SEQ = ("seq_clip_frac", "off_policy_masked_frac")
@@ -38,8 +40,6 @@ def reduce_metrics(metrics, group=None, cp_group=None):
         ValueError: metrics without num_tokens / num_seqs, or torch.distributed not
         initialised.
     """
-    from .context_parallel import check_group
-
     if not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialised")
     check_group(group, "group")

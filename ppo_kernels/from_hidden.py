@@ -27,10 +27,12 @@ from typing import Any, Optional
 import torch
 
 from . import _checks as ck
+from . import packed
 from ._checks import acc_dtype
 from ._autograd import first_order_only, hand_out
 from ._backends import get_backend
 from ._two_phase import middle_grad
+from .advantages import packed_rollout_inputs, rollout_from_logprobs, rollout_inputs
 from .loss import composite_padded, loss_metrics, per_token_loss, prepare_loss, two_phase
 from .vocab_parallel import all_reduce_sum_, logits_grad, require_kernels, shard_of
 
@@ -587,9 +589,6 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
         Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each, 0 where
         masked.
     """
-    from . import packed
-    from .advantages import packed_rollout_inputs, rollout_from_logprobs, rollout_inputs
-
     hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
                                                               lm_head_bias, tp_group,
                                                               vocab_start)

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _checks as ck
-from . import _torch_impl, packed
+from . import _torch_impl, _two_phase, packed
 from . import context_parallel as _cp
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
@@ -142,13 +142,14 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             gradients are the same for any value, but the kernel backends write dlogits
             pre-scaled by it, so ``(loss * grad_scale).backward()`` costs no pass over the
             logits, while any other grad_output rescales dlogits once, in place (no [N, V]
-            allocation either way). float16 logits are pre-scaled by at most 1 (a loss
+            allocation either way, unless the backward keeps the graph: then it returns a
+            fresh gradient). float16 logits are pre-scaled by at most 1 (a loss
             scale would overflow their range; the backward applies the rest).
         inplace_backward: write the gradient into the logits' storage (the logits must not
-            be used afterwards, and one backward only); saves one [N, V] buffer. Kernel
-            backends, scalar modes and token-level policy losses only ("torch", "none",
-            gspo and gspo-token, packed sequences with those, and a split vocabulary
-            allocate as usual).
+            be used afterwards; their entries must not share memory); saves one [N, V]
+            buffer. Kernel backends, scalar modes and token-level policy losses only
+            ("torch", "none", gspo and gspo-token, packed sequences with those, and a
+            split vocabulary allocate as usual).
         cu_seqlens: int [S + 1], packed sequences (verl's / OpenRLHF's remove-padding
             layout): logits [1, total, V] or [total, V], tokens and the per-token inputs
             [1, total] or [total] (advantages and rollout_is_weights may be per sequence,
@@ -183,7 +184,11 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         rollout_* mismatch metrics (with rollout_logprobs) and off_policy_masked_frac.
 
     Raises:
-        TypeError / ValueError naming the argument (see DESIGN.md, "Bad input").
+        TypeError / ValueError naming the argument (see DESIGN.md, "Bad input");
+        NotImplementedError for a kernel backend under a torch.func transform; at the
+        backward, RuntimeError for create_graph=True on a kernel backend and for logits
+        changed in place before the backward of inplace_backward=True (DESIGN.md,
+        "Autograd contract").
     """
     options = dict(locals())  # every keyword: LossSpec's and the tensors' (prepare_loss)
     local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
@@ -226,8 +231,6 @@ def _loss_of_logits(spec, x, logits3, shard):
         if two_phase(spec, x, shard):
             return composite_padded(spec, x, logits3)
     elif two_phase(spec, x, shard):
-        from . import _two_phase
-
         loss, _, logp, ent = _two_phase.ppo_loss(x.be.prefix, logits3, spec, x, shard)
         return loss, logp, ent
     loss, _, logp, ent = x.be.ppo_loss(logits3, k(x.tokens), k(x.mask), k(x.old), k(x.adv),

@@ -27,7 +27,7 @@ from torch.library import wrap_triton
 
 from . import _config
 from ._math import as_acc
-from .logprobs import (_check_logits, _logprobs_fwd_kernel, acc_dtype, check_kl_estimator,
+from .logprobs import (check_logits, _logprobs_fwd_kernel, acc_dtype, check_kl_estimator,
                        check_per_token, device_guard, inv_temperature, tl_acc)
 
 
@@ -141,7 +141,7 @@ def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, k
     -kl_coef * kl into the rewards) and a GAE pass that adds scores[b] at the last valid
     position and scans. Advantages are NOT whitened (the Python layer does that).
     """
-    _check_logits(logits, tokens, mask)
+    check_logits(logits, tokens, mask)
     B, T = tokens.shape
     V = logits.shape[2]
     acc = acc_dtype(logits)

@@ -156,7 +156,7 @@ def _logprobs_bwd_kernel(
         row_zero(out_row, V, BLOCK_V)
 
 
-def _check_logits(logits, tokens, mask):
+def check_logits(logits, tokens, mask):
     """Shape/dtype/layout checks the kernels rely on (cheap: no device sync)."""
     if logits.dim() != 3:
         raise ValueError(f"logits: expected [B, Tl, V], got shape {tuple(logits.shape)}")
@@ -210,7 +210,7 @@ def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
     row_max is the raw (un-tempered) max logit of the row, log_sum =
     log sum_v exp((x_v - row_max) / temperature): what token_logprobs_bwd needs.
     """
-    _check_logits(logits, tokens, mask)
+    check_logits(logits, tokens, mask)
     B, T = tokens.shape
     V = logits.shape[2]
     acc = acc_dtype(logits)
@@ -237,7 +237,7 @@ def token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_ma
     """dlogits [B, Tl, V] (logits' dtype, contiguous) of
     sum(grad_logprobs * logp + grad_entropy * H); grad_entropy may be None. row_max,
     log_sum (and entropy, with grad_entropy) [B, T] of ACC: token_logprobs_fwd's."""
-    _check_logits(logits, tokens, mask)
+    check_logits(logits, tokens, mask)
     B, T = tokens.shape
     TL, V = logits.shape[1], logits.shape[2]
     acc = acc_dtype(logits)

@@ -33,7 +33,7 @@ from . import _config
 from ..spec import FLOAT_SLOTS, INT_SLOTS, KERNEL_POLICY_LOSSES, POLICY_LOSSES, F, I
 from ._math import (F_GRAD_SCALE, as_acc, round_to, row_grad, row_stats, row_zero, token_col,
                     token_logit, token_logp, token_loss)
-from .logprobs import (_check_logits, acc_dtype, check_kl_estimator, check_per_token,
+from .logprobs import (check_logits, acc_dtype, check_kl_estimator, check_per_token,
                        device_guard, inv_temperature, tl_acc)
 
 
@@ -144,7 +144,7 @@ def _check_args(scalars, codes):
 
 def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
             rollout_is_weights, entropy_weights, scalars, codes, grad, inplace):
-    _check_logits(logits, tokens, mask)
+    check_logits(logits, tokens, mask)
     B, T = tokens.shape
     TL, V = logits.shape[1], logits.shape[2]
     acc = acc_dtype(logits)
