@@ -12,6 +12,7 @@ from . import _torch_impl
 from . import packed
 from . import vocab_parallel as vp
 from .context_parallel import check_group
+from .rank_agreement import checks_together, groups
 from ._backends import get_backend
 from .spec import KL_ESTIMATORS
 
@@ -257,23 +258,30 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     Raises:
         TypeError / ValueError naming the argument.
     """
-    logits, shard = vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
-    logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
-    if cu_seqlens is not None:
+    def checks():  # no collective: the ranks of tp_group decide validity together
+        local, shard = vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
+        logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
+        if cu_seqlens is not None:
+            return logits3, tokens2, shard, None
+        packed.check_max_seqlen(max_seqlen)
+        if flat:
+            raise ValueError(f"logits: score_rollout needs [B, T, V] or [B, T + 1, V] (or "
+                             f"cu_seqlens for the packed [total, V]), got "
+                             f"{list(local.shape)}")
+        checked = rollout_inputs(tokens2, response_mask, ref_logprobs, values, scores,
+                                 kl_coef, kl_estimator, gamma, lam, whiten)
+        be = get_backend(backend, logits3.device)
+        vp.require_kernels(be, shard)
+        return logits3, tokens2, shard, (*checked, ck.temperature(temperature, logits3), be)
+
+    logits3, tokens2, shard, checked = checks_together(
+        groups(tp_group=tp_group), checks, lambda r: {"tp_group": tuple(r[1].shape)})
+    if checked is None:
         return _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores,
                              response_mask, shard, cu_seqlens, max_seqlen,
                              dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma,
                                   lam=lam, whiten=whiten), temperature, backend)
-    packed.check_max_seqlen(max_seqlen)
-    if flat:
-        raise ValueError(f"logits: score_rollout needs [B, T, V] or [B, T + 1, V] (or "
-                         f"cu_seqlens for the packed [total, V]), got {list(logits.shape)}")
-    mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
-        tokens2, response_mask, ref_logprobs, values, scores, kl_coef, kl_estimator, gamma,
-        lam, whiten)
-    temperature = ck.temperature(temperature, logits3)
-    be = get_backend(backend, logits3.device)
-    vp.require_kernels(be, shard)
+    mask, ref, vals, kl_coef, gamma, lam, temperature, be = checked
     if shard is not None:
         with torch.no_grad():
             logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask, temperature,

@@ -33,7 +33,9 @@ from ._autograd import first_order_only, hand_out
 from ._backends import get_backend
 from ._two_phase import middle_grad
 from .advantages import packed_rollout_inputs, rollout_from_logprobs, rollout_inputs
-from .loss import composite_padded, loss_metrics, per_token_loss, prepare_loss, two_phase
+from .loss import (check_loss, composite_padded, loss_metrics, per_token_loss, two_phase,
+                   weigh_loss)
+from .rank_agreement import agreed_sizes, checks_together, groups
 from .vocab_parallel import all_reduce_sum_, logits_grad, require_kernels, shard_of
 
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
@@ -78,7 +80,8 @@ def _hidden_and_tokens(hidden, weight, bias, tokens):
 
 def _head_shard(hidden, weight, bias, tp_group, vocab_start):
     """(hidden, weight, bias, VocabShard or None): the LM head's rows split over tp_group,
-    or DTensors (weight / bias sharded on the vocabulary, Shard(0); hidden replicated)."""
+    or DTensors (weight / bias sharded on the vocabulary, Shard(0), with tp_group: FSDP2
+    shards its parameters on dim 0 too; hidden replicated)."""
     weight, shard = shard_of(weight, tp_group, vocab_start, 0, "lm_head_weight")
     if shard is not None:
         if bias is not None and hasattr(bias, "to_local"):
@@ -138,6 +141,7 @@ class _Chunks:
     gs: float = 1.0
 
     def __post_init__(self):
+        self.global_tokens = self.tokens
         if self.shard is not None:
             self.tokens, self.own = self.shard.local_tokens(self.tokens)
         self.b, self.t = self.tokens.shape
@@ -304,7 +308,8 @@ def _stats_pass(s, hidden3, weight, bias, return_entropy):
         row = (1, s.n)
         lp, en, mx, ls = s.shard.merge(out[0].view(row), out[1].view(row) if return_entropy
                                        else None, out[2].view(row), out[3].view(row),
-                                       s.own.view(row), s.mask.view(row), s.temperature)
+                                       s.own.view(row), s.mask.view(row), s.temperature,
+                                       s.global_tokens.reshape(row))
         out = [lp.view(s.n), en.view(s.n) if return_entropy else out[1], mx.view(s.n),
                ls.view(s.n)]
     return out
@@ -453,18 +458,23 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     ranks ([V_r, H] here; docs/DISTRIBUTED.md): the whole vocabulary's results on every
     rank, d hidden summed over the group, this shard's dW / db.
     """
-    hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
-                                                              lm_head_bias, tp_group,
-                                                              vocab_start)
-    hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
-    mask = ck.response_mask(response_mask, tokens2, flat)
-    temperature = ck.temperature(temperature, hidden3)
-    ck.flag("return_entropy", return_entropy)
-    cap, chunk = _head_options(hidden3, lm_head_weight, logit_softcap, chunk_size)
-    be = get_backend(backend, hidden3.device)
-    require_kernels(be, shard)
-    if shard is None:
-        tokens2 = ck.token_range(tokens2, mask, lm_head_weight.shape[0])
+    def checks():  # no collective: the ranks of tp_group decide validity together
+        h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
+                                        vocab_start)
+        hidden3, tokens2, flat = _hidden_and_tokens(h, w, bias, tokens)
+        mask = ck.response_mask(response_mask, tokens2, flat)
+        t = ck.temperature(temperature, hidden3)
+        ck.flag("return_entropy", return_entropy)
+        cap, chunk = _head_options(hidden3, w, logit_softcap, chunk_size)
+        be = get_backend(backend, hidden3.device)
+        require_kernels(be, shard)
+        if shard is None:
+            tokens2 = ck.token_range(tokens2, mask, w.shape[0])
+        return w, bias, shard, hidden3, tokens2, flat, mask, t, cap, chunk, be
+
+    (lm_head_weight, lm_head_bias, shard, hidden3, tokens2, flat, mask, temperature, cap, chunk,
+     be) = checks_together(groups(tp_group=tp_group), checks,
+                           lambda r: {"tp_group": tuple(r[4].shape)})
     if not be.is_kernel:
         logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, cap, mask)
         logp, ent = be.token_logprobs(logits, tokens2, mask, temperature, return_entropy)
@@ -502,16 +512,17 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         chunk_size: rows of [B, T] per chunk, >= 1; None: about 256 MiB of logits (in
             hidden's dtype) per chunk, at least 1 row.
         tp_group, vocab_start: the head's rows split over ranks (lm_head_weight [V_r, H],
-            lm_head_bias [V_r]; DTensors sharded with Shard(0) need neither): every policy
-            loss then runs the two chunked passes with the statistics merged in between
-            (one all-gather of 20 bytes per row) and d hidden summed over the group (one
+            lm_head_bias [V_r]; a DTensor head sharded with Shard(0) needs tp_group, its
+            mesh's group, and no vocab_start: without it the weight could as well be
+            FSDP2's shard, a ValueError): every policy loss then runs the two chunked
+            passes with the statistics merged in between (one all-gather of 24 bytes per
+            row) and d hidden summed over the group (one
             all-reduce); docs/DISTRIBUTED.md.
         cp_group: context parallel, as in pk.ppo_loss.
         **loss_options: every keyword of pk.ppo_loss (policy_loss, clip_eps_*, kl_*,
             entropy_*, temperature, loss_agg_mode, global counts, rollout_*, grad_scale,
-            backend, ...), checked by the same code (loss.prepare_loss; an unknown keyword
-            is a TypeError). inplace_backward
-            is accepted and has no effect (the chunks' logits are always overwritten by
+            backend, ...), checked by the same code (loss.check_loss; an unknown keyword
+            is a TypeError). inplace_backward is accepted and has no effect (the chunks' logits are always overwritten by
             their gradient; nothing of the caller's is). loss_agg_mode="none" goes through
             token_logprobs_from_hidden.
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch" ("torch" materialises the
@@ -524,14 +535,20 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
     """
     options = dict(loss_options, old_logprobs=old_logprobs, advantages=advantages,
                    response_mask=response_mask, ref_logprobs=ref_logprobs, cp_group=cp_group)
-    hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
-                                                              lm_head_bias, tp_group,
-                                                              vocab_start)
-    hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
-    cap, chunk = _head_options(hidden3, lm_head_weight, logit_softcap, chunk_size)
-    spec, x = prepare_loss(hidden3, None if shard else lm_head_weight.shape[0], tokens2, flat,
-                           options)
-    require_kernels(x.be, shard)
+    def checks(options):  # no collective: the ranks of tp_group / cp_group decide together
+        h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
+                                        vocab_start)
+        hidden3, tokens2, flat = _hidden_and_tokens(h, w, bias, tokens)
+        cap, chunk = _head_options(hidden3, w, logit_softcap, chunk_size)
+        spec, x, pending = check_loss(hidden3, None if shard else w.shape[0], tokens2, flat,
+                                      options)
+        require_kernels(x.be, shard)
+        return w, bias, shard, hidden3, cap, chunk, spec, x, pending
+
+    lm_head_weight, lm_head_bias, shard, hidden3, cap, chunk, spec, x, pending = \
+        checks_together(groups(tp_group=tp_group, cp_group=cp_group), checks,
+                        lambda r: agreed_sizes(r[7]), options)
+    x = weigh_loss(spec, x, pending)
     k = x.kernel  # the packed layout again, with cu_seqlens
     diff = (hidden3, lm_head_weight, lm_head_bias)
     if x.weights is None:

@@ -12,6 +12,7 @@ from . import context_parallel as _cp
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
 from ._backends import get_backend
+from .rank_agreement import agreed_sizes, checks_together, groups
 from .spec import LOSS_AGG_MODES, LossSpec
 
 
@@ -49,13 +50,18 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
         out-of-range token ids on valid positions, a non-positive temperature or an unknown
         or unavailable backend.
     """
-    logits, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
-    logits3, tokens2, flat = ck.logits_and_tokens(logits, tokens)
-    mask = ck.response_mask(response_mask, tokens2, flat)
-    temperature = ck.temperature(temperature, logits3)
-    ck.flag("return_entropy", return_entropy)
-    be = get_backend(backend, logits3.device)
-    _vp.require_kernels(be, shard)
+    def checks():  # no collective: the ranks of tp_group decide validity together
+        local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
+        logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
+        mask = ck.response_mask(response_mask, tokens2, flat)
+        t = ck.temperature(temperature, logits3)
+        ck.flag("return_entropy", return_entropy)
+        be = get_backend(backend, logits3.device)
+        _vp.require_kernels(be, shard)
+        return logits3, shard, tokens2, flat, mask, t, be
+
+    logits3, shard, tokens2, flat, mask, temperature, be = checks_together(
+        groups(tp_group=tp_group), checks, lambda r: {"tp_group": tuple(r[2].shape)})
     if shard is not None:
         logp, ent = _vp.token_logprobs(be, logits3, tokens2, mask, temperature, shard)
         ent = ent if return_entropy else None
@@ -190,17 +196,25 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         changed in place before the backward of inplace_backward=True (DESIGN.md,
         "Autograd contract").
     """
-    options = dict(locals())  # every keyword: LossSpec's and the tensors' (prepare_loss)
-    local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
-    logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
-    spec, x = prepare_loss(logits3, None if shard else logits3.shape[2], tokens2, flat,
-                           options)
-    if inplace_backward and not ck.rows_disjoint(logits3):
-        raise ValueError("logits: inplace_backward=True writes the gradient into the "
-                         "logits, which needs entries that do not share memory; got "
-                         f"shape {list(local.shape)} with strides {list(local.stride())} "
-                         f"(an expanded or overlapping view)")
-    _vp.require_kernels(x.be, shard)
+    options = dict(locals())  # every keyword: LossSpec's and the tensors' (check_loss)
+
+    def checks(options):  # no collective: the ranks of tp_group / cp_group decide together
+        local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
+        logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
+        spec, x, pending = check_loss(logits3, None if shard else logits3.shape[2], tokens2,
+                                      flat, options)
+        if inplace_backward and not ck.rows_disjoint(logits3):
+            raise ValueError("logits: inplace_backward=True writes the gradient into the "
+                             "logits, which needs entries that do not share memory; got "
+                             f"shape {list(local.shape)} with strides {list(local.stride())} "
+                             f"(an expanded or overlapping view)")
+        _vp.require_kernels(x.be, shard)
+        return logits3, shard, spec, x, pending
+
+    logits3, shard, spec, x, pending = checks_together(
+        groups(tp_group=tp_group, cp_group=cp_group), checks, lambda r: agreed_sizes(r[3]),
+        options)
+    x = weigh_loss(spec, x, pending)
     loss, logp, ent = _loss_of_logits(spec, x, logits3, shard)
     return loss, loss_metrics(spec, x, logp, ent)
 
@@ -290,9 +304,11 @@ _TENSOR_OPTIONS = ("old_logprobs", "advantages", "response_mask", "ref_logprobs"
 _CALL_ARGUMENTS = ("logits", "tokens", "tp_group", "vocab_start")
 
 
-def prepare_loss(like, vocab, tokens2, flat, options):
+def check_loss(like, vocab, tokens2, flat, options):
     """Every check of a loss call's arguments but the logits themselves, shared by ppo_loss
-    and ppo_loss_from_hidden: (LossSpec, LossInputs). options: the call's keywords by name
+    and ppo_loss_from_hidden, with no collective (so that the ranks of a group can decide
+    validity together first, rank_agreement.py): (LossSpec, LossInputs without their
+    weights, what weigh_loss needs). options: the call's keywords by name
     (ppo_loss's; an unknown one is a TypeError); like: the logits [B, Tl, V] or the hidden
     states, whose dtype and device the per-token inputs take; vocab: V for the token-range
     check, None where the vocabulary is split over ranks and the merge checks the ids.
@@ -305,7 +321,7 @@ def prepare_loss(like, vocab, tokens2, flat, options):
     acc = ck.acc_dtype(like)
     spec = LossSpec.build(acc, **{k: v for k, v in options.items()
                                   if k not in _TENSOR_OPTIONS + _CALL_ARGUMENTS})
-    group = _cp.check_group(spec.cp_group)
+    _cp.check_group(spec.cp_group)
     response_mask, old_logprobs, advantages = (t["response_mask"], t["old_logprobs"],
                                                t["advantages"])
     ref_logprobs, rollout_is_weights = t["ref_logprobs"], t["rollout_is_weights"]
@@ -324,13 +340,6 @@ def prepare_loss(like, vocab, tokens2, flat, options):
             packing.per_seq(v) if isinstance(v, torch.Tensor) and (
                 tuple(v.shape) == (s_, 1) or (tuple(v.shape) == (s_,) and s_ != packing.total))
             else v for v in (advantages, rollout_is_weights))
-        # seq-mean-token-sum-norm's default length: the longest whole sequence (there is no
-        # padding to take the width of; across a context-parallel group the pieces add up,
-        # an all-reduce, so only for the mode that reads it)
-        if norm_length is None and "seq-mean-token-sum-norm" in (spec.loss_agg_mode,
-                                                                  spec.entropy_agg_mode):
-            lens = _cp.group_sum(packing.lens.to(acc), group)
-            norm_length = lens.max().clamp(min=1.0) if packing.num_seqs else 1.0
         response_mask, padded = packed.padded_inputs(
             packing, response_mask, "tokens", tokens2, old_logprobs=old_logprobs,
             advantages=advantages, ref_logprobs=ref_logprobs,
@@ -356,14 +365,12 @@ def prepare_loss(like, vocab, tokens2, flat, options):
     # read them anyway)
     old, adv, ref, isw, rollout = (None if v is None else torch.where(mask, v, 0.0)
                                    for v in (old, adv, ref, isw, rollout))
-    rc_w = None
+    bounds = None
     if spec.rollout_correction is not None:
         if rollout is None or old is None:
             raise ValueError(f"rollout_correction: {spec.rollout_correction!r} weighs pi_old / "
                              f"pi_rollout and needs both old_logprobs and rollout_logprobs")
-        lo, hi = _rc.bounds(spec.rollout_correction, spec.rollout_is_threshold)
-        rc_w = _rc.weights(old, rollout, mask, spec.rollout_correction, lo, hi, group)
-        isw = rc_w if isw is None else isw * rc_w
+        bounds = _rc.bounds(spec.rollout_correction, spec.rollout_is_threshold)
     behaviour = None
     if spec.off_policy_mask_threshold is not None:
         # on-policy (neither old nor rollout log-probs): the KL is 0, nothing is masked
@@ -379,19 +386,48 @@ def prepare_loss(like, vocab, tokens2, flat, options):
     be = get_backend(t["backend"], like.device)
     if vocab is not None:
         tokens2 = ck.token_range(tokens2, mask, vocab)
+    x = LossInputs(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref, isw=isw,
+                   rollout=rollout, rc_w=None, behaviour=behaviour, weights=None, w_ent=None,
+                   be=be, flat=out_flat if packing is not None else flat, packing=packing)
+    return spec, x, dict(bounds=bounds, global_num_tokens=global_num_tokens,
+                         global_num_seqs=global_num_seqs, norm_length=norm_length)
+
+
+def weigh_loss(spec, x, pending):
+    """The second half of prepare_loss, where a context-parallel group's collectives run:
+    the rollout-correction weights, the packed default sum-norm length and the aggregation
+    weights. pending: check_loss's third result."""
+    group = spec.cp_group
+    isw, rc_w = x.isw, None
+    if pending["bounds"] is not None:
+        lo, hi = pending["bounds"]
+        rc_w = _rc.weights(x.old, x.rollout, x.mask, spec.rollout_correction, lo, hi, group)
+        isw = rc_w if isw is None else isw * rc_w
+    norm_length = pending["norm_length"]
+    if x.packing is not None and norm_length is None and "seq-mean-token-sum-norm" in (
+            spec.loss_agg_mode, spec.entropy_agg_mode):
+        # seq-mean-token-sum-norm's default length: the longest whole sequence (there is no
+        # padding to take the width of; across a context-parallel group the pieces add up,
+        # an all-reduce, so only for the mode that reads it)
+        lens = _cp.group_sum(x.packing.lens.to(x.acc), group)
+        norm_length = lens.max().clamp(min=1.0) if x.packing.num_seqs else 1.0
     weights = w_ent = None
     if spec.loss_agg_mode != "none":
         def weights_of(mode):
-            return _torch_impl.agg_weights(mask, mode, global_num_tokens, norm_length,
-                                           dtype=acc, global_num_seqs=global_num_seqs,
+            return _torch_impl.agg_weights(x.mask, mode, pending["global_num_tokens"],
+                                           norm_length, dtype=x.acc,
+                                           global_num_seqs=pending["global_num_seqs"],
                                            group=group)
         weights = weights_of(spec.loss_agg_mode)
         w_ent = None if spec.entropy_agg_mode in (None, spec.loss_agg_mode) else weights_of(
             spec.entropy_agg_mode)
-    return spec, LossInputs(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref,
-                            isw=isw, rollout=rollout, rc_w=rc_w, behaviour=behaviour,
-                            weights=weights, w_ent=w_ent, be=be,
-                            flat=out_flat if packing is not None else flat, packing=packing)
+    return x._replace(isw=isw, rc_w=rc_w, weights=weights, w_ent=w_ent)
+
+
+def prepare_loss(like, vocab, tokens2, flat, options):
+    """check_loss and weigh_loss in one: (LossSpec, LossInputs), for a caller on one rank."""
+    spec, x, pending = check_loss(like, vocab, tokens2, flat, options)
+    return spec, weigh_loss(spec, x, pending)
 
 
 def per_token_loss(spec, x, logp, ent):

@@ -3,9 +3,9 @@ vocabulary (logits [.., V_r], or LM-head rows [V_r, H]); token ids are global.
 
 Per row, each rank reduces its own shard with the existing kernels (token_logprobs_fwd: the
 shard's max m_r, log_sum l_r = log(sum_v exp((x_v - m_r) / T)), entropy H_r and, on the one
-rank that holds the sampled token, its log-prob in the shard). One all-gather of these five
-numbers per row (20 bytes in float32) gives every rank the whole row's statistics, merged
-locally:
+rank that holds the sampled token, its log-prob in the shard; and the token id itself, for
+the check that every rank has the same ones). One all-gather of these six numbers per row
+(24 bytes in float32) gives every rank the whole row's statistics, merged locally:
 
     M = max_r m_r,  a_r = (m_r - M) / T,  1 + rest = sum_r exp(a_r + l_r)
       (the top shard contributes expm1(l_top): the top entry's 1 never enters a sum, so a
@@ -48,12 +48,13 @@ class VocabShard:
         own = (local >= 0) & (local < self.v_local)
         return torch.where(own, local, 0), own
 
-    def merge(self, logp_r, ent_r, row_max, log_sum, own, mask, temperature):
+    def merge(self, logp_r, ent_r, row_max, log_sum, own, mask, temperature, tokens=None):
         """The whole row's (logp, H or None, row max, log_sum) [B, T] from this shard's
         kernel outputs; one all-gather, which also carries every rank's (vocab_start, V_r)
-        so that shards that overlap or leave a gap are caught. Those, and valid rows whose
-        token no shard holds, are a ValueError on CPU tensors, an asynchronous device
-        assertion elsewhere."""
+        so that shards that overlap or leave a gap are caught, and every rank's mask and
+        (global) token ids, which must be the same on every rank. Those, and valid rows
+        whose token no shard holds, are a ValueError on CPU tensors (on every rank alike:
+        each sees the same gathered numbers), an asynchronous device assertion elsewhere."""
         has_ent = ent_r is not None and ent_r.numel() > 0
         # a row whose whole shard is -inf (banned) holds no mass here: the kernel's log_sum
         # and entropy of it are NaN, and must not reach the merge
@@ -63,12 +64,17 @@ class VocabShard:
             torch.where(mask, row_max, zero), torch.where(live, log_sum, zero),
             torch.where(live, ent_r, zero) if has_ent else zero,
             torch.where(mask & own, logp_r + log_sum, -math.inf),  # (x_tok - m_r) / T
-            (mask & own).to(row_max.dtype)], dim=-1).reshape(-1, 5)
-        layout = part.new_tensor([[self.start, self.v_local, 0.0, 0.0, 0.0]])
-        parts = all_gather(torch.cat([part, layout]), self.group)  # [tp, N + 1, 5]
+            (mask & own).to(row_max.dtype),
+            # the id (-1 where masked), for the check that every rank has the same ones
+            torch.where(mask, (tokens if tokens is not None else zero).to(row_max.dtype),
+                        -1.0)], dim=-1).reshape(-1, 6)
+        layout = part.new_tensor([[self.start, self.v_local, 0.0, 0.0, 0.0, 0.0]])
+        parts = all_gather(torch.cat([part, layout]), self.group)  # [tp, N + 1, 6]
         _check_layout(parts[:, -1, 0], parts[:, -1, 1])
-        mx, ls, h, d, owners = parts[:, :-1].reshape((self.size,) + tuple(mask.shape) +
-                                                     (5,)).unbind(-1)
+        mx, ls, h, d, owners, ids = parts[:, :-1].reshape((self.size,) + tuple(mask.shape) +
+                                                          (6,)).unbind(-1)
+        if tokens is not None:
+            _check_same_tokens(ids)
         big = mx.max(0).values
         a = (mx - big) / temperature
         a = torch.where(mask, a, 0.0)  # masked rows: no NaN from -inf - -inf
@@ -133,6 +139,21 @@ def _check_layout(starts, sizes):
         raise ValueError(f"{msg}; got the shards {shards}")
 
 
+def _check_same_tokens(ids):
+    """ids [tp, B, T]: every rank's token ids (-1 where masked) must be the same: a rank
+    whose id differs where another rank holds the token would otherwise be given that rank's
+    log-prob, silently (float32 holds the ids exactly below 2^24)."""
+    bad = (ids != ids[:1]).any(0)
+    msg = ("tokens: the ranks of tp_group must hold the same tokens and response_mask (each "
+           "has its own slice of the vocabulary, not of the batch)")
+    if not host_readable(ids):
+        torch._assert_async(~bad.any(), msg)
+    elif bool(bad.any()):
+        idx = [int(i) for i in bad.nonzero()[0]]
+        got = [int(v) for v in ids[(slice(None), *idx)].tolist()]
+        raise ValueError(f"{msg}; at position {idx} the ranks hold {got} (-1: masked)")
+
+
 def _check_owners(count, mask, start, v_local):
     bad = mask & (count != 1)
     msg = ("tokens: with a vocabulary split over tp_group every valid token id must lie in "
@@ -158,17 +179,36 @@ def all_gather(x, group):
 
 def shard_of(x, tp_group, vocab_start, v_dim, name):
     """(local tensor, VocabShard or None) for x whose vocabulary dimension v_dim is split:
-    a DTensor sharded on it (torch's tensor parallel: Shard(v_dim)), or a plain local shard
+    a DTensor sharded on it (torch's tensor parallel: Shard(v_dim); a head weight, v_dim 0,
+    only with tp_group, since FSDP2 shards parameters on dim 0 too), or a plain local shard
     with tp_group (vocab_start defaults to rank * local V, an even split)."""
     try:
         from torch.distributed.tensor import DTensor, Shard
     except ImportError:  # a torch without DTensor
         DTensor = ()
     if isinstance(x, DTensor):
-        if tp_group is not None or vocab_start is not None:
+        head = v_dim % x.dim() == 0
+        if vocab_start is not None or (tp_group is not None and not head):
             raise ValueError(f"{name}: a DTensor carries its own mesh; pass neither tp_group "
                              f"nor vocab_start with it")
         mesh = x.device_mesh
+        if head and tp_group is None:
+            # a head weight sharded on its rows is what FSDP2 (fully_shard) leaves between
+            # forwards as well as tensor parallel's vocabulary split: the hidden states are
+            # the same on every rank only in the second case, and nothing in the tensor
+            # says which
+            raise ValueError(
+                f"{name}: a DTensor sharded on dim 0 (placements {list(x.placements)}) is "
+                f"either FSDP2's parameter shard or a tensor-parallel split of the "
+                f"vocabulary, which need different computations; for a vocabulary split "
+                f"pass tp_group= (its mesh's group), for FSDP2 call the op inside the "
+                f"module's forward or pass the whole weight (docs/DISTRIBUTED.md)")
+        if tp_group is not None and mesh.ndim == 1 and \
+                dist.get_process_group_ranks(tp_group) != \
+                dist.get_process_group_ranks(mesh.get_group()):
+            raise ValueError(f"tp_group: the ranks {dist.get_process_group_ranks(tp_group)} "
+                             f"are not those of {name}'s mesh "
+                             f"{dist.get_process_group_ranks(mesh.get_group())}")
         if mesh.ndim != 1 or len(x.placements) != 1 or \
                 x.placements[0] != Shard(v_dim % x.dim()):
             raise ValueError(f"{name}: a DTensor must be sharded on the vocabulary dimension "
@@ -229,7 +269,7 @@ def shard_stats(logits, tokens, mask, temperature, shard, prefix):
     local, own = shard.local_tokens(tokens)
     fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
     lp, ent, mx, ls = fwd(logits, local, mask, temperature, True)
-    return (*shard.merge(lp, ent, mx, ls, own, mask, temperature), local, own)
+    return (*shard.merge(lp, ent, mx, ls, own, mask, temperature, tokens), local, own)
 
 
 class ShardedLogprobs(torch.autograd.Function):
