@@ -81,9 +81,41 @@ def _dry_run(kw):
                          f"the op rejects ({opts}): {e}") from e
 
 
-def check_trainer(trainer):
-    """check_trl_config(trainer.args) plus what depends on the model; ValueError naming the
-    option. Returns the config's static op keywords."""
+def _check_overrides(trainer, patched):
+    """A subclass's own _compute_loss (a regulariser, an extra metric) that the fused one
+    would shadow, or its own _get_per_token_logps_and_entropies, which TRL keeps using for
+    the old and reference log-probs while the fused loss computes the current ones without
+    it, is refused: either would change the training run silently. patched: the fused
+    methods go on the instance (fuse_grpo_loss), shadowing every class's."""
+    mro = type(trainer).__mro__
+    ours = (FusedGRPOLossMixin, FusedGRPOTrainer, GRPOTrainer)
+    behind = mro if patched else mro[mro.index(FusedGRPOLossMixin) + 1:]
+    for cls in behind:
+        if cls in ours or cls.__module__.startswith("trl."):
+            continue
+        if "_compute_loss" in cls.__dict__:
+            raise ValueError(
+                f"trainer: {cls.__name__} overrides GRPOTrainer._compute_loss, which the fused "
+                f"loss would replace, dropping the override; compute the extra term in your "
+                f"own _compute_loss on top of ppo_kernels' (class MyTrainer("
+                f"FusedGRPOLossMixin, GRPOTrainer) and call super()._compute_loss), or train "
+                f"without the fused loss")
+    for cls in mro:
+        if cls in ours or cls.__module__.startswith("trl."):
+            continue
+        if "_get_per_token_logps_and_entropies" in cls.__dict__:
+            raise ValueError(
+                f"trainer: {cls.__name__} overrides _get_per_token_logps_and_entropies; TRL "
+                f"would use it for the old and reference log-probs while the fused loss "
+                f"computes the current ones from the hidden states without it: the ratio "
+                f"would compare two different functions. Not supported with the fused loss")
+
+
+def check_trainer(trainer, patched=False):
+    """check_trl_config(trainer.args) plus what depends on the model and on the trainer's
+    class (_check_overrides); ValueError naming the option. Returns the config's static op
+    keywords."""
+    _check_overrides(trainer, patched)
     kw = from_trl_config(trainer.args, getattr(trainer.model, "config", None))
     if trainer.aux_loss_enabled:
         raise ValueError("ppo_kernels TRL integration: router_aux_loss_coef="
@@ -101,8 +133,8 @@ class FusedGRPOLossMixin:
     before GRPOTrainer (or your subclass of it) in the bases and call
     ``self._ppo_kernels_setup()`` after GRPOTrainer.__init__ (FusedGRPOTrainer does)."""
 
-    def _ppo_kernels_setup(self):
-        self._pk_kwargs = check_trainer(self)
+    def _ppo_kernels_setup(self, patched=False):
+        self._pk_kwargs = check_trainer(self, patched)
         self._pk_scale = head_transform(getattr(self.model, "config", None))[1]
         _add_hidden_forward(_policy(self))
 
@@ -238,7 +270,7 @@ def fuse_grpo_loss(trainer):
                  "_compute_loss"):
         setattr(trainer, name, types.MethodType(getattr(FusedGRPOLossMixin, name), trainer))
     try:
-        trainer._ppo_kernels_setup()
+        trainer._ppo_kernels_setup(patched=True)
     except Exception:
         for name in ("_ppo_kernels_setup", "_pk_head", "_pk_entropy_bookkeeping",
                      "_compute_loss"):
