@@ -138,11 +138,12 @@ class FusedGRPOLossMixin:
         self._pk_scale = head_transform(getattr(self.model, "config", None))[1]
         _add_hidden_forward(_policy(self))
 
-    def _pk_head(self, hidden):
+    def _pk_head(self, hidden, lm=None):
         """(hidden, W, b) in one dtype on W's device: TRL's cast_lm_head_to_fp32 runs the
         head in float32; otherwise (autocast) the head takes hidden's dtype; a logit scale
-        multiplies hidden (and b) instead of the logits."""
-        head = _policy(self).get_output_embeddings()
+        multiplies hidden (and b) instead of the logits. lm: the causal LM whose head it is
+        (default: the policy)."""
+        head = (_policy(self) if lm is None else lm).get_output_embeddings()
         w, b = head.weight, head.bias
         hidden = hidden.to(w.device)
         if self.args.cast_lm_head_to_fp32:
@@ -155,6 +156,40 @@ class FusedGRPOLossMixin:
             hidden = hidden * self._pk_scale
             b = None if b is None else b * self._pk_scale
         return hidden, w, b
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
+                                           logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False,
+                                           **kwargs):
+        """TRL's old and reference log-probs from the kernel the fused loss computes the
+        current ones with (the same hidden-state forward, head and chunks), so that the
+        ratio and the KL compare like with like: on-policy, logp - old and logp - ref are
+        exactly 0, as in stock TRL. The MoE aux loss and image inputs go to TRL's own."""
+        if compute_aux_loss or kwargs.get("pixel_values") is not None:
+            return GRPOTrainer._get_per_token_logps_and_entropies(
+                self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                compute_entropy, compute_aux_loss, **kwargs)
+        lm = self.accelerator.unwrap_model(model)
+        lm = lm.get_base_model() if is_peft_model(lm) else lm
+        _add_hidden_forward(lm)
+        extra = {k: v for k, v in kwargs.items() if k in _MODEL_INPUTS and v is not None}
+        cap = self._pk_kwargs.get("logit_softcap")
+        chunk = self._pk_kwargs.get("chunk_size")
+        step = batch_size or input_ids.size(0)
+        logps, ents = [], []
+        for r0 in range(0, input_ids.size(0), step):
+            rows = slice(r0, r0 + step)
+            with self.accelerator.autocast():
+                last = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
+                             **{_HIDDEN_FLAG: True}, **{k: v[rows] for k, v in extra.items()})
+            hidden, w, b = self._pk_head(last[:, -logits_to_keep - 1:-1], lm)
+            lp, ent = token_logprobs_from_hidden(
+                hidden, w, input_ids[rows, -logits_to_keep:], lm_head_bias=b,
+                logit_softcap=cap, temperature=self.temperature, return_entropy=True,
+                chunk_size=chunk)
+            logps.append(lp)
+            ents.append(ent)
+        return torch.cat(logps), torch.cat(ents) if compute_entropy else None, None
 
     def _compute_loss(self, model, inputs):
         mode = "train" if self.model.training else "eval"
@@ -248,6 +283,10 @@ class FusedGRPOLossMixin:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
 
+_FUSED_METHODS = ("_ppo_kernels_setup", "_pk_head", "_pk_entropy_bookkeeping",
+                  "_get_per_token_logps_and_entropies", "_compute_loss")
+
+
 class FusedGRPOTrainer(FusedGRPOLossMixin, GRPOTrainer):
     """trl.GRPOTrainer with the loss computed by ppo_kernels.ppo_loss_from_hidden: the same
     constructor, the same training run (docs/TRL.md). Raises ValueError, before the model
@@ -266,14 +305,12 @@ def fuse_grpo_loss(trainer):
     option (check_trl_config), leaving the trainer as it was."""
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"trainer: expected a trl.GRPOTrainer, got {type(trainer).__name__}")
-    for name in ("_ppo_kernels_setup", "_pk_head", "_pk_entropy_bookkeeping",
-                 "_compute_loss"):
+    for name in _FUSED_METHODS:
         setattr(trainer, name, types.MethodType(getattr(FusedGRPOLossMixin, name), trainer))
     try:
         trainer._ppo_kernels_setup(patched=True)
     except Exception:
-        for name in ("_ppo_kernels_setup", "_pk_head", "_pk_entropy_bookkeeping",
-                     "_compute_loss"):
+        for name in _FUSED_METHODS:
             delattr(trainer, name)
         raise
     return trainer
