@@ -93,6 +93,12 @@ def _graph_retained():
     return torch._C._autograd._get_current_graph_task_keep_graph()
 
 
+def applied_scale(grad_scale, like):
+    """The scale a saved gradient carries, as the 0-d device tensor (of like's accumulation
+    dtype) that hand_out compares with grad_output on the device and scale_grad_ updates."""
+    return torch.full((), grad_scale, dtype=acc_dtype(like), device=like.device)
+
+
 def hand_out(prefix, buf, grad_output, applied, shape3=None):
     """grad_output * d loss / d x from buf, the gradient the forward wrote pre-scaled by
     ``applied`` (0-d, the accumulation dtype): the one place every fused backward gives its
@@ -151,7 +157,7 @@ def _loss_autograd_for(prefix):
         logits, grad_scale = inputs[0], inputs[at_scalars][F["grad_scale"]]
         # the scale the saved dlogits carry, as a device scalar that the backward compares
         # with grad_output on the device
-        ctx.applied = torch.full((), grad_scale, dtype=acc_dtype(logits), device=logits.device)
+        ctx.applied = applied_scale(grad_scale, logits)
         # saved (not a ctx attribute): autograd frees it right after the backward, so the
         # gradient it becomes is the only reference left and nothing clones it. Saved as a
         # detached alias, not as the op's output: an output is saved without a reference
@@ -226,8 +232,7 @@ class InplaceLoss(torch.autograd.Function):
         # a change after this is the caller's, and an error (traced: no version to compare)
         ctx.version = None if torch.compiler.is_compiling() else logits._version
         ctx.prefix = prefix
-        ctx.applied = torch.full((), scalars[F["grad_scale"]], dtype=acc_dtype(logits),
-                                 device=logits.device)
+        ctx.applied = applied_scale(scalars[F["grad_scale"]], logits)
         ctx.mark_non_differentiable(loss_tok, logp, ent)
         return loss, loss_tok, logp, ent
 

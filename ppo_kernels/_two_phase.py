@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import _torch_impl
-from ._autograd import first_order_only, hand_out
+from ._autograd import applied_scale, first_order_only, hand_out
 from .vocab_parallel import logits_grad, shard_stats
 
 
@@ -85,7 +85,7 @@ class TwoPhaseLoss(torch.autograd.Function):
     def forward(ctx, logits, spec, x, prefix, shard):
         loss, loss_tok, logp, ent, dlogits, gs = _passes(logits, spec, x, prefix, True, shard)
         ctx.prefix = prefix
-        ctx.applied = torch.full((), gs, dtype=logp.dtype, device=logits.device)
+        ctx.applied = applied_scale(gs, logits)
         ctx.save_for_backward(dlogits)
         ctx.mark_non_differentiable(loss_tok, logp, ent)
         return loss, loss_tok, logp, ent

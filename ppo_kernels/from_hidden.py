@@ -29,7 +29,7 @@ import torch
 from . import _checks as ck
 from . import packed
 from ._checks import acc_dtype
-from ._autograd import first_order_only, hand_out
+from ._autograd import applied_scale, first_order_only, hand_out
 from ._backends import get_backend
 from ._two_phase import middle_grad
 from .advantages import packed_rollout_inputs, rollout_from_logprobs, rollout_inputs
@@ -365,10 +365,6 @@ def _loss_pass(s, hidden3, weight, bias, need):
     return _fused_pass(s, hidden3, weight, bias, need)
 
 
-def _applied(s, like):
-    return torch.full((), s.gs, dtype=acc_dtype(like), device=like.device)
-
-
 class _LossFromHidden(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden3, weight, bias, s):
@@ -377,7 +373,8 @@ class _LossFromHidden(torch.autograd.Function):
         dh, dw, db = g.finish(s, hidden3, weight, bias)
         ctx.save_for_backward(dh, dw, db)
         ctx.prefix = s.prefix
-        ctx.applied = [_applied(s, hidden3) for _ in range(3)]  # scale_grad_ updates each
+        # (one per gradient: scale_grad_ updates each)
+        ctx.applied = [applied_scale(s.gs, hidden3) for _ in range(3)]
         ctx.mark_non_differentiable(logp, ent)
         ctx.set_materialize_grads(False)
         return loss, logp, ent
