@@ -192,6 +192,21 @@ def make_inputs(B, T, V, gen, *, dtype=torch.float32, padding="mixed", scale=2.0
     return inp
 
 
+def small_inputs(B=2, T=3, V=5, seed=0):
+    """A tiny batch of the public API's inputs (no mask): logits [B, T, V] (randn * 2),
+    tokens, old and ref logprobs in [-2, -1), advantages of both signs."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(logits=torch.randn(B, T, V, generator=g) * 2,
+                tokens=torch.randint(0, V, (B, T), generator=g),
+                old=-torch.rand(B, T, generator=g) - 1,
+                adv=torch.randn(B, T, generator=g),
+                ref=-torch.rand(B, T, generator=g) - 1)
+
+
+# a mask of small_inputs' default [2, 3]: a padded position in each row
+SMALL_MASK = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+
+
 def logits_for(inp, be, requires_grad=True):
     """(leaf, logits) on be's device in inp's layout; logits is a view of leaf (or leaf).
     With requires_grad the view keeps its own .grad (retain_grad)."""
