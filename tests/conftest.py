@@ -21,10 +21,16 @@ if not torch.cuda.is_available():
 
 import dataclasses  # noqa: E402
 import importlib  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import zlib  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import reference as ref  # noqa: E402
@@ -93,6 +99,10 @@ def backend_params(*, interp=True, cuda=True):
 
 BACKENDS = backend_params()
 BACKENDS_NO_INTERP = backend_params(interp=False)
+BACKENDS_CPU = backend_params(cuda=False)  # cpu, torch, triton (interpreter): CPU tensors only
+KERNELS_CPU = [p for p in BACKENDS_CPU if p.values[0].name != "torch"]  # the compiled kernels
+POLICY_LOSSES = ["vanilla", "cispo", "sapo", "gspo", "gspo-token"]
+TOKEN_LOSSES = ["vanilla", "cispo", "sapo"]  # the fused kernels' (token-level) policy losses
 
 
 @pytest.fixture(params=BACKENDS)
@@ -192,6 +202,11 @@ def make_inputs(B, T, V, gen, *, dtype=torch.float32, padding="mixed", scale=2.0
     return inp
 
 
+def seeded_inputs(B, T, V, seed, **kw):
+    """make_inputs with a generator seeded by ``seed``."""
+    return make_inputs(B, T, V, torch.Generator().manual_seed(seed), **kw)
+
+
 def small_inputs(B=2, T=3, V=5, seed=0):
     """A tiny batch of the public API's inputs (no mask): logits [B, T, V] (randn * 2),
     tokens, old and ref logprobs in [-2, -1), advantages of both signs."""
@@ -205,6 +220,15 @@ def small_inputs(B=2, T=3, V=5, seed=0):
 
 # a mask of small_inputs' default [2, 3]: a padded position in each row
 SMALL_MASK = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
+
+
+def one_token_rows(logp_values):
+    """Logits [1, T, 2] whose token 0 has the given log-probabilities."""
+    lp = np.asarray(logp_values, dtype=np.float64)
+    # log p0 = -log(1 + e^(x1 - x0)) with x0 = 0: x1 = log(e^(-lp) - 1)
+    x = np.zeros((1, len(lp), 2))
+    x[0, :, 1] = np.log(np.expm1(-lp))
+    return x, np.zeros((1, len(lp)), dtype=np.int64)
 
 
 def logits_for(inp, be, requires_grad=True):
@@ -307,3 +331,218 @@ def assert_metrics(metrics, expected, rtol=2e-6, atol=2e-6):
         assert v.dtype == torch.float32, (k, v.dtype)
         assert not v.requires_grad, k
         assert_close_np(v, expected[k], rtol=rtol, atol=atol, what=f"metric {k}")
+
+
+def compare_with_reference(be, logits, tokens, old, adv, mask, ref_lp, *, grad_rel=3e-6,
+                           loss_rel=2e-6, metric_tol=2e-5, ref_kw=None, **kw):
+    """Runs pk.ppo_loss on backend ``be`` (CPU tensors) and the reference on the same
+    inputs; asserts loss, metrics (those the reference has) and dlogits agree. ``ref_kw``
+    overrides arguments for the reference only (it takes [B, T, V] only). Returns (loss,
+    metrics, dlogits)."""
+    leaf = logits.detach().clone().requires_grad_(True)
+    loss, met = pk.ppo_loss(leaf, tokens, old, adv, mask, ref_lp, backend=be.name, **kw)
+    (loss.sum() if loss.dim() else loss).backward()
+    rk = dict(logits=logits.detach().double(), tokens=tokens, old=old, adv=adv, mask=mask,
+              ref=ref_lp, kw=kw)
+    rk.update(ref_kw or {})
+    e_loss, e_met, e_grad = ref.ppo_loss(rk["logits"], rk["tokens"], rk["old"], rk["adv"],
+                                         rk["mask"], rk["ref"], **rk["kw"])
+    e_loss = np.asarray(e_loss).reshape(loss.shape)
+    got = to_np(loss)
+    assert np.isfinite(got).all(), "non-finite loss"
+    np.testing.assert_allclose(got, e_loss, rtol=loss_rel,
+                               atol=loss_rel * max(1.0, float(np.abs(e_loss).max(initial=0))))
+    for k, v in met.items():
+        assert v.dim() == 0 and v.dtype == torch.float32 and not v.requires_grad, k
+        if k in e_met:
+            assert math.isfinite(float(v)), k
+            assert float(v) == pytest.approx(e_met[k], rel=metric_tol, abs=metric_tol), k
+    g = to_np(leaf.grad).reshape(e_grad.shape)
+    assert np.isfinite(g).all(), "non-finite dlogits"
+    scale = float(np.abs(e_grad).max(initial=0.0))
+    err = float(np.abs(g - e_grad).max(initial=0.0))
+    assert err <= grad_rel * scale + 1e-30, f"dlogits: err {err:.3e} vs scale {scale:.3e}"
+    return loss, met, leaf.grad
+
+
+# ------------------------------------------------------------------ bad-input tables
+# Every public function on valid inputs ([B, T] = [2, 3], V = 5, the cpu backend): a row of
+# a bad-input table (test_loss_bad_inputs.py, test_advantages.py) replaces one argument.
+
+BAD_B, BAD_T, BAD_V = 2, 3, 5
+META = torch.device("meta")
+
+
+def base_ppo():
+    B, T, V = BAD_B, BAD_T, BAD_V
+    g = torch.Generator().manual_seed(0)
+    return dict(logits=torch.randn(B, T, V, generator=g), tokens=torch.randint(0, V, (B, T),
+                                                                               generator=g),
+                old_logprobs=-torch.rand(B, T, generator=g) - 1,
+                advantages=torch.randn(B, T, generator=g),
+                response_mask=torch.ones(B, T, dtype=torch.bool),
+                ref_logprobs=-torch.rand(B, T, generator=g) - 1, backend="cpu")
+
+
+def base_tlp():
+    d = base_ppo()
+    return dict(logits=d["logits"], tokens=d["tokens"], response_mask=d["response_mask"],
+                backend="cpu")
+
+
+def base_gae():
+    B, T = BAD_B, BAD_T
+    return dict(rewards=torch.randn(B, T), values=torch.randn(B, T),
+                response_mask=torch.ones(B, T, dtype=torch.bool), backend="cpu")
+
+
+def base_klr():
+    B, T = BAD_B, BAD_T
+    return dict(scores=torch.randn(B), logprobs=-torch.rand(B, T), ref_logprobs=-torch.rand(B, T),
+                response_mask=torch.ones(B, T, dtype=torch.bool), kl_coef=0.1)
+
+
+def base_whiten():
+    B, T = BAD_B, BAD_T
+    return dict(x=torch.randn(B, T), response_mask=torch.ones(B, T, dtype=torch.bool))
+
+
+def base_score():
+    B, T = BAD_B, BAD_T
+    d = base_ppo()
+    return dict(logits=d["logits"], tokens=d["tokens"], ref_logprobs=d["ref_logprobs"],
+                values=torch.randn(B, T), scores=torch.randn(B),
+                response_mask=d["response_mask"], kl_coef=0.1, backend="cpu")
+
+
+def base_vl():
+    B, T = BAD_B, BAD_T
+    return dict(values=torch.randn(B, T), old_values=torch.randn(B, T), returns=torch.randn(B, T),
+                response_mask=torch.ones(B, T, dtype=torch.bool))
+
+
+PUBLIC_FUNCS = {"ppo_loss": (pk.ppo_loss, base_ppo),
+                "token_logprobs": (pk.token_logprobs, base_tlp),
+                "gae": (pk.gae, base_gae),
+                "kl_penalized_rewards": (pk.kl_penalized_rewards, base_klr),
+                "whiten": (pk.whiten, base_whiten),
+                "score_rollout": (pk.score_rollout, base_score),
+                "value_loss": (pk.value_loss, base_vl)}
+
+
+def oob(value, pos=(1, 2)):
+    """f(base dict) -> its tokens with ``value`` at ``pos`` (a row's derived value)."""
+    def f(d):
+        t = d["tokens"].clone()
+        t[pos] = value
+        return t
+    return f
+
+
+def bad_row_id(row):
+    """A bad-input row's test id: function-argument-value."""
+    fn, arg, val, exc, _ = row
+    if callable(val) and not isinstance(val, torch.Tensor):
+        desc = "derived"
+    elif isinstance(val, torch.Tensor):
+        desc = f"{str(val.dtype)[6:]}{list(val.shape)}" + ("meta" if val.is_meta else "")
+    else:
+        desc = repr(val)[:20]
+    return f"{fn}-{arg}-{desc}"
+
+
+def assert_bad_input_raises(row, funcs=PUBLIC_FUNCS):
+    """row = (function, argument to replace, new value or f(base dict) -> value, exception,
+    match): the call raises the exception, its message names the argument and says more."""
+    fn_name, arg, val, exc, match = row
+    fn, base = funcs[fn_name]
+    kwargs = base()
+    if callable(val) and not isinstance(val, torch.Tensor):
+        val = val(kwargs)
+    kwargs[arg] = val
+    with pytest.raises(exc, match=match) as info:
+        fn(**kwargs)
+    msg = str(info.value)
+    assert msg.split(":")[0].strip() == match or match in msg
+    assert len(msg) > len(match) + 10  # says what was expected / given
+
+
+# ------------------------------------------------------------------ torch.distributed
+# The packed, tensor- and context-parallel argument tests share a small packed batch:
+# sequences of lengths 3, 0 and 2 packed into total = 5 rows (cu_seqlens [0, 3, 3, 5]),
+# a vocabulary of 11 and hidden states of 6.
+
+PK_V, PK_H = 11, 6
+PK_LENS = [3, 0, 2]
+PK_TOTAL, PK_S = sum(PK_LENS), len(PK_LENS)
+PK_CU = torch.tensor([0, 3, 3, 5], dtype=torch.int32)
+
+
+def packed_batch(seed=0, total=PK_TOTAL):
+    """The small packed batch's tensors (per token: [total]; per sequence: [S])."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        logits=torch.randn(total, PK_V, generator=g),
+        tokens=torch.randint(0, PK_V, (total,), generator=g),
+        old=torch.randn(total, generator=g) * 0.3 - 2.0,
+        adv=torch.randn(total, generator=g),
+        mask=torch.rand(total, generator=g) > 0.2,
+        values=torch.randn(total, generator=g),
+        hidden=torch.randn(total, PK_H, generator=g),
+        weight=torch.randn(PK_V, PK_H, generator=g),
+        scores=torch.randn(PK_S, generator=g),
+    )
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def group1():
+    """A 1-process gloo group, destroyed after the test."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", world_size=1, rank=0,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory):
+    """The results of tests/two_rank_cases.py on 2 gloo processes (one launch per session):
+    a list of the ranks' {case: result} dicts."""
+    d = tmp_path_factory.mktemp("tp2")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_rank_cases.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, script, str(r), port, str(d)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for r in range(2)]
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-4000:]
+    finally:
+        for p in procs:  # (a rank left waiting in a collective)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def raises_naming(fn, name, types=(ValueError, TypeError)):
+    """fn() raises one of types (exactly those, not a subclass such as IndexError: the
+    exception's type must be ValueError or TypeError) naming ``name``."""
+    with pytest.raises(Exception) as info:
+        fn()
+    e = info.value
+    assert type(e) in types, f"expected ValueError / TypeError naming {name!r}, got " \
+                             f"{type(e).__name__}: {e}"
+    assert name in str(e), f"the message does not name {name!r}: {e}"
+    return e

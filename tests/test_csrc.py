@@ -206,7 +206,7 @@ def test_raw_cpu_ops_reject_non_positive_temperature(temperature):
                                                  False)
 
 
-# ------------------------------------------------------------------ the CUDA per-thread code on the host
+# ------------------------------------------------------------------ CUDA code on the host
 
 CUDA_HOME = os.environ.get("CUDA_HOME") or ("/usr/local/cuda" if Path(
     "/usr/local/cuda/bin/nvcc").exists() else None)

@@ -1,4 +1,5 @@
-"""Precision where LLM policies live, on every kernel backend, against the float64 reference:
+"""Precision of token_logprobs / ppo_loss / score_rollout (ppo_kernels/loss.py, advantages.py)
+where LLM policies live, on every kernel backend, against the float64 reference:
 
 - k3 (and its gradient) at small and large log-ratios: given the same float32 delta, the
   per-token KL and d kl / d delta keep their digits for every |delta| in [1e-6, 20];
@@ -7,7 +8,8 @@
 - the token_logprobs backward at tiny temperatures and huge logits (it rebuilds log p_v
   from the forward's row max and log-sum, not from the rounded lse);
 - a leading vocabulary block at finfo.min (HF-style masks) gives finite results;
-- the approx_kl metric (also exp(d) - 1 - d) keeps its digits.
+- the approx_kl metric (also exp(d) - 1 - d) keeps its digits;
+- logits of magnitude 1e30, float16 logits at +-65504, a temperature of 1e-10.
 
 The eager composite (backend "torch") is today's log_softmax -> gather: it is held to the
 k3 / approx_kl rules (its formulas are ours) but not to the confident-token ones, which no
@@ -24,7 +26,7 @@ import ppo_kernels as pk
 from ppo_kernels import _backends
 from ppo_kernels import reference as ref
 
-from conftest import BACKENDS, assert_close_np, assert_grad_close, loss_params
+from conftest import BACKENDS, BACKENDS_CPU, assert_close_np, assert_grad_close, loss_params
 
 KERNELS = [p for p in BACKENDS if p.values[0].name != "torch"]
 F32_ULP = 2.0 ** -23
@@ -180,8 +182,10 @@ def test_confident_tokens_in_the_fused_loss(be, gen):
 @pytest.mark.parametrize("be", BACKENDS)
 @pytest.mark.parametrize("temperature", [1e-3, 1e-10])
 def test_token_logprobs_backward_at_tiny_temperature(be, temperature):
-    """A row from an attack on the kernels: rebuilt from the lse alone, log p of the max entry came back
-    +213.8 at temperature 1e-10 (p = inf) and 8.6e-6 off at 1e-3."""
+    """A 5-logit row at temperatures 1e-3 and 1e-10, each entry the sampled token: the
+    backward matches the reference. It rebuilds log p_v from the forward's row max and
+    log-sum; rebuilt from the lse alone, log p of the max entry is +213.8 at 1e-10 (p = inf)
+    and 8.6e-6 off at 1e-3."""
     logits = torch.tensor([[[1.5410, -0.2934, -2.1788, 0.5684, -1.0845]]])
     for tok in range(5):
         tokens = torch.tensor([[tok]])
@@ -244,3 +248,41 @@ def test_float64_logits_take_tiny_temperatures(be):
     lp = pk.token_logprobs(be.t(logits), be.t(torch.tensor([[0]])), temperature=1e-39,
                            backend=be.name)
     assert float(lp) == 0.0
+
+
+# ------------------------------------------------------------------ extreme logits
+# (CPU tensors: cpu, torch and the Triton interpreter)
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_huge_logits_agree_with_torch(be):
+    """Logits of magnitude ~1e30 (float32): the log-probs equal the eager composite's to
+    1e-6 relative, and the entropy is 0 (one entry dominates) on both."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 4, 7, generator=g, dtype=torch.float64).float() * 1e30
+    tokens = torch.tensor([[0, 1, 2, 3]])
+    lp, ent = pk.token_logprobs(logits, tokens, return_entropy=True, backend=be.name)
+    ref, rent = pk.token_logprobs(logits, tokens, return_entropy=True, backend="torch")
+    torch.testing.assert_close(lp, ref, rtol=1e-6, atol=0)
+    assert (ent.abs() == 0).all() and (rent.abs() == 0).all()
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_logprob_precision_with_large_logits(be):
+    """float16 logits at +-65504 (four maxima of seven): logp = -log 4 to 1e-5."""
+    logits = torch.tensor([[[65504., -65504., 65504., -65504., 65504., -65504., 65504.]]],
+                          dtype=torch.float16)
+    tokens = torch.tensor([[0]])
+    lp = pk.token_logprobs(logits, tokens, backend=be.name)
+    assert abs(lp.item() + math.log(4)) < 1e-5, lp.item()
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_tiny_temperature_gives_sane_logprobs(be):
+    """temperature 1e-10: logp <= 0 and equal to the eager composite's (x / T does not
+    overflow into a positive log-probability)."""
+    logits = torch.tensor([[[1.5410, -0.2934, -2.1788, 0.5684, -1.0845]]])
+    tokens = torch.tensor([[2]])
+    lp = pk.token_logprobs(logits, tokens, temperature=1e-10, backend=be.name)
+    ref = pk.token_logprobs(logits, tokens, temperature=1e-10, backend="torch")
+    assert lp.item() <= 0
+    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=0)
