@@ -34,6 +34,7 @@ import torch.distributed as dist  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import reference as ref  # noqa: E402
+from ppo_kernels.spec import FLOAT_SLOTS, INT_SLOTS  # noqa: E402
 
 HAS_CUDA_DEVICE = torch.cuda.is_available()
 CUDA_BUILT = bool(pk.build_info().get("cuda", False))
@@ -78,6 +79,10 @@ TRITON_CUDA = Backend("triton", "cuda")
 _SKIP_INTERP = not (TRITON_OK and INTERPRET and not HAS_CUDA_DEVICE)
 _INTERP_REASON = ("triton interpreter unavailable (ppo_kernels.triton_kernels.library does not "
                   "import, TRITON_INTERPRET != 1, or a GPU is present and triton runs there)")
+
+
+# marks a test that calls backend="triton" on CPU tensors itself
+triton_interpreter = pytest.mark.skipif(_SKIP_INTERP, reason=_INTERP_REASON)
 
 
 def backend_params(*, interp=True, cuda=True):
@@ -297,7 +302,7 @@ def to_np(x):
     return x.detach().cpu().double().numpy()
 
 
-def assert_close_np(actual, expected, *, rtol, atol, what=""):
+def assert_close_np(actual, expected, rtol, atol, what=""):
     a = to_np(actual) if isinstance(actual, torch.Tensor) else np.asarray(actual, np.float64)
     e = np.asarray(expected, dtype=np.float64)
     assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
@@ -546,3 +551,206 @@ def raises_naming(fn, name, types=(ValueError, TypeError)):
                              f"{type(e).__name__}: {e}"
     assert name in str(e), f"the message does not name {name!r}: {e}"
     return e
+
+
+# ------------------------------------------------------------------ the raw Triton ops
+# Helpers of the tests that call ppo_kernels::triton_* directly (test_triton_kernels.py
+# and the raw-op tests beside their backend-parametrised siblings): on CUDA when a device
+# is present, else on CPU tensors under the interpreter, whose 32-wide vocabulary block and
+# 8-long GAE chunk (ppo_kernels/triton_kernels/_config.py) V = 100, 257 and T = 20 cross.
+
+TRITON_DEVICE = "cuda" if HAS_CUDA_DEVICE else "cpu"
+triton_ops = pytest.mark.skipif(not TRITON_OK, reason="ppo_kernels.triton_kernels.library "
+                                "does not import")
+KL_CODES = ("k1", "k2", "k3", "abs", "k1+", "k3+")  # index = the kl_estimator code of the ops
+# numpy (the interpreter) warns about overflows to -inf that some inputs produce on purpose
+GENUINE_INF = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def acc_of(dtype):
+    """The accumulation dtype of logits of ``dtype`` (float64 for float64, else float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def make_case(B=2, T=5, V=7, dtype=torch.float32, layout="aligned", padding="random",
+              neginf=False, seed=0, scale=2.0):
+    """logits (in the given layout), tokens (garbage ids on masked positions), mask.
+
+    layout: "aligned" [B, T, V] contiguous; "view" logits[:, :-1] of a [B, T+1, V] tensor
+    (strided, Tl = T); "raw" the [B, T+1, V] tensor itself (Tl = T + 1);
+    "bstride": a [B, T, V] view with a padded batch stride.
+    neginf: about a fifth of the entries -inf (never the sampled token), and one row with
+    a single finite entry (p = 1 there, H = 0).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn(B, T + 1, V, generator=gen) * scale
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    mask = make_mask(B, T, gen, padding)
+    if neginf:
+        ban = torch.rand(B, T + 1, V, generator=gen) < 0.2
+        ban[:, :T].scatter_(2, tokens[..., None], False)
+        base[ban] = float("-inf")
+        base[0, 0] = float("-inf")
+        base[0, 0, tokens[0, 0]] = 0.5
+    tokens = torch.where(mask, tokens, torch.full_like(tokens, V + 1000))  # never read
+    base = base.to(dtype)
+    if layout == "aligned":
+        logits = base[:, :T].contiguous()
+    elif layout == "view":
+        logits = base[:, :T]
+    elif layout == "raw":
+        logits = base
+    elif layout == "bstride":
+        logits = torch.cat([base, base], dim=1)[:, :T]
+    else:
+        raise AssertionError(layout)
+    return logits.to(TRITON_DEVICE), tokens.to(TRITON_DEVICE), mask.to(TRITON_DEVICE)
+
+
+def per_token(x, acc):
+    """A per-token input (numpy or tensor) as a contiguous ``acc`` tensor on the device."""
+    return torch.as_tensor(np.asarray(x), dtype=acc).to(TRITON_DEVICE).contiguous()
+
+
+def rand_tok(B, T, acc, seed, scale=1.0):
+    """A seeded randn [B, T] of ``acc`` on the device (upstream gradients, values)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T, generator=gen, dtype=torch.float64) * scale
+    return x.to(acc).to(TRITON_DEVICE)
+
+
+# per-token outputs are accumulated in float32 (float64) whatever the logits' dtype, and the
+# reference sees the same (rounded) logits: they match tightly even for bf16/fp16 logits.
+TOK_TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-5, 1e-6),
+           torch.float16: (1e-5, 1e-6), torch.float64: (1e-10, 1e-12)}
+
+
+def grad_tol(dtype, expected):
+    """dlogits come back in the logits' dtype: bf16 keeps 8 bits, fp16 11."""
+    scale = float(np.abs(expected).max()) if np.size(expected) else 1.0
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3,
+            torch.float64: 1e-10}[dtype]
+    return rtol, rtol * max(scale, 1e-30) * 0.1
+
+
+def ppo_inputs(logits, tokens, mask, seed, mode="token-mean", with_ref=True,
+               with_isw=False):
+    """The per-token inputs of the ppo_loss ops for a make_case batch, as float64 numpy
+    arrays rounded to the accumulation dtype: old, adv, ref, isw (or None) and the
+    aggregation weights w of ``mode``; "acc" the accumulation dtype."""
+    B, T = tokens.shape
+    acc = acc_of(logits.dtype)
+    rl, _ = ref.token_logprobs(logits, tokens, mask)
+    m = mask.cpu().numpy()
+    gen = np.random.default_rng(seed)
+    # old logprobs near the current ones (ratios both inside and outside the clip band),
+    # advantages of both signs; on chosen valid tokens: one log-ratio past the clamp, one
+    # ratio e^1.5 = 4.5 with A < 0 (the dual clip's cap, c = 2 or 3, is the active value
+    # there, with no clamp to hide its zero gradient)
+    old = (rl + gen.normal(0, 0.3, rl.shape)) * m
+    adv = gen.normal(0, 1.0, rl.shape)
+    valid = np.argwhere(m)
+    if len(valid) >= 2:
+        (b0, t0), (b1, t1) = valid[0], valid[-1]
+        old[b0, t0] = rl[b0, t0] - 25.0
+        old[b1, t1] = rl[b1, t1] - 1.5
+        adv[b1, t1] = -abs(adv[b1, t1]) - 0.5
+    refl = (rl + gen.normal(0, 0.4, rl.shape)) * m if with_ref else None
+    isw = gen.uniform(0.5, 1.5, rl.shape) if with_isw else None
+    w = ref.agg_weights(m, mode)
+    # rounded to the accumulation dtype: the oracle sees the numbers the kernel reads
+    r = {k: None if x is None else torch.as_tensor(x).to(acc).double().numpy()
+         for k, x in dict(old=old, adv=adv, ref=refl, isw=isw, w=w).items()}
+    return dict(r, acc=acc)
+
+
+def _opt(inp, key, acc):
+    """per_token of inp[key], or None."""
+    x = inp.get(key)
+    return None if x is None else per_token(x, acc)
+
+
+def slot_args(eps_low, eps_high, dual, kl_coef, kl_est, ent_coef, temp, grad_scale,
+              policy_loss, tau_pos, tau_neg, kl_bias):
+    """(scalars, codes) of the ppo_loss ops, by slot name (ppo_kernels/spec.py)."""
+    f = dict(clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual, kl_coef=kl_coef,
+             entropy_coef=ent_coef, temperature=temp, grad_scale=grad_scale,
+             sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg)
+    i = dict(policy_loss=policy_loss, kl_estimator=kl_est, kl_bias_correction=int(kl_bias))
+    return [float(f[n]) for n in FLOAT_SLOTS], [int(i[n]) for n in INT_SLOTS]
+
+
+def run_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
+            kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, grad_scale=1.0,
+            compute_grad=True, policy_loss=0, tau_pos=1.0, tau_neg=1.05, kl_bias=False):
+    """ppo_kernels::triton_ppo_loss_fwd on ppo_inputs' inp (codes as the ops take them):
+    (loss, loss_tok, logprobs, entropy, dlogits)."""
+    acc = inp["acc"]
+    return torch.ops.ppo_kernels.triton_ppo_loss_fwd(
+        logits, tokens, mask, _opt(inp, "old", acc), per_token(inp["adv"], acc),
+        per_token(inp["w"], acc), _opt(inp, "ref", acc), _opt(inp, "isw", acc),
+        _opt(inp, "went", acc), *slot_args(eps_low, eps_high, dual, kl_coef, kl_est, ent_coef,
+                                           temp, grad_scale, policy_loss, tau_pos, tau_neg,
+                                           kl_bias), compute_grad)
+
+
+def ref_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
+            kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, mode="token-mean"):
+    """The reference's (loss, per-token loss, dlogits) for run_ppo's arguments."""
+    loss, metrics, dl = ref.ppo_loss(
+        logits, tokens, inp["old"], inp["adv"], mask, inp["ref"], clip_eps_low=eps_low,
+        clip_eps_high=eps_high, dual_clip_c=dual if dual > 0 else None,
+        kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL_CODES[kl_est],
+        entropy_coef=ent_coef, temperature=temp, loss_agg_mode=mode,
+        rollout_is_weights=inp["isw"])
+    # per-token loss: loss_agg_mode "none" gives it (0 on masked positions)
+    loss_tok, _, _ = ref.ppo_loss(
+        logits, tokens, inp["old"], inp["adv"], mask, inp["ref"], clip_eps_low=eps_low,
+        clip_eps_high=eps_high, dual_clip_c=dual if dual > 0 else None,
+        kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL_CODES[kl_est],
+        entropy_coef=ent_coef, temperature=temp, loss_agg_mode="none",
+        rollout_is_weights=inp["isw"])
+    return loss, loss_tok, dl
+
+
+def check_ppo(out, rout, logits, tokens, mask, dtype, temp=1.0):
+    """run_ppo's outputs against ref_ppo's (TOK_TOL, grad_tol): dtypes, shapes, values."""
+    loss, loss_tok, logp, ent, dl = out
+    rloss, rloss_tok, rdl = rout
+    rtol, atol = TOK_TOL[dtype]
+    acc = acc_of(dtype)
+    assert loss.dim() == 0 and loss.dtype == loss_tok.dtype == logp.dtype == acc
+    assert_close_np(loss_tok, rloss_tok, rtol, atol, what="loss_tok")
+    assert_close_np(loss, rloss, rtol, atol, what="loss")
+    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
+    assert_close_np(logp, rl, rtol, atol, what="logprobs")
+    assert_close_np(ent, re_, rtol, atol, what="entropy")
+    assert dl.shape == logits.shape and dl.dtype == logits.dtype and dl.is_contiguous()
+    assert_close_np(dl, rdl, *grad_tol(dtype, rdl), what="dlogits")
+
+
+def rel_err(actual, expected):
+    """max |actual - expected| / |expected| (entry by entry)."""
+    a = actual.detach().cpu().double().numpy() if torch.is_tensor(actual) else actual
+    e = np.asarray(expected, dtype=np.float64)
+    return float(np.max(np.abs(a - e) / np.maximum(np.abs(e), 1e-300)))
+
+
+def expm1_minus_x64(u):
+    """e^u - 1 - u in float64 to ~1e-16 relative: a 25-term series below |u| = 0.5."""
+    u = np.asarray(u, dtype=np.float64)
+    s = np.zeros_like(u)
+    term = u * u / 2.0
+    for k in range(3, 28):
+        s += term
+        term = term * u / k
+    return np.where(np.abs(u) < 0.5, s, np.expm1(u) - u)
+
+
+def k3_deltas(n, seed):
+    """float32 deltas log-uniform in [1e-6, 20], both signs, plus the edges."""
+    gen = np.random.default_rng(seed)
+    mag = np.exp(gen.uniform(np.log(1e-6), np.log(20.0), n))
+    edges = np.array([1e-6, 1e-4, 0.5, 1.0 - 2**-24, 1.0, 1.0 + 2**-23, 2.0, 20.0])
+    d = np.concatenate([mag, edges])
+    return np.concatenate([d, -d]).astype(np.float32)

@@ -12,6 +12,8 @@ import ppo_kernels as pk
 from ppo_kernels import from_hidden as fh
 from ppo_kernels import reference as ref
 
+from conftest import triton_interpreter
+
 POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token")
 
 
@@ -471,19 +473,7 @@ def test_torch_backend_is_the_composite(policy_loss):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
-def _triton_interp_ok():
-    import os
-
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        import ppo_kernels.triton_kernels.library  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _triton_interp_ok(), reason="no triton interpreter")
+@triton_interpreter
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 def test_triton_backend_interpreter(policy_loss):
     """The Triton ops on the chunks (interpreter: small shapes)."""

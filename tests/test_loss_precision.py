@@ -26,9 +26,14 @@ import ppo_kernels as pk
 from ppo_kernels import _backends
 from ppo_kernels import reference as ref
 
-from conftest import BACKENDS, BACKENDS_CPU, assert_close_np, assert_grad_close, loss_params
+from conftest import (BACKENDS, BACKENDS_CPU, GENUINE_INF, TRITON_DEVICE, assert_close_np,
+                      assert_grad_close, check_ppo, expm1_minus_x64, grad_tol, k3_deltas,
+                      loss_params, make_case, ppo_inputs, rand_tok, ref_ppo, rel_err, run_ppo,
+                      slot_args, triton_ops)
 
 KERNELS = [p for p in BACKENDS if p.values[0].name != "torch"]
+OPS = torch.ops.ppo_kernels
+DEV = TRITON_DEVICE  # the raw Triton ops' tensors
 F32_ULP = 2.0 ** -23
 
 
@@ -286,3 +291,191 @@ def test_tiny_temperature_gives_sane_logprobs(be):
     ref = pk.token_logprobs(logits, tokens, temperature=1e-10, backend="torch")
     assert lp.item() <= 0
     torch.testing.assert_close(lp, ref, rtol=1e-5, atol=0)
+
+
+# ------------------------------------------------------------------ the raw Triton ops
+# ppo_kernels::triton_* called directly (on CUDA when a device is present, else under the
+# interpreter): the same properties at the ops' own outputs (row_max, log_sum, loss_tok),
+# at the kernels' block boundaries and with tighter bounds where the interpreter's exp
+# allows them.
+
+# tl.exp lowers to ex2.approx(x * log2(e)) on a GPU, whose relative error grows like
+# |x| * 1e-7: the exps of a confident row (d ~ -30) are then ~3e-6 off. The interpreter
+# uses numpy's exp (1 ulp), which is what the tight bounds below assume.
+EXP_RTOL = 2e-6 if DEV == "cpu" else 1e-5
+
+
+def stable_stats(logits, temp):
+    """float64 (log_sum, entropy, log p of every entry) of rows of raw logits [..., V],
+    with the non-top mass kept apart (log1p), as the kernels do: a float64 softmax rounds
+    1 + 1e-12 to 4 digits, too coarse to check a confident row against."""
+    x = ref.as_f64(logits)
+    d = (x - x.max(-1, keepdims=True)) / temp
+    e = np.exp(d)
+    top = d == 0
+    rest = np.where(top, 0.0, e).sum(-1) + (top.sum(-1) - 1.0)
+    log_sum = np.log1p(rest)
+    t = (e * np.where(e > 0, d, 0.0)).sum(-1)
+    return log_sum, log_sum - t / (1.0 + rest), d - log_sum[..., None]
+
+
+@triton_ops
+@GENUINE_INF
+@pytest.mark.parametrize("temp", [1.0, 0.7])
+@pytest.mark.parametrize("ent_coef", [0.0, 0.05])
+def test_finfo_min_leading_block_is_finite(temp, ent_coef):
+    """a leading vocabulary block masked with finfo.min (HF-style masks) and the
+    token in a later block: the merge must not form 0 * inf. Entropy, loss and dlogits are
+    finite and equal to the reference, also with entropy_coef = 0 (where a NaN entropy
+    used to leak into the loss and dlogits through 0 * NaN)."""
+    B, T, V = 2, 3, 96  # the interpreter's block is 32: two finfo.min blocks, then a mixed one
+    logits, tokens, mask = make_case(B=B, T=T, V=V, padding="none", seed=11)
+    logits[..., :72] = torch.finfo(torch.float32).min
+    gen = torch.Generator().manual_seed(12)
+    tokens = torch.randint(72, V, (B, T), generator=gen).to(DEV)
+    logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp,
+                                                                 True)
+    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
+    assert_close_np(logp, rl, 1e-5, 1e-6, "logprobs")
+    assert_close_np(ent, re_, 1e-5, 1e-6, "entropy")
+    g = rand_tok(B, T, torch.float32, 13)
+    d = OPS.triton_token_logprobs_bwd(g, g, logits, tokens, mask, row_max, log_sum, ent, temp)
+    rd = ref.token_logprobs_grad(logits, tokens, mask, temp, g, g)
+    assert_close_np(d, rd, *grad_tol(torch.float32, rd), "token_logprobs dlogits")
+    assert (d[..., :72] == 0).all()
+    inp = ppo_inputs(logits, tokens, mask, seed=14)
+    out = run_ppo(logits, tokens, mask, inp, ent_coef=ent_coef, temp=temp)
+    rout = ref_ppo(logits, tokens, mask, inp, ent_coef=ent_coef, temp=temp)
+    check_ppo(out, rout, logits, tokens, mask, torch.float32, temp=temp)
+    assert torch.isfinite(out[0]) and (out[4][..., :72] == 0).all()
+
+
+CONFIDENT = (1e-3, 1e-5, 1e-7, 1e-9, 1e-11, 1e-12)  # 1 - p of the top token, one per row
+
+
+def confident_case(V, temp, seed):
+    """float32 logits [1, 6, V] whose top entry (the token) has 1 - p = CONFIDENT[i] on
+    row i (computed from the rounded logits, so it is only close to those values)."""
+    gen = np.random.default_rng(seed)
+    x = gen.normal(0.0, 1.0, (1, len(CONFIDENT), V))
+    top = gen.integers(0, V, len(CONFIDENT))
+    for i, q in enumerate(CONFIDENT):
+        others = np.delete(x[0, i], top[i])
+        # sum over v != top of exp((x_v - L) / temp) = q
+        x[0, i, top[i]] = temp * (np.log(np.exp(others / temp).sum()) - np.log(q))
+    logits = torch.tensor(x, dtype=torch.float32).to(DEV)
+    tokens = torch.tensor(top[None], dtype=torch.int64).to(DEV)
+    mask = torch.ones(1, len(CONFIDENT), dtype=torch.bool, device=DEV)
+    return logits, tokens, mask
+
+
+@triton_ops
+@pytest.mark.parametrize("temp", [1.0, 0.7])
+def test_confident_tokens_keep_their_digits(temp):
+    """With 1 - p from 1e-3 down to 1e-12 (far below float32 epsilon),
+    logp (= -log1p(rest)), the entropy and the token's dlogit (dlogp (1 - p)) keep their
+    relative digits, and a row's gradient still sums to ~0 relative to its token entry.
+    With log(1 + rest) logp came back 0 and the entropy lost percents."""
+    logits, tokens, mask = confident_case(100, temp, seed=15)
+    log_sum, ent64, logp_all = stable_stats(logits, temp)
+    tok = tokens.cpu().numpy()
+    logp64 = np.take_along_axis(logp_all, tok[..., None], -1)[..., 0]
+    logp, ent, row_max, ls = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp, True)
+    assert (logp < 0).all(), "a confident token's logp must not round to 0"
+    assert rel_err(logp, logp64) < EXP_RTOL, "logprobs"
+    assert rel_err(ls, log_sum) < EXP_RTOL, "log_sum"
+    assert rel_err(ent, ent64) < EXP_RTOL, "entropy"
+    # backward of sum(logp): token entry (1 - p) / T = -expm1(logp) / T, others -p_v / T
+    one = torch.ones(1, len(CONFIDENT), device=DEV)
+    d = OPS.triton_token_logprobs_bwd(one, None, logits, tokens, mask, row_max, ls, ent, temp)
+    d64 = d.double().cpu().numpy()
+    g_tok = np.take_along_axis(d64, tok[..., None], -1)[..., 0]
+    assert rel_err(g_tok, -np.expm1(logp64) / temp) < EXP_RTOL, "token dlogit"
+    assert (np.abs(d64.sum(-1)) < 1e-5 * np.abs(g_tok)).all(), "row gradient sums to 0"
+    # the fused loss: rho = 1, A = 1, an entropy bonus; w = 1 on every row
+    inp = dict(old=logp64, adv=np.ones_like(logp64), ref=None, isw=None,
+               w=np.ones_like(logp64), acc=torch.float32)
+    _, _, lp2, ent2, dl = run_ppo(logits, tokens, mask, inp, eps_low=0.2, eps_high=0.2,
+                                   kl_coef=0.0, ent_coef=0.01, temp=temp)
+    assert rel_err(lp2, logp64) < EXP_RTOL and rel_err(ent2, ent64) < EXP_RTOL
+    p64 = np.exp(logp64)
+    dlogp, dent = -1.0, -0.01  # d loss / d logp = -rho A w, d loss / d H = -w entropy_coef
+    want = (-dlogp * np.expm1(logp64) - p64 * dent * (logp64 + ent64)) / temp
+    got = np.take_along_axis(dl.double().cpu().numpy(), tok[..., None], -1)[..., 0]
+    assert rel_err(got, want) < EXP_RTOL, "fused loss: token dlogit"
+
+
+# the row of test_token_logprobs_backward_at_tiny_temperature, and one with close maxima
+# (p non-trivial)
+TINY_TEMPERATURE_ROWS = [[1.5410, -0.2934, -2.1788, 0.5684, -1.0845],
+                         [1.5410, 1.5405, 1.5400, 0.5684, -1.0845]]
+
+
+@triton_ops
+@GENUINE_INF
+@pytest.mark.parametrize("temp", [1e-3, 1e-10])
+def test_token_logprobs_bwd_small_temperature(temp):
+    """the backward rebuilds log p_v = (x_v - row_max) / T - log_sum from the
+    forward's (row_max, log_sum), never x_v / T - lse: at T = 1e-10 the max entry's
+    log p came back +213.8 (p = inf) on a GPU, at 1e-3 8.6e-6 off."""
+    logits = torch.tensor([TINY_TEMPERATURE_ROWS], dtype=torch.float32).to(DEV)
+    tokens = torch.tensor([[2, 0]], device=DEV)
+    mask = torch.ones(1, 2, dtype=torch.bool, device=DEV)
+    logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp,
+                                                                 True)
+    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
+    assert_close_np(logp, rl, 1e-6, 0, "logprobs")
+    assert (logp <= 0).all()
+    g = torch.tensor([[1.0, -0.5]], device=DEV)
+    gh = torch.tensor([[0.25, 0.5]], device=DEV)
+    d = OPS.triton_token_logprobs_bwd(g, gh, logits, tokens, mask, row_max, log_sum, ent, temp)
+    rd = ref.token_logprobs_grad(logits, tokens, mask, temp, g, gh)
+    assert torch.isfinite(d).all()
+    assert_close_np(d, rd, 1e-6, 1e-6 * np.abs(rd).max(), "dlogits")
+
+
+@triton_ops
+@pytest.mark.parametrize("temp", [1.0, 30.0])
+def test_token_logprobs_huge_fp16_logits(temp):
+    """Logits at the fp16 limit (65504, spacing 32): forward and backward match the
+    float64 reference (z - lse would lose the digits of d = x - max at this scale)."""
+    row = [65504.0, 65472.0, 65440.0, 60000.0, -65504.0, 0.0, 65504.0 - 96.0]
+    logits = torch.tensor([[row, row[::-1]]], dtype=torch.float16).to(DEV)
+    tokens = torch.tensor([[1, 0]], device=DEV)
+    mask = torch.ones(1, 2, dtype=torch.bool, device=DEV)
+    logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp,
+                                                                 True)
+    assert (row_max == 65504.0).all()
+    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
+    assert_close_np(logp, rl, 1e-6, 1e-7, "logprobs")
+    assert_close_np(ent, re_, 1e-6, 1e-7, "entropy")
+    g = torch.tensor([[1.0, 0.5]], device=DEV)
+    d = OPS.triton_token_logprobs_bwd(g, g, logits, tokens, mask, row_max, log_sum, ent, temp)
+    rd = ref.token_logprobs_grad(logits, tokens, mask, temp, g, g)
+    assert_close_np(d, rd, *grad_tol(torch.float16, rd), "dlogits")
+
+
+@triton_ops
+def test_k3_through_the_ops():
+    """k3 (score_rollout's kl, the loss's loss_tok) and its derivative (the fused loss's
+    dlogit of a token with p ~ 1e-13, where it is dlogp exactly) vs float64 on the float32
+    delta = logp - ref the kernel formed."""
+    B, T = 2, 8
+    logits = torch.tensor([0.0, -30.0]).expand(B, T, 2).contiguous().to(DEV)
+    tokens = torch.ones(B, T, dtype=torch.int64, device=DEV)
+    mask = torch.ones(B, T, dtype=torch.bool, device=DEV)
+    logp, _, _, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, False)
+    target = torch.as_tensor(k3_deltas(0, seed=19)).reshape(B, T).to(DEV)  # the 16 edges
+    refl = (logp - target).contiguous()
+    delta = (logp - refl).cpu().double().numpy()  # float32 subtraction, as in the kernel
+    zero = torch.zeros(B, T, device=DEV)
+    out = OPS.triton_score_rollout(logits, tokens, mask, refl, zero, torch.zeros(B, device=DEV),
+                                   1.0, 2, 1.0, 1.0, 1.0)
+    assert torch.equal(out[0], logp)
+    assert rel_err(out[1], expm1_minus_x64(-delta)) < 5e-7, "score_rollout kl"
+    w = torch.ones(B, T, device=DEV)
+    loss, loss_tok, _, _, dl = OPS.triton_ppo_loss_fwd(
+        logits, tokens, mask, logp, zero, w, refl, None, None,
+        *slot_args(0.2, 0.2, 0.0, 1.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False), True)
+    assert rel_err(loss_tok, expm1_minus_x64(-delta)) < 5e-7, "loss_tok = k3"
+    assert rel_err(dl[..., 1], -np.expm1(-delta)) < 5e-7, "dlogit = d k3 / d delta"
