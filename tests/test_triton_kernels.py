@@ -256,15 +256,6 @@ def test_ppo_loss_inplace(layout, dtype):
 POLICY = ("vanilla", "cispo", "sapo")
 
 
-def _ref_has_menu():
-    """reference.ppo_loss takes the loss-menu keywords (else the tests use _menu_np)."""
-    import inspect
-
-    params = inspect.signature(ref.ppo_loss).parameters
-    return all(k in params for k in ("policy_loss", "sapo_tau_pos", "sapo_tau_neg",
-                                     "kl_bias_correction", "entropy_agg_mode"))
-
-
 def _menu_np(logits, tokens, mask, inp, *, eps_low, eps_high, dual, kl_coef, kl_est,
              ent_coef, temp, policy_loss, tau_pos, tau_neg, kl_bias):
     """float64 numpy of csrc/ppo_math.h token_loss for every token, written from the
@@ -322,27 +313,21 @@ def _menu_expect(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=
                  tau_neg=1.05, kl_bias=False, mode="token-mean", ent_mode=None):
     """(loss, loss_tok, dlogits) the fused op must give: the loss is the op's contract
     sum(weights * loss_tok) (csrc/cpu/ppo_loss.cpp weighted_sum, whatever the entropy
-    weights), loss_tok and dlogits from reference.ppo_loss once it takes the menu keywords
-    (its entropy term weighted by ent_mode's weights, inp["went"]), else from _menu_np."""
-    kw = dict(eps_low=eps_low, eps_high=eps_high, dual=dual, kl_coef=kl_coef, kl_est=kl_est,
-              ent_coef=ent_coef, temp=temp, policy_loss=policy_loss, tau_pos=tau_pos,
-              tau_neg=tau_neg, kl_bias=kl_bias)
-    if _ref_has_menu():
-        common = dict(
-            clip_eps_low=eps_low, clip_eps_high=eps_high,
-            dual_clip_c=dual if dual > 0 else None,
-            kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL_CODES[kl_est],
-            entropy_coef=ent_coef, temperature=temp, rollout_is_weights=inp["isw"],
-            policy_loss=POLICY[policy_loss], sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg,
-            kl_bias_correction=kl_bias)
-        _, _, dl = ref.ppo_loss(logits, tokens, inp["old"], inp["adv"], mask, inp["ref"],
-                                loss_agg_mode=mode, entropy_agg_mode=ent_mode, **common)
-        # per-token loss: "none" (its entropy weights are the mask's, irrelevant here)
-        loss_tok, _, _ = ref.ppo_loss(logits, tokens, inp["old"], inp["adv"], mask,
-                                      inp["ref"], loss_agg_mode="none", **common)
-        loss_tok = np.asarray(loss_tok, np.float64)
-    else:
-        loss_tok, dl = _menu_np(logits, tokens, mask, inp, **kw)
+    weights), loss_tok and dlogits from reference.ppo_loss (its entropy term weighted by
+    ent_mode's weights, inp["went"])."""
+    common = dict(
+        clip_eps_low=eps_low, clip_eps_high=eps_high,
+        dual_clip_c=dual if dual > 0 else None,
+        kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL_CODES[kl_est],
+        entropy_coef=ent_coef, temperature=temp, rollout_is_weights=inp["isw"],
+        policy_loss=POLICY[policy_loss], sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg,
+        kl_bias_correction=kl_bias)
+    _, _, dl = ref.ppo_loss(logits, tokens, inp["old"], inp["adv"], mask, inp["ref"],
+                            loss_agg_mode=mode, entropy_agg_mode=ent_mode, **common)
+    # per-token loss: "none" (its entropy weights are the mask's, irrelevant here)
+    loss_tok, _, _ = ref.ppo_loss(logits, tokens, inp["old"], inp["adv"], mask,
+                                  inp["ref"], loss_agg_mode="none", **common)
+    loss_tok = np.asarray(loss_tok, np.float64)
     return float((np.asarray(inp["w"]) * loss_tok).sum()), loss_tok, dl
 
 
@@ -386,7 +371,10 @@ def _check_menu(out, rout, logits, tokens, mask, dtype, temp=1.0):
 
 
 def test_menu_np_matches_the_vanilla_reference():
-    """_menu_np (the fallback oracle) is reference.ppo_loss on the options both have."""
+    """reference.ppo_loss, the oracle of the tests below (_menu_expect), equals _menu_np, a
+    float64 transcription of the kernels' per-token formula (csrc/ppo_math.h token_loss)
+    written independently of reference.py, on the vanilla options: loss_tok and dlogits
+    to 1e-12 (k1; k3 with the dual clip; abs)."""
     logits, tokens, mask = make_case(B=2, T=5, V=7, seed=100)
     for est, dual in ((0, 0.0), (2, 3.0), (3, 0.0)):
         inp = ppo_inputs(logits, tokens, mask, seed=100 + est, with_isw=True)
