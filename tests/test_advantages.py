@@ -1,6 +1,7 @@
 """Tests of ppo_kernels/advantages.py, the rollout side: gae, kl_penalized_rewards, whiten
 and score_rollout, against the numpy float64 reference and hand-computed cases; empty
-batches, garbage on masked positions, float16 inputs of whiten."""
+batches, garbage on masked positions, float16 inputs of whiten; bad arguments (a
+ValueError or TypeError naming the argument, as in test_loss_bad_inputs.py)."""
 
 import math
 

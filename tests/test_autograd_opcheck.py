@@ -1,6 +1,6 @@
-"""torch.library.opcheck of every compiled op (schema, fake/meta function, autograd
-registration, AOT dispatch), and torch.compile(fullgraph=True) of the public API against
-eager."""
+"""Tests of ppo_kernels/_autograd.py's op registrations: torch.library.opcheck of every
+compiled op and of the Triton ops (schema, fake/meta function, autograd registration, AOT
+dispatch), and torch.compile(fullgraph=True) of the public API against eager."""
 
 import pytest
 import torch

@@ -1,4 +1,5 @@
-"""pk.ppo_loss_from_hidden / pk.token_logprobs_from_hidden (docs/FROM_HIDDEN.md): the loss
+"""Tests of ppo_kernels/from_hidden.py: pk.ppo_loss_from_hidden /
+pk.token_logprobs_from_hidden / pk.score_rollout_from_hidden (docs/FROM_HIDDEN.md), the ops
 with the LM head fused in, against the unfused op on materialised logits (pk.ppo_loss with
 backend="cpu"), the numpy float64 reference, gradcheck, and a spy showing that no tensor
 of more than chunk_size * V elements is created."""

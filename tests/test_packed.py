@@ -1,9 +1,11 @@
-"""Packed sequences (cu_seqlens, verl's / OpenRLHF's remove-padding layout) against the
-padded [S, max_seqlen] layout of the same sequences: every op that takes cu_seqlens
-(ppo_loss, ppo_loss_from_hidden, score_rollout, gae, kl_penalized_rewards, whiten), every
-policy loss and aggregation mode, the rollout corrections, per-sequence inputs, the
-[total, V], [1, total, V] and [1, total + 1, V] layouts, backends cpu, torch and triton
-(the interpreter, small shapes), float32 tight, bfloat16 loose, float64 gradcheck.
+"""Tests of ppo_kernels/packed.py: packed sequences (cu_seqlens, verl's / OpenRLHF's
+remove-padding layout) against the padded [S, max_seqlen] layout of the same sequences:
+every op that takes cu_seqlens (ppo_loss, ppo_loss_from_hidden, score_rollout, gae,
+kl_penalized_rewards, whiten), every policy loss and aggregation mode, the rollout
+corrections, per-sequence inputs, the [total, V], [1, total, V] and [1, total + 1, V]
+layouts, backends cpu, torch and triton (the interpreter, small shapes), float32 tight,
+bfloat16 loose, float64 gradcheck. Bad cu_seqlens / max_seqlen and per-token inputs of a
+wrong length: a ValueError or TypeError naming the argument, on every op.
 
 The padded twin of a packed batch: sequence s is row s of [S, L] (L = the longest
 sequence), the padding masked out; per-token inputs hold NaN on the masked positions
