@@ -1,8 +1,9 @@
-"""Batch invariance: a row's logp, entropy, per-token loss and dlogits are bitwise the same
-whether the row is alone, permuted, or inside a larger batch (given the same normaliser,
-global_num_tokens). The kernels reduce each row on its own, in an order that depends on V
-only (CUDA: also when the row count switches the vocabulary split; gpu_check.sh runs that
-case on a GPU)."""
+"""Batch invariance, across the kernels: a row's logp, entropy, per-token loss and dlogits
+are bitwise the same whether the row is alone, permuted, or inside a larger batch (given
+the same normaliser, global_num_tokens), on every backend through the fused loss, and for
+the raw Triton ops. The kernels reduce each row on its own, in an order that depends on V
+only (CUDA: also when the row count switches the vocabulary split;
+tests/gpu/batch_invariance.py checks that case on a GPU)."""
 
 import numpy as np
 import pytest

@@ -2,13 +2,15 @@
 row stride (misaligned 16-byte packs), Tl = T + 1, masked positions holding out-of-range
 token ids, -inf logits, all four dtypes, fused and split-vocabulary paths, grad_scale and
 scale_grad_ (in place, on the strided view too), the loss menu (cispo, sapo, k1+ / k3+, the
-KL bias correction, on-policy old_logprobs=None, entropy_weights). Called by
-benchmarks/gpu_check.sh.
+KL bias correction, on-policy old_logprobs=None, entropy_weights); gae long and short,
+with gaps and bootstrap values. Run by benchmarks/gpu_check.sh (also under
+compute-sanitizer, quick).
 
-    python benchmarks/gpu_smoke.py [quick] [--device cpu] [--prefix triton_]
+    python tests/gpu/ops_vs_reference.py [quick] [--device cpu] [--prefix triton_]
 
 --device cpu runs the same checks on the CPU kernels (a check of this script); --prefix
-triton_ checks the Triton twins of the ops instead (TRITON_INTERPRET=1 on the CPU)."""
+triton_ checks the Triton twins of the ops instead (TRITON_INTERPRET=1 on the CPU). Prints
+the failing checks, or "smoke: all checks passed"; exit status 1 on a failure."""
 import os
 import sys
 
