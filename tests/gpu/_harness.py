@@ -24,6 +24,7 @@ import torch
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, ROOT)
+from ppo_kernels.spec import FLOAT_SLOTS, INT_SLOTS  # noqa: E402
 
 ops = torch.ops.ppo_kernels
 RESULTS = []
@@ -43,6 +44,12 @@ class Ctx:
         # kernel backends under test: on the CPU dry run the CPU kernels stand in for cuda
         self.kern = ["cuda", "triton"] if self.gpu else ["cpu", "triton"]
         self.prefix = {"cuda": "", "cpu": "", "triton": "triton_"}
+        # ctx.op("triton", ...) needs the triton_* ops registered (pk.ppo_loss registers
+        # them on its first Triton call; a check may call the ops first)
+        try:
+            import ppo_kernels.triton_kernels.library  # noqa: F401
+        except Exception:  # no triton: the Triton checks FAIL one by one
+            pass
 
     def op(self, backend, name):
         return getattr(ops, self.prefix[backend] + name)
@@ -109,6 +116,19 @@ def finite(*ts):
 
 def maxabs(a, b):
     return float((torch.as_tensor(a).double().cpu() - torch.as_tensor(b).double().cpu()).abs().max())
+
+
+def slot_args(eps_low, eps_high, dual, kl_coef, kl_est, ent_coef, temp, grad_scale,
+              policy_loss, tau_pos, tau_neg, kl_bias):
+    """(scalars, codes) of the ppo_loss ops by slot name (ppo_kernels/spec.py), from the
+    options in this order: clip_eps_low, clip_eps_high, dual_clip_c (0: none), kl_coef,
+    kl_estimator (code), entropy_coef, temperature, grad_scale, policy_loss (code),
+    sapo_tau_pos, sapo_tau_neg, kl_bias_correction."""
+    f = dict(clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual, kl_coef=kl_coef,
+             entropy_coef=ent_coef, temperature=temp, grad_scale=grad_scale,
+             sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg)
+    i = dict(policy_loss=policy_loss, kl_estimator=kl_est, kl_bias_correction=int(kl_bias))
+    return [float(f[n]) for n in FLOAT_SLOTS], [int(i[n]) for n in INT_SLOTS]
 
 
 def main(checks, doc, argv=None):

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from _harness import check, main, report
+from _harness import check, main, report, slot_args
 
 
 @check
@@ -45,10 +45,10 @@ def batch_invariance(ctx):
 
         def run(be, xx, tk, o, a, r, ww, mm):
             op = ctx.op(be, "ppo_loss_fwd")
-            # schema: ..., rollout_is_weights, entropy_weights, clip.., grad_scale,
-            # policy_loss, sapo_tau_pos, sapo_tau_neg, kl_bias_correction, compute_grad
-            _, ltok, lp, ent, dl = op(xx, tk, mm, o, a, ww, r, None, None, 0.2, 0.28, 3.0, 0.05,
-                                      2, 0.01, 0.9, 1.0, 0, 1.0, 1.05, False, True)
+            # schema: ..., rollout_is_weights, entropy_weights, scalars, codes, compute_grad
+            _, ltok, lp, ent, dl = op(xx, tk, mm, o, a, ww, r, None, None,
+                                      *slot_args(0.2, 0.28, 3.0, 0.05, 2, 0.01, 0.9, 1.0, 0, 1.0,
+                                                 1.05, False), True)
             return lp, ent, ltok, dl
 
         envs = [("auto", None), ("split=1", "1"), ("split=2", "2")] if ctx.gpu else [("", None)]

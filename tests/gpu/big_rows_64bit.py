@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from _harness import check, main, maxabs, report
+from _harness import check, main, maxabs, report, slot_args
 
 from ppo_kernels import reference as R  # noqa: E402  (after _harness: the root on sys.path)
 
@@ -42,8 +42,9 @@ def big_rows_64bit(ctx):
         os.environ["PPO_CUDA_SPLIT"] = sv
         try:
             op = ctx.op(ctx.kern[0], "ppo_loss_fwd")
-            _, ltok, lp, ent, dl = op(x, tok, mask, old, adv, w, None, None, None, 0.2, 0.2, 0.0,
-                                      0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False, True)
+            _, ltok, lp, ent, dl = op(x, tok, mask, old, adv, w, None, None, None,
+                                      *slot_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0,
+                                                 1.05, False), True)
             e_lp = maxabs(lp[:, rows], rlp)
             e_h = maxabs(ent[:, rows], rent)
             # the reference gradient of those rows (weights 1/T as in the op)
