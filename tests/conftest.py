@@ -9,7 +9,14 @@ Every backend id contains the backend's name, so `pytest -k cuda` / `-k triton` 
 them.
 
 Test files import the helpers directly (`from conftest import ...`): tests/ has no
-__init__.py, so pytest puts this directory on sys.path.
+__init__.py, so pytest puts this directory on sys.path. The sections below: the backends
+and fixtures; random inputs (make_mask, make_inputs, seeded_inputs, small_inputs,
+one_token_rows, logits_for); comparisons (assert_close_np, assert_grad_close,
+assert_metrics, compare_with_reference); the bad-input tables' base calls; the
+torch.distributed helpers (a small packed batch, a 1-process group, the 2-process cases of
+two_rank_cases.py, raises_naming); the raw Triton ops' helpers. The test files are named
+for the module they test (tests/test_<module>[_<aspect>].py); tests/gpu/ holds the GPU
+device checks that benchmarks/gpu_check.sh runs (no pytest files).
 """
 
 import os

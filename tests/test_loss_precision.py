@@ -327,7 +327,7 @@ def test_finfo_min_leading_block_is_finite(temp, ent_coef):
     """a leading vocabulary block masked with finfo.min (HF-style masks) and the
     token in a later block: the merge must not form 0 * inf. Entropy, loss and dlogits are
     finite and equal to the reference, also with entropy_coef = 0 (where a NaN entropy
-    used to leak into the loss and dlogits through 0 * NaN)."""
+    would leak into the loss and dlogits through 0 * NaN)."""
     B, T, V = 2, 3, 96  # the interpreter's block is 32: two finfo.min blocks, then a mixed one
     logits, tokens, mask = make_case(B=B, T=T, V=V, padding="none", seed=11)
     logits[..., :72] = torch.finfo(torch.float32).min
