@@ -189,8 +189,8 @@ for name, (modname, attr, types, consts, options, aligned) in spec_in.items():
         attrs = None
         if aligned:
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                     if n not in consts and (sig[n].startswith("*") or n.startswith("stride")
-                                             or n == "V")}
+                     if n not in consts and isinstance(sig[n], str) and
+                     (sig[n].startswith("*") or n.startswith("stride") or n == "V")}
         # constexprs keyed by (argument index,): accepted by every triton from 3.2 on
         # (3.8 also takes names)
         ckeys = {(fn.arg_names.index(n),): v for n, v in consts.items()}
