@@ -2,12 +2,17 @@
 # One call on an H200 machine (no network; python3 with torch 2.11+cu130, triton 3.6, nvcc
 # 13.0), in this order (most valuable first, so a short lease still gets them):
 #   1. build the extension from source;
-#   2. the GPU review's device checks (benchmarks/gpu_review_checks.py review: C1 finfo.min,
-#      C4 tiny-temperature backward, C5 accuracy vs reference.py and cpu, C2+C3 backward
-#      scale memory/time and CUDA-graph capture, C6 view vs raw, S2/S3/S4 timings);
-#   3. batch invariance (bitwise: alone / in a batch / permuted, split forced or not);
-#   4. >65,536 rows and 64-bit offsets (B=1, T=70000, V=32768 bf16 with a gradient);
-#   5. every op vs the float64 reference on small odd shapes (benchmarks/gpu_smoke.py);
+#   2. the device checks of tests/gpu/ (each script its own stage): the numerics at the
+#      edges (numerics.py: a finfo.min vocabulary block, the tiny-temperature backward,
+#      accuracy vs reference.py and cpu), the backward's scale (memory / time) and
+#      CUDA-graph capture (backward_scale_and_graphs.py), then the timings of
+#      benchmarks/gpu_timings.py (view vs raw logits, threads per block, wave quantization,
+#      Triton's first call);
+#   3. batch invariance (tests/gpu/batch_invariance.py; bitwise: alone / in a batch /
+#      permuted, split forced or not);
+#   4. >65,536 rows and 64-bit offsets (tests/gpu/big_rows_64bit.py; B=1, T=70000,
+#      V=32768 bf16 with a gradient);
+#   5. every op vs the float64 reference on small odd shapes (tests/gpu/ops_vs_reference.py);
 #   6. compute-sanitizer memcheck, racecheck, synccheck, initcheck on the quick smoke;
 #   7. pytest -k "cuda or triton", then the distributed checks (tests/distributed_cases.py:
 #   NCCL with 2 GPUs, else gloo carrying CUDA tensors);  8. benchmarks/gpu_bench.py;
@@ -22,8 +27,10 @@
 #        CHECK_BUDGET_S; SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1, SKIP_REPORT=1 to leave
 #        a stage out.
 #   CPU dry run of the python parts (no build, no GPU):
-#        TRITON_INTERPRET=1 python benchmarks/gpu_review_checks.py all --device cpu --small
-#        python benchmarks/gpu_smoke.py quick --device cpu
+#        for f in tests/gpu/numerics.py tests/gpu/backward_scale_and_graphs.py \
+#            benchmarks/gpu_timings.py tests/gpu/batch_invariance.py \
+#            tests/gpu/big_rows_64bit.py; do TRITON_INTERPRET=1 python $f --device cpu --small; done
+#        python tests/gpu/ops_vs_reference.py quick --device cpu
 #        TRITON_INTERPRET=1 python benchmarks/report.py --device cuda --dry-run --quick \
 #            --out /tmp/gpu_report     (~7 min: the interpreter; --ops gae for seconds)
 #   Liger-Kernel is not in the H200 image and the machine has no network: to compare with
@@ -92,24 +99,28 @@ grep -E "warning|error" "$OUTDIR/build.log" | grep "csrc/cuda" | head -20
 "$PY" -c "import ppo_kernels as pk; print(pk.build_info())"
 
 # -------------------------------------------------------------- device checks
-TAIL_LINES=40 run_stage "review checks" 150 review.log \
-    "$PY" benchmarks/gpu_review_checks.py review --budget-s 120
+TAIL_LINES=20 run_stage "numerics" 50 numerics.log \
+    "$PY" tests/gpu/numerics.py --budget-s 40
+TAIL_LINES=10 run_stage "backward scale + graphs" 50 backward.log \
+    "$PY" tests/gpu/backward_scale_and_graphs.py --budget-s 40
+TAIL_LINES=10 run_stage "timings" 80 timings.log \
+    "$PY" benchmarks/gpu_timings.py --budget-s 65
 run_stage "batch invariance" 60 invariance.log \
-    "$PY" benchmarks/gpu_review_checks.py invariance --budget-s 50
+    "$PY" tests/gpu/batch_invariance.py --budget-s 50
 run_stage "64-bit rows" 60 bigrows.log \
-    "$PY" benchmarks/gpu_review_checks.py bigrows --budget-s 50
-run_stage "ops vs reference" 60 smoke.log "$PY" benchmarks/gpu_smoke.py
+    "$PY" tests/gpu/big_rows_64bit.py --budget-s 50
+run_stage "ops vs reference" 60 smoke.log "$PY" tests/gpu/ops_vs_reference.py
 
 if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   run_stage "memcheck" 60 memcheck.log compute-sanitizer --tool memcheck --leak-check no \
-      --error-exitcode 9 "$PY" benchmarks/gpu_smoke.py quick
+      --error-exitcode 9 "$PY" tests/gpu/ops_vs_reference.py quick
   run_stage "racecheck" 60 racecheck.log compute-sanitizer --tool racecheck \
-      --error-exitcode 9 "$PY" benchmarks/gpu_smoke.py quick
+      --error-exitcode 9 "$PY" tests/gpu/ops_vs_reference.py quick
   run_stage "synccheck" 45 synccheck.log compute-sanitizer --tool synccheck \
-      --error-exitcode 9 "$PY" benchmarks/gpu_smoke.py quick
+      --error-exitcode 9 "$PY" tests/gpu/ops_vs_reference.py quick
   # initcheck: the split path leaves ws of masked rows unwritten (never read: must stay quiet)
   run_stage "initcheck" 45 initcheck.log compute-sanitizer --tool initcheck \
-      --error-exitcode 9 "$PY" benchmarks/gpu_smoke.py quick
+      --error-exitcode 9 "$PY" tests/gpu/ops_vs_reference.py quick
 else
   stage "sanitizer" skipped 0
 fi
@@ -177,8 +188,8 @@ echo "== summary (total $(since "$T0") s of a ${BUDGET} s budget; logs in $OUTDI
 printf '%s\n' "${SUMMARY[@]}"
 echo
 echo "-- device checks (FAIL first)"
-CHK=$(cat "$OUTDIR"/review.log "$OUTDIR"/invariance.log "$OUTDIR"/bigrows.log \
-    "$OUTDIR"/from_hidden.log 2> /dev/null \
+CHK=$(cat "$OUTDIR"/numerics.log "$OUTDIR"/backward.log "$OUTDIR"/timings.log \
+    "$OUTDIR"/invariance.log "$OUTDIR"/bigrows.log "$OUTDIR"/from_hidden.log 2> /dev/null \
     | grep '^CHECK' | sed 's/^CHECK //' | cut -c1-150)
 { grep ' FAIL ' <<< "$CHK"; grep -v ' FAIL ' <<< "$CHK"; } | grep -v '^$' || true
 grep -h "^smoke\|rel err" "$OUTDIR/smoke.log" 2> /dev/null | head -5

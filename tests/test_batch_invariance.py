@@ -1,15 +1,20 @@
-"""Batch invariance: a row's logp, entropy, per-token loss and dlogits are bitwise the same
-whether the row is alone, permuted, or inside a larger batch (given the same normaliser,
-global_num_tokens). The kernels reduce each row on its own, in an order that depends on V
-only (CUDA: also when the row count switches the vocabulary split; gpu_check.sh runs that
-case on a GPU)."""
+"""Batch invariance, across the kernels: a row's logp, entropy, per-token loss and dlogits
+are bitwise the same whether the row is alone, permuted, or inside a larger batch (given
+the same normaliser, global_num_tokens), on every backend through the fused loss, and for
+the raw Triton ops. The kernels reduce each row on its own, in an order that depends on V
+only (CUDA: also when the row count switches the vocabulary split;
+tests/gpu/batch_invariance.py checks that case on a GPU)."""
 
+import numpy as np
 import pytest
 import torch
 
 from ppo_kernels import _backends
 
-from conftest import BACKENDS, loss_params, make_inputs
+from conftest import (BACKENDS, loss_params, make_case, make_inputs, ppo_inputs, run_ppo,
+                      triton_ops)
+
+OPS = torch.ops.ppo_kernels
 
 
 def _rows(be, logits, tokens, old, adv, ref_lp, n_global):
@@ -52,3 +57,59 @@ def test_row_bits_do_not_depend_on_the_batch(be, V, gen):
     inv = torch.argsort(perm)
     for name, a, w in zip(("logp", "entropy", "loss_tok", "dlogits"), permuted, whole):
         assert torch.equal(a[inv], w), f"{name}: permuted batch != batch"
+
+
+# ------------------------------------------------------------------ the raw Triton ops
+# ppo_kernels::triton_* called directly (on CUDA when a device is present, else under the
+# interpreter): the fused loss's and token_logprobs_fwd's own outputs, -inf logits and IS
+# weights, a row alone, in a permuted batch and after other sequences.
+
+def _row_outputs(logits, tokens, mask, inp, rows):
+    """For each (b, t) in rows: (logp, entropy, loss_tok, dlogits row) of the fused loss
+    run on that row alone (a [1, 1, V] view of the same logits), plus token_logprobs."""
+    acc = inp["acc"]
+    res = []
+    for b, t in rows:
+        sub = {k: (None if inp[k] is None else np.asarray(inp[k])[b:b + 1, t:t + 1])
+               for k in ("old", "adv", "ref", "isw", "w")}
+        sub["acc"] = acc
+        out = run_ppo(logits[b:b + 1, t:t + 1], tokens[b:b + 1, t:t + 1].contiguous(),
+                       mask[b:b + 1, t:t + 1].contiguous(), sub, ent_coef=0.05)
+        lp = OPS.triton_token_logprobs_fwd(logits[b:b + 1, t:t + 1],
+                                           tokens[b:b + 1, t:t + 1].contiguous(),
+                                           mask[b:b + 1, t:t + 1].contiguous(), 1.0, True)
+        res.append((out[2][0, 0], out[3][0, 0], out[1][0, 0], out[4][0, 0], lp[0][0, 0],
+                    lp[1][0, 0]))
+    return res
+
+
+@triton_ops
+def test_triton_ops_batch_invariance_bitwise():
+    """A row's logp, entropy, loss_tok and dlogits are bitwise the same
+    alone, in a permuted batch, and inside a bigger batch (one program per row; the
+    autotune key has no row count, so the block size - the reduction order - is that of V
+    alone)."""
+    logits, tokens, mask = make_case(B=3, T=4, V=100, padding="none", neginf=True, seed=25)
+    inp = ppo_inputs(logits, tokens, mask, seed=26, with_isw=True)
+    full = run_ppo(logits, tokens, mask, inp, ent_coef=0.05)
+    lp_full = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, True)
+    rows = [(0, 0), (1, 2), (2, 3)]
+    for (b, t), alone in zip(rows, _row_outputs(logits, tokens, mask, inp, rows)):
+        want = (full[2][b, t], full[3][b, t], full[1][b, t], full[4][b, t], lp_full[0][b, t],
+                lp_full[1][b, t])
+        for a, w in zip(alone, want):
+            assert torch.equal(a, w), (b, t)
+    perm = torch.tensor([2, 0, 1])
+    pinp = {k: (v if k == "acc" or v is None else np.asarray(v)[perm.numpy()])
+            for k, v in inp.items()}
+    pout = run_ppo(logits[perm], tokens[perm], mask[perm], pinp, ent_coef=0.05)
+    for i in (1, 2, 3, 4):
+        assert torch.equal(pout[i], full[i][perm]), i
+    # a bigger batch: the same rows after three more sequences
+    more, mtok, mmask = make_case(B=3, T=4, V=100, padding="none", seed=27)
+    big = torch.cat([more, logits]), torch.cat([mtok, tokens]), torch.cat([mmask, mask])
+    minp = ppo_inputs(more, mtok, mmask, seed=28, with_isw=True)
+    binp = {k: (v if k == "acc" else np.concatenate([minp[k], inp[k]])) for k, v in inp.items()}
+    bout = run_ppo(*big, binp, ent_coef=0.05)
+    for i in (1, 2, 3, 4):
+        assert torch.equal(bout[i][3:], full[i]), i

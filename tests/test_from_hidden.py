@@ -1,4 +1,5 @@
-"""pk.ppo_loss_from_hidden / pk.token_logprobs_from_hidden (docs/FROM_HIDDEN.md): the loss
+"""Tests of ppo_kernels/from_hidden.py: pk.ppo_loss_from_hidden /
+pk.token_logprobs_from_hidden / pk.score_rollout_from_hidden (docs/FROM_HIDDEN.md), the ops
 with the LM head fused in, against the unfused op on materialised logits (pk.ppo_loss with
 backend="cpu"), the numpy float64 reference, gradcheck, and a spy showing that no tensor
 of more than chunk_size * V elements is created."""
@@ -11,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ppo_kernels as pk
 from ppo_kernels import from_hidden as fh
 from ppo_kernels import reference as ref
+
+from conftest import triton_interpreter
 
 POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token")
 
@@ -471,19 +474,7 @@ def test_torch_backend_is_the_composite(policy_loss):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
 
 
-def _triton_interp_ok():
-    import os
-
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        import ppo_kernels.triton_kernels.library  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _triton_interp_ok(), reason="no triton interpreter")
+@triton_interpreter
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 def test_triton_backend_interpreter(policy_loss):
     """The Triton ops on the chunks (interpreter: small shapes)."""

@@ -1,9 +1,13 @@
-"""The loss menu (docs/LOSSES.md): policy losses vanilla / cispo / sapo (fused kernels) and
-gspo / gspo-token (two-phase path), the k1+ / k3+ straight-through estimators, the KL bias
-correction, entropy_agg_mode, on-policy old_logprobs=None, per-sequence advantages, the
-token-sum mode and the global denominators: the reference's analytic gradients against
-finite differences, hand-computed cases from each paper, every backend against the
-reference, gradcheck in float64."""
+"""Tests of ppo_loss's loss menu (ppo_kernels/loss.py, docs/LOSSES.md): the policy losses
+vanilla / cispo / sapo (fused kernels) and gspo / gspo-token (two-phase path), the k1+ / k3+
+straight-through estimators, the KL bias correction, entropy_agg_mode, on-policy
+old_logprobs=None, per-sequence advantages, the token-sum mode and the global
+denominators: hand-computed cases from each paper, every backend against the reference,
+gradcheck in float64; every option at once, odd dtypes and shapes, -inf logits, huge
+log-ratios, ties on the clip edges, global counts as numbers and tensors, NaN on masked
+positions, torch.compile(fullgraph=True). (The reference's own menu gradients:
+test_reference.py; the menu's backward: test_autograd_backward.py; its bad arguments:
+test_loss_bad_inputs.py; the rollout correction: test_rollout_correction.py.)"""
 
 import itertools
 import math
@@ -15,111 +19,15 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as R
 
-from conftest import (BACKENDS, assert_grad_close, assert_metrics,
-                      make_inputs)
-
-
-def _fd(f, x, eps=1e-6):
-    """Central finite differences of the float f at the float64 array x."""
-    g = np.zeros_like(x)
-    for idx in np.ndindex(x.shape):
-        xp, xm = x.copy(), x.copy()
-        xp[idx] += eps
-        xm[idx] -= eps
-        g[idx] = (f(xp) - f(xm)) / (2 * eps)
-    return g
-
-
-def _small_problem(seed, B=3, T=5, V=7):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(B, T, V)) * 1.5
-    tok = rng.integers(0, V, (B, T))
-    m = (rng.random((B, T)) > 0.2).astype(float)
-    m[1] = 0.0
-    m[1, 2] = 1.0  # a sequence with a single valid token
-    lp, _ = R.token_logprobs(x, tok, m)
-    old = lp + rng.normal(size=(B, T)) * 0.3
-    ref = lp + rng.normal(size=(B, T)) * 0.3
-    adv = rng.normal(size=(B, T))
-    isw = 0.5 + rng.random((B, T))
-    return x, tok, m, old, ref, adv, isw
+from conftest import (BACKENDS, BACKENDS_CPU, POLICY_LOSSES, TOKEN_LOSSES, TOL,
+                      assert_grad_close, assert_metrics, compare_with_reference, make_inputs,
+                      one_token_rows, seeded_inputs, to_np)
 
 
 # ------------------------------------------------------------------ the reference itself
 
-VALUE_DIFFERENTIABLE = ["vanilla", "sapo", "gspo"]  # the value's derivative is the gradient
-
-
-@pytest.mark.parametrize("policy_loss", VALUE_DIFFERENTIABLE)
-@pytest.mark.parametrize("est", ["k1", "k2", "k3", "abs"])
-@pytest.mark.parametrize("bias", [False, True])
-def test_reference_gradients_are_finite_differences(policy_loss, est, bias):
-    x, tok, m, old, ref, adv, isw = _small_problem(1)
-    kw = dict(policy_loss=policy_loss, kl_coef=0.3, kl_estimator=est, kl_bias_correction=bias,
-              entropy_coef=0.05, entropy_agg_mode="seq-mean-token-mean",
-              rollout_is_weights=isw, loss_agg_mode="token-mean",
-              sapo_tau_pos=1.3, sapo_tau_neg=0.7,
-              dual_clip_c=None if policy_loss == "sapo" else 3.0)
-    _, _, g = R.ppo_loss(x, tok, old, adv, m, ref, **kw)
-    num = _fd(lambda z: R.ppo_loss(z, tok, old, adv, m, ref, **kw)[0], x)
-    assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()
-
-
-@pytest.mark.parametrize("est", ["k1+", "k3+"])
-def test_reference_straight_through_kl_has_the_k2_gradient(est):
-    """k1+ / k3+: the value of k1 / k3, the gradient of k2 (verl): their gradient is the
-    finite difference of the same loss with k2."""
-    x, tok, m, old, ref, adv, isw = _small_problem(2)
-    kw = dict(kl_coef=0.4, entropy_coef=0.02)
-    loss, met, g = R.ppo_loss(x, tok, old, adv, m, ref, kl_estimator=est, **kw)
-    num = _fd(lambda z: R.ppo_loss(z, tok, old, adv, m, ref, kl_estimator="k2", **kw)[0], x)
-    assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()
-    base, base_met, _ = R.ppo_loss(x, tok, old, adv, m, ref, kl_estimator=est[:2], **kw)
-    assert loss == pytest.approx(base, rel=1e-12)  # the value is the base estimator's
-
-
-def test_reference_cispo_gradient_holds_the_weight_constant():
-    """CISPO's weight sg(clip(rho)) is a constant: the gradient is the finite difference of
-    -sum w_t A_t w0_t logp_t with w0 frozen at the current logits."""
-    x, tok, m, old, ref, adv, _ = _small_problem(3)
-    kw = dict(policy_loss="cispo", clip_eps_low=0.3, clip_eps_high=0.5)
-    _, _, g = R.ppo_loss(x, tok, old, adv, m, **kw)
-    lp0, _ = R.token_logprobs(x, tok, m)
-    w0 = np.clip(np.exp(np.clip(lp0 - old, -20, 20)), 0.7, 1.5)
-    w = R.agg_weights(m, "token-mean")
-    num = _fd(lambda z: float((w * -w0 * adv * R.token_logprobs(z, tok, m)[0]).sum()), x)
-    assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()
-
-
-def test_reference_gspo_token_gradient_holds_the_sequence_ratio_constant():
-    """GSPO-token: s_t = sg(s) exp(logp_t - sg(logp_t)); its gradient is the finite
-    difference of the clipped surrogate of s0 exp(logp_t - logp0_t) with s0, logp0 frozen."""
-    x, tok, m, old, ref, adv, _ = _small_problem(4)
-    kw = dict(policy_loss="gspo-token", clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0)
-    _, _, g = R.ppo_loss(x, tok, old, adv, m, **kw)
-    lp0, _ = R.token_logprobs(x, tok, m)
-    s0 = np.exp(R.seq_mean(lp0 - old, m))
-    w = R.agg_weights(m, "token-mean")
-
-    def f(z):
-        lp, _ = R.token_logprobs(z, tok, m)
-        pg = R._clip_surrogate(s0 * np.exp(lp - lp0), adv, 0.2, 0.28, 3.0)[0]
-        return float((w * pg * m).sum())
-
-    num = _fd(f, x)
-    assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()
-
 
 # ------------------------------------------------------------------ hand-computed cases
-
-
-def _one_token_rows(logp_values):
-    """Logits [1, T, 2] whose token 0 has the given log-probabilities."""
-    lp = np.asarray(logp_values, dtype=np.float64)
-    # log p0 = -log(1 + e^(x1 - x0)) with x0 = 0: x1 = log(e^(-lp) - 1)
-    x = np.zeros((1, len(lp), 2))
-    x[0, :, 1] = np.log(np.expm1(-lp))
-    return x, np.zeros((1, len(lp)), dtype=np.int64)
 
 
 def test_gspo_hand_case():
@@ -127,7 +35,7 @@ def test_gspo_hand_case():
     log-ratios 0.1 and 0.3: s = e^0.2 = 1.2214; A = 1 and eps 0.2 clip it (loss -1.2,
     no gradient); with eps_high 0.3 it is unclipped (loss -1.2214, d loss / d logp_t =
     -A s / 2 each, seq-mean-token-mean of one sequence)."""
-    x, tok = _one_token_rows([-0.4, -1.1])
+    x, tok = one_token_rows([-0.4, -1.1])
     lp, _ = R.token_logprobs(x, tok)
     old = lp - np.array([[0.1, 0.3]])
     adv = np.ones((1, 2))
@@ -153,7 +61,7 @@ def test_cispo_hand_case():
     """CISPO (MiniMax-M1, eq. 4): -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A logp. rho = 1.5
     with eps_high 0.2 gives the weight 1.2: A = 2, logp = -0.7 -> 1.68, d / d logp = -2.4.
     TRL's cap (epsilon_high = 5, no floor) is clip_eps_low = 1, clip_eps_high = 4."""
-    x, tok = _one_token_rows([-0.7])
+    x, tok = one_token_rows([-0.7])
     old = np.array([[-0.7 - math.log(1.5)]])
     for backend in ("cpu", "torch"):
         xg = torch.tensor(x).requires_grad_(True)
@@ -172,7 +80,7 @@ def test_cispo_hand_case():
 def test_sapo_hand_case():
     """SAPO's gate at rho = 1 is sigmoid(0) = 1/2: the loss -(4 / tau) A / 2 and the gradient
     -4 (1/4) A = -A, PPO's own; tau_pos applies for A > 0, tau_neg for A < 0."""
-    x, tok = _one_token_rows([-0.5, -0.9])
+    x, tok = one_token_rows([-0.5, -0.9])
     lp, _ = R.token_logprobs(x, tok)
     adv = np.array([[1.0, -1.0]])
     for backend in ("cpu", "torch"):
@@ -189,7 +97,7 @@ def test_sapo_hand_case():
 def test_kl_bias_correction_on_policy_gradient():
     """TRL's use_bias_correction_kl multiplies k3 by rho (not detached): on-policy
     (rho = 1) its gradient is k3 + dk3 = delta = logp - ref_logp."""
-    x, tok = _one_token_rows([-0.3, -2.0])
+    x, tok = one_token_rows([-0.3, -2.0])
     lp, _ = R.token_logprobs(x, tok)
     ref = lp - np.array([[0.25, -0.4]])
     for backend in ("cpu", "torch"):
@@ -353,94 +261,234 @@ def test_menu_cases_cover_every_option():
     assert {c["policy_loss"] for c in OPTION_CASES} == set(R.POLICY_LOSSES)
 
 
-# ------------------------------------------------------------------ rollout correction
-
-ROLLOUT_CASES = [("tis", 2.0, None), ("tis-seq", (0.5, 1.5), None), ("mis", (0.8, 1.25), None),
-                 ("mis-seq", 3.0, None), ("geo-seq", 1.05, None), (None, 2.0, 0.02),
-                 ("tis", 2.0, 0.02)]
+# ------------------------------------------------------------------ odd inputs
+# (CPU tensors: cpu, torch and the Triton interpreter)
 
 
-@pytest.mark.parametrize("be", BACKENDS)
-@pytest.mark.parametrize("mode,threshold,off_policy", ROLLOUT_CASES,
-                         ids=[f"{m}-{t}-{o}" for m, t, o in ROLLOUT_CASES])
-def test_rollout_correction_matches_reference(be, mode, threshold, off_policy, gen):
-    B, T, V = (2, 4, 37) if be.small else (4, 6, 50)
-    inp = make_inputs(B, T, V, gen)
-    roll = inp["old"] + 0.25 * torch.randn(B, T, generator=gen).to(inp["old"].dtype)
-    kw = dict(rollout_correction=mode, rollout_is_threshold=threshold,
-              off_policy_mask_threshold=off_policy, kl_coef=0.05)
-    x = be.t(inp["full"][:, :T]).detach().clone().requires_grad_(True)
-    loss, met = pk.ppo_loss(x, be.t(inp["tokens"]), be.t(inp["old"]), be.t(inp["adv"]),
-                            be.t(inp["mask"]), be.t(inp["ref"]), rollout_logprobs=be.t(roll),
-                            backend=be.name, **kw)
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("agg", ["token-sum", "seq-mean-token-sum-norm", "none"])
+def test_every_loss_with_every_option_at_once(be, policy_loss, agg):
+    """k3+ with the bias correction, a separate entropy aggregation, per-sequence
+    advantages [B, 1] and IS weights [B, 1]: all at once, per aggregation."""
+    inp = seeded_inputs(2, 4, 19, 11)
+    kw = dict(policy_loss=policy_loss, loss_agg_mode=agg, kl_coef=0.15, kl_estimator="k3+",
+              kl_bias_correction=True, entropy_coef=0.03,
+              entropy_agg_mode=None if agg == "none" else "token-mean",
+              rollout_is_weights=inp["isw"][:, :1], sapo_tau_pos=2.0, sapo_tau_neg=0.5,
+              dual_clip_c=3.0 if policy_loss not in ("cispo", "sapo") else None)
+    compare_with_reference(be, inp["full"][:, :4], inp["tokens"], inp["old"], inp["adv"][:, :1],
+                           inp["mask"], inp["ref"], **kw)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+def test_on_policy_with_k1plus_and_per_sequence_advantages(be, policy_loss):
+    """On-policy (old_logprobs=None) with k1+, the KL bias correction, per-sequence
+    advantages [B] and seq-mean-token-mean, for every policy loss."""
+    inp = seeded_inputs(2, 4, 17, 12)
+    compare_with_reference(be, inp["full"][:, :4], inp["tokens"], None, inp["adv"][:, 0],
+                           inp["mask"], inp["ref"], policy_loss=policy_loss, kl_coef=0.3,
+                           kl_estimator="k1+", kl_bias_correction=True,
+                           loss_agg_mode="seq-mean-token-mean")
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", ["cispo", "gspo", "gspo-token"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16],
+                         ids=["f64", "bf16", "f16"])
+def test_logits_dtypes(be, policy_loss, dtype):
+    """float64 / bfloat16 / float16 logits with cispo, gspo and gspo-token and the menu's
+    options (k3+, the bias correction, an entropy aggregation of its own, mis)."""
+    inp = seeded_inputs(2, 4, 19, 15, dtype=dtype)
+    rtol, _, grel = TOL[dtype]
+    roll = inp["old"] + 0.1
+    compare_with_reference(be, inp["full"][:, :4], inp["tokens"], inp["old"], inp["adv"][:, :1],
+                           inp["mask"], inp["ref"], grad_rel=grel, loss_rel=max(rtol, 2e-6),
+                           policy_loss=policy_loss, kl_coef=0.1, kl_bias_correction=True,
+                           kl_estimator="k3+", entropy_coef=0.02,
+                           entropy_agg_mode="seq-mean-token-sum", loss_agg_mode="token-sum",
+                           rollout_logprobs=roll, rollout_correction="mis",
+                           rollout_is_threshold=(0.7, 1.4))
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("shape", [(3, 4, 7, "empty_row"), (2, 3, 7, "all"), (4, 1, 7, "none"),
+                                   (2, 3, 1, "mixed")], ids=["empty-row", "all-masked", "T1", "V1"])
+def test_degenerate_shapes(be, policy_loss, shape):
+    """An empty row, an all-masked batch, T = 1 and V = 1, for every policy loss with
+    the menu's options and a global_num_seqs."""
+    B, T, V, padding = shape
+    inp = seeded_inputs(B, T, V, 16, padding=padding)
+    compare_with_reference(be, inp["full"][:, :T], inp["tokens"], inp["old"], inp["adv"][:, 0],
+                           inp["mask"], inp["ref"], policy_loss=policy_loss, kl_coef=0.1,
+                           kl_bias_correction=True, entropy_coef=0.01, entropy_agg_mode="token-sum",
+                           loss_agg_mode="seq-mean-token-mean", rollout_logprobs=inp["old"] + 0.2,
+                           rollout_correction="tis", off_policy_mask_threshold=0.1,
+                           global_num_seqs=torch.tensor(5))
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+def test_banned_neginf_logits(be, policy_loss):
+    """-inf (banned) logits, for every policy loss with the KL bias correction and an
+    entropy term aggregated on its own."""
+    inp = seeded_inputs(2, 4, 23, 17, neginf=True)
+    compare_with_reference(be, inp["full"][:, :4], inp["tokens"], inp["old"], inp["adv"],
+                           inp["mask"], inp["ref"], policy_loss=policy_loss, kl_coef=0.1,
+                           kl_bias_correction=True, entropy_coef=0.05,
+                           entropy_agg_mode="token-mean")
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", ["vanilla", "cispo", "sapo", "gspo"])
+@pytest.mark.parametrize("est", ["k1+", "k3+", "k3"])
+def test_huge_log_ratios(be, policy_loss, est):
+    """|logp - old| of 25-40 nats (clamped at 20), also as the KL's reference."""
+    inp = seeded_inputs(2, 4, 23, 18, padding="none")
+    old = inp["old"].clone()
+    old[0, 0] -= 25
+    old[0, 1] += 30
+    old[1] -= 40
+    compare_with_reference(be, inp["full"][:, :4], inp["tokens"], old, inp["adv"], inp["mask"], old,
+                           policy_loss=policy_loss, kl_coef=0.1, kl_estimator=est,
+                           kl_bias_correction=True,
+                           dual_clip_c=None if policy_loss in ("cispo", "sapo") else 3.0)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+def test_ties_on_policy_with_a_zero_width_band(be, policy_loss):
+    """On-policy rho = 1 exactly with clip_eps 0: every token sits on both clip edges (the
+    unclipped branch is the active one on ties)."""
+    inp = seeded_inputs(2, 4, 23, 19, padding="none")
+    compare_with_reference(be, inp["full"][:, :4], inp["tokens"], None, inp["adv"], None,
+                           inp["ref"], policy_loss=policy_loss, kl_coef=0.1,
+                           kl_bias_correction=True, clip_eps_low=0.0, clip_eps_high=0.0)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("count", [7, 7.5, torch.tensor(7), torch.tensor(7.5),
+                                   torch.tensor(7.5, dtype=torch.float64),
+                                   torch.tensor(3, dtype=torch.int8)],
+                         ids=["int", "float", "t-int", "t-f32", "t-f64", "t-int8"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_global_counts_numbers_and_tensors(be, count, agg):
+    """global_num_tokens / global_num_seqs as Python ints and floats and as 0-d tensors
+    (int64, float32, float64, int8)."""
+    inp = seeded_inputs(2, 4, 13, 20)
+    compare_with_reference(be, inp["full"][:, :4], inp["tokens"], inp["old"], inp["adv"],
+                           inp["mask"], inp["ref"],
+                           policy_loss="gspo" if agg == "token-mean" else "cispo",
+                           loss_agg_mode=agg, global_num_tokens=count, global_num_seqs=count,
+                           entropy_coef=0.1, entropy_agg_mode="token-mean")
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", TOKEN_LOSSES + ["gspo-token"])
+@pytest.mark.parametrize("field", ["adv", "old", "ref", "isw"])
+def test_nan_on_masked_positions_token_losses(be, policy_loss, field):
+    """NaN in old / ref / advantages / IS weights on masked positions reaches neither
+    loss nor gradient (gspo: test_gspo_nan_on_masked_positions)."""
+    inp = seeded_inputs(2, 4, 11, 25)
+    m = inp["mask"]
+    clean = dict(old=inp["old"], ref=inp["ref"], adv=inp["adv"], isw=inp["isw"])
+    dirty = dict(clean)
+    dirty[field] = torch.where(m, clean[field], float("nan"))
+    kw = dict(policy_loss=policy_loss, kl_coef=0.1, kl_bias_correction=True, entropy_coef=0.01)
+    x = inp["full"][:, :4].clone().requires_grad_(True)
+    loss, met = pk.ppo_loss(x, inp["tokens"], dirty["old"], dirty["adv"], m, dirty["ref"],
+                            rollout_is_weights=dirty["isw"], backend=be.name, **kw)
     loss.backward()
-    e_loss, e_met, e_grad = R.ppo_loss(inp["base"], inp["tokens"], inp["old"], inp["adv"],
-                                       inp["mask"], inp["ref"], rollout_logprobs=roll, **kw)
+    e_loss, _, e_grad = R.ppo_loss(inp["base"], inp["tokens"], clean["old"], clean["adv"], m,
+                                   clean["ref"], rollout_is_weights=clean["isw"], **kw)
     assert float(loss.detach()) == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
-    assert_grad_close(x.grad, e_grad, 3e-6)
-    w = R.rollout_correction_weights(inp["old"], roll, inp["mask"], mode, threshold) \
-        if mode else inp["mask"].double().numpy()
-    m = inp["mask"].double().numpy()
-    assert float(met["rollout_is_mean"]) == pytest.approx((w * m).sum() / m.sum(), rel=1e-5)
-    ell = np.clip(inp["old"].double().numpy() - roll.double().numpy(), -20, 20) * m
-    assert float(met["rollout_kl_k3"]) == pytest.approx(
-        (R.expm1_minus_x(ell) * m).sum() / m.sum(), rel=1e-5)
-    assert float(met["rollout_chi2"]) == pytest.approx(
-        (np.exp(2 * ell) * m).sum() / m.sum() - 1, rel=1e-4, abs=1e-6)
+    assert all(math.isfinite(float(v)) for v in met.values())
+    assert np.abs(to_np(x.grad) - e_grad).max() <= 3e-6 * np.abs(e_grad).max()
 
 
-def test_truncated_is_hand_case():
-    """tis: w = min(pi_old / pi_rollout, C); ratios e^1, 1, e^-1 with C = 2 give 2, 1, e^-1."""
-    old = torch.zeros(1, 3)
-    roll = torch.tensor([[-1.0, 0.0, 1.0]])
-    w = R.rollout_correction_weights(old, roll, None, "tis", 2.0)
-    np.testing.assert_allclose(w, [[2.0, 1.0, math.exp(-1)]], rtol=1e-12)
-    from ppo_kernels import rollout_correction as rc
-
-    got = rc.weights(old, roll, torch.ones(1, 3, dtype=torch.bool), "tis", 0.0, 2.0)
-    np.testing.assert_allclose(got.numpy(), w, rtol=1e-6)
-    # masked IS drops the first token, the sequence version the whole sequence (e^0 = 1
-    # inside [0.5, 1.5]: kept)
-    np.testing.assert_allclose(R.rollout_correction_weights(old, roll, None, "mis", 2.0),
-                               [[0.0, 1.0, math.exp(-1)]], rtol=1e-12)
-    np.testing.assert_allclose(R.rollout_correction_weights(old, roll, None, "mis-seq",
-                                                            (0.5, 1.5)), [[1.0, 1.0, 1.0]])
-
-
-def test_off_policy_mask_hand_case():
-    """DeepSeek-V3.2: a sequence with A < 0 whose mean (rollout_logp - logp) exceeds the
-    threshold loses its policy term; A >= 0 sequences and the KL term are kept."""
-    x, tok = _one_token_rows([-0.5, -0.5])
-    x = np.repeat(x, 2, axis=0)  # two sequences of two tokens
-    tok = np.zeros((2, 2), dtype=np.int64)
-    lp, _ = R.token_logprobs(x, tok)
-    roll = lp + 0.3  # mean KL 0.3 in both
-    adv = np.array([[-1.0, -1.0], [1.0, 1.0]])
-    loss, met = pk.ppo_loss(torch.tensor(x), torch.tensor(tok), torch.tensor(lp),
-                            torch.tensor(adv), rollout_logprobs=torch.tensor(roll),
-                            off_policy_mask_threshold=0.2, loss_agg_mode="token-sum",
-                            backend="cpu")
-    assert float(loss) == pytest.approx(-2.0, rel=1e-12)  # only the A > 0 sequence: -rho A
-    assert float(met["off_policy_masked_frac"]) == 0.5
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("field", ["adv", "ref", "isw"])
+def test_gspo_nan_on_masked_positions(be, field):
+    """gspo: NaN advantages, IS weights or ref logprobs (with the KL bias correction) on
+    masked positions reach neither the loss nor the gradient (the sequence ratio is spread
+    over the sequence's tokens: a 0 * NaN there would make the whole sequence's gradient
+    NaN)."""
+    inp = seeded_inputs(2, 4, 11, 25)
+    m = inp["mask"]
+    clean = dict(ref=inp["ref"], adv=inp["adv"], isw=inp["isw"])
+    dirty = dict(clean)
+    dirty[field] = torch.where(m, clean[field], float("nan"))
+    kw = dict(policy_loss="gspo", kl_coef=0.1, kl_bias_correction=True)
+    x = inp["full"][:, :4].clone().requires_grad_(True)
+    loss, _ = pk.ppo_loss(x, inp["tokens"], inp["old"], dirty["adv"], m, dirty["ref"],
+                          rollout_is_weights=dirty["isw"], backend=be.name, **kw)
+    loss.backward()
+    _, _, e_grad = R.ppo_loss(inp["base"], inp["tokens"], inp["old"], clean["adv"], m,
+                              clean["ref"], rollout_is_weights=clean["isw"], **kw)
+    assert torch.isfinite(x.grad).all()
+    assert np.abs(to_np(x.grad) - e_grad).max() <= 3e-6 * np.abs(e_grad).max()
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(rollout_correction="tis"), "rollout_correction"),
-    (dict(rollout_correction="is", rollout_logprobs=True), "rollout_correction"),
-    (dict(rollout_correction="tis", rollout_logprobs=True, rollout_is_threshold=0.0),
-     "rollout_is_threshold"),
-    (dict(rollout_correction="mis", rollout_logprobs=True, rollout_is_threshold=(2.0, 1.0)),
-     "rollout_is_threshold"),
-    (dict(rollout_correction="geo-seq", rollout_logprobs=True, rollout_is_threshold=0.9),
-     "rollout_is_threshold"),
-    (dict(off_policy_mask_threshold=math.nan), "off_policy_mask_threshold"),
-    (dict(rollout_logprobs=torch.zeros(2, 2)), "rollout_logprobs"),
-])
-def test_rollout_correction_bad_inputs(kw, match):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 3, 5, generator=g)
-    tokens = torch.randint(0, 5, (2, 3), generator=g)
-    if kw.get("rollout_logprobs") is True:
-        kw = dict(kw, rollout_logprobs=-torch.rand(2, 3, generator=g))
-    with pytest.raises(ValueError, match=match):
-        pk.ppo_loss(logits, tokens, -torch.rand(2, 3, generator=g), torch.randn(2, 3), **kw)
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("bias", [False, True], ids=["pg", "kl-bias"])
+def test_gspo_token_clamped_sequence_ratio_has_no_gradient(be, bias):
+    """gspo-token: where the sequence log-ratio is clamped (|mean| > 20) the policy
+    term and the bias-corrected KL term have no gradient, as in the reference (not -A s,
+    ~1e8)."""
+    inp = seeded_inputs(1, 2, 5, 28, padding="none")
+    old = inp["old"] - 25.0  # mean log-ratio ~ +25: clamped at 20
+    adv = torch.zeros(1, 2) if bias else -torch.ones(1, 2)
+    kw = dict(kl_coef=0.1, kl_bias_correction=True) if bias else {}
+    compare_with_reference(be, inp["full"][:, :2], inp["tokens"], old, adv, None, old + 1.0,
+                           policy_loss="gspo-token", **kw)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("est,delta", [("k1+", 1000.37), ("k1+", -1000.37),
+                                       ("k3+", math.inf)], ids=["k1p-pos", "k1p-neg", "k3p-inf"])
+def test_straight_through_kl_value_keeps_its_digits(be, est, delta):
+    """k1+ / k3+ are valued as k1 / k3 themselves, not as k2 + (k - k2).detach(): the
+    kl_ref metric and the loss keep their digits at |delta| = 1000 and are finite for
+    ref_logprobs = -inf."""
+    x = torch.zeros(1, 1, 3)
+    tok = torch.zeros(1, 1, dtype=torch.long)
+    ref = torch.tensor([[-math.log(3) - delta]])
+    loss, met = pk.ppo_loss(x, tok, None, torch.zeros(1, 1), None, ref, kl_coef=1.0,
+                            kl_estimator=est, loss_agg_mode="token-sum", backend=be.name)
+    e_loss, e_met, _ = R.ppo_loss(x.double(), tok, None, torch.zeros(1, 1), None, ref,
+                                  kl_coef=1.0, kl_estimator=est, loss_agg_mode="token-sum")
+    assert float(met["kl_ref"]) == pytest.approx(e_met["kl_ref"], rel=2e-6)
+    assert float(loss) == pytest.approx(e_loss, rel=2e-6)
+
+
+@pytest.mark.parametrize("backend", ["cpu"])
+@pytest.mark.parametrize("kw", [dict(policy_loss="gspo", off_policy_mask_threshold=0.05),
+                                dict(policy_loss="gspo-token", entropy_coef=0.01,
+                                     entropy_agg_mode="token-mean", global_num_tokens="t"),
+                                dict(policy_loss="sapo", kl_coef=0.1, kl_estimator="k3+",
+                                     kl_bias_correction=True)],
+                         ids=["gspo-offpolicy", "gspo-token-global", "sapo-k3plus-bias"])
+def test_compile_fullgraph(backend, kw):
+    """torch.compile(fullgraph=True) of the menu's options (gspo with the off-policy mask,
+    gspo-token with a tensor global_num_tokens, sapo with k3+ and the bias correction): the
+    loss and gradient of eager."""
+    torch._dynamo.reset()
+    inp = seeded_inputs(2, 4, 11, 24)
+    kw = dict(kw)
+    if kw.get("global_num_tokens") == "t":
+        kw["global_num_tokens"] = torch.tensor(9.0)
+
+    def f(x, tok, old, adv, mask, ref):
+        return pk.ppo_loss(x, tok, old, adv, mask, ref, backend=backend, **kw)
+
+    args = (inp["tokens"], inp["old"], inp["adv"][:, 0], inp["mask"], inp["ref"])
+    x = inp["full"][:, :4].clone().requires_grad_(True)
+    loss, met = torch.compile(f, fullgraph=True, backend="aot_eager")(x, *args)
+    loss.backward()
+    y = inp["full"][:, :4].clone().requires_grad_(True)
+    loss2, met2 = f(y, *args)
+    loss2.backward()
+    torch.testing.assert_close(loss.detach(), loss2.detach())
+    torch.testing.assert_close(x.grad, y.grad)

@@ -1,9 +1,11 @@
-"""Packed sequences (cu_seqlens, verl's / OpenRLHF's remove-padding layout) against the
-padded [S, max_seqlen] layout of the same sequences: every op that takes cu_seqlens
-(ppo_loss, ppo_loss_from_hidden, score_rollout, gae, kl_penalized_rewards, whiten), every
-policy loss and aggregation mode, the rollout corrections, per-sequence inputs, the
-[total, V], [1, total, V] and [1, total + 1, V] layouts, backends cpu, torch and triton
-(the interpreter, small shapes), float32 tight, bfloat16 loose, float64 gradcheck.
+"""Tests of ppo_kernels/packed.py: packed sequences (cu_seqlens, verl's / OpenRLHF's
+remove-padding layout) against the padded [S, max_seqlen] layout of the same sequences:
+every op that takes cu_seqlens (ppo_loss, ppo_loss_from_hidden, score_rollout, gae,
+kl_penalized_rewards, whiten), every policy loss and aggregation mode, the rollout
+corrections, per-sequence inputs, the [total, V], [1, total, V] and [1, total + 1, V]
+layouts, backends cpu, torch and triton (the interpreter, small shapes), float32 tight,
+bfloat16 loose, float64 gradcheck. Bad cu_seqlens / max_seqlen and per-token inputs of a
+wrong length: a ValueError or TypeError naming the argument, on every op.
 
 The padded twin of a packed batch: sequence s is row s of [S, L] (L = the longest
 sequence), the padding masked out; per-token inputs hold NaN on the masked positions
@@ -15,18 +17,15 @@ the gradient of every packed row of logits.
 import os
 import zlib
 
+import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import ppo_kernels as pk
 
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-import ppo_kernels as pk  # noqa: E402
-
-from conftest import TRITON_INTERP, backend_params  # noqa: E402
+from conftest import (PK_CU, PK_H, PK_S, PK_TOTAL, PK_V, TRITON_INTERP, backend_params,
+                      packed_batch, raises_naming)
 
 EXAMPLES = int(os.environ.get("PPO_HYPOTHESIS_EXAMPLES", 60))
 SETTINGS = settings(max_examples=max(4, EXAMPLES // 2), deadline=None, derandomize=True,
@@ -665,3 +664,165 @@ def test_score_rollout_all_empty():
     out = pk.score_rollout(b.logits, b.tokens, b.p["ref"], b.p["values"], b.seq["scores"],
                            b.mask, kl_coef=0.1, cu_seqlens=b.cu)
     assert all(x.shape == (0,) for x in out)
+
+
+# ------------------------------------------------------------------ bad arguments
+# (errors are ValueError or TypeError naming the argument: never an IndexError or a crash)
+
+def _packed_ops(d):
+    """name -> f(**packing kwargs): every op that takes cu_seqlens, on the packed batch."""
+    return {
+        "ppo_loss-cpu": lambda **kw: pk.ppo_loss(d["logits"], d["tokens"], d["old"], d["adv"],
+                                                 d["mask"], backend="cpu", **kw),
+        "ppo_loss-torch-gspo": lambda **kw: pk.ppo_loss(
+            d["logits"], d["tokens"], d["old"], d["adv"], d["mask"], policy_loss="gspo",
+            backend="torch", **kw),
+        "ppo_loss_from_hidden": lambda **kw: pk.ppo_loss_from_hidden(
+            d["hidden"], d["weight"], d["tokens"], d["old"], d["adv"], d["mask"], **kw),
+        "score_rollout": lambda **kw: pk.score_rollout(
+            d["logits"], d["tokens"], d["old"], d["values"], d["scores"], d["mask"],
+            kl_coef=0.1, **kw),
+        "gae": lambda **kw: pk.gae(d["adv"], d["values"], d["mask"], **kw),
+        "kl_penalized_rewards": lambda **kw: pk.kl_penalized_rewards(
+            d["scores"], d["old"], d["values"], d["mask"], kl_coef=0.1, **kw),
+        "whiten": lambda **kw: pk.whiten(d["adv"], d["mask"], **kw),
+    }
+
+
+PACKED_OPS = sorted(_packed_ops(packed_batch()))
+
+
+def test_the_packed_batch_is_fine():
+    """The good batch the bad inputs below start from runs on every op."""
+    for name, op in _packed_ops(packed_batch()).items():
+        op(cu_seqlens=PK_CU)
+        op(cu_seqlens=PK_CU.long(), max_seqlen=3)
+        op(cu_seqlens=PK_CU, max_seqlen=7)
+
+
+BAD_CU = {
+    "float": torch.tensor([0.0, 3.0, 3.0, 5.0]),
+    "bool": torch.tensor([False, True, True, True]),
+    "list": [0, 3, 3, 5],
+    "2-D": torch.tensor([[0, 3, 3, 5]], dtype=torch.int32),
+    "2-D-column": torch.tensor([[0], [3], [3], [5]], dtype=torch.int32),
+    "0-D": torch.tensor(5, dtype=torch.int32),
+    "empty": torch.tensor([], dtype=torch.int32),
+    "not-starting-at-0": torch.tensor([1, 3, 3, 5], dtype=torch.int32),
+    "negative-start": torch.tensor([-1, 3, 3, 5], dtype=torch.int32),
+    "decreasing": torch.tensor([0, 4, 3, 5], dtype=torch.int32),
+    "short-of-total": torch.tensor([0, 3, 3, 4], dtype=torch.int32),
+    "past-total": torch.tensor([0, 3, 3, 6], dtype=torch.int32),
+    "only-zero": torch.tensor([0], dtype=torch.int32),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CU))
+@pytest.mark.parametrize("op", PACKED_OPS)
+def test_bad_cu_seqlens(op, case):
+    """cu_seqlens of a wrong dtype, type or shape, empty, not starting at 0, decreasing,
+    or not ending at the total: an error naming cu_seqlens (with and without max_seqlen), on
+    every op that takes it."""
+    fn = _packed_ops(packed_batch())[op]
+    raises_naming(lambda: fn(cu_seqlens=BAD_CU[case]), "cu_seqlens")
+    raises_naming(lambda: fn(cu_seqlens=BAD_CU[case], max_seqlen=5), "cu_seqlens")
+
+
+@pytest.mark.parametrize("value", [2, 0, -1, 2.5, 3.0, "3", True, torch.tensor(3)])
+@pytest.mark.parametrize("op", PACKED_OPS)
+def test_bad_max_seqlen(op, value):
+    """Shorter than the longest sequence (3), negative, not an int."""
+    fn = _packed_ops(packed_batch())[op]
+    raises_naming(lambda: fn(cu_seqlens=PK_CU, max_seqlen=value), "max_seqlen")
+
+
+def test_max_seqlen_without_cu_seqlens():
+    """max_seqlen without cu_seqlens is an error naming max_seqlen, on every op."""
+    g = torch.Generator().manual_seed(1)
+    B, T = 2, 4
+    lg, tok = torch.randn(B, T, PK_V, generator=g), torch.randint(0, PK_V, (B, T), generator=g)
+    x = torch.randn(B, T, generator=g)
+    m = torch.ones(B, T, dtype=torch.bool)
+    calls = [
+        lambda: pk.ppo_loss(lg, tok, x, x, m, max_seqlen=4),
+        lambda: pk.ppo_loss_from_hidden(torch.randn(B, T, PK_H), torch.randn(PK_V, PK_H), tok, x,
+                                        x, m, max_seqlen=4),
+        lambda: pk.score_rollout(lg, tok, x, x, torch.randn(B), m, kl_coef=0.1, max_seqlen=4),
+        lambda: pk.gae(x, x, m, max_seqlen=4),
+        lambda: pk.kl_penalized_rewards(torch.randn(B), x, x, m, kl_coef=0.1, max_seqlen=4),
+        lambda: pk.whiten(x, m, max_seqlen=4),
+    ]
+    for c in calls:
+        raises_naming(c, "max_seqlen")
+
+
+def test_cu_seqlens_with_a_padded_batch():
+    """[B, T] inputs with B > 1 are not a packed layout."""
+    g = torch.Generator().manual_seed(2)
+    B, T = 2, 4
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)  # total = B * T: still not packed
+    lg, tok = torch.randn(B, T, PK_V, generator=g), torch.randint(0, PK_V, (B, T), generator=g)
+    x = torch.randn(B, T, generator=g)
+    m = torch.ones(B, T, dtype=torch.bool)
+    for c, name in [
+        (lambda: pk.ppo_loss(lg, tok, x, x, m, cu_seqlens=cu), "tokens"),
+        (lambda: pk.ppo_loss(lg, tok, x, x, m, cu_seqlens=cu, policy_loss="gspo",
+                             backend="torch"), "tokens"),
+        (lambda: pk.ppo_loss_from_hidden(torch.randn(B, T, PK_H), torch.randn(PK_V, PK_H), tok,
+                                         x, x, m, cu_seqlens=cu), "tokens"),
+        (lambda: pk.score_rollout(lg, tok, x, x, torch.randn(2), m, kl_coef=0.1,
+                                  cu_seqlens=cu), "tokens"),
+        (lambda: pk.gae(x, x, m, cu_seqlens=cu), "rewards"),
+        (lambda: pk.kl_penalized_rewards(torch.randn(2), x, x, m, kl_coef=0.1,
+                                         cu_seqlens=cu), "logprobs"),
+        (lambda: pk.whiten(x, m, cu_seqlens=cu), "x"),
+    ]:
+        e = raises_naming(c, name)
+        assert "cu_seqlens" in str(e), e
+
+
+@pytest.mark.parametrize("shape", [(PK_S + 1,), (PK_TOTAL + 1,), (PK_S, 2), (1, PK_TOTAL + 1),
+                                   (PK_S, 3), (PK_TOTAL, 1), (2, PK_TOTAL)])
+def test_per_token_inputs_of_a_wrong_length(shape):
+    """advantages, rollout_is_weights, old_logprobs, ref_logprobs, rollout_logprobs,
+    response_mask of a shape neither [total], [1, total] nor (the first two) [S] / [S, 1]."""
+    d = packed_batch()
+    bad = torch.randn(shape)
+    base = dict(old_logprobs=d["old"], advantages=d["adv"], response_mask=d["mask"],
+                cu_seqlens=PK_CU)
+    for name, extra in [("advantages", {}), ("rollout_is_weights", {}),
+                        ("old_logprobs", {}), ("ref_logprobs", dict(kl_coef=0.1)),
+                        ("rollout_logprobs", dict(rollout_correction="tis")),
+                        ("response_mask", {})]:
+        for be, pl in (("cpu", "vanilla"), ("cpu", "gspo"), ("torch", "gspo")):
+            kw = dict(base, policy_loss=pl, backend=be, **extra)
+            if name == "ref_logprobs" or name == "rollout_logprobs":
+                kw.setdefault("ref_logprobs", d["old"])
+                kw.setdefault("rollout_logprobs", d["old"])
+            kw[name] = bad if name != "response_mask" else bad > 0
+            raises_naming(lambda: pk.ppo_loss(d["logits"], d["tokens"], **kw), name)
+
+
+def test_rollout_side_inputs_of_a_wrong_length():
+    """gae's values / bootstrap_values, kl_penalized_rewards' scores / ref_logprobs,
+    score_rollout's scores / values and whiten's mask of a wrong length with cu_seqlens:
+    errors naming them."""
+    d = packed_batch()
+    bad = torch.randn(PK_TOTAL + 1)
+    raises_naming(lambda: pk.gae(d["adv"], bad, d["mask"], cu_seqlens=PK_CU), "values")
+    raises_naming(lambda: pk.gae(d["adv"], d["values"], d["mask"], cu_seqlens=PK_CU,
+                                 bootstrap_values=torch.randn(PK_S + 1)),
+                  "bootstrap_values")
+    raises_naming(lambda: pk.kl_penalized_rewards(torch.randn(PK_S + 1), d["old"],
+                                                  d["values"], d["mask"], kl_coef=0.1,
+                                                  cu_seqlens=PK_CU), "scores")
+    raises_naming(lambda: pk.kl_penalized_rewards(d["scores"], d["old"], bad, d["mask"],
+                                                  kl_coef=0.1, cu_seqlens=PK_CU),
+                  "ref_logprobs")
+    raises_naming(lambda: pk.score_rollout(d["logits"], d["tokens"], d["old"], d["values"],
+                                           torch.randn(PK_S - 1), d["mask"], kl_coef=0.1,
+                                           cu_seqlens=PK_CU), "scores")
+    raises_naming(lambda: pk.score_rollout(d["logits"], d["tokens"], d["old"], bad,
+                                           d["scores"], d["mask"], kl_coef=0.1,
+                                           cu_seqlens=PK_CU), "values")
+    raises_naming(lambda: pk.whiten(d["adv"], bad > 0, cu_seqlens=PK_CU), "response_mask")

@@ -1,7 +1,8 @@
-"""The numpy float64 oracle itself: its analytic gradients against central finite
-differences, and its forward against independent formulas (torch float64 log_softmax,
-hand-written PPO terms). Everything else in the suite trusts reference.py, so it is
-checked first and without any kernel in the loop."""
+"""Tests of ppo_kernels/reference.py, the numpy float64 oracle itself: its analytic
+gradients against central finite differences (the vanilla options, and the loss menu:
+policy losses, straight-through KL estimators, the KL bias correction), and its forward
+against independent formulas (torch float64 log_softmax, hand-written PPO terms). Everything else in the suite trusts reference.py, so
+it is checked first and without any kernel in the loop."""
 
 import itertools
 
@@ -260,3 +261,89 @@ def test_pg_terms_grid():
         gp = ref.pg_terms(lp + H, old, adv, lo, hi, c)["pg"]
         gm = ref.pg_terms(lp - H, old, adv, lo, hi, c)["pg"]
         np.testing.assert_allclose(g["dpg"], (gp - gm) / (2 * H), rtol=1e-6, atol=1e-8)
+
+
+# ------------------------------------------------------------------ the loss menu
+# (policy losses, straight-through KL estimators, the KL bias correction)
+
+def _small_problem(seed, B=3, T=5, V=7):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(B, T, V)) * 1.5
+    tok = rng.integers(0, V, (B, T))
+    m = (rng.random((B, T)) > 0.2).astype(float)
+    m[1] = 0.0
+    m[1, 2] = 1.0  # a sequence with a single valid token
+    lp, _ = ref.token_logprobs(x, tok, m)
+    old = lp + rng.normal(size=(B, T)) * 0.3
+    refl = lp + rng.normal(size=(B, T)) * 0.3
+    adv = rng.normal(size=(B, T))
+    isw = 0.5 + rng.random((B, T))
+    return x, tok, m, old, refl, adv, isw
+
+
+VALUE_DIFFERENTIABLE = ["vanilla", "sapo", "gspo"]  # the value's derivative is the gradient
+
+
+@pytest.mark.parametrize("policy_loss", VALUE_DIFFERENTIABLE)
+@pytest.mark.parametrize("est", ["k1", "k2", "k3", "abs"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_reference_gradients_are_finite_differences(policy_loss, est, bias):
+    """The analytic dlogits of the policy losses whose value's derivative is their gradient
+    (vanilla with the dual clip, sapo, gspo), with every KL estimator with and without the
+    bias correction, an entropy term aggregated on its own and IS weights: central finite
+    differences of the loss."""
+    x, tok, m, old, refl, adv, isw = _small_problem(1)
+    kw = dict(policy_loss=policy_loss, kl_coef=0.3, kl_estimator=est, kl_bias_correction=bias,
+              entropy_coef=0.05, entropy_agg_mode="seq-mean-token-mean",
+              rollout_is_weights=isw, loss_agg_mode="token-mean",
+              sapo_tau_pos=1.3, sapo_tau_neg=0.7,
+              dual_clip_c=None if policy_loss == "sapo" else 3.0)
+    _, _, g = ref.ppo_loss(x, tok, old, adv, m, refl, **kw)
+    num = fd_grad(lambda z: ref.ppo_loss(z, tok, old, adv, m, refl, **kw)[0], x)
+    assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()
+
+
+@pytest.mark.parametrize("est", ["k1+", "k3+"])
+def test_reference_straight_through_kl_has_the_k2_gradient(est):
+    """k1+ / k3+: the value of k1 / k3, the gradient of k2 (verl): their gradient is the
+    finite difference of the same loss with k2."""
+    x, tok, m, old, refl, adv, isw = _small_problem(2)
+    kw = dict(kl_coef=0.4, entropy_coef=0.02)
+    loss, met, g = ref.ppo_loss(x, tok, old, adv, m, refl, kl_estimator=est, **kw)
+    num = fd_grad(lambda z: ref.ppo_loss(z, tok, old, adv, m, refl, kl_estimator="k2",
+                                         **kw)[0], x)
+    assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()
+    base, base_met, _ = ref.ppo_loss(x, tok, old, adv, m, refl, kl_estimator=est[:2], **kw)
+    assert loss == pytest.approx(base, rel=1e-12)  # the value is the base estimator's
+
+
+def test_reference_cispo_gradient_holds_the_weight_constant():
+    """CISPO's weight sg(clip(rho)) is a constant: the gradient is the finite difference of
+    -sum w_t A_t w0_t logp_t with w0 frozen at the current logits."""
+    x, tok, m, old, refl, adv, _ = _small_problem(3)
+    kw = dict(policy_loss="cispo", clip_eps_low=0.3, clip_eps_high=0.5)
+    _, _, g = ref.ppo_loss(x, tok, old, adv, m, **kw)
+    lp0, _ = ref.token_logprobs(x, tok, m)
+    w0 = np.clip(np.exp(np.clip(lp0 - old, -20, 20)), 0.7, 1.5)
+    w = ref.agg_weights(m, "token-mean")
+    num = fd_grad(lambda z: float((w * -w0 * adv * ref.token_logprobs(z, tok, m)[0]).sum()), x)
+    assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()
+
+
+def test_reference_gspo_token_gradient_holds_the_sequence_ratio_constant():
+    """GSPO-token: s_t = sg(s) exp(logp_t - sg(logp_t)); its gradient is the finite
+    difference of the clipped surrogate of s0 exp(logp_t - logp0_t) with s0, logp0 frozen."""
+    x, tok, m, old, refl, adv, _ = _small_problem(4)
+    kw = dict(policy_loss="gspo-token", clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0)
+    _, _, g = ref.ppo_loss(x, tok, old, adv, m, **kw)
+    lp0, _ = ref.token_logprobs(x, tok, m)
+    s0 = np.exp(ref.seq_mean(lp0 - old, m))
+    w = ref.agg_weights(m, "token-mean")
+
+    def f(z):
+        lp, _ = ref.token_logprobs(z, tok, m)
+        pg = ref._clip_surrogate(s0 * np.exp(lp - lp0), adv, 0.2, 0.28, 3.0)[0]
+        return float((w * pg * m).sum())
+
+    num = fd_grad(f, x)
+    assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()

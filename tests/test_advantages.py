@@ -1,5 +1,9 @@
-"""The rollout side: gae, kl_penalized_rewards, whiten, score_rollout, and value_loss, against
-the numpy float64 reference and hand-computed cases."""
+"""Tests of ppo_kernels/advantages.py, the rollout side: gae, kl_penalized_rewards, whiten
+and score_rollout, against the numpy float64 reference and hand-computed cases; empty
+batches, garbage on masked positions, float16 inputs of whiten; bad arguments (a
+ValueError or TypeError naming the argument, as in test_loss_bad_inputs.py)."""
+
+import math
 
 import numpy as np
 import pytest
@@ -8,7 +12,9 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import assert_close_np, make_inputs, make_mask
+from conftest import (BAD_B, BAD_T, BAD_V, KERNELS_CPU, META, PUBLIC_FUNCS, SMALL_MASK,
+                      assert_bad_input_raises, assert_close_np, bad_row_id, base_gae, make_inputs,
+                      make_mask, oob, small_inputs)
 
 KL = ["k1", "k2", "k3", "abs"]
 
@@ -253,55 +259,147 @@ def test_score_rollout_float64_and_bf16_logits(gen):
         assert_close_np(out.advantages, e["advantages"], rtol=1e-4, atol=1e-4)
 
 
-# ------------------------------------------------------------------ value_loss
+# ------------------------------------------------------------------ edge inputs
 
-@pytest.mark.parametrize("clip_range", [None, 0.0, 0.2, 5.0])
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                                 "seq-mean-token-sum-norm", "none"])
-def test_value_loss_matches_reference(clip_range, agg, gen):
-    B, T = 3, 7
-    v = torch.randn(B, T, generator=gen, dtype=torch.float64)
-    vo = v + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.4
-    r = torch.randn(B, T, generator=gen, dtype=torch.float64)
-    m = make_mask(B, T, gen)
-    e_loss, e_met, e_dv = ref.value_loss(v, vo, r, m, clip_range=clip_range, loss_agg_mode=agg)
-    for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
-        x = v.to(dtype).requires_grad_(True)
-        loss, met = pk.value_loss(x, vo.to(dtype), r.to(dtype), m, clip_range=clip_range,
-                                  loss_agg_mode=agg)
-        assert loss.dtype == dtype
-        assert_close_np(loss, e_loss, rtol=tol, atol=tol)
-        assert set(met) == {"vf_clip_frac"}
-        assert float(met["vf_clip_frac"]) == pytest.approx(e_met["vf_clip_frac"], abs=1e-7)
-        loss.sum().backward()
-        assert_close_np(x.grad, e_dv, rtol=tol * 10, atol=tol * 10, what="dvalues")
-    if clip_range == 0.0:
-        assert e_met["vf_clip_frac"] > 0
+@pytest.mark.parametrize("be", KERNELS_CPU)
+def test_empty_batch_score_rollout_kernels(be):
+    """score_rollout on the kernels with B = 0 or T = 0: advantages of shape [B, T]."""
+    for B, T in [(0, 3), (2, 0)]:
+        d = small_inputs(B, T)
+        out = pk.score_rollout(d["logits"], d["tokens"], d["ref"], torch.randn(B, T),
+                               torch.randn(B), torch.ones(B, T, dtype=torch.bool),
+                               kl_coef=0.1, backend=be.name)
+        assert out.advantages.shape == (B, T)
 
 
-def test_value_loss_by_hand():
-    v = torch.tensor([[1.0, 0.0, 2.0]], requires_grad=True)
-    vo = torch.tensor([[0.0, 0.0, 0.0]])
-    ret = torch.tensor([[0.0, 1.0, 3.0]])
-    loss, met = pk.value_loss(v, vo, ret, clip_range=0.5)
-    # token 0: (1-0)^2 = 1 vs clip 0.5 -> 0.25: unclipped larger
-    # token 1: (0-1)^2 = 1 vs clip 0 -> 1: equal, not strictly larger
-    # token 2: (2-3)^2 = 1 vs clip 0.5 -> 6.25: clipped larger
-    assert float(loss.detach()) == pytest.approx(0.5 * (1 + 1 + 6.25) / 3)
-    assert float(met["vf_clip_frac"]) == pytest.approx(1 / 3)
-    loss.backward()
-    # clipped branch active at token 2 and v is outside the band: no gradient there
-    np.testing.assert_allclose(v.grad.numpy(), [[1.0 / 3, -1.0 / 3, 0.0]], atol=1e-7)
+def test_score_rollout_torch_backend_empty_time():
+    """score_rollout on the eager composite with T = 0: advantages of shape [B, 0]."""
+    d = small_inputs(2, 0)
+    out = pk.score_rollout(d["logits"], d["tokens"], d["ref"], torch.randn(2, 0),
+                           torch.randn(2), torch.ones(2, 0, dtype=torch.bool), kl_coef=0.1,
+                           backend="torch")
+    assert out.advantages.shape == (2, 0)
 
 
-def test_value_loss_flat_and_all_masked():
-    v = torch.randn(6, requires_grad=True)
-    loss, met = pk.value_loss(v, v.detach(), torch.zeros(6), clip_range=0.2)
-    assert loss.shape == ()
-    assert float(loss) == pytest.approx(0.5 * float((v ** 2).mean()), rel=1e-6)
-    m = torch.zeros(2, 3, dtype=torch.bool)
-    x = torch.randn(2, 3, requires_grad=True)
-    loss, met = pk.value_loss(x, x.detach() + 1, torch.randn(2, 3), m, clip_range=0.1)
-    loss.backward()
-    assert float(loss) == 0.0 and float(met["vf_clip_frac"]) == 0.0
-    assert torch.all(x.grad == 0) and not torch.isnan(x.grad).any()
+def test_kl_penalized_rewards_empty_time():
+    """kl_penalized_rewards with T = 0: rewards of shape [B, 0]."""
+    r = pk.kl_penalized_rewards(torch.randn(2), torch.randn(2, 0), torch.randn(2, 0),
+                                torch.ones(2, 0, dtype=torch.bool), kl_coef=0.1)
+    assert r.shape == (2, 0)
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf")])
+def test_whiten_ignores_garbage_on_masked_positions(fill):
+    """NaN / inf on masked positions do not change whiten's result."""
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+    clean = pk.whiten(x, SMALL_MASK)
+    x[~SMALL_MASK] = fill
+    torch.testing.assert_close(pk.whiten(x, SMALL_MASK), clean)
+
+
+def test_whiten_float16_does_not_overflow():
+    """float16 values of 1000, whose squares overflow float16: whiten matches the
+    float32 result."""
+    x = torch.tensor([[0., 1000., 0.], [1000., 0., 1000.]])
+    m = torch.ones(2, 3, dtype=torch.bool)
+    torch.testing.assert_close(pk.whiten(x.half(), m).float(), pk.whiten(x, m),
+                               rtol=1e-2, atol=1e-2)
+
+
+# ------------------------------------------------------------------ bad arguments
+
+ADV_FUNCS = {k: PUBLIC_FUNCS[k] for k in ("gae", "kl_penalized_rewards", "whiten", "score_rollout")}
+
+# (function, argument to replace, new value or f(base dict) -> value, exception, match)
+BAD_ROWS = [
+    # ---------------- gae
+    ("gae", "rewards", torch.randn(BAD_B * BAD_T), ValueError, "rewards"),
+    ("gae", "rewards", torch.randn(BAD_B, BAD_T, 1), ValueError, "rewards"),
+    ("gae", "rewards", torch.ones(BAD_B, BAD_T, dtype=torch.int32), TypeError, "rewards"),
+    ("gae", "rewards", [[0.0] * BAD_T] * BAD_B, TypeError, "rewards"),
+    ("gae", "values", torch.randn(BAD_B, BAD_T + 1), ValueError, "values"),
+    ("gae", "values", torch.ones(BAD_B, BAD_T, dtype=torch.long), TypeError, "values"),
+    ("gae", "values", None, TypeError, "values"),
+    ("gae", "values", lambda d: d["values"].to(META), ValueError, "values"),
+    ("gae", "response_mask", torch.ones(BAD_B + 1, BAD_T), ValueError, "response_mask"),
+    ("gae", "gamma", 1.01, ValueError, "gamma"),
+    ("gae", "gamma", -0.01, ValueError, "gamma"),
+    ("gae", "lam", 1.5, ValueError, "lam"),
+    ("gae", "lam", -1.0, ValueError, "lam"),
+    ("gae", "lam", math.nan, ValueError, "lam"),
+    ("gae", "bootstrap_values", torch.zeros(BAD_B, 1), ValueError, "bootstrap_values"),
+    ("gae", "bootstrap_values", torch.zeros(BAD_B + 1), ValueError, "bootstrap_values"),
+    ("gae", "bootstrap_values", torch.zeros(BAD_B, dtype=torch.long), TypeError,
+     "bootstrap_values"),
+    ("gae", "bootstrap_values", torch.zeros(BAD_B, device=META), ValueError, "bootstrap_values"),
+    ("gae", "backend", "fast", ValueError, "backend"),
+    ("gae", "backend", "cuda", ValueError, "backend"),
+    # ---------------- kl_penalized_rewards
+    ("kl_penalized_rewards", "scores", torch.zeros(BAD_B, 1), ValueError, "scores"),
+    ("kl_penalized_rewards", "scores", torch.zeros(BAD_B + 1), ValueError, "scores"),
+    ("kl_penalized_rewards", "scores", torch.zeros(BAD_B, dtype=torch.long), TypeError, "scores"),
+    ("kl_penalized_rewards", "scores", 1.0, TypeError, "scores"),
+    ("kl_penalized_rewards", "logprobs", torch.zeros(BAD_B, BAD_T, 2), ValueError, "logprobs"),
+    ("kl_penalized_rewards", "ref_logprobs", torch.zeros(BAD_B, BAD_T + 1), ValueError,
+     "ref_logprobs"),
+    ("kl_penalized_rewards", "response_mask", torch.ones(BAD_B, BAD_T - 1), ValueError,
+     "response_mask"),
+    ("kl_penalized_rewards", "kl_coef", -1.0, ValueError, "kl_coef"),
+    ("kl_penalized_rewards", "kl_coef", None, TypeError, "kl_coef"),
+    ("kl_penalized_rewards", "kl_estimator", "kl", ValueError, "kl_estimator"),
+    # ---------------- whiten
+    ("whiten", "x", torch.ones(BAD_B, BAD_T, dtype=torch.long), TypeError, "x"),
+    ("whiten", "x", [1.0, 2.0], TypeError, "x"),
+    ("whiten", "response_mask", torch.ones(BAD_B, BAD_T + 1), ValueError, "response_mask"),
+    ("whiten", "response_mask", lambda d: d["response_mask"].to(META), ValueError,
+     "response_mask"),
+    ("whiten", "eps", -1e-8, ValueError, "eps"),
+    # ---------------- score_rollout
+    ("score_rollout", "logits", torch.randn(BAD_B * BAD_T, BAD_V), ValueError, "logits"),
+    ("score_rollout", "logits", torch.zeros(BAD_B, BAD_T, BAD_V, dtype=torch.int8), TypeError,
+     "logits"),
+    ("score_rollout", "logits", torch.zeros(BAD_B, BAD_T, 0), ValueError, "logits"),
+    ("score_rollout", "tokens", torch.zeros(BAD_B, BAD_T), TypeError, "tokens"),
+    ("score_rollout", "tokens", oob(BAD_V), ValueError, "tokens"),
+    ("score_rollout", "ref_logprobs", torch.zeros(BAD_B, BAD_T - 1), ValueError, "ref_logprobs"),
+    ("score_rollout", "ref_logprobs", None, TypeError, "ref_logprobs"),
+    ("score_rollout", "values", torch.zeros(BAD_B, BAD_T + 1), ValueError, "values"),
+    ("score_rollout", "scores", torch.zeros(BAD_B, BAD_T), ValueError, "scores"),
+    ("score_rollout", "response_mask", torch.ones(1, BAD_T), ValueError, "response_mask"),
+    ("score_rollout", "kl_coef", -0.5, ValueError, "kl_coef"),
+    ("score_rollout", "kl_estimator", "k0", ValueError, "kl_estimator"),
+    ("score_rollout", "gamma", 2.0, ValueError, "gamma"),
+    ("score_rollout", "lam", -0.5, ValueError, "lam"),
+    ("score_rollout", "temperature", 0.0, ValueError, "temperature"),
+    ("score_rollout", "temperature", 1e-40, ValueError, "temperature"),
+    ("score_rollout", "whiten", "no", TypeError, "whiten"),
+    ("score_rollout", "backend", "cuda", ValueError, "backend"),
+    ("score_rollout", "backend", "numpy", ValueError, "backend"),
+    ("score_rollout", "values", lambda d: d["values"].to(META), ValueError, "values"),
+]
+
+
+@pytest.mark.parametrize("row", BAD_ROWS, ids=[bad_row_id(r) for r in BAD_ROWS])
+def test_bad_input_raises_naming_the_argument(row):
+    """Each row: the base call of its function with one argument replaced raises the
+    row's exception (before any kernel runs), whose message names the argument and says
+    what was expected."""
+    assert_bad_input_raises(row, ADV_FUNCS)
+
+
+def test_every_public_function_has_rows():
+    """Every function of the module has rows in the table."""
+    assert {r[0] for r in BAD_ROWS} == set(ADV_FUNCS)
+
+
+def test_base_calls_are_valid():
+    """The table's base inputs are valid: each row fails because of its one change."""
+    for name, (fn, base) in ADV_FUNCS.items():
+        fn(**base())
+
+
+@pytest.mark.parametrize("gamma,lam", [(0.0, 0.0), (1.0, 1.0), (0, 1)])
+def test_gae_boundaries_accepted(gamma, lam):
+    """gamma and lam at the ends of [0, 1] are accepted."""
+    adv, _ = pk.gae(**base_gae(), gamma=gamma, lam=lam)
+    assert torch.isfinite(adv).all()

@@ -1,126 +1,40 @@
-"""The raw ppo_kernels::triton_* ops against the numpy float64 oracle (reference.py).
+"""Tests of ppo_kernels/triton_kernels/ (the Triton backend): the raw ppo_kernels::triton_*
+ops against the numpy float64 oracle (reference.py). Registration and schemas
+(library.py); token_logprobs forward and backward (logprobs.py); the fused ppo_loss, in
+place, with the loss menu, grad_scale and scale_grad_ (ppo_loss.py); gae and score_rollout
+(gae.py); the _math helpers probed by a kernel of their own; the ops' own argument checks;
+more than 65,535 rows and 64-bit offsets (on a GPU).
 
 Runs on CUDA when a device is present, else on CPU tensors under TRITON_INTERPRET=1 (set
-below before triton is imported), where shapes are kept small: the interpreter runs the
-programs one by one. The interpreter runs the kernels with a 32-wide vocabulary block and
-an 8-long GAE chunk (ppo_kernels/triton_kernels/_config.py), so V = 100, 257 and T = 20 cross several
-blocks/chunks with a partial last one.
+by conftest.py before triton is imported), where shapes are kept small: the interpreter
+runs the programs one by one. The interpreter runs the kernels with a 32-wide vocabulary
+block and an 8-long GAE chunk (ppo_kernels/triton_kernels/_config.py), so V = 100, 257 and
+T = 20 cross several blocks/chunks with a partial last one. The raw ops' precision, batch
+invariance and opcheck tests sit beside their siblings (test_loss_precision.py,
+test_batch_invariance.py, test_autograd_opcheck.py); the kernels' lowering for sm_90:
+test_triton_kernels_lowering.py.
 """
 
-import os
+import pathlib
+import re
 
+import numpy as np
+import pytest
 import torch
+import triton
+import triton.language as tl
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import ppo_kernels.triton_kernels as tk
+from ppo_kernels import reference as ref
+from ppo_kernels.triton_kernels._math import expm1, expm1_minus_x, kl_term, log1p
 
-import importlib  # noqa: E402
-import importlib.util  # noqa: E402
-import pathlib  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
+from conftest import (GENUINE_INF, KL_CODES, TOK_TOL, TRITON_DEVICE, acc_of, assert_close_np,
+                      check_ppo, expm1_minus_x64, grad_tol, k3_deltas, make_case, make_mask,
+                      per_token, ppo_inputs, rand_tok, ref_ppo, rel_err, run_ppo, slot_args)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-tk = importlib.import_module("ppo_kernels.triton_kernels")  # noqa: E402
-from ppo_kernels import reference as ref  # noqa: E402
-from ppo_kernels.spec import FLOAT_SLOTS, INT_SLOTS  # noqa: E402
-
 OPS = torch.ops.ppo_kernels
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
-KL = ("k1", "k2", "k3", "abs")
-
-
-def acc_of(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def make_mask(B, T, padding, gen):
-    """bool [B, T] with the given padding pattern (every pattern DESIGN.md names)."""
-    m = torch.ones(B, T, dtype=torch.bool)
-    for b in range(B):
-        k = 1 + (b * 3) % max(T - 1, 1)
-        if padding == "left":
-            m[b, :k] = False
-        elif padding == "right":
-            m[b, T - k:] = False
-        elif padding == "interior":
-            m[b, 1 + b % 2: 1 + b % 2 + k // 2 + 1] = False
-        elif padding == "random":
-            m[b] = torch.rand(T, generator=gen) > 0.3
-    if padding == "empty_row":
-        m[B // 2] = False
-    if padding == "all":
-        m[:] = False
-    return m
-
-
-def make_case(B=2, T=5, V=7, dtype=torch.float32, layout="aligned", padding="random",
-              neginf=False, seed=0, scale=2.0):
-    """logits (in the given layout), tokens (garbage ids on masked positions), mask.
-
-    layout: "aligned" [B, T, V] contiguous; "view" logits[:, :-1] of a [B, T+1, V] tensor
-    (strided, Tl = T); "raw" the [B, T+1, V] tensor itself (Tl = T + 1);
-    "bstride": a [B, T, V] view with a padded batch stride.
-    neginf: about a fifth of the entries -inf (never the sampled token), and one row with
-    a single finite entry (p = 1 there, H = 0).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    base = torch.randn(B, T + 1, V, generator=gen) * scale
-    tokens = torch.randint(0, V, (B, T), generator=gen)
-    mask = make_mask(B, T, padding, gen)
-    if neginf:
-        ban = torch.rand(B, T + 1, V, generator=gen) < 0.2
-        ban[:, :T].scatter_(2, tokens[..., None], False)
-        base[ban] = float("-inf")
-        base[0, 0] = float("-inf")
-        base[0, 0, tokens[0, 0]] = 0.5
-    tokens = torch.where(mask, tokens, torch.full_like(tokens, V + 1000))  # never read
-    base = base.to(dtype)
-    if layout == "aligned":
-        logits = base[:, :T].contiguous()
-    elif layout == "view":
-        logits = base[:, :T]
-    elif layout == "raw":
-        logits = base
-    elif layout == "bstride":
-        logits = torch.cat([base, base], dim=1)[:, :T]
-    else:
-        raise AssertionError(layout)
-    return logits.to(DEV), tokens.to(DEV), mask.to(DEV)
-
-
-def per_token(x, acc):
-    return torch.as_tensor(np.asarray(x), dtype=acc).to(DEV).contiguous()
-
-
-def rand_tok(B, T, acc, seed, scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(B, T, generator=gen, dtype=torch.float64) * scale).to(acc).to(DEV)
-
-
-def close(actual, expected, rtol, atol, what=""):
-    a = actual.detach().cpu().double().numpy()
-    e = np.asarray(expected, dtype=np.float64)
-    assert a.shape == e.shape, (what, a.shape, e.shape)
-    assert not np.isnan(a).any(), f"{what}: NaN in kernel output"
-    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=what)
-
-
-# per-token outputs are accumulated in float32 (float64) whatever the logits' dtype, and the
-# reference sees the same (rounded) logits: they match tightly even for bf16/fp16 logits.
-TOK_TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (1e-5, 1e-6),
-           torch.float16: (1e-5, 1e-6), torch.float64: (1e-10, 1e-12)}
-
-
-def grad_tol(dtype, expected):
-    """dlogits come back in the logits' dtype: bf16 keeps 8 bits, fp16 11."""
-    scale = float(np.abs(expected).max()) if np.size(expected) else 1.0
-    rtol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3,
-            torch.float64: 1e-10}[dtype]
-    return rtol, rtol * max(scale, 1e-30) * 0.1
+DEV = TRITON_DEVICE
 
 
 # ------------------------------------------------------------------ registration / schema
@@ -162,15 +76,15 @@ def test_token_logprobs_fwd(V, dtype):
     assert logp.dtype == ent.dtype == row_max.dtype == log_sum.dtype == acc
     rl, re_ = ref.token_logprobs(logits, tokens, mask, 0.7)
     rtol, atol = TOK_TOL[dtype]
-    close(logp, rl, rtol, atol, "logprobs")
-    close(ent, re_, rtol, atol, "entropy")
+    assert_close_np(logp, rl, rtol, atol, "logprobs")
+    assert_close_np(ent, re_, rtol, atol, "entropy")
     # row_max: the raw max logit; log_sum: log sum exp((x - row_max) / T); 0 on masked rows
     m = mask.cpu().numpy()
     x = ref.as_f64(logits)
     xmax = x.max(-1)
     rls = np.log(np.exp((x - xmax[..., None]) / 0.7).sum(-1))
-    close(row_max, np.where(m, xmax, 0.0), 0, 0, "row_max")
-    close(log_sum, np.where(m, rls, 0.0), rtol, atol, "log_sum")
+    assert_close_np(row_max, np.where(m, xmax, 0.0), 0, 0, "row_max")
+    assert_close_np(log_sum, np.where(m, rls, 0.0), rtol, atol, "log_sum")
     logp2, ent2, row_max2, log_sum2 = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 0.7,
                                                                      False)
     assert ent2.numel() == 0
@@ -186,8 +100,8 @@ def test_token_logprobs_layouts_and_padding(layout, padding):
                                      neginf=True, seed=1)
     logp, ent, _, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, True)
     rl, re_ = ref.token_logprobs(logits, tokens, mask)
-    close(logp, rl, 1e-5, 1e-6, "logprobs")
-    close(ent, re_, 1e-5, 1e-6, "entropy")
+    assert_close_np(logp, rl, 1e-5, 1e-6, "logprobs")
+    assert_close_np(ent, re_, 1e-5, 1e-6, "entropy")
     assert (logp[~mask] == 0).all() and (ent[~mask] == 0).all()
 
 
@@ -207,7 +121,7 @@ def test_token_logprobs_bwd(V, with_entropy, dtype):
     d = OPS.triton_token_logprobs_bwd(g, gh, logits, tokens, mask, row_max, log_sum, ent, 1.3)
     assert d.shape == logits.shape and d.dtype == logits.dtype and d.is_contiguous()
     rd = ref.token_logprobs_grad(logits, tokens, mask, 1.3, g, gh)
-    close(d, rd, *grad_tol(dtype, rd), "dlogits")
+    assert_close_np(d, rd, *grad_tol(dtype, rd), "dlogits")
     assert (d[:, 4:] == 0).all(), "positions t >= T get a zero gradient"
     assert (d[:, :4][~mask] == 0).all(), "masked rows get a zero gradient"
     if V > 1:
@@ -244,102 +158,15 @@ def test_token_logprobs_gradcheck_float64():
 
 # ------------------------------------------------------------------ ppo_loss_fwd
 
-def _ppo_inputs(logits, tokens, mask, seed, mode="token-mean", with_ref=True,
-                with_isw=False):
-    B, T = tokens.shape
-    acc = acc_of(logits.dtype)
-    rl, _ = ref.token_logprobs(logits, tokens, mask)
-    m = mask.cpu().numpy()
-    gen = np.random.default_rng(seed)
-    # old logprobs near the current ones (ratios both inside and outside the clip band),
-    # advantages of both signs; on chosen valid tokens: one log-ratio past the clamp, one
-    # ratio e^1.5 = 4.5 with A < 0 (the dual clip's cap, c = 2 or 3, is the active value
-    # there, with no clamp to hide its zero gradient)
-    old = (rl + gen.normal(0, 0.3, rl.shape)) * m
-    adv = gen.normal(0, 1.0, rl.shape)
-    valid = np.argwhere(m)
-    if len(valid) >= 2:
-        (b0, t0), (b1, t1) = valid[0], valid[-1]
-        old[b0, t0] = rl[b0, t0] - 25.0
-        old[b1, t1] = rl[b1, t1] - 1.5
-        adv[b1, t1] = -abs(adv[b1, t1]) - 0.5
-    refl = (rl + gen.normal(0, 0.4, rl.shape)) * m if with_ref else None
-    isw = gen.uniform(0.5, 1.5, rl.shape) if with_isw else None
-    w = ref.agg_weights(m, mode)
-    # rounded to the accumulation dtype: the oracle sees the numbers the kernel reads
-    r = {k: None if x is None else torch.as_tensor(x).to(acc).double().numpy()
-         for k, x in dict(old=old, adv=adv, ref=refl, isw=isw, w=w).items()}
-    return dict(r, acc=acc)
-
-
-def _opt(inp, key, acc):
-    x = inp.get(key)
-    return None if x is None else per_token(x, acc)
-
-
-def _args(eps_low, eps_high, dual, kl_coef, kl_est, ent_coef, temp, grad_scale, policy_loss,
-          tau_pos, tau_neg, kl_bias):
-    """(scalars, codes) of the ppo_loss ops, by slot name (ppo_kernels/spec.py)."""
-    f = dict(clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual, kl_coef=kl_coef,
-             entropy_coef=ent_coef, temperature=temp, grad_scale=grad_scale,
-             sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg)
-    i = dict(policy_loss=policy_loss, kl_estimator=kl_est, kl_bias_correction=int(kl_bias))
-    return [float(f[n]) for n in FLOAT_SLOTS], [int(i[n]) for n in INT_SLOTS]
-
-
-def _run_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
-             kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, grad_scale=1.0,
-             compute_grad=True, policy_loss=0, tau_pos=1.0, tau_neg=1.05, kl_bias=False):
-    acc = inp["acc"]
-    return OPS.triton_ppo_loss_fwd(
-        logits, tokens, mask, _opt(inp, "old", acc), per_token(inp["adv"], acc),
-        per_token(inp["w"], acc), _opt(inp, "ref", acc), _opt(inp, "isw", acc),
-        _opt(inp, "went", acc), *_args(eps_low, eps_high, dual, kl_coef, kl_est, ent_coef,
-                                       temp, grad_scale, policy_loss, tau_pos, tau_neg,
-                                       kl_bias), compute_grad)
-
-
-def _ref_ppo(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=0.0,
-             kl_coef=0.1, kl_est=2, ent_coef=0.01, temp=1.0, mode="token-mean"):
-    loss, metrics, dl = ref.ppo_loss(
-        logits, tokens, inp["old"], inp["adv"], mask, inp["ref"], clip_eps_low=eps_low,
-        clip_eps_high=eps_high, dual_clip_c=dual if dual > 0 else None,
-        kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL[kl_est],
-        entropy_coef=ent_coef, temperature=temp, loss_agg_mode=mode,
-        rollout_is_weights=inp["isw"])
-    # per-token loss: loss_agg_mode "none" gives it (0 on masked positions)
-    loss_tok, _, _ = ref.ppo_loss(
-        logits, tokens, inp["old"], inp["adv"], mask, inp["ref"], clip_eps_low=eps_low,
-        clip_eps_high=eps_high, dual_clip_c=dual if dual > 0 else None,
-        kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL[kl_est],
-        entropy_coef=ent_coef, temperature=temp, loss_agg_mode="none",
-        rollout_is_weights=inp["isw"])
-    return loss, loss_tok, dl
-
-
-def _check_ppo(out, rout, logits, tokens, mask, dtype, temp=1.0):
-    loss, loss_tok, logp, ent, dl = out
-    rloss, rloss_tok, rdl = rout
-    rtol, atol = TOK_TOL[dtype]
-    acc = acc_of(dtype)
-    assert loss.dim() == 0 and loss.dtype == loss_tok.dtype == logp.dtype == acc
-    close(loss_tok, rloss_tok, rtol, atol, "loss_tok")
-    close(loss, rloss, rtol, atol, "loss")
-    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
-    close(logp, rl, rtol, atol, "logprobs")
-    close(ent, re_, rtol, atol, "entropy")
-    assert dl.shape == logits.shape and dl.dtype == logits.dtype and dl.is_contiguous()
-    close(dl, rdl, *grad_tol(dtype, rdl), "dlogits")
-
 
 @pytest.mark.parametrize("kl_est", [0, 1, 2, 3])
 @pytest.mark.parametrize("dual", [0.0, 3.0])
 def test_ppo_loss_estimators_and_dual_clip(kl_est, dual):
     logits, tokens, mask = make_case(B=2, T=5, V=100, seed=10 + kl_est)
-    inp = _ppo_inputs(logits, tokens, mask, seed=kl_est)
-    out = _run_ppo(logits, tokens, mask, inp, kl_est=kl_est, dual=dual, temp=0.8)
-    rout = _ref_ppo(logits, tokens, mask, inp, kl_est=kl_est, dual=dual, temp=0.8)
-    _check_ppo(out, rout, logits, tokens, mask, torch.float32, temp=0.8)
+    inp = ppo_inputs(logits, tokens, mask, seed=kl_est)
+    out = run_ppo(logits, tokens, mask, inp, kl_est=kl_est, dual=dual, temp=0.8)
+    rout = ref_ppo(logits, tokens, mask, inp, kl_est=kl_est, dual=dual, temp=0.8)
+    check_ppo(out, rout, logits, tokens, mask, torch.float32, temp=0.8)
 
 
 @pytest.mark.parametrize("V", [1, 7, 257])
@@ -348,11 +175,11 @@ def test_ppo_loss_estimators_and_dual_clip(kl_est, dual):
 def test_ppo_loss_dtypes(V, dtype):
     logits, tokens, mask = make_case(B=2, T=4, V=V, dtype=dtype, padding="right",
                                      seed=20 + V)
-    inp = _ppo_inputs(logits, tokens, mask, seed=V, mode="seq-mean-token-mean")
-    out = _run_ppo(logits, tokens, mask, inp, dual=2.0, ent_coef=0.05)
-    rout = _ref_ppo(logits, tokens, mask, inp, dual=2.0, ent_coef=0.05,
+    inp = ppo_inputs(logits, tokens, mask, seed=V, mode="seq-mean-token-mean")
+    out = run_ppo(logits, tokens, mask, inp, dual=2.0, ent_coef=0.05)
+    rout = ref_ppo(logits, tokens, mask, inp, dual=2.0, ent_coef=0.05,
                     mode="seq-mean-token-mean")
-    _check_ppo(out, rout, logits, tokens, mask, dtype)
+    check_ppo(out, rout, logits, tokens, mask, dtype)
 
 
 @pytest.mark.parametrize("layout,padding", [("view", "left"), ("raw", "interior"),
@@ -360,10 +187,10 @@ def test_ppo_loss_dtypes(V, dtype):
 def test_ppo_loss_layouts_neginf_is_weights(layout, padding):
     logits, tokens, mask = make_case(B=3, T=5, V=100, layout=layout, padding=padding,
                                      neginf=True, seed=30)
-    inp = _ppo_inputs(logits, tokens, mask, seed=3, with_isw=True)
-    out = _run_ppo(logits, tokens, mask, inp, kl_est=0, ent_coef=0.1, temp=1.5)
-    rout = _ref_ppo(logits, tokens, mask, inp, kl_est=0, ent_coef=0.1, temp=1.5)
-    _check_ppo(out, rout, logits, tokens, mask, torch.float32, temp=1.5)
+    inp = ppo_inputs(logits, tokens, mask, seed=3, with_isw=True)
+    out = run_ppo(logits, tokens, mask, inp, kl_est=0, ent_coef=0.1, temp=1.5)
+    rout = ref_ppo(logits, tokens, mask, inp, kl_est=0, ent_coef=0.1, temp=1.5)
+    check_ppo(out, rout, logits, tokens, mask, torch.float32, temp=1.5)
     dl = out[4]
     assert (dl[torch.isinf(logits)] == 0).all()
     if layout == "raw":
@@ -372,21 +199,21 @@ def test_ppo_loss_layouts_neginf_is_weights(layout, padding):
 
 def test_ppo_loss_no_ref_no_grad():
     logits, tokens, mask = make_case(B=2, T=5, V=7, padding="left", seed=40)
-    inp = _ppo_inputs(logits, tokens, mask, seed=4, with_ref=False)
-    out = _run_ppo(logits, tokens, mask, inp, kl_coef=0.0, compute_grad=False)
+    inp = ppo_inputs(logits, tokens, mask, seed=4, with_ref=False)
+    out = run_ppo(logits, tokens, mask, inp, kl_coef=0.0, compute_grad=False)
     assert out[4].numel() == 0
-    rloss, rloss_tok, _ = _ref_ppo(logits, tokens, mask, inp, kl_coef=0.0)
-    close(out[0], rloss, 1e-5, 1e-6, "loss")
-    close(out[1], rloss_tok, 1e-5, 1e-6, "loss_tok")
+    rloss, rloss_tok, _ = ref_ppo(logits, tokens, mask, inp, kl_coef=0.0)
+    assert_close_np(out[0], rloss, 1e-5, 1e-6, "loss")
+    assert_close_np(out[1], rloss_tok, 1e-5, 1e-6, "loss_tok")
     # the kl_coef is ignored without ref_logprobs (nothing to compare against)
-    out2 = _run_ppo(logits, tokens, mask, inp, kl_coef=0.5, compute_grad=False)
+    out2 = run_ppo(logits, tokens, mask, inp, kl_coef=0.5, compute_grad=False)
     assert torch.equal(out2[1], out[1])
 
 
 def test_ppo_loss_all_masked():
     logits, tokens, mask = make_case(B=2, T=4, V=7, layout="raw", padding="all", seed=41)
-    inp = _ppo_inputs(logits, tokens, mask, seed=5)
-    loss, loss_tok, logp, ent, dl = _run_ppo(logits, tokens, mask, inp)
+    inp = ppo_inputs(logits, tokens, mask, seed=5)
+    loss, loss_tok, logp, ent, dl = run_ppo(logits, tokens, mask, inp)
     assert loss.item() == 0.0
     assert (loss_tok == 0).all() and (logp == 0).all() and (ent == 0).all()
     assert (dl == 0).all()
@@ -397,24 +224,24 @@ def test_ppo_loss_all_masked():
 def test_ppo_loss_inplace(layout, dtype):
     logits, tokens, mask = make_case(B=2, T=4, V=100, dtype=dtype, layout=layout,
                                      padding="interior", neginf=True, seed=50)
-    inp = _ppo_inputs(logits, tokens, mask, seed=6, with_isw=True)
-    out = _run_ppo(logits, tokens, mask, inp, dual=3.0, kl_est=1)
+    inp = ppo_inputs(logits, tokens, mask, seed=6, with_isw=True)
+    out = run_ppo(logits, tokens, mask, inp, dual=3.0, kl_est=1)
     base = logits._base if logits._base is not None else logits
     before = base.clone()
     acc = inp["acc"]
     res = OPS.triton_ppo_loss_fwd_inplace(
         logits, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
         per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
-        None, *_args(0.2, 0.28, 3.0, 0.1, 1, 0.01, 1.0, 1.0, 0, 1.0, 1.05, False))
+        None, *slot_args(0.2, 0.28, 3.0, 0.1, 1, 0.01, 1.0, 1.0, 0, 1.0, 1.05, False))
     assert len(res) == 4
     # the same numbers as the out-of-place kernel (bit for bit under the interpreter; on a
     # GPU the in-place launch uses a fixed config, the other an autotuned block size, so
     # reductions may round differently)
     rtol, atol = TOK_TOL[dtype]
     for a, b, what in zip(res, out[:4], ("loss", "loss_tok", "logprobs", "entropy")):
-        close(a, b.cpu().double().numpy(), rtol, atol, what)
+        assert_close_np(a, b.cpu().double().numpy(), rtol, atol, what)
     dl = out[4].cpu().double().numpy()
-    close(logits, dl, *grad_tol(dtype, dl), "the logits now hold dlogits")
+    assert_close_np(logits, dl, *grad_tol(dtype, dl), "the logits now hold dlogits")
     assert (logits[torch.isinf(before[:, :tokens.shape[1]] if layout != "raw" else before)]
             == 0).all(), "-inf logits became exact zeros"
     if layout == "raw":
@@ -427,16 +254,6 @@ def test_ppo_loss_inplace(layout, dtype):
 # ------------------------------------------------------------------ loss menu
 
 POLICY = ("vanilla", "cispo", "sapo")
-KL_MENU = KL + ("k1+", "k3+")  # index = the kl_estimator the ops take
-
-
-def _ref_has_menu():
-    """reference.ppo_loss takes the loss-menu keywords (else the tests use _menu_np)."""
-    import inspect
-
-    params = inspect.signature(ref.ppo_loss).parameters
-    return all(k in params for k in ("policy_loss", "sapo_tau_pos", "sapo_tau_neg",
-                                     "kl_bias_correction", "entropy_agg_mode"))
 
 
 def _menu_np(logits, tokens, mask, inp, *, eps_low, eps_high, dual, kl_coef, kl_est,
@@ -479,7 +296,7 @@ def _menu_np(logits, tokens, mask, inp, *, eps_low, eps_high, dual, kl_coef, kl_
         kl, dkl = {"k1": (delta, np.ones_like(delta)), "k2": (0.5 * delta**2, delta),
                    "k3": (k3, np.where(np.abs(delta) > 20, 0.0, -np.expm1(-c))),
                    "abs": (np.abs(delta), np.sign(delta)), "k1+": (delta, delta),
-                   "k3+": (k3, delta)}[KL_MENU[kl_est]]
+                   "k3+": (k3, delta)}[KL_CODES[kl_est]]
         if kl_bias:
             loss_tok = loss_tok + kl_coef * kl * rho
             dlogp = dlogp + kl_coef * (rho * dkl + kl * drho)
@@ -496,27 +313,21 @@ def _menu_expect(logits, tokens, mask, inp, *, eps_low=0.2, eps_high=0.28, dual=
                  tau_neg=1.05, kl_bias=False, mode="token-mean", ent_mode=None):
     """(loss, loss_tok, dlogits) the fused op must give: the loss is the op's contract
     sum(weights * loss_tok) (csrc/cpu/ppo_loss.cpp weighted_sum, whatever the entropy
-    weights), loss_tok and dlogits from reference.ppo_loss once it takes the menu keywords
-    (its entropy term weighted by ent_mode's weights, inp["went"]), else from _menu_np."""
-    kw = dict(eps_low=eps_low, eps_high=eps_high, dual=dual, kl_coef=kl_coef, kl_est=kl_est,
-              ent_coef=ent_coef, temp=temp, policy_loss=policy_loss, tau_pos=tau_pos,
-              tau_neg=tau_neg, kl_bias=kl_bias)
-    if _ref_has_menu():
-        common = dict(
-            clip_eps_low=eps_low, clip_eps_high=eps_high,
-            dual_clip_c=dual if dual > 0 else None,
-            kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL_MENU[kl_est],
-            entropy_coef=ent_coef, temperature=temp, rollout_is_weights=inp["isw"],
-            policy_loss=POLICY[policy_loss], sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg,
-            kl_bias_correction=kl_bias)
-        _, _, dl = ref.ppo_loss(logits, tokens, inp["old"], inp["adv"], mask, inp["ref"],
-                                loss_agg_mode=mode, entropy_agg_mode=ent_mode, **common)
-        # per-token loss: "none" (its entropy weights are the mask's, irrelevant here)
-        loss_tok, _, _ = ref.ppo_loss(logits, tokens, inp["old"], inp["adv"], mask,
-                                      inp["ref"], loss_agg_mode="none", **common)
-        loss_tok = np.asarray(loss_tok, np.float64)
-    else:
-        loss_tok, dl = _menu_np(logits, tokens, mask, inp, **kw)
+    weights), loss_tok and dlogits from reference.ppo_loss (its entropy term weighted by
+    ent_mode's weights, inp["went"])."""
+    common = dict(
+        clip_eps_low=eps_low, clip_eps_high=eps_high,
+        dual_clip_c=dual if dual > 0 else None,
+        kl_coef=kl_coef if inp["ref"] is not None else 0.0, kl_estimator=KL_CODES[kl_est],
+        entropy_coef=ent_coef, temperature=temp, rollout_is_weights=inp["isw"],
+        policy_loss=POLICY[policy_loss], sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg,
+        kl_bias_correction=kl_bias)
+    _, _, dl = ref.ppo_loss(logits, tokens, inp["old"], inp["adv"], mask, inp["ref"],
+                            loss_agg_mode=mode, entropy_agg_mode=ent_mode, **common)
+    # per-token loss: "none" (its entropy weights are the mask's, irrelevant here)
+    loss_tok, _, _ = ref.ppo_loss(logits, tokens, inp["old"], inp["adv"], mask,
+                                  inp["ref"], loss_agg_mode="none", **common)
+    loss_tok = np.asarray(loss_tok, np.float64)
     return float((np.asarray(inp["w"]) * loss_tok).sum()), loss_tok, dl
 
 
@@ -549,25 +360,31 @@ def _check_menu(out, rout, logits, tokens, mask, dtype, temp=1.0):
     loss, loss_tok, logp, ent, dl = out
     rloss, rloss_tok, rdl = rout
     assert loss.dim() == 0 and loss.dtype == loss_tok.dtype == acc_of(dtype)
-    close(loss_tok, rloss_tok, *menu_tol(dtype), "loss_tok")
-    close(loss, rloss, *menu_tol(dtype), "loss")
+    assert_close_np(loss_tok, rloss_tok, *menu_tol(dtype), "loss_tok")
+    assert_close_np(loss, rloss, *menu_tol(dtype), "loss")
     rtol, atol = TOK_TOL[dtype]
     rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
-    close(logp, rl, rtol, atol, "logprobs")
-    close(ent, re_, rtol, atol, "entropy")
+    assert_close_np(logp, rl, rtol, atol, "logprobs")
+    assert_close_np(ent, re_, rtol, atol, "entropy")
     assert dl.shape == logits.shape and dl.dtype == logits.dtype
     close_rows(dl, rdl, dtype, "dlogits")
 
 
 def test_menu_np_matches_the_vanilla_reference():
-    """_menu_np (the fallback oracle) is reference.ppo_loss on the options both have."""
+    """reference.ppo_loss, the oracle of the tests below (_menu_expect), equals _menu_np, a
+    float64 transcription of the kernels' per-token formula (csrc/ppo_math.h token_loss)
+    written independently of reference.py, on the vanilla options: loss_tok and dlogits
+    to 1e-12 (k1; k3 with the dual clip; abs)."""
     logits, tokens, mask = make_case(B=2, T=5, V=7, seed=100)
     for est, dual in ((0, 0.0), (2, 3.0), (3, 0.0)):
-        inp = _ppo_inputs(logits, tokens, mask, seed=100 + est, with_isw=True)
+        inp = ppo_inputs(logits, tokens, mask, seed=100 + est, with_isw=True)
+        # the reference's own float64 weights (ppo_inputs rounds them to float32, as the
+        # kernels read them): the two formulas, not the weights' rounding, are compared
+        inp["w"] = ref.agg_weights(mask.cpu().numpy(), "token-mean")
         lt, dl = _menu_np(logits, tokens, mask, inp, eps_low=0.2, eps_high=0.28, dual=dual,
                           kl_coef=0.1, kl_est=est, ent_coef=0.03, temp=0.9, policy_loss=0,
                           tau_pos=1.0, tau_neg=1.05, kl_bias=False)
-        _, rlt, rdl = _ref_ppo(logits, tokens, mask, inp, kl_est=est, dual=dual,
+        _, rlt, rdl = ref_ppo(logits, tokens, mask, inp, kl_est=est, dual=dual,
                                ent_coef=0.03, temp=0.9)
         np.testing.assert_allclose(lt, rlt, rtol=1e-12, atol=1e-14)
         np.testing.assert_allclose(dl, rdl, rtol=1e-12, atol=1e-14)
@@ -580,12 +397,12 @@ def test_policy_losses(policy_loss, taus, dtype):
     """CISPO and SAPO (several gate temperatures, A of both signs, one clamped log-ratio,
     one rho = e^1.5 with A < 0) against the float64 oracle: loss, loss_tok, dlogits."""
     logits, tokens, mask = make_case(B=2, T=5, V=100, dtype=dtype, seed=110 + policy_loss)
-    inp = _ppo_inputs(logits, tokens, mask, seed=111, with_isw=True)
+    inp = ppo_inputs(logits, tokens, mask, seed=111, with_isw=True)
     a = np.asarray(inp["adv"])
     assert (a[mask.cpu().numpy()] > 0).any() and (a[mask.cpu().numpy()] < 0).any()
     kw = dict(policy_loss=policy_loss, tau_pos=taus[0], tau_neg=taus[1], kl_est=1,
               ent_coef=0.02, temp=0.9, dual=3.0)
-    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    out = run_ppo(logits, tokens, mask, inp, **kw)
     _check_menu(out, _menu_expect(logits, tokens, mask, inp, **kw), logits, tokens, mask,
                 dtype, temp=0.9)
 
@@ -594,13 +411,13 @@ def test_sapo_gate_temperatures_are_used():
     """tau_pos acts on A > 0 tokens only, tau_neg on A <= 0 ones: changing one leaves the
     other tokens' loss_tok bitwise unchanged."""
     logits, tokens, mask = make_case(B=2, T=5, V=7, padding="none", seed=115)
-    inp = _ppo_inputs(logits, tokens, mask, seed=116, with_ref=False)
+    inp = ppo_inputs(logits, tokens, mask, seed=116, with_ref=False)
     a = torch.as_tensor(inp["adv"]).to(DEV)
-    base = _run_ppo(logits, tokens, mask, inp, policy_loss=2, kl_coef=0.0, tau_pos=1.0,
+    base = run_ppo(logits, tokens, mask, inp, policy_loss=2, kl_coef=0.0, tau_pos=1.0,
                     tau_neg=1.05)[1]
-    pos = _run_ppo(logits, tokens, mask, inp, policy_loss=2, kl_coef=0.0, tau_pos=2.0,
+    pos = run_ppo(logits, tokens, mask, inp, policy_loss=2, kl_coef=0.0, tau_pos=2.0,
                    tau_neg=1.05)[1]
-    neg = _run_ppo(logits, tokens, mask, inp, policy_loss=2, kl_coef=0.0, tau_pos=1.0,
+    neg = run_ppo(logits, tokens, mask, inp, policy_loss=2, kl_coef=0.0, tau_pos=1.0,
                    tau_neg=2.0)[1]
     assert torch.equal(pos[a <= 0], base[a <= 0]) and not torch.equal(pos[a > 0], base[a > 0])
     assert torch.equal(neg[a > 0], base[a > 0]) and not torch.equal(neg[a <= 0], base[a <= 0])
@@ -613,10 +430,10 @@ def test_straight_through_kl_and_bias_correction(kl_est, kl_bias, policy_loss):
     """k1+ / k3+ (value of k1 / k3, derivative delta) with and without the KL bias
     correction (kl * rho, d / d logp = rho dkl + kl d rho: 0 d rho on the clamped token)."""
     logits, tokens, mask = make_case(B=2, T=5, V=100, seed=120 + kl_est)
-    inp = _ppo_inputs(logits, tokens, mask, seed=121)
+    inp = ppo_inputs(logits, tokens, mask, seed=121)
     kw = dict(kl_est=kl_est, kl_bias=kl_bias, policy_loss=policy_loss, kl_coef=0.3,
               temp=1.1)
-    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    out = run_ppo(logits, tokens, mask, inp, **kw)
     _check_menu(out, _menu_expect(logits, tokens, mask, inp, **kw), logits, tokens, mask,
                 torch.float32, temp=1.1)
     # the value is that of k1 / k3, the gradient that of k2 (no bias correction, no pg, no
@@ -624,9 +441,9 @@ def test_straight_through_kl_and_bias_correction(kl_est, kl_bias, policy_loss):
     if not kl_bias:
         zero = dict(inp, adv=np.zeros_like(inp["adv"]))
         kw0 = dict(kl_coef=0.3, temp=1.1, ent_coef=0.0)
-        st = _run_ppo(logits, tokens, mask, zero, kl_est=kl_est, **kw0)
-        val = _run_ppo(logits, tokens, mask, zero, kl_est=0 if kl_est == 4 else 2, **kw0)
-        grd = _run_ppo(logits, tokens, mask, zero, kl_est=1, **kw0)
+        st = run_ppo(logits, tokens, mask, zero, kl_est=kl_est, **kw0)
+        val = run_ppo(logits, tokens, mask, zero, kl_est=0 if kl_est == 4 else 2, **kw0)
+        grd = run_ppo(logits, tokens, mask, zero, kl_est=1, **kw0)
         assert torch.equal(st[1], val[1]) and torch.equal(st[4], grd[4])
 
 
@@ -637,15 +454,15 @@ def test_kl_bias_correction(kl_est, dtype):
     tests); with rho = 1 (old = logp) both are the same numbers."""
     logits, tokens, mask = make_case(B=2, T=4, V=257, dtype=dtype, padding="right",
                                      neginf=True, seed=130 + kl_est)
-    inp = _ppo_inputs(logits, tokens, mask, seed=131, with_isw=True,
+    inp = ppo_inputs(logits, tokens, mask, seed=131, with_isw=True,
                       mode="seq-mean-token-mean")
     kw = dict(kl_est=kl_est, kl_bias=True, kl_coef=0.2, dual=2.0, ent_coef=0.05)
-    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    out = run_ppo(logits, tokens, mask, inp, **kw)
     _check_menu(out, _menu_expect(logits, tokens, mask, inp, mode="seq-mean-token-mean",
                                   **kw), logits, tokens, mask, dtype)
     onp = dict(inp, old=None)
-    on = _run_ppo(logits, tokens, mask, onp, **kw)
-    off = _run_ppo(logits, tokens, mask, onp, **dict(kw, kl_bias=False))
+    on = run_ppo(logits, tokens, mask, onp, **kw)
+    off = run_ppo(logits, tokens, mask, onp, **dict(kw, kl_bias=False))
     for a, b in zip(on[:4], off[:4]):  # the values; d rho / d logp = 1 adds kl to dlogp
         assert torch.equal(a, b)
 
@@ -658,18 +475,18 @@ def test_on_policy_old_logprobs_none(policy_loss, kl_bias):
     with old = logp (detached)."""
     logits, tokens, mask = make_case(B=2, T=5, V=100, padding="interior", neginf=True,
                                      seed=140 + policy_loss)
-    inp = _ppo_inputs(logits, tokens, mask, seed=141, with_isw=True)
+    inp = ppo_inputs(logits, tokens, mask, seed=141, with_isw=True)
     inp["old"] = None
     kw = dict(policy_loss=policy_loss, kl_bias=kl_bias, kl_est=2, ent_coef=0.05,
               tau_pos=0.8, tau_neg=1.3)
-    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    out = run_ppo(logits, tokens, mask, inp, **kw)
     logp = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, False)[0]
-    data = _run_ppo(logits, tokens, mask, dict(inp, old=logp.cpu().numpy()), **kw)
+    data = run_ppo(logits, tokens, mask, dict(inp, old=logp.cpu().numpy()), **kw)
     for a, b, what in zip(out, data, ("loss", "loss_tok", "logprobs", "entropy", "dlogits")):
         if DEV == "cpu":
             assert torch.equal(a, b), what
         else:
-            close(a, b.cpu().double().numpy(), 1e-6, 1e-7, what)
+            assert_close_np(a, b.cpu().double().numpy(), 1e-6, 1e-7, what)
     _check_menu(out, _menu_expect(logits, tokens, mask, inp, **kw), logits, tokens, mask,
                 torch.float32)
 
@@ -682,17 +499,17 @@ def test_entropy_weights(policy_loss, dtype):
     and loss stays sum(weights * loss_tok). entropy_weights = weights is None bitwise."""
     logits, tokens, mask = make_case(B=3, T=5, V=100, dtype=dtype, layout="raw",
                                      padding="left", seed=150)
-    inp = _ppo_inputs(logits, tokens, mask, seed=151, mode="token-mean")
+    inp = ppo_inputs(logits, tokens, mask, seed=151, mode="token-mean")
     inp["went"] = ref.agg_weights(mask.cpu().numpy(), "seq-mean-token-sum")
     kw = dict(policy_loss=policy_loss, ent_coef=0.2, dual=3.0, temp=0.7)
-    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    out = run_ppo(logits, tokens, mask, inp, **kw)
     _check_menu(out, _menu_expect(logits, tokens, mask, inp, ent_mode="seq-mean-token-sum",
                                   **kw), logits, tokens, mask, dtype, temp=0.7)
-    plain = _run_ppo(logits, tokens, mask, dict(inp, went=None), **kw)
+    plain = run_ppo(logits, tokens, mask, dict(inp, went=None), **kw)
     for a, b in zip(out[:4], plain[:4]):
         assert torch.equal(a, b)
     assert not torch.equal(out[4], plain[4])
-    same = _run_ppo(logits, tokens, mask, dict(inp, went=inp["w"]), **kw)
+    same = run_ppo(logits, tokens, mask, dict(inp, went=inp["w"]), **kw)
     assert torch.equal(same[4], plain[4])
 
 
@@ -703,24 +520,24 @@ def test_menu_inplace_and_grad_scale(layout, dtype):
     scale_grad_ then rescales it to grad_output."""
     logits, tokens, mask = make_case(B=2, T=4, V=100, dtype=dtype, layout=layout,
                                      padding="interior", neginf=True, seed=160)
-    inp = _ppo_inputs(logits, tokens, mask, seed=161, with_isw=True)
+    inp = ppo_inputs(logits, tokens, mask, seed=161, with_isw=True)
     inp["old"] = None
     inp["went"] = 0.5 * np.asarray(inp["w"])
     kw = dict(policy_loss=2, kl_est=5, kl_bias=True, tau_pos=1.5, tau_neg=0.7, ent_coef=0.05)
-    out = _run_ppo(logits, tokens, mask, inp, **kw)
+    out = run_ppo(logits, tokens, mask, inp, **kw)
     acc = inp["acc"]
     res = OPS.triton_ppo_loss_fwd_inplace(
         logits, tokens, mask, None, per_token(inp["adv"], acc), per_token(inp["w"], acc),
         per_token(inp["ref"], acc), per_token(inp["isw"], acc), per_token(inp["went"], acc),
-        *_args(0.2, 0.28, 0.0, 0.1, 5, 0.05, 1.0, 3.0, 2, 1.5, 0.7, True))
+        *slot_args(0.2, 0.28, 0.0, 0.1, 5, 0.05, 1.0, 3.0, 2, 1.5, 0.7, True))
     rtol, atol = TOK_TOL[dtype]
     for a, b, what in zip(res, out[:4], ("loss", "loss_tok", "logprobs", "entropy")):
-        close(a, b.cpu().double().numpy(), rtol, atol, what)
+        assert_close_np(a, b.cpu().double().numpy(), rtol, atol, what)
     dl = out[4].cpu().double().numpy()
-    close(logits, 3.0 * dl, *grad_tol(dtype, 3.0 * dl), "the logits now hold 3 * dlogits")
+    assert_close_np(logits, 3.0 * dl, *grad_tol(dtype, 3.0 * dl), "the logits now hold 3 * dlogits")
     OPS.triton_scale_grad_(logits, torch.tensor(1.0, device=DEV),
                            torch.tensor(3.0, device=DEV))
-    close(logits, dl, *grad_tol(dtype, dl), "rescaled to grad_output = 1")
+    assert_close_np(logits, dl, *grad_tol(dtype, dl), "rescaled to grad_output = 1")
 
 
 @pytest.mark.skipif(DEV != "cuda", reason="needs a GPU: the grid-size and 32-bit offset "
@@ -742,7 +559,7 @@ def test_many_rows_and_64bit_offsets_cuda():
     adv = torch.randn(B, T, device="cuda", generator=gen)
     w = torch.full((B, T), 1.0 / T, device="cuda")
     out = OPS.triton_ppo_loss_fwd(logits, tokens, mask, logp, adv, w, None, None, None,
-                                  *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
+                                  *slot_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
                                          False), True)
     dl = out[4]
     onehot = torch.nn.functional.one_hot(tokens[0, rows], V).float()
@@ -751,171 +568,8 @@ def test_many_rows_and_64bit_offsets_cuda():
     del dl, out
 
 
-# ------------------------------------------------------------------ precision
-
-from ppo_kernels.triton_kernels._math import expm1, expm1_minus_x, kl_term, log1p  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-# tl.exp lowers to ex2.approx(x * log2(e)) on a GPU, whose relative error grows like
-# |x| * 1e-7: the exps of a confident row (d ~ -30) are then ~3e-6 off. The interpreter
-# uses numpy's exp (1 ulp), which is what the tight bounds below assume.
-EXP_RTOL = 2e-6 if DEV == "cpu" else 1e-5
-
-
-# numpy (the interpreter) warns about overflows to -inf that these inputs produce on purpose
-GENUINE_INF = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def stable_stats(logits, temp):
-    """float64 (log_sum, entropy, log p of every entry) of rows of raw logits [..., V],
-    with the non-top mass kept apart (log1p), as the kernels do: a float64 softmax rounds
-    1 + 1e-12 to 4 digits, too coarse to check a confident row against."""
-    x = ref.as_f64(logits)
-    d = (x - x.max(-1, keepdims=True)) / temp
-    e = np.exp(d)
-    top = d == 0
-    rest = np.where(top, 0.0, e).sum(-1) + (top.sum(-1) - 1.0)
-    log_sum = np.log1p(rest)
-    t = (e * np.where(e > 0, d, 0.0)).sum(-1)
-    return log_sum, log_sum - t / (1.0 + rest), d - log_sum[..., None]
-
-
-def rel_err(actual, expected):
-    a = actual.detach().cpu().double().numpy() if torch.is_tensor(actual) else actual
-    e = np.asarray(expected, dtype=np.float64)
-    return float(np.max(np.abs(a - e) / np.maximum(np.abs(e), 1e-300)))
-
-
-@GENUINE_INF
-@pytest.mark.parametrize("temp", [1.0, 0.7])
-@pytest.mark.parametrize("ent_coef", [0.0, 0.05])
-def test_finfo_min_leading_block_is_finite(temp, ent_coef):
-    """a leading vocabulary block masked with finfo.min (HF-style masks) and the
-    token in a later block: the merge must not form 0 * inf. Entropy, loss and dlogits are
-    finite and equal to the reference, also with entropy_coef = 0 (where a NaN entropy
-    used to leak into the loss and dlogits through 0 * NaN)."""
-    B, T, V = 2, 3, 96  # the interpreter's block is 32: two finfo.min blocks, then a mixed one
-    logits, tokens, mask = make_case(B=B, T=T, V=V, padding="none", seed=11)
-    logits[..., :72] = torch.finfo(torch.float32).min
-    gen = torch.Generator().manual_seed(12)
-    tokens = torch.randint(72, V, (B, T), generator=gen).to(DEV)
-    logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp,
-                                                                 True)
-    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
-    close(logp, rl, 1e-5, 1e-6, "logprobs")
-    close(ent, re_, 1e-5, 1e-6, "entropy")
-    g = rand_tok(B, T, torch.float32, 13)
-    d = OPS.triton_token_logprobs_bwd(g, g, logits, tokens, mask, row_max, log_sum, ent, temp)
-    rd = ref.token_logprobs_grad(logits, tokens, mask, temp, g, g)
-    close(d, rd, *grad_tol(torch.float32, rd), "token_logprobs dlogits")
-    assert (d[..., :72] == 0).all()
-    inp = _ppo_inputs(logits, tokens, mask, seed=14)
-    out = _run_ppo(logits, tokens, mask, inp, ent_coef=ent_coef, temp=temp)
-    rout = _ref_ppo(logits, tokens, mask, inp, ent_coef=ent_coef, temp=temp)
-    _check_ppo(out, rout, logits, tokens, mask, torch.float32, temp=temp)
-    assert torch.isfinite(out[0]) and (out[4][..., :72] == 0).all()
-
-
-CONFIDENT = (1e-3, 1e-5, 1e-7, 1e-9, 1e-11, 1e-12)  # 1 - p of the top token, one per row
-
-
-def confident_case(V, temp, seed):
-    """float32 logits [1, 6, V] whose top entry (the token) has 1 - p = CONFIDENT[i] on
-    row i (computed from the rounded logits, so it is only close to those values)."""
-    gen = np.random.default_rng(seed)
-    x = gen.normal(0.0, 1.0, (1, len(CONFIDENT), V))
-    top = gen.integers(0, V, len(CONFIDENT))
-    for i, q in enumerate(CONFIDENT):
-        others = np.delete(x[0, i], top[i])
-        # sum over v != top of exp((x_v - L) / temp) = q
-        x[0, i, top[i]] = temp * (np.log(np.exp(others / temp).sum()) - np.log(q))
-    logits = torch.tensor(x, dtype=torch.float32).to(DEV)
-    tokens = torch.tensor(top[None], dtype=torch.int64).to(DEV)
-    mask = torch.ones(1, len(CONFIDENT), dtype=torch.bool, device=DEV)
-    return logits, tokens, mask
-
-
-@pytest.mark.parametrize("temp", [1.0, 0.7])
-def test_confident_tokens_keep_their_digits(temp):
-    """Spec section 2: with 1 - p from 1e-3 down to 1e-12 (far below float32 epsilon),
-    logp (= -log1p(rest)), the entropy and the token's dlogit (dlogp (1 - p)) keep their
-    relative digits, and a row's gradient still sums to ~0 relative to its token entry.
-    With log(1 + rest) logp came back 0 and the entropy lost percents."""
-    logits, tokens, mask = confident_case(100, temp, seed=15)
-    log_sum, ent64, logp_all = stable_stats(logits, temp)
-    tok = tokens.cpu().numpy()
-    logp64 = np.take_along_axis(logp_all, tok[..., None], -1)[..., 0]
-    logp, ent, row_max, ls = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp, True)
-    assert (logp < 0).all(), "a confident token's logp must not round to 0"
-    assert rel_err(logp, logp64) < EXP_RTOL, "logprobs"
-    assert rel_err(ls, log_sum) < EXP_RTOL, "log_sum"
-    assert rel_err(ent, ent64) < EXP_RTOL, "entropy"
-    # backward of sum(logp): token entry (1 - p) / T = -expm1(logp) / T, others -p_v / T
-    one = torch.ones(1, len(CONFIDENT), device=DEV)
-    d = OPS.triton_token_logprobs_bwd(one, None, logits, tokens, mask, row_max, ls, ent, temp)
-    d64 = d.double().cpu().numpy()
-    g_tok = np.take_along_axis(d64, tok[..., None], -1)[..., 0]
-    assert rel_err(g_tok, -np.expm1(logp64) / temp) < EXP_RTOL, "token dlogit"
-    assert (np.abs(d64.sum(-1)) < 1e-5 * np.abs(g_tok)).all(), "row gradient sums to 0"
-    # the fused loss: rho = 1, A = 1, an entropy bonus; w = 1 on every row
-    inp = dict(old=logp64, adv=np.ones_like(logp64), ref=None, isw=None,
-               w=np.ones_like(logp64), acc=torch.float32)
-    _, _, lp2, ent2, dl = _run_ppo(logits, tokens, mask, inp, eps_low=0.2, eps_high=0.2,
-                                   kl_coef=0.0, ent_coef=0.01, temp=temp)
-    assert rel_err(lp2, logp64) < EXP_RTOL and rel_err(ent2, ent64) < EXP_RTOL
-    p64 = np.exp(logp64)
-    dlogp, dent = -1.0, -0.01  # d loss / d logp = -rho A w, d loss / d H = -w entropy_coef
-    want = (-dlogp * np.expm1(logp64) - p64 * dent * (logp64 + ent64)) / temp
-    got = np.take_along_axis(dl.double().cpu().numpy(), tok[..., None], -1)[..., 0]
-    assert rel_err(got, want) < EXP_RTOL, "fused loss: token dlogit"
-
-
-C4_ROWS = [[1.5410, -0.2934, -2.1788, 0.5684, -1.0845],  # from test_adversarial
-           [1.5410, 1.5405, 1.5400, 0.5684, -1.0845]]    # close maxima: p non-trivial
-
-
-@GENUINE_INF
-@pytest.mark.parametrize("temp", [1e-3, 1e-10])
-def test_token_logprobs_bwd_small_temperature(temp):
-    """the backward rebuilds log p_v = (x_v - row_max) / T - log_sum from the
-    forward's (row_max, log_sum), never x_v / T - lse: at T = 1e-10 the max entry's
-    log p came back +213.8 (p = inf) on a GPU, at 1e-3 8.6e-6 off."""
-    logits = torch.tensor([C4_ROWS], dtype=torch.float32).to(DEV)
-    tokens = torch.tensor([[2, 0]], device=DEV)
-    mask = torch.ones(1, 2, dtype=torch.bool, device=DEV)
-    logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp,
-                                                                 True)
-    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
-    close(logp, rl, 1e-6, 0, "logprobs")
-    assert (logp <= 0).all()
-    g = torch.tensor([[1.0, -0.5]], device=DEV)
-    gh = torch.tensor([[0.25, 0.5]], device=DEV)
-    d = OPS.triton_token_logprobs_bwd(g, gh, logits, tokens, mask, row_max, log_sum, ent, temp)
-    rd = ref.token_logprobs_grad(logits, tokens, mask, temp, g, gh)
-    assert torch.isfinite(d).all()
-    close(d, rd, 1e-6, 1e-6 * np.abs(rd).max(), "dlogits")
-
-
-@pytest.mark.parametrize("temp", [1.0, 30.0])
-def test_token_logprobs_huge_fp16_logits(temp):
-    """Logits at the fp16 limit (65504, spacing 32): forward and backward match the
-    float64 reference (z - lse would lose the digits of d = x - max at this scale)."""
-    row = [65504.0, 65472.0, 65440.0, 60000.0, -65504.0, 0.0, 65504.0 - 96.0]
-    logits = torch.tensor([[row, row[::-1]]], dtype=torch.float16).to(DEV)
-    tokens = torch.tensor([[1, 0]], device=DEV)
-    mask = torch.ones(1, 2, dtype=torch.bool, device=DEV)
-    logp, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(logits, tokens, mask, temp,
-                                                                 True)
-    assert (row_max == 65504.0).all()
-    rl, re_ = ref.token_logprobs(logits, tokens, mask, temp)
-    close(logp, rl, 1e-6, 1e-7, "logprobs")
-    close(ent, re_, 1e-6, 1e-7, "entropy")
-    g = torch.tensor([[1.0, 0.5]], device=DEV)
-    d = OPS.triton_token_logprobs_bwd(g, g, logits, tokens, mask, row_max, log_sum, ent, temp)
-    rd = ref.token_logprobs_grad(logits, tokens, mask, temp, g, g)
-    close(d, rd, *grad_tol(torch.float16, rd), "dlogits")
-
+# ------------------------------------------------------------------ the _math helpers
+# (probed by a kernel of their own)
 
 @triton.jit
 def _probe_kernel(x_ptr, a_ptr, b_ptr, N, WHICH: tl.constexpr, BLOCK: tl.constexpr):
@@ -944,28 +598,8 @@ def _probe(which, x):
     return a.cpu().double().numpy(), b.cpu().double().numpy()
 
 
-def expm1_minus_x64(u):
-    """e^u - 1 - u in float64 to ~1e-16 relative: a 25-term series below |u| = 0.5."""
-    u = np.asarray(u, dtype=np.float64)
-    s = np.zeros_like(u)
-    term = u * u / 2.0
-    for k in range(3, 28):
-        s += term
-        term = term * u / k
-    return np.where(np.abs(u) < 0.5, s, np.expm1(u) - u)
-
-
-def k3_deltas(n, seed):
-    """float32 deltas log-uniform in [1e-6, 20], both signs, plus the edges."""
-    gen = np.random.default_rng(seed)
-    mag = np.exp(gen.uniform(np.log(1e-6), np.log(20.0), n))
-    edges = np.array([1e-6, 1e-4, 0.5, 1.0 - 2**-24, 1.0, 1.0 + 2**-23, 2.0, 20.0])
-    d = np.concatenate([mag, edges])
-    return np.concatenate([d, -d]).astype(np.float32)
-
-
 def test_k3_and_its_derivative_to_float32_rounding():
-    """Spec section 3: k3 = e^-c - 1 + c and d k3 / d delta = 1 - e^-c for float32
+    """k3 = e^-c - 1 + c and d k3 / d delta = 1 - e^-c for float32
     deltas log-uniform in [1e-6, 20], both signs, within ~4 float32 ulp (5e-7) of float64
     on the same float32 delta (exp(-c) - 1 + c was 5% off at 1e-3 and 0 below 1e-4).
     Clamped beyond |delta| = 20: the value at the clamp, derivative 0."""
@@ -999,31 +633,6 @@ def test_expm1_helpers_and_log1p():
     assert a[0] == float("-inf")
 
 
-def test_k3_through_the_ops():
-    """k3 (score_rollout's kl, the loss's loss_tok) and its derivative (the fused loss's
-    dlogit of a token with p ~ 1e-13, where it is dlogp exactly) vs float64 on the float32
-    delta = logp - ref the kernel formed."""
-    B, T = 2, 8
-    logits = torch.tensor([0.0, -30.0]).expand(B, T, 2).contiguous().to(DEV)
-    tokens = torch.ones(B, T, dtype=torch.int64, device=DEV)
-    mask = torch.ones(B, T, dtype=torch.bool, device=DEV)
-    logp, _, _, _ = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, False)
-    target = torch.as_tensor(k3_deltas(0, seed=19)).reshape(B, T).to(DEV)  # the 16 edges
-    refl = (logp - target).contiguous()
-    delta = (logp - refl).cpu().double().numpy()  # float32 subtraction, as in the kernel
-    zero = torch.zeros(B, T, device=DEV)
-    out = OPS.triton_score_rollout(logits, tokens, mask, refl, zero, torch.zeros(B, device=DEV),
-                                   1.0, 2, 1.0, 1.0, 1.0)
-    assert torch.equal(out[0], logp)
-    assert rel_err(out[1], expm1_minus_x64(-delta)) < 5e-7, "score_rollout kl"
-    w = torch.ones(B, T, device=DEV)
-    loss, loss_tok, _, _, dl = OPS.triton_ppo_loss_fwd(
-        logits, tokens, mask, logp, zero, w, refl, None, None,
-        *_args(0.2, 0.2, 0.0, 1.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05, False), True)
-    assert rel_err(loss_tok, expm1_minus_x64(-delta)) < 5e-7, "loss_tok = k3"
-    assert rel_err(dl[..., 1], -np.expm1(-delta)) < 5e-7, "dlogit = d k3 / d delta"
-
-
 # ------------------------------------------------------------------ grad_scale, scale_grad_
 
 @pytest.mark.parametrize("dtype,gs", [(torch.float32, 0.37), (torch.bfloat16, 3.0),
@@ -1033,22 +642,22 @@ def test_grad_scale(dtype, gs):
     are bitwise those of grad_scale = 1. Same for the in-place variant."""
     logits, tokens, mask = make_case(B=2, T=4, V=100, dtype=dtype, layout="raw",
                                      padding="interior", neginf=True, seed=21)
-    inp = _ppo_inputs(logits, tokens, mask, seed=22, with_isw=True)
-    base = _run_ppo(logits, tokens, mask, inp, dual=3.0, ent_coef=0.05)
-    out = _run_ppo(logits, tokens, mask, inp, dual=3.0, ent_coef=0.05, grad_scale=gs)
+    inp = ppo_inputs(logits, tokens, mask, seed=22, with_isw=True)
+    base = run_ppo(logits, tokens, mask, inp, dual=3.0, ent_coef=0.05)
+    out = run_ppo(logits, tokens, mask, inp, dual=3.0, ent_coef=0.05, grad_scale=gs)
     for a, b in zip(out[:4], base[:4]):
         assert torch.equal(a, b)
-    _, _, rdl = _ref_ppo(logits, tokens, mask, inp, dual=3.0, ent_coef=0.05)
-    close(out[4], gs * rdl, *grad_tol(dtype, gs * rdl), "dlogits")
+    _, _, rdl = ref_ppo(logits, tokens, mask, inp, dual=3.0, ent_coef=0.05)
+    assert_close_np(out[4], gs * rdl, *grad_tol(dtype, gs * rdl), "dlogits")
     acc = inp["acc"]
     x = logits.clone()
     res = OPS.triton_ppo_loss_fwd_inplace(
         x, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
         per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
-        None, *_args(0.2, 0.28, 3.0, 0.1, 2, 0.05, 1.0, gs, 0, 1.0, 1.05, False))
+        None, *slot_args(0.2, 0.28, 3.0, 0.1, 2, 0.05, 1.0, gs, 0, 1.0, 1.05, False))
     for a, b in zip(res, base[:4]):
-        close(a, b.cpu().double().numpy(), *TOK_TOL[dtype])
-    close(x, gs * rdl, *grad_tol(dtype, gs * rdl), "in-place dlogits")
+        assert_close_np(a, b.cpu().double().numpy(), *TOK_TOL[dtype])
+    assert_close_np(x, gs * rdl, *grad_tol(dtype, gs * rdl), "in-place dlogits")
 
 
 def _scaled(grad, go, ap):
@@ -1109,58 +718,6 @@ def test_scale_grad_strided_storage(layout):
     assert ap2.item() == 2.0
 
 
-# ------------------------------------------------------------------ batch invariance
-
-def _row_outputs(logits, tokens, mask, inp, rows):
-    """For each (b, t) in rows: (logp, entropy, loss_tok, dlogits row) of the fused loss
-    run on that row alone (a [1, 1, V] view of the same logits), plus token_logprobs."""
-    acc = inp["acc"]
-    res = []
-    for b, t in rows:
-        sub = {k: (None if inp[k] is None else np.asarray(inp[k])[b:b + 1, t:t + 1])
-               for k in ("old", "adv", "ref", "isw", "w")}
-        sub["acc"] = acc
-        out = _run_ppo(logits[b:b + 1, t:t + 1], tokens[b:b + 1, t:t + 1].contiguous(),
-                       mask[b:b + 1, t:t + 1].contiguous(), sub, ent_coef=0.05)
-        lp = OPS.triton_token_logprobs_fwd(logits[b:b + 1, t:t + 1],
-                                           tokens[b:b + 1, t:t + 1].contiguous(),
-                                           mask[b:b + 1, t:t + 1].contiguous(), 1.0, True)
-        res.append((out[2][0, 0], out[3][0, 0], out[1][0, 0], out[4][0, 0], lp[0][0, 0],
-                    lp[1][0, 0]))
-    return res
-
-
-def test_batch_invariance_bitwise():
-    """Spec section 6: a row's logp, entropy, loss_tok and dlogits are bitwise the same
-    alone, in a permuted batch, and inside a bigger batch (one program per row; the
-    autotune key has no row count, so the block size - the reduction order - is that of V
-    alone)."""
-    logits, tokens, mask = make_case(B=3, T=4, V=100, padding="none", neginf=True, seed=25)
-    inp = _ppo_inputs(logits, tokens, mask, seed=26, with_isw=True)
-    full = _run_ppo(logits, tokens, mask, inp, ent_coef=0.05)
-    lp_full = OPS.triton_token_logprobs_fwd(logits, tokens, mask, 1.0, True)
-    rows = [(0, 0), (1, 2), (2, 3)]
-    for (b, t), alone in zip(rows, _row_outputs(logits, tokens, mask, inp, rows)):
-        want = (full[2][b, t], full[3][b, t], full[1][b, t], full[4][b, t], lp_full[0][b, t],
-                lp_full[1][b, t])
-        for a, w in zip(alone, want):
-            assert torch.equal(a, w), (b, t)
-    perm = torch.tensor([2, 0, 1])
-    pinp = {k: (v if k == "acc" or v is None else np.asarray(v)[perm.numpy()])
-            for k, v in inp.items()}
-    pout = _run_ppo(logits[perm], tokens[perm], mask[perm], pinp, ent_coef=0.05)
-    for i in (1, 2, 3, 4):
-        assert torch.equal(pout[i], full[i][perm]), i
-    # a bigger batch: the same rows after three more sequences
-    more, mtok, mmask = make_case(B=3, T=4, V=100, padding="none", seed=27)
-    big = torch.cat([more, logits]), torch.cat([mtok, tokens]), torch.cat([mmask, mask])
-    minp = _ppo_inputs(more, mtok, mmask, seed=28, with_isw=True)
-    binp = {k: (v if k == "acc" else np.concatenate([minp[k], inp[k]])) for k, v in inp.items()}
-    bout = _run_ppo(*big, binp, ent_coef=0.05)
-    for i in (1, 2, 3, 4):
-        assert torch.equal(bout[i][3:], full[i]), i
-
-
 # ------------------------------------------------------------------ gae
 
 @pytest.mark.parametrize("padding", ["random", "left", "right", "interior", "empty_row",
@@ -1169,7 +726,7 @@ def test_batch_invariance_bitwise():
 def test_gae(padding, dtype):
     B, T = 3, 20
     gen = torch.Generator().manual_seed(60)
-    mask = make_mask(B, T, padding, gen).to(DEV)
+    mask = make_mask(B, T, gen, padding).to(DEV)
     r = torch.randn(B, T, generator=gen, dtype=dtype).to(DEV)
     v = torch.randn(B, T, generator=gen, dtype=dtype).to(DEV)
     boot = torch.randn(B, generator=gen, dtype=dtype).to(DEV)
@@ -1178,8 +735,8 @@ def test_gae(padding, dtype):
         a, ret = OPS.triton_gae(r, v, mask, bv, 0.99, 0.95)
         assert a.dtype == ret.dtype == dtype
         ra, rr = ref.gae(r, v, mask, gamma=0.99, lam=0.95, bootstrap_values=bv)
-        close(a, ra, rtol, atol, "advantages")
-        close(ret, rr, rtol, atol, "returns")
+        assert_close_np(a, ra, rtol, atol, "advantages")
+        assert_close_np(ret, rr, rtol, atol, "returns")
 
 
 @pytest.mark.parametrize("block_t", [1, 2, 32])
@@ -1188,13 +745,13 @@ def test_gae_chunk_sizes(block_t):
     many chunks, a single chunk)."""
     B, T = 2, 13
     gen = torch.Generator().manual_seed(61)
-    mask = make_mask(B, T, "interior", gen).to(DEV)
+    mask = make_mask(B, T, gen, "interior").to(DEV)
     r = torch.randn(B, T, generator=gen).to(DEV)
     v = torch.randn(B, T, generator=gen).to(DEV)
     a, ret = tk.gae(r, v, mask, None, 1.0, 0.9, block_t=block_t)
     ra, rr = ref.gae(r, v, mask, gamma=1.0, lam=0.9)
-    close(a, ra, 1e-5, 1e-5, "advantages")
-    close(ret, rr, 1e-5, 1e-5, "returns")
+    assert_close_np(a, ra, 1e-5, 1e-5, "advantages")
+    assert_close_np(ret, rr, 1e-5, 1e-5, "returns")
 
 
 def test_gae_exercise_numbers():
@@ -1224,11 +781,11 @@ def test_score_rollout(kl_est, padding):
     out = OPS.triton_score_rollout(logits, tokens, mask, refl, values, scores, 0.05, kl_est,
                                    0.99, 0.95, 0.9)
     r = ref.score_rollout(logits, tokens, refl, values, scores, mask, kl_coef=0.05,
-                          kl_estimator=KL[kl_est], gamma=0.99, lam=0.95, temperature=0.9,
+                          kl_estimator=KL_CODES[kl_est], gamma=0.99, lam=0.95, temperature=0.9,
                           whiten_advantages=False)
     for name, got in zip(("logprobs", "kl", "rewards", "advantages", "returns"), out):
         assert got.dtype == torch.float32
-        close(got, r[name], 1e-5, 1e-5, name)
+        assert_close_np(got, r[name], 1e-5, 1e-5, name)
 
 
 def test_score_rollout_float64_and_score_placement():
@@ -1250,7 +807,7 @@ def test_score_rollout_float64_and_score_placement():
                           whiten_advantages=False, gamma=1.0, lam=1.0)
     for name, got in zip(("logprobs", "kl", "rewards", "advantages", "returns"), out):
         assert got.dtype == torch.float64
-        close(got, r[name], 1e-12, 1e-12, name)
+        assert_close_np(got, r[name], 1e-12, 1e-12, name)
 
 
 # ------------------------------------------------------------------ bad input
@@ -1270,12 +827,12 @@ def test_bad_input_raises():
     z = torch.zeros(2, 3, device=DEV)
     with pytest.raises((ValueError, TypeError), match="advantages"):
         OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z.double(), z, None, None, None,
-                                *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
+                                *slot_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
                                        False), False)
     for bad in (6, -1):
         with pytest.raises(ValueError, match="kl_estimator"):
             OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, z, None, None,
-                                    *_args(0.2, 0.2, 0.0, 0.1, bad, 0.0, 1.0, 1.0, 0, 1.0,
+                                    *slot_args(0.2, 0.2, 0.0, 0.1, bad, 0.0, 1.0, 1.0, 0, 1.0,
                                            1.05, False), False)
         with pytest.raises(ValueError, match="kl_estimator"):
             OPS.triton_score_rollout(logits, tokens, mask, z, z, torch.zeros(2, device=DEV),
@@ -1283,21 +840,21 @@ def test_bad_input_raises():
     for bad in (3, -1):  # 3: gspo, which no kernel runs
         with pytest.raises(ValueError, match="policy_loss"):
             OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, None, None, None,
-                                    *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, bad, 1.0,
+                                    *slot_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, bad, 1.0,
                                            1.05, False), False)
         with pytest.raises(ValueError, match="policy_loss"):
             OPS.triton_ppo_loss_fwd_inplace(logits.clone(), tokens, mask, None, z, z, None,
                                             None, None,
-                                            *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, bad,
+                                            *slot_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, bad,
                                                    1.0, 1.05, False))
     with pytest.raises((ValueError, TypeError), match="entropy_weights"):
         OPS.triton_ppo_loss_fwd(logits, tokens, mask, None, z, z, None, None, z[:, :2],
-                                *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
+                                *slot_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, 0, 1.0, 1.05,
                                        False), False)
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="grad_scale"):
             OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, None, None, None,
-                                    *_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, bad, 0, 1.0, 1.05,
+                                    *slot_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, bad, 0, 1.0, 1.05,
                                            False), False)
     # a temperature whose reciprocal overflows float32, or not positive
     for bad in (1e-40, 0.0, -1.0):
@@ -1312,52 +869,3 @@ def test_bad_input_raises():
         OPS.triton_scale_grad_(logits[0].clone(), one, one.clone())
     with pytest.raises((ValueError, TypeError), match="bootstrap_values"):
         OPS.triton_gae(z, z, mask, torch.zeros(3, device=DEV), 1.0, 0.9)
-
-
-# ------------------------------------------------------------------ opcheck
-
-def _opcheck_cases():
-    B, T, V = 2, 3, 7
-    gen = torch.Generator().manual_seed(95)
-    L = torch.randn(B, T + 1, V, generator=gen).to(DEV)
-    t = torch.randint(0, V, (B, T), generator=gen).to(DEV)
-    m = torch.tensor([[True, False, True], [True, True, True]], device=DEV)
-    z = torch.randn(B, T, generator=gen).to(DEV)
-    w = (m.float() / m.sum()).contiguous()
-    s = torch.randn(B, generator=gen).to(DEV)
-    _, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(L, t, m, 1.0, True)
-    return {
-        "triton_token_logprobs_fwd": (L, t, m, 0.9, True),
-        "triton_token_logprobs_bwd": (z, z.clone(), L, t, m, row_max, log_sum, ent, 0.9),
-        "triton_ppo_loss_fwd": (L, t, m, z, z, w, z, None, None,
-                                *_args(0.2, 0.2, 3.0, 0.1, 2, 0.01, 1.0, 0.5, 0, 1.0, 1.05,
-                                       False), True),
-        "triton_ppo_loss_fwd_inplace": (L.clone(), t, m, None, z, w, z, None, w.clone(),
-                                        *_args(0.2, 0.2, 0.0, 0.1, 5, 0.01, 1.0, 2.0, 2, 0.9,
-                                               1.1, True)),
-        "triton_scale_grad_": (L.clone(), torch.tensor(0.25, device=DEV),
-                               torch.tensor(2.0, device=DEV)),
-        "triton_gae": (z, z.clone(), m, s, 0.9, 0.95),
-        "triton_score_rollout": (L, t, m, z, z, s, 0.1, 2, 1.0, 0.95, 1.0),
-    }
-
-
-@pytest.mark.parametrize("name", ["triton_token_logprobs_fwd", "triton_token_logprobs_bwd",
-                                  "triton_ppo_loss_fwd", "triton_ppo_loss_fwd_inplace",
-                                  "triton_scale_grad_", "triton_gae",
-                                  "triton_score_rollout"])
-def test_opcheck(name):
-    """torch.library.opcheck of each op with the fake/autograd registrations of
-    ppo_kernels/_autograd.py: the schema's mutation annotations are honest (only the in-place
-    op writes an input), the fake shapes/dtypes match the real outputs. Under the
-    interpreter torch cannot trace a Triton kernel (wrap_triton hands interpreted kernels
-    back untraced), so the AOT-dispatch checks run on CUDA only."""
-    from ppo_kernels import _backends
-
-    _backends.get_backend("triton", torch.device(DEV))  # registers the triton_* fakes/autograd
-    utils = ["test_schema", "test_autograd_registration", "test_faketensor"]
-    if DEV == "cuda":
-        utils.append("test_aot_dispatch_dynamic")
-    res = torch.library.opcheck(getattr(OPS, name).default, _opcheck_cases()[name],
-                                test_utils=utils)
-    assert set(res) == set(utils) and all(v == "SUCCESS" for v in res.values()), res

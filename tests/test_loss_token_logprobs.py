@@ -1,6 +1,7 @@
-"""pk.token_logprobs (and entropy) on every backend against the numpy float64 reference:
-values, the gradient for arbitrary upstream gradients, layouts, dtypes, -inf logits,
-masking, and gradcheck."""
+"""Tests of pk.token_logprobs (ppo_kernels/loss.py) and its entropy on every backend against
+the numpy float64 reference: values, the gradient for arbitrary upstream gradients,
+layouts, dtypes, -inf logits, masking, gradcheck; token ids out of range on masked
+positions, token and mask dtypes, strided views of the logits."""
 
 import numpy as np
 import pytest
@@ -9,8 +10,8 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import (BACKENDS, CPU, assert_close_np, assert_grad_close, combine, logits_for,
-                      make_inputs)
+from conftest import (BACKENDS, BACKENDS_CPU, CPU, SMALL_MASK, assert_close_np, assert_grad_close,
+                      combine, logits_for, make_inputs, small_inputs)
 
 # per-token outputs are float32 from float32 accumulation whatever the logits' dtype; the
 # reference sees the same rounded logits
@@ -150,13 +151,6 @@ def test_shift_invariance(gen):
     torch.testing.assert_close(h2, h1, rtol=0, atol=2e-5)
 
 
-def test_auto_backend_is_cpu_for_cpu_tensors(gen):
-    inp = make_inputs(3, 5, 37, gen)
-    a = pk.token_logprobs(inp["full"][:, :5], inp["tokens"], inp["mask"])
-    b = pk.token_logprobs(inp["full"][:, :5], inp["tokens"], inp["mask"], backend="cpu")
-    assert torch.equal(a, b)
-
-
 GC_PARAMS = [pytest.param(b.values[0], e, t, id=f"{b.id}-entropy={e}-T={t}", marks=b.marks)
              for b in BACKENDS for e in (False, True) for t in (1.0, 0.7)
              if not (b.values[0].small and (not e or t != 0.7))]
@@ -216,3 +210,45 @@ def test_token_views_accepted(be, gen):
     got = pk.token_logprobs(logits.to(be.device), tokens.to(be.device), backend=be.name)
     want, _ = ref.token_logprobs(logits, tokens)
     assert_close_np(got.cpu().double().numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ odd ids, dtypes, strides
+# (CPU tensors: cpu, torch and the Triton interpreter)
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_garbage_token_ids_on_masked_positions(be):
+    """Token ids of +-10^12 on masked positions are never read: the log-probs are those
+    of valid ids, and 0 on the masked positions."""
+    d = small_inputs()
+    tokens = d["tokens"].clone()
+    tokens[0, 2], tokens[1, 0] = 10**12, -(10**12)
+    lp = pk.token_logprobs(d["logits"], tokens, SMALL_MASK, backend=be.name)
+    ref = pk.token_logprobs(d["logits"], d["tokens"], SMALL_MASK, backend="torch")
+    torch.testing.assert_close(lp, ref, rtol=1e-5, atol=1e-6)
+    assert (lp[~SMALL_MASK] == 0).all()
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_token_and_mask_dtypes_are_equivalent(be):
+    """int32 / uint8 / int16 tokens and int / float / uint8 / bool masks give
+    bit-identical log-probs."""
+    d = small_inputs()
+    ref = pk.token_logprobs(d["logits"], d["tokens"], SMALL_MASK, backend=be.name)
+    for tk in (d["tokens"].int(), d["tokens"].to(torch.uint8), d["tokens"].short()):
+        for m in (SMALL_MASK.int(), SMALL_MASK.float(), SMALL_MASK.to(torch.uint8), SMALL_MASK):
+            assert torch.equal(pk.token_logprobs(d["logits"], tk, m, backend=be.name), ref)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_strided_logits_views(be):
+    """Strided views of the logits (every other position, every other vocabulary
+    entry, a transposed batch) give their contiguous copies' log-probs, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(2, 6, 10, generator=g)
+    tokens = torch.randint(0, 5, (2, 3), generator=g)
+    views = (full[:, ::2, :5], full[:, :3, ::2],
+             full.transpose(0, 1)[:3].transpose(0, 1)[..., :5])
+    for view in views:
+        lp = pk.token_logprobs(view, tokens, backend=be.name)
+        ref = pk.token_logprobs(view.contiguous(), tokens, backend=be.name)
+        assert torch.equal(lp, ref)

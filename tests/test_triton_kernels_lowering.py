@@ -1,14 +1,14 @@
 """Every @triton.jit kernel of ppo_kernels.triton_kernels lowers to PTX and a cubin for
 sm_90 (Hopper), for each logits dtype it is launched with, without a GPU.
 
-The interpreter (TRITON_INTERPRET=1, used by test_triton_ops.py on machines without a GPU)
+The interpreter (TRITON_INTERPRET=1, used by test_triton_kernels.py on machines without a GPU)
 never runs the compiler, so type errors in lowering, unsupported ops, or a config that
 needs more shared memory than an SM has would only show up on a GPU machine. Here each
 kernel goes through triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)).
 
 triton.jit decides at decoration time whether it builds an interpreted function, so the
 compilation runs in a child process with TRITON_INTERPRET unset (this process may have
-it set, by test_triton_ops.py or a conftest). One child compiles every variant and reports
+it set, by conftest.py). One child compiles every variant and reports
 JSON; the tests below assert on its report.
 """
 

@@ -1,6 +1,10 @@
-"""Bad input (DESIGN.md): a ValueError or TypeError whose message names the argument, for
-every public function, raised before any kernel runs. And the near misses that must NOT
-raise (out-of-range token ids on masked positions, boundary values of the ranges)."""
+"""Bad arguments of ppo_kernels/loss.py's ops (ppo_loss, token_logprobs, value_loss), as
+DESIGN.md asks: a ValueError or TypeError whose message names the argument, raised before
+any kernel runs; the loss menu's arguments too (docs/LOSSES.md), including values outside
+float32's range. And the near misses that must NOT raise: out-of-range token ids on masked
+positions, other token and mask dtypes, the boundary values of the ranges.
+(The rollout side: test_advantages.py; packed, tensor- and context-parallel arguments:
+test_packed.py, test_vocab_parallel.py, test_context_parallel.py.)"""
 
 import math
 
@@ -9,68 +13,12 @@ import torch
 
 import ppo_kernels as pk
 
-from conftest import HAS_CUDA_DEVICE
+from conftest import (BACKENDS_CPU, BAD_B, BAD_T, BAD_V, HAS_CUDA_DEVICE, META, PUBLIC_FUNCS,
+                      assert_bad_input_raises, bad_row_id, base_gae, base_ppo, base_vl, oob,
+                      seeded_inputs)
 
-B, T, V = 2, 3, 5
-
-
-def base_ppo():
-    g = torch.Generator().manual_seed(0)
-    return dict(logits=torch.randn(B, T, V, generator=g), tokens=torch.randint(0, V, (B, T),
-                                                                               generator=g),
-                old_logprobs=-torch.rand(B, T, generator=g) - 1,
-                advantages=torch.randn(B, T, generator=g),
-                response_mask=torch.ones(B, T, dtype=torch.bool),
-                ref_logprobs=-torch.rand(B, T, generator=g) - 1, backend="cpu")
-
-
-def base_tlp():
-    d = base_ppo()
-    return dict(logits=d["logits"], tokens=d["tokens"], response_mask=d["response_mask"],
-                backend="cpu")
-
-
-def base_gae():
-    return dict(rewards=torch.randn(B, T), values=torch.randn(B, T),
-                response_mask=torch.ones(B, T, dtype=torch.bool), backend="cpu")
-
-
-def base_klr():
-    return dict(scores=torch.randn(B), logprobs=-torch.rand(B, T), ref_logprobs=-torch.rand(B, T),
-                response_mask=torch.ones(B, T, dtype=torch.bool), kl_coef=0.1)
-
-
-def base_whiten():
-    return dict(x=torch.randn(B, T), response_mask=torch.ones(B, T, dtype=torch.bool))
-
-
-def base_score():
-    d = base_ppo()
-    return dict(logits=d["logits"], tokens=d["tokens"], ref_logprobs=d["ref_logprobs"],
-                values=torch.randn(B, T), scores=torch.randn(B),
-                response_mask=d["response_mask"], kl_coef=0.1, backend="cpu")
-
-
-def base_vl():
-    return dict(values=torch.randn(B, T), old_values=torch.randn(B, T), returns=torch.randn(B, T),
-                response_mask=torch.ones(B, T, dtype=torch.bool))
-
-
-FUNCS = {"ppo_loss": (pk.ppo_loss, base_ppo), "token_logprobs": (pk.token_logprobs, base_tlp),
-         "gae": (pk.gae, base_gae), "kl_penalized_rewards": (pk.kl_penalized_rewards, base_klr),
-         "whiten": (pk.whiten, base_whiten), "score_rollout": (pk.score_rollout, base_score),
-         "value_loss": (pk.value_loss, base_vl)}
-
-META = torch.device("meta")
-
-
-def oob(value, pos=(1, 2)):
-    def f(d):
-        t = d["tokens"].clone()
-        t[pos] = value
-        return t
-    return f
-
+B, T, V = BAD_B, BAD_T, BAD_V
+FUNCS = {k: PUBLIC_FUNCS[k] for k in ("ppo_loss", "token_logprobs", "value_loss")}
 
 # (function, argument to replace, new value or f(base dict) -> value, exception, match)
 ROWS = [
@@ -181,68 +129,6 @@ ROWS = [
     ("token_logprobs", "return_entropy", "yes", TypeError, "return_entropy"),
     ("token_logprobs", "backend", "tpu", ValueError, "backend"),
     ("token_logprobs", "backend", "cuda", ValueError, "backend"),
-    # ---------------- gae
-    ("gae", "rewards", torch.randn(B * T), ValueError, "rewards"),
-    ("gae", "rewards", torch.randn(B, T, 1), ValueError, "rewards"),
-    ("gae", "rewards", torch.ones(B, T, dtype=torch.int32), TypeError, "rewards"),
-    ("gae", "rewards", [[0.0] * T] * B, TypeError, "rewards"),
-    ("gae", "values", torch.randn(B, T + 1), ValueError, "values"),
-    ("gae", "values", torch.ones(B, T, dtype=torch.long), TypeError, "values"),
-    ("gae", "values", None, TypeError, "values"),
-    ("gae", "values", lambda d: d["values"].to(META), ValueError, "values"),
-    ("gae", "response_mask", torch.ones(B + 1, T), ValueError, "response_mask"),
-    ("gae", "gamma", 1.01, ValueError, "gamma"),
-    ("gae", "gamma", -0.01, ValueError, "gamma"),
-    ("gae", "lam", 1.5, ValueError, "lam"),
-    ("gae", "lam", -1.0, ValueError, "lam"),
-    ("gae", "lam", math.nan, ValueError, "lam"),
-    ("gae", "bootstrap_values", torch.zeros(B, 1), ValueError, "bootstrap_values"),
-    ("gae", "bootstrap_values", torch.zeros(B + 1), ValueError, "bootstrap_values"),
-    ("gae", "bootstrap_values", torch.zeros(B, dtype=torch.long), TypeError,
-     "bootstrap_values"),
-    ("gae", "bootstrap_values", torch.zeros(B, device=META), ValueError, "bootstrap_values"),
-    ("gae", "backend", "fast", ValueError, "backend"),
-    ("gae", "backend", "cuda", ValueError, "backend"),
-    # ---------------- kl_penalized_rewards
-    ("kl_penalized_rewards", "scores", torch.zeros(B, 1), ValueError, "scores"),
-    ("kl_penalized_rewards", "scores", torch.zeros(B + 1), ValueError, "scores"),
-    ("kl_penalized_rewards", "scores", torch.zeros(B, dtype=torch.long), TypeError, "scores"),
-    ("kl_penalized_rewards", "scores", 1.0, TypeError, "scores"),
-    ("kl_penalized_rewards", "logprobs", torch.zeros(B, T, 2), ValueError, "logprobs"),
-    ("kl_penalized_rewards", "ref_logprobs", torch.zeros(B, T + 1), ValueError, "ref_logprobs"),
-    ("kl_penalized_rewards", "response_mask", torch.ones(B, T - 1), ValueError,
-     "response_mask"),
-    ("kl_penalized_rewards", "kl_coef", -1.0, ValueError, "kl_coef"),
-    ("kl_penalized_rewards", "kl_coef", None, TypeError, "kl_coef"),
-    ("kl_penalized_rewards", "kl_estimator", "kl", ValueError, "kl_estimator"),
-    # ---------------- whiten
-    ("whiten", "x", torch.ones(B, T, dtype=torch.long), TypeError, "x"),
-    ("whiten", "x", [1.0, 2.0], TypeError, "x"),
-    ("whiten", "response_mask", torch.ones(B, T + 1), ValueError, "response_mask"),
-    ("whiten", "response_mask", lambda d: d["response_mask"].to(META), ValueError,
-     "response_mask"),
-    ("whiten", "eps", -1e-8, ValueError, "eps"),
-    # ---------------- score_rollout
-    ("score_rollout", "logits", torch.randn(B * T, V), ValueError, "logits"),
-    ("score_rollout", "logits", torch.zeros(B, T, V, dtype=torch.int8), TypeError, "logits"),
-    ("score_rollout", "logits", torch.zeros(B, T, 0), ValueError, "logits"),
-    ("score_rollout", "tokens", torch.zeros(B, T), TypeError, "tokens"),
-    ("score_rollout", "tokens", oob(V), ValueError, "tokens"),
-    ("score_rollout", "ref_logprobs", torch.zeros(B, T - 1), ValueError, "ref_logprobs"),
-    ("score_rollout", "ref_logprobs", None, TypeError, "ref_logprobs"),
-    ("score_rollout", "values", torch.zeros(B, T + 1), ValueError, "values"),
-    ("score_rollout", "scores", torch.zeros(B, T), ValueError, "scores"),
-    ("score_rollout", "response_mask", torch.ones(1, T), ValueError, "response_mask"),
-    ("score_rollout", "kl_coef", -0.5, ValueError, "kl_coef"),
-    ("score_rollout", "kl_estimator", "k0", ValueError, "kl_estimator"),
-    ("score_rollout", "gamma", 2.0, ValueError, "gamma"),
-    ("score_rollout", "lam", -0.5, ValueError, "lam"),
-    ("score_rollout", "temperature", 0.0, ValueError, "temperature"),
-    ("score_rollout", "temperature", 1e-40, ValueError, "temperature"),
-    ("score_rollout", "whiten", "no", TypeError, "whiten"),
-    ("score_rollout", "backend", "cuda", ValueError, "backend"),
-    ("score_rollout", "backend", "numpy", ValueError, "backend"),
-    ("score_rollout", "values", lambda d: d["values"].to(META), ValueError, "values"),
     # ---------------- value_loss
     ("value_loss", "values", torch.randn(B, T, 1), ValueError, "values"),
     ("value_loss", "values", torch.ones(B, T, dtype=torch.long), TypeError, "values"),
@@ -258,33 +144,15 @@ ROWS = [
 ]
 
 
-def _row_id(row):
-    fn, arg, val, exc, _ = row
-    if callable(val) and not isinstance(val, torch.Tensor):
-        desc = "derived"
-    elif isinstance(val, torch.Tensor):
-        desc = f"{str(val.dtype)[6:]}{list(val.shape)}" + ("meta" if val.is_meta else "")
-    else:
-        desc = repr(val)[:20]
-    return f"{fn}-{arg}-{desc}"
-
-
-@pytest.mark.parametrize("row", ROWS, ids=[_row_id(r) for r in ROWS])
+@pytest.mark.parametrize("row", ROWS, ids=[bad_row_id(r) for r in ROWS])
 def test_bad_input_raises_naming_the_argument(row):
-    fn_name, arg, val, exc, match = row
-    fn, base = FUNCS[fn_name]
-    kwargs = base()
-    if callable(val) and not isinstance(val, torch.Tensor):
-        val = val(kwargs)
-    kwargs[arg] = val
-    with pytest.raises(exc, match=match) as info:
-        fn(**kwargs)
-    msg = str(info.value)
-    assert msg.split(":")[0].strip() == match or match in msg
-    assert len(msg) > len(match) + 10  # says what was expected / given
+    """Each row: the base call of its function with one argument replaced raises the
+    row's exception, whose message names the argument and says what was expected."""
+    assert_bad_input_raises(row, FUNCS)
 
 
 def test_every_public_function_has_rows():
+    """Every function of the module has rows in the table."""
     assert {r[0] for r in ROWS} == set(FUNCS)
 
 
@@ -296,24 +164,15 @@ def test_base_calls_are_valid():
 
 @pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
 def test_dual_clip_only_with_a_clipped_surrogate(policy_loss):
+    """dual_clip_c with cispo or sapo (no clipped surrogate to cap) is a ValueError naming
+    dual_clip_c."""
     with pytest.raises(ValueError, match="dual_clip_c"):
         pk.ppo_loss(**base_ppo(), policy_loss=policy_loss, dual_clip_c=3.0)
 
 
-@pytest.mark.parametrize("policy_loss", ["gspo", "gspo-token"])
-def test_inplace_backward_allocates_as_usual_for_sequence_losses(policy_loss):
-    """As documented: the two-phase path's gradient sweep writes a fresh buffer."""
-    d = base_ppo()
-    grads = []
-    for inplace in (False, True):
-        x = d["logits"].clone().requires_grad_(True)
-        pk.ppo_loss(**dict(d, logits=x), policy_loss=policy_loss,
-                    inplace_backward=inplace)[0].backward()
-        grads.append(x.grad)
-    torch.testing.assert_close(grads[0], grads[1])
-
-
 def test_kl_coef_without_ref_logprobs():
+    """kl_coef > 0 without ref_logprobs is a ValueError naming ref_logprobs; kl_coef = 0
+    needs none."""
     d = base_ppo()
     d["ref_logprobs"] = None
     d["kl_coef"] = 0.1
@@ -323,10 +182,48 @@ def test_kl_coef_without_ref_logprobs():
     pk.ppo_loss(**d)  # fine without a penalty
 
 
+@pytest.mark.parametrize("name", ["kl_bias_correction", "inplace_backward"])
+def test_flags_are_bools(name):
+    """kl_bias_correction and inplace_backward take bools only (1 is a TypeError naming
+    them)."""
+    with pytest.raises(TypeError, match=name):
+        pk.ppo_loss(**base_ppo(), **{name: 1})
+
+
+def test_tokens_one_position_too_long_get_a_hint():
+    """tokens of the logits' length T + 1 (not shifted): the ValueError says
+    tokens[:, 1:]."""
+    d = base_ppo()
+    d["logits"] = torch.randn(B, T + 1, V)
+    d["tokens"] = torch.randint(0, V, (B, T + 1))
+    with pytest.raises(ValueError, match=r"tokens\[:, 1:\]"):
+        pk.ppo_loss(**d)
+
+
+@pytest.mark.skipif(not HAS_CUDA_DEVICE, reason="needs a CUDA device for a real device mismatch")
+def test_device_mismatch_cuda():
+    """Tensors on another device than the logits (backend auto): a ValueError naming the
+    first such argument, in ppo_loss and gae."""
+    d = base_ppo()
+    d["logits"] = d["logits"].cuda()
+    d["backend"] = "auto"
+    with pytest.raises(ValueError, match="tokens"):
+        pk.ppo_loss(**d)
+    d["tokens"] = d["tokens"].cuda()
+    with pytest.raises(ValueError, match="old_logprobs"):
+        pk.ppo_loss(**d)
+    g = base_gae()
+    with pytest.raises(ValueError, match="values"):
+        pk.gae(g["rewards"].cuda(), g["values"], g["response_mask"].cuda())
+
+
 @pytest.mark.parametrize("bad", [-1, V, V + 7, -10**9, 2**40])
 def test_out_of_range_tokens_on_masked_positions_are_fine(bad):
+    """Out-of-range token ids on masked positions are fine (ppo_loss, token_logprobs,
+    score_rollout: a finite result); the same id on a valid position is a ValueError naming
+    tokens."""
     for name in ("ppo_loss", "token_logprobs", "score_rollout"):
-        fn, base = FUNCS[name]
+        fn, base = PUBLIC_FUNCS[name]
         d = base()
         d["tokens"] = d["tokens"].clone()
         d["tokens"][1, 2] = bad
@@ -341,6 +238,8 @@ def test_out_of_range_tokens_on_masked_positions_are_fine(bad):
 
 
 def test_int32_tokens_and_mask_dtypes_accepted():
+    """int32 tokens and int / float / no masks give the loss of int64 tokens and a bool
+    mask."""
     d = base_ppo()
     loss_ref, _ = pk.ppo_loss(**d)
     d["tokens"] = d["tokens"].int()
@@ -359,61 +258,119 @@ def test_int32_tokens_and_mask_dtypes_accepted():
                                 dict(grad_scale=1e-30), dict(kl_coef=0.0),
                                 dict(global_num_tokens=1), dict(norm_length=0.5)])
 def test_range_boundaries_are_accepted(kw):
+    """The boundary values of the ranges (clip_eps 0 and just below 1, dual_clip_c just
+    above 1 + clip_eps_high, cispo's wide band, tensor and int global counts, temperatures
+    1e-3 and 3e-38, grad_scale 1e-30, kl_coef 0, norm_length 0.5) are accepted."""
     loss, _ = pk.ppo_loss(**base_ppo(), **kw)
     assert torch.isfinite(loss)
 
 
-@pytest.mark.parametrize("gamma,lam", [(0.0, 0.0), (1.0, 1.0), (0, 1)])
-def test_gae_boundaries_accepted(gamma, lam):
-    adv, _ = pk.gae(**base_gae(), gamma=gamma, lam=lam)
-    assert torch.isfinite(adv).all()
-
-
 def test_value_loss_zero_clip_range_accepted():
+    """value_loss with clip_range = 0 is accepted."""
     loss, _ = pk.value_loss(**base_vl(), clip_range=0)
     assert torch.isfinite(loss)
 
 
-@pytest.mark.skipif(HAS_CUDA_DEVICE, reason="with a GPU, triton runs there")
-def test_triton_backend_on_cpu_without_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    d = base_tlp()
-    d["backend"] = "triton"
-    with pytest.raises(ValueError, match="backend"):
-        pk.token_logprobs(**d)
+# ------------------------------------------------------------------ the loss menu's arguments
+
+ROLL = -torch.rand(B, T, generator=torch.Generator().manual_seed(0)) - 0.4
+
+BAD_ARGS = [
+    ("policy_loss", dict(policy_loss="GSPO")),
+    ("policy_loss", dict(policy_loss=None)),
+    ("sapo_tau_pos", dict(policy_loss="sapo", sapo_tau_pos=0.0)),
+    ("sapo_tau_neg", dict(policy_loss="sapo", sapo_tau_neg=True)),
+    ("sapo_tau_pos", dict(policy_loss="sapo", sapo_tau_pos=torch.tensor(1.0))),
+    ("kl_estimator", dict(kl_estimator="k2+")),
+    ("kl_bias_correction", dict(kl_bias_correction="yes")),
+    ("entropy_agg_mode", dict(entropy_agg_mode="none")),
+    ("global_num_tokens", dict(global_num_tokens=0)),
+    ("global_num_tokens", dict(global_num_tokens=float("nan"))),
+    ("global_num_tokens", dict(global_num_tokens=torch.tensor(0.0))),
+    ("global_num_tokens", dict(global_num_tokens=torch.tensor(float("inf")))),
+    ("global_num_tokens", dict(global_num_tokens=torch.tensor(True))),
+    ("global_num_tokens", dict(global_num_tokens=torch.tensor([2.0, 3.0]))),
+    ("global_num_tokens", dict(global_num_tokens=torch.tensor(1e-50, dtype=torch.float64))),
+    ("global_num_tokens", dict(global_num_tokens=True)),
+    ("global_num_seqs", dict(loss_agg_mode="seq-mean-token-mean",
+                             global_num_seqs=torch.tensor(-1))),
+    ("global_num_seqs", dict(global_num_seqs=torch.tensor(2 + 0j))),
+    ("grad_scale", dict(grad_scale=0.0)),
+    ("grad_scale", dict(grad_scale=True)),
+    ("rollout_is_threshold", dict(rollout_correction="tis", rollout_is_threshold=(1.0,))),
+    ("rollout_is_threshold", dict(rollout_correction="tis", rollout_is_threshold="2")),
+    ("rollout_is_threshold", dict(rollout_correction="tis", rollout_is_threshold=(-0.5, 2.0))),
+    ("rollout_is_threshold", dict(rollout_correction="tis",
+                                  rollout_is_threshold=torch.tensor(2.0))),
+    ("rollout_is_threshold", dict(rollout_correction="geo-seq", rollout_is_threshold=1.0)),
+    ("rollout_correction", dict(rollout_correction="TIS")),
+    ("rollout_logprobs", dict(rollout_correction="tis", rollout_logprobs=ROLL[:, :2])),
+    ("rollout_logprobs", dict(rollout_correction="tis", rollout_logprobs=ROLL.long())),
+    ("off_policy_mask_threshold", dict(off_policy_mask_threshold="0.1")),
+    ("off_policy_mask_threshold", dict(off_policy_mask_threshold=float("inf"))),
+    ("inplace_backward", dict(inplace_backward="no")),
+    ("advantages", dict(adv=torch.randn(B, 2))),
+    ("advantages", dict(adv=torch.randn(1, T))),
+    ("advantages", dict(adv=torch.randn(B, 1, 1))),
+    ("advantages", dict(adv=torch.randn(B).long())),
+    ("rollout_is_weights", dict(rollout_is_weights=torch.rand(1, T))),
+    ("rollout_is_weights", dict(rollout_is_weights=torch.rand(B, T, 1))),
+    ("clip_eps_high", dict(policy_loss="cispo", clip_eps_high=-0.1)),
+    ("clip_eps_low", dict(policy_loss="cispo", clip_eps_low=1.5)),
+    ("clip_eps_high", dict(policy_loss="gspo", clip_eps_high=1.0)),
+    ("dual_clip_c", dict(policy_loss="sapo", dual_clip_c=3.0)),
+    ("dual_clip_c", dict(policy_loss="gspo", dual_clip_c=1.1)),
+]
 
 
-@pytest.mark.skipif(not HAS_CUDA_DEVICE, reason="needs a CUDA device for a real device mismatch")
-def test_device_mismatch_cuda():
-    d = base_ppo()
-    d["logits"] = d["logits"].cuda()
-    d["backend"] = "auto"
-    with pytest.raises(ValueError, match="tokens"):
-        pk.ppo_loss(**d)
-    d["tokens"] = d["tokens"].cuda()
-    with pytest.raises(ValueError, match="old_logprobs"):
-        pk.ppo_loss(**d)
-    g = base_gae()
-    with pytest.raises(ValueError, match="values"):
-        pk.gae(g["rewards"].cuda(), g["values"], g["response_mask"].cuda())
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("name,kw", BAD_ARGS, ids=[f"{n}-{i}" for i, (n, _) in
+                                                   enumerate(BAD_ARGS)])
+def test_bad_menu_arguments_name_themselves(be, name, kw):
+    """Bad values of the loss menu's arguments (and of the global counts, grad_scale,
+    the rollout correction's, the per-sequence shapes): a ValueError or TypeError whose
+    message names the argument."""
+    g = torch.Generator().manual_seed(27)
+    kw = dict(kw)
+    adv = kw.pop("adv", torch.randn(B, T, generator=g))
+    if "rollout_correction" in kw:
+        kw.setdefault("rollout_logprobs", ROLL)
+    with pytest.raises((ValueError, TypeError), match=name):
+        pk.ppo_loss(torch.randn(B, T, V, generator=g), torch.randint(0, V, (B, T)),
+                    ROLL + 0.05, adv, backend=be.name, **kw)
 
 
-@pytest.mark.parametrize("name", ["kl_bias_correction", "inplace_backward"])
-def test_flags_are_bools(name):
-    with pytest.raises(TypeError, match=name):
-        pk.ppo_loss(**base_ppo(), **{name: 1})
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("tau", [1e-40, 1e39])
+def test_sapo_tau_outside_float32(be, tau):
+    """sapo_tau_pos / sapo_tau_neg outside float32's range (1e-40, 1e39): a ValueError
+    naming sapo_tau, or a finite loss and gradient (never a -inf loss, a NaN gradient or a
+    RuntimeError from the float conversion)."""
+    inp = seeded_inputs(2, 3, 5, 34)
+    x = inp["full"][:, :3].clone().requires_grad_(True)
+    try:
+        loss, _ = pk.ppo_loss(x, inp["tokens"], None, inp["adv"], inp["mask"],
+                              policy_loss="sapo", sapo_tau_pos=tau, sapo_tau_neg=tau,
+                              backend=be.name)
+    except ValueError as e:
+        assert "sapo_tau" in str(e)
+        return
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
 
 
-def test_tokens_one_position_too_long_get_a_hint():
-    d = base_ppo()
-    d["logits"] = torch.randn(B, T + 1, V)
-    d["tokens"] = torch.randint(0, V, (B, T + 1))
-    with pytest.raises(ValueError, match=r"tokens\[:, 1:\]"):
-        pk.ppo_loss(**d)
-
-
-def test_rollout_threshold_order_message():
-    d = base_ppo()
-    with pytest.raises(ValueError, match="hi > lo"):
-        pk.ppo_loss(**d, rollout_logprobs=d["old_logprobs"], rollout_correction="mis",
-                    rollout_is_threshold=(2.0, 0.5))
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("name,agg", [("global_num_tokens", "token-mean"),
+                                      ("global_num_seqs", "seq-mean-token-sum")])
+def test_global_count_number_underflowing_float32(be, name, agg):
+    """global_num_tokens / global_num_seqs as a Python number below float32's range
+    (1e-50): a ValueError naming it (as for the same value as a tensor), or a finite loss;
+    never a NaN loss."""
+    inp = seeded_inputs(2, 3, 5, 35)
+    try:
+        loss, _ = pk.ppo_loss(inp["full"][:, :3], inp["tokens"], inp["old"], inp["adv"],
+                              inp["mask"], loss_agg_mode=agg, backend=be.name, **{name: 1e-50})
+    except ValueError as e:
+        assert name in str(e)
+        return
+    assert torch.isfinite(loss)

@@ -2,21 +2,25 @@
 row stride (misaligned 16-byte packs), Tl = T + 1, masked positions holding out-of-range
 token ids, -inf logits, all four dtypes, fused and split-vocabulary paths, grad_scale and
 scale_grad_ (in place, on the strided view too), the loss menu (cispo, sapo, k1+ / k3+, the
-KL bias correction, on-policy old_logprobs=None, entropy_weights). Called by
-benchmarks/gpu_check.sh.
+KL bias correction, on-policy old_logprobs=None, entropy_weights); gae long and short,
+with gaps and bootstrap values. Run by benchmarks/gpu_check.sh (also under
+compute-sanitizer, quick).
 
-    python benchmarks/gpu_smoke.py [quick] [--device cpu] [--prefix triton_]
+    python tests/gpu/ops_vs_reference.py [quick] [--device cpu] [--prefix triton_]
 
 --device cpu runs the same checks on the CPU kernels (a check of this script); --prefix
-triton_ checks the Triton twins of the ops instead (TRITON_INTERPRET=1 on the CPU)."""
+triton_ checks the Triton twins of the ops instead (TRITON_INTERPRET=1 on the CPU). Prints
+the failing checks, or "smoke: all checks passed"; exit status 1 on a failure."""
 import os
 import sys
 
 import numpy as np
 import torch
 
-import ppo_kernels  # noqa: F401  (loads the ops)
-from ppo_kernels import reference as R
+from _harness import slot_args  # (and the repository root on sys.path)
+
+import ppo_kernels  # noqa: F401,E402  (loads the ops)
+from ppo_kernels import reference as R  # noqa: E402
 
 argv = sys.argv[1:]
 quick = "quick" in argv
@@ -44,7 +48,15 @@ def close(name, got, want, tol, floor=0.1):
         fails.append(f"{name}: rel err {err:.2e} (tol {tol:.0e}), finite={np.isfinite(got).all()}")
 
 
-# the op's integer codes (ppo_kernels/_checks.py; csrc/ppo_math.h PolicyLoss, KlEstimator)
+def loss_args(args, grad_scale, tail):
+    """The ppo_loss ops' arguments after (logits, tokens, mask): the six per-token tensors of
+    ``args``, then (scalars, codes) of its seven options (clip_eps_low, clip_eps_high,
+    dual_clip_c, kl_coef, kl_estimator code, entropy_coef, temperature), ``grad_scale`` and
+    ``tail`` (policy_loss code, sapo_tau_pos, sapo_tau_neg, kl_bias_correction)."""
+    return (*args[:6], *slot_args(*args[6:], grad_scale, *tail))
+
+
+# the op's integer codes (ppo_kernels/spec.py; csrc/ppo_math.h PolicyLoss, KlEstimator)
 POLICY_IDS = {"vanilla": 0, "cispo": 1, "sapo": 2}
 KL_IDS = {"k1": 0, "k2": 1, "k3": 2, "abs": 3, "k1+": 4, "k3+": 5}
 VANILLA_TAIL = (0, 1.0, 1.05, False)  # policy_loss, sapo_tau_pos, sapo_tau_neg, kl_bias
@@ -113,8 +125,8 @@ for split in splits:
             args = (old.to(dev), adv.to(dev), w.to(dev), refl.to(dev), isw.to(dev), None, 0.2,
                     0.28, 3.0, 0.1, 2, 0.01, 0.9)
             tail = VANILLA_TAIL
-            loss, ltok, lp2, ent2, dl = ops.ppo_loss_fwd(logits, tok_d, mask_d, *args, 1.0, *tail,
-                                                         True)
+            loss, ltok, lp2, ent2, dl = ops.ppo_loss_fwd(logits, tok_d, mask_d,
+                                                         *loss_args(args, 1.0, tail), True)
             rloss, _, rdl = R.ppo_loss(lg64, tokens, old, adv, mask, refl, clip_eps_low=0.2,
                                        clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1,
                                        kl_estimator="k3", entropy_coef=0.01, temperature=0.9,
@@ -122,7 +134,8 @@ for split in splits:
             close(f"ppo loss {tag}", loss, rloss, tl * 10)
             close(f"ppo dlogits {tag}", dl, rdl, tg, 1e-3)
             # grad_scale: the same dlogits times 0.25 (a power of 2: exact in every dtype)
-            _, _, _, _, dl4 = ops.ppo_loss_fwd(logits, tok_d, mask_d, *args, 0.25, *tail, True)
+            _, _, _, _, dl4 = ops.ppo_loss_fwd(logits, tok_d, mask_d,
+                                               *loss_args(args, 0.25, tail), True)
             close(f"ppo grad_scale dlogits {tag}", dl4 * 4, rdl, tg, 1e-3)
             # scale_grad_: applied 0.25 -> grad_output 0.75: dl4 * 3; then a no-op call
             go = torch.tensor(0.75, dtype=acc, device=dev)
@@ -135,7 +148,8 @@ for split in splits:
             close(f"scale_grad_ no-op {tag}", dl4, before.double().cpu(), 0)
             buf = base.to(dt).to(dev)
             view = buf[:, : T + 1, :V]
-            loss_i, *_ = ops.ppo_loss_fwd_inplace(view, tok_d, mask_d, *args, 0.5, *tail)
+            loss_i, *_ = ops.ppo_loss_fwd_inplace(view, tok_d, mask_d,
+                                                  *loss_args(args, 0.5, tail))
             close(f"ppo inplace loss {tag}", loss_i, rloss, tl * 10)
             close(f"ppo inplace dlogits {tag}", view * 2, rdl, tg, 1e-3)
             # scale_grad_ on the strided in-place view: 0.5 -> 1.0
@@ -157,8 +171,8 @@ for split in splits:
                          refl.to(dev), isw.to(dev), w_ent.to(dev) if went else None, 0.2, 0.28,
                          dual or 0.0, 0.1, kle, 0.01, 0.9)
                 mtail = (pl, tp, tn, bias)
-                mloss, _, _, ment, mdl = ops.ppo_loss_fwd(logits, tok_d, mask_d, *margs, 1.0,
-                                                          *mtail, True)
+                mloss, _, _, ment, mdl = ops.ppo_loss_fwd(logits, tok_d, mask_d,
+                                                          *loss_args(margs, 1.0, mtail), True)
                 if went:  # the op sums w * loss_tok; the entropy term's weights are w_ent
                     mloss = mloss + 0.01 * ((w.to(dev) - w_ent.to(dev)) * ment).sum()
                 rl, _, rd = R.ppo_loss(
@@ -173,7 +187,8 @@ for split in splits:
                 if mname in MENU_QUICK:  # in place, grad_scale 0.5
                     buf = base.to(dt).to(dev)
                     view = buf[:, : T + 1, :V]
-                    li, *_ = ops.ppo_loss_fwd_inplace(view, tok_d, mask_d, *margs, 0.5, *mtail)
+                    li, *_ = ops.ppo_loss_fwd_inplace(view, tok_d, mask_d,
+                                                      *loss_args(margs, 0.5, mtail))
                     if went:
                         li = li + 0.01 * ((w.to(dev) - w_ent.to(dev)) * ment).sum()
                     close(f"ppo[{mname}] inplace loss {tag}", li, rl, tl * 10)

@@ -1,6 +1,6 @@
-"""torch.library.opcheck of every compiled op (schema, fake/meta function, autograd
-registration, AOT dispatch), and torch.compile(fullgraph=True) of the public API against
-eager."""
+"""Tests of ppo_kernels/_autograd.py's op registrations: torch.library.opcheck of every
+compiled op and of the Triton ops (schema, fake/meta function, autograd registration, AOT
+dispatch), and torch.compile(fullgraph=True) of the public API against eager."""
 
 import pytest
 import torch
@@ -8,9 +8,11 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import assert_grad_close, kernel_args, make_inputs
+from conftest import (TRITON_DEVICE, assert_grad_close, kernel_args, make_inputs, slot_args,
+                      triton_ops)
 
 OPS = torch.ops.ppo_kernels
+DEV = TRITON_DEVICE  # the Triton ops' tensors
 B, T, V = 3, 5, 37
 
 
@@ -100,6 +102,58 @@ def test_opcheck_score_rollout(case, gen):
                                               case["ref"], torch.randn(B, T, generator=gen),
                                               torch.randn(B, generator=gen), 0.05, 0, 0.99,
                                               0.95, 1.0))
+
+
+# ------------------------------------------------------------------ the Triton ops
+# ppo_kernels::triton_* (registered by ppo_kernels/triton_kernels/library.py, their fake and
+# autograd formulas by ppo_kernels/_autograd.py, as for the C++ ops above)
+
+def _opcheck_cases():
+    B, T, V = 2, 3, 7
+    gen = torch.Generator().manual_seed(95)
+    L = torch.randn(B, T + 1, V, generator=gen).to(DEV)
+    t = torch.randint(0, V, (B, T), generator=gen).to(DEV)
+    m = torch.tensor([[True, False, True], [True, True, True]], device=DEV)
+    z = torch.randn(B, T, generator=gen).to(DEV)
+    w = (m.float() / m.sum()).contiguous()
+    s = torch.randn(B, generator=gen).to(DEV)
+    _, ent, row_max, log_sum = OPS.triton_token_logprobs_fwd(L, t, m, 1.0, True)
+    return {
+        "triton_token_logprobs_fwd": (L, t, m, 0.9, True),
+        "triton_token_logprobs_bwd": (z, z.clone(), L, t, m, row_max, log_sum, ent, 0.9),
+        "triton_ppo_loss_fwd": (L, t, m, z, z, w, z, None, None,
+                                *slot_args(0.2, 0.2, 3.0, 0.1, 2, 0.01, 1.0, 0.5, 0, 1.0, 1.05,
+                                       False), True),
+        "triton_ppo_loss_fwd_inplace": (L.clone(), t, m, None, z, w, z, None, w.clone(),
+                                        *slot_args(0.2, 0.2, 0.0, 0.1, 5, 0.01, 1.0, 2.0, 2, 0.9,
+                                               1.1, True)),
+        "triton_scale_grad_": (L.clone(), torch.tensor(0.25, device=DEV),
+                               torch.tensor(2.0, device=DEV)),
+        "triton_gae": (z, z.clone(), m, s, 0.9, 0.95),
+        "triton_score_rollout": (L, t, m, z, z, s, 0.1, 2, 1.0, 0.95, 1.0),
+    }
+
+
+@triton_ops
+@pytest.mark.parametrize("name", ["triton_token_logprobs_fwd", "triton_token_logprobs_bwd",
+                                  "triton_ppo_loss_fwd", "triton_ppo_loss_fwd_inplace",
+                                  "triton_scale_grad_", "triton_gae",
+                                  "triton_score_rollout"])
+def test_opcheck_triton_ops(name):
+    """torch.library.opcheck of each op with the fake/autograd registrations of
+    ppo_kernels/_autograd.py: the schema's mutation annotations are honest (only the in-place
+    op writes an input), the fake shapes/dtypes match the real outputs. Under the
+    interpreter torch cannot trace a Triton kernel (wrap_triton hands interpreted kernels
+    back untraced), so the AOT-dispatch checks run on CUDA only."""
+    from ppo_kernels import _backends
+
+    _backends.get_backend("triton", torch.device(DEV))  # registers the triton_* fakes/autograd
+    utils = ["test_schema", "test_autograd_registration", "test_faketensor"]
+    if DEV == "cuda":
+        utils.append("test_aot_dispatch_dynamic")
+    res = torch.library.opcheck(getattr(OPS, name).default, _opcheck_cases()[name],
+                                test_utils=utils)
+    assert set(res) == set(utils) and all(v == "SUCCESS" for v in res.values()), res
 
 
 # ------------------------------------------------------------------ torch.compile

@@ -1,6 +1,15 @@
-"""pk.ppo_loss on every backend against the numpy float64 reference, on fresh random inputs:
-loss, metrics and the gradient with respect to the logits, over vocabulary sizes, dtypes,
-layouts, padding patterns and every option."""
+"""Tests of ppo_kernels/loss.py: pk.ppo_loss and pk.value_loss.
+
+ppo_loss on every backend against the numpy float64 reference, on fresh random inputs: loss,
+metrics and the gradient with respect to the logits, over vocabulary sizes, dtypes, layouts,
+padding patterns and every option of the vanilla PPO loss (the policy-loss menu:
+test_loss_menu.py; precision: test_loss_precision.py; bad arguments:
+test_loss_bad_inputs.py). Inputs at the edges: empty batches, NaN on masked positions,
+-inf logits, clamped log-ratios, a one-entry vocabulary, non-contiguous tokens and masks,
+and a NaN on a valid token, which must reach the loss and the gradient.
+value_loss against the reference and by hand."""
+
+import math
 
 import numpy as np
 import pytest
@@ -9,9 +18,9 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import (BACKENDS, CPU, METRIC_KEYS, TOL, TORCH,
+from conftest import (BACKENDS, BACKENDS_CPU, CPU, METRIC_KEYS, SMALL_MASK, TOL, TORCH,
                       assert_close_np, assert_grad_close, assert_metrics, combine, logits_for,
-                      make_inputs, to_np)
+                      make_inputs, make_mask, small_inputs, to_np)
 
 AGG = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -390,3 +399,230 @@ def test_gradcheck(be, opts, gen):
 
     assert torch.autograd.gradcheck(f, (logits,), eps=1e-6, atol=1e-7, rtol=1e-5,
                                     fast_mode=be.small)
+
+
+# ------------------------------------------------------------------ inputs at the edges
+# (CPU tensors: cpu, torch and the Triton interpreter)
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("B,T", [(0, 3), (2, 0), (0, 0)])
+def test_empty_batch_ppo_loss_and_logprobs(be, B, T):
+    """Empty batches (B = 0, T = 0 or both): ppo_loss gives a zero loss, zero metrics
+    and a gradient of the logits' shape; token_logprobs and gae give [B, T] outputs."""
+    d = small_inputs(B, T)
+    logits = d["logits"].requires_grad_()
+    loss, metrics = pk.ppo_loss(logits, d["tokens"], d["old"], d["adv"], backend=be.name)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert logits.grad.shape == (B, T, 5)
+    assert all(v.item() == 0.0 for v in metrics.values())
+    lp, ent = pk.token_logprobs(d["logits"].detach(), d["tokens"], return_entropy=True,
+                                backend=be.name)
+    assert lp.shape == ent.shape == (B, T)
+    adv, ret = pk.gae(torch.randn(B, T), torch.randn(B, T), backend=be.name)
+    assert adv.shape == ret.shape == (B, T)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_nan_logits_on_masked_rows_are_never_read(be):
+    """NaN logits on masked positions are never read: loss, metrics and gradient are
+    finite, the masked rows' gradient is 0."""
+    d = small_inputs()
+    logits = d["logits"].clone()
+    logits[~SMALL_MASK] = float("nan")
+    logits.requires_grad_()
+    loss, metrics = pk.ppo_loss(logits, d["tokens"], d["old"], d["adv"], SMALL_MASK,
+                                entropy_coef=0.01, backend=be.name)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert all(math.isfinite(v.item()) for v in metrics.values())
+    assert torch.isfinite(logits.grad).all()
+    assert (logits.grad[~SMALL_MASK] == 0).all()
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_metrics_ignore_nan_on_masked_positions(be):
+    """NaN old / ref logprobs on masked positions reach neither the loss nor any
+    metric."""
+    d = small_inputs()
+    old, ref = d["old"].clone(), d["ref"].clone()
+    old[~SMALL_MASK] = float("nan")
+    ref[~SMALL_MASK] = float("nan")
+    loss, m = pk.ppo_loss(d["logits"], d["tokens"], old, d["adv"], SMALL_MASK, ref_logprobs=ref,
+                          kl_coef=0.1, backend=be.name)
+    assert math.isfinite(loss.item())
+    bad = [k for k, v in m.items() if not math.isfinite(v.item())]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_all_neginf_row_except_token(be):
+    """Rows whose only finite logit is the sampled token's: logp = 0 and entropy 0 (not
+    NaN), a finite gradient, an entropy metric of 0."""
+    d = small_inputs(1, 3, 7)
+    logits = torch.full((1, 3, 7), float("-inf"))
+    logits[0, torch.arange(3), d["tokens"][0]] = 1.5
+    logits.requires_grad_()
+    loss, m = pk.ppo_loss(logits, d["tokens"], d["old"], d["adv"], entropy_coef=0.1,
+                          backend=be.name)
+    loss.backward()
+    lp, ent = pk.token_logprobs(logits.detach(), d["tokens"], return_entropy=True,
+                                backend=be.name)
+    assert (lp == 0).all() and (ent.abs() == 0).all()
+    assert torch.isfinite(logits.grad).all()
+    assert m["entropy"].item() == 0.0
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_token_own_logit_neginf(be):
+    """logp = -inf; the log-ratio clamp keeps the loss and gradient finite."""
+    d = small_inputs(1, 3, 7)
+    logits = d["logits"][:1].clone()
+    logits[0, torch.arange(3), d["tokens"][0]] = float("-inf")
+    logits.requires_grad_()
+    loss, m = pk.ppo_loss(logits, d["tokens"][:1], d["old"][:1], d["adv"][:1],
+                          entropy_coef=0.1, backend=be.name)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert torch.isfinite(logits.grad).all()
+    assert math.isfinite(m["approx_kl"].item()) and math.isfinite(m["ratio_max"].item())
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("old", [1e30, -1e30, float("inf"), float("-inf")])
+def test_extreme_old_logprobs_are_clamped(be, old):
+    """old_logprobs of +-1e30 and +-inf: the clamped log-ratio keeps the loss finite
+    and equal to the eager composite's, and gives no gradient (the clamp is active on every
+    token)."""
+    d = small_inputs()
+    logits = d["logits"].requires_grad_()
+    loss, m = pk.ppo_loss(logits, d["tokens"], torch.full((2, 3), old), d["adv"],
+                          backend=be.name)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert torch.isfinite(logits.grad).all()
+    assert (logits.grad == 0).all()  # the log-ratio clamp is active everywhere: no gradient
+    ref, _ = pk.ppo_loss(d["logits"].detach(), d["tokens"], torch.full((2, 3), old), d["adv"],
+                         backend="torch")
+    torch.testing.assert_close(loss.detach(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("where", ["logit", "advantage", "old"])
+def test_nan_on_a_valid_token_reaches_the_gradient(be, where):
+    """A NaN on a valid position makes the loss NaN and must not be hidden from the
+    gradient either (a gradient-norm check is how training loops notice): every backend
+    gives a NaN in the row of that token, as autograd does."""
+    d = small_inputs()
+    logits, adv, old = d["logits"].clone(), d["adv"].clone(), d["old"].clone()
+    if where == "logit":
+        logits[1, 2, 3] = float("nan")
+    elif where == "advantage":
+        adv[1, 2] = float("nan")
+    else:
+        old[1, 2] = float("nan")
+    x = logits.requires_grad_(True)
+    loss, _ = pk.ppo_loss(x, d["tokens"], old, adv, backend=be.name)
+    loss.backward()
+    assert torch.isnan(loss.detach())
+    assert torch.isnan(x.grad[1, 2]).any()
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_vocab_one_with_odd_unit_stride(be):
+    """V = 1 logits whose vocabulary dimension has stride 6 (a permuted view): logp = 0
+    and the loss is -A."""
+    logits = torch.randn(1, 2, 3).permute(1, 2, 0)  # [2, 3, 1], strides (3, 1, 6)
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    lp = pk.token_logprobs(logits, tokens, backend=be.name)
+    assert (lp == 0).all()
+    loss, _ = pk.ppo_loss(logits, tokens, torch.zeros(2, 3), torch.ones(2, 3), backend=be.name)
+    assert loss.item() == -1.0
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_non_contiguous_tokens_and_mask(be):
+    """Non-contiguous tokens and masks (transposed storage) give the results of
+    contiguous ones in ppo_loss, token_logprobs and gae (DESIGN.md: non-contiguous inputs
+    are accepted)."""
+    d = small_inputs()
+    tokT = d["tokens"].t().contiguous().t()
+    maskT = SMALL_MASK.t().contiguous().t()
+    ref, _ = pk.ppo_loss(d["logits"], d["tokens"], d["old"], d["adv"], SMALL_MASK, backend="torch")
+    loss, _ = pk.ppo_loss(d["logits"], tokT, d["old"], d["adv"], maskT, backend=be.name)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    lp = pk.token_logprobs(d["logits"], tokT, maskT, backend=be.name)
+    torch.testing.assert_close(lp, pk.token_logprobs(d["logits"], d["tokens"], SMALL_MASK,
+                                                     backend="torch"), rtol=1e-5, atol=1e-6)
+    adv, _ = pk.gae(torch.ones(3, 2).t(), torch.zeros(3, 2).t(), maskT, backend=be.name)
+    torch.testing.assert_close(adv, pk.gae(torch.ones(2, 3), torch.zeros(2, 3), SMALL_MASK,
+                                           backend="torch")[0])
+
+
+# ------------------------------------------------------------------ value_loss
+
+@pytest.mark.parametrize("clip_range", [None, 0.0, 0.2, 5.0])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                 "seq-mean-token-sum-norm", "none"])
+def test_value_loss_matches_reference(clip_range, agg, gen):
+    B, T = 3, 7
+    v = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    vo = v + torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.4
+    r = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    m = make_mask(B, T, gen)
+    e_loss, e_met, e_dv = ref.value_loss(v, vo, r, m, clip_range=clip_range, loss_agg_mode=agg)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
+        x = v.to(dtype).requires_grad_(True)
+        loss, met = pk.value_loss(x, vo.to(dtype), r.to(dtype), m, clip_range=clip_range,
+                                  loss_agg_mode=agg)
+        assert loss.dtype == dtype
+        assert_close_np(loss, e_loss, rtol=tol, atol=tol)
+        assert set(met) == {"vf_clip_frac"}
+        assert float(met["vf_clip_frac"]) == pytest.approx(e_met["vf_clip_frac"], abs=1e-7)
+        loss.sum().backward()
+        assert_close_np(x.grad, e_dv, rtol=tol * 10, atol=tol * 10, what="dvalues")
+    if clip_range == 0.0:
+        assert e_met["vf_clip_frac"] > 0
+
+
+def test_value_loss_by_hand():
+    v = torch.tensor([[1.0, 0.0, 2.0]], requires_grad=True)
+    vo = torch.tensor([[0.0, 0.0, 0.0]])
+    ret = torch.tensor([[0.0, 1.0, 3.0]])
+    loss, met = pk.value_loss(v, vo, ret, clip_range=0.5)
+    # token 0: (1-0)^2 = 1 vs clip 0.5 -> 0.25: unclipped larger
+    # token 1: (0-1)^2 = 1 vs clip 0 -> 1: equal, not strictly larger
+    # token 2: (2-3)^2 = 1 vs clip 0.5 -> 6.25: clipped larger
+    assert float(loss.detach()) == pytest.approx(0.5 * (1 + 1 + 6.25) / 3)
+    assert float(met["vf_clip_frac"]) == pytest.approx(1 / 3)
+    loss.backward()
+    # clipped branch active at token 2 and v is outside the band: no gradient there
+    np.testing.assert_allclose(v.grad.numpy(), [[1.0 / 3, -1.0 / 3, 0.0]], atol=1e-7)
+
+
+def test_value_loss_flat_and_all_masked():
+    v = torch.randn(6, requires_grad=True)
+    loss, met = pk.value_loss(v, v.detach(), torch.zeros(6), clip_range=0.2)
+    assert loss.shape == ()
+    assert float(loss) == pytest.approx(0.5 * float((v ** 2).mean()), rel=1e-6)
+    m = torch.zeros(2, 3, dtype=torch.bool)
+    x = torch.randn(2, 3, requires_grad=True)
+    loss, met = pk.value_loss(x, x.detach() + 1, torch.randn(2, 3), m, clip_range=0.1)
+    loss.backward()
+    assert float(loss) == 0.0 and float(met["vf_clip_frac"]) == 0.0
+    assert torch.all(x.grad == 0) and not torch.isnan(x.grad).any()
+
+
+def test_value_loss_masked_nan_gives_zero_grad():
+    """NaN returns on masked positions: value_loss and its gradient are finite, the
+    masked positions' gradient is 0."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(2, 3, generator=g).requires_grad_()
+    returns = torch.randn(2, 3, generator=g)
+    returns[~SMALL_MASK] = float("nan")
+    loss, _ = pk.value_loss(values, torch.randn(2, 3, generator=g), returns, SMALL_MASK,
+                            clip_range=0.2)
+    loss.backward()
+    assert math.isfinite(loss.item())
+    assert torch.isfinite(values.grad).all()
+    assert (values.grad[~SMALL_MASK] == 0).all()

@@ -1,0 +1,208 @@
+"""Tests of ppo_kernels/rollout_correction.py: ppo_loss's rollout_logprobs (the inference
+engine's log-probs) with rollout_correction (tis, tis-seq, mis, mis-seq, geo-seq) and the
+off-policy mask, on every backend against the numpy float64 reference (loss, dlogits and
+the rollout metrics), hand-computed cases, logits of shape [N, V] and [B, T + 1, V], NaN
+rollout log-probs on masked positions, torch.compile(fullgraph=True), and bad arguments.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import ppo_kernels as pk
+from ppo_kernels import reference as R
+
+from conftest import (BACKENDS, BACKENDS_CPU, POLICY_LOSSES, assert_grad_close, base_ppo,
+                      compare_with_reference, make_inputs, one_token_rows, seeded_inputs, to_np)
+
+
+ROLLOUT_CASES = [("tis", 2.0, None), ("tis-seq", (0.5, 1.5), None), ("mis", (0.8, 1.25), None),
+                 ("mis-seq", 3.0, None), ("geo-seq", 1.05, None), (None, 2.0, 0.02),
+                 ("tis", 2.0, 0.02)]
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("mode,threshold,off_policy", ROLLOUT_CASES,
+                         ids=[f"{m}-{t}-{o}" for m, t, o in ROLLOUT_CASES])
+def test_rollout_correction_matches_reference(be, mode, threshold, off_policy, gen):
+    B, T, V = (2, 4, 37) if be.small else (4, 6, 50)
+    inp = make_inputs(B, T, V, gen)
+    roll = inp["old"] + 0.25 * torch.randn(B, T, generator=gen).to(inp["old"].dtype)
+    kw = dict(rollout_correction=mode, rollout_is_threshold=threshold,
+              off_policy_mask_threshold=off_policy, kl_coef=0.05)
+    x = be.t(inp["full"][:, :T]).detach().clone().requires_grad_(True)
+    loss, met = pk.ppo_loss(x, be.t(inp["tokens"]), be.t(inp["old"]), be.t(inp["adv"]),
+                            be.t(inp["mask"]), be.t(inp["ref"]), rollout_logprobs=be.t(roll),
+                            backend=be.name, **kw)
+    loss.backward()
+    e_loss, e_met, e_grad = R.ppo_loss(inp["base"], inp["tokens"], inp["old"], inp["adv"],
+                                       inp["mask"], inp["ref"], rollout_logprobs=roll, **kw)
+    assert float(loss.detach()) == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
+    assert_grad_close(x.grad, e_grad, 3e-6)
+    w = R.rollout_correction_weights(inp["old"], roll, inp["mask"], mode, threshold) \
+        if mode else inp["mask"].double().numpy()
+    m = inp["mask"].double().numpy()
+    assert float(met["rollout_is_mean"]) == pytest.approx((w * m).sum() / m.sum(), rel=1e-5)
+    ell = np.clip(inp["old"].double().numpy() - roll.double().numpy(), -20, 20) * m
+    assert float(met["rollout_kl_k3"]) == pytest.approx(
+        (R.expm1_minus_x(ell) * m).sum() / m.sum(), rel=1e-5)
+    assert float(met["rollout_chi2"]) == pytest.approx(
+        (np.exp(2 * ell) * m).sum() / m.sum() - 1, rel=1e-4, abs=1e-6)
+
+
+def test_truncated_is_hand_case():
+    """tis: w = min(pi_old / pi_rollout, C); ratios e^1, 1, e^-1 with C = 2 give 2, 1, e^-1."""
+    old = torch.zeros(1, 3)
+    roll = torch.tensor([[-1.0, 0.0, 1.0]])
+    w = R.rollout_correction_weights(old, roll, None, "tis", 2.0)
+    np.testing.assert_allclose(w, [[2.0, 1.0, math.exp(-1)]], rtol=1e-12)
+    from ppo_kernels import rollout_correction as rc
+
+    got = rc.weights(old, roll, torch.ones(1, 3, dtype=torch.bool), "tis", 0.0, 2.0)
+    np.testing.assert_allclose(got.numpy(), w, rtol=1e-6)
+    # masked IS drops the first token, the sequence version the whole sequence (e^0 = 1
+    # inside [0.5, 1.5]: kept)
+    np.testing.assert_allclose(R.rollout_correction_weights(old, roll, None, "mis", 2.0),
+                               [[0.0, 1.0, math.exp(-1)]], rtol=1e-12)
+    np.testing.assert_allclose(R.rollout_correction_weights(old, roll, None, "mis-seq",
+                                                            (0.5, 1.5)), [[1.0, 1.0, 1.0]])
+
+
+def test_off_policy_mask_hand_case():
+    """DeepSeek-V3.2: a sequence with A < 0 whose mean (rollout_logp - logp) exceeds the
+    threshold loses its policy term; A >= 0 sequences and the KL term are kept."""
+    x, tok = one_token_rows([-0.5, -0.5])
+    x = np.repeat(x, 2, axis=0)  # two sequences of two tokens
+    tok = np.zeros((2, 2), dtype=np.int64)
+    lp, _ = R.token_logprobs(x, tok)
+    roll = lp + 0.3  # mean KL 0.3 in both
+    adv = np.array([[-1.0, -1.0], [1.0, 1.0]])
+    loss, met = pk.ppo_loss(torch.tensor(x), torch.tensor(tok), torch.tensor(lp),
+                            torch.tensor(adv), rollout_logprobs=torch.tensor(roll),
+                            off_policy_mask_threshold=0.2, loss_agg_mode="token-sum",
+                            backend="cpu")
+    assert float(loss) == pytest.approx(-2.0, rel=1e-12)  # only the A > 0 sequence: -rho A
+    assert float(met["off_policy_masked_frac"]) == 0.5
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(rollout_correction="tis"), "rollout_correction"),
+    (dict(rollout_correction="is", rollout_logprobs=True), "rollout_correction"),
+    (dict(rollout_correction="tis", rollout_logprobs=True, rollout_is_threshold=0.0),
+     "rollout_is_threshold"),
+    (dict(rollout_correction="mis", rollout_logprobs=True, rollout_is_threshold=(2.0, 1.0)),
+     "rollout_is_threshold"),
+    (dict(rollout_correction="geo-seq", rollout_logprobs=True, rollout_is_threshold=0.9),
+     "rollout_is_threshold"),
+    (dict(off_policy_mask_threshold=math.nan), "off_policy_mask_threshold"),
+    (dict(rollout_logprobs=torch.zeros(2, 2)), "rollout_logprobs"),
+])
+def test_rollout_correction_bad_inputs(kw, match):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 5, generator=g)
+    tokens = torch.randint(0, 5, (2, 3), generator=g)
+    if kw.get("rollout_logprobs") is True:
+        kw = dict(kw, rollout_logprobs=-torch.rand(2, 3, generator=g))
+    with pytest.raises(ValueError, match=match):
+        pk.ppo_loss(logits, tokens, -torch.rand(2, 3, generator=g), torch.randn(2, 3), **kw)
+
+
+# ------------------------------------------------------------------ odd inputs
+# (CPU tensors: cpu, torch and the Triton interpreter)
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+def test_flat_logits_with_rollout_correction(be, policy_loss):
+    """[N, V] logits: one sequence; rollout_logprobs [N] with tis-seq and the off-policy
+    mask."""
+    g = torch.Generator().manual_seed(13)
+    N, V = 6, 13
+    x = torch.randn(N, V, generator=g) * 2
+    tok = torch.randint(0, V, (N,), generator=g)
+    lp = torch.log_softmax(x.double(), -1).gather(-1, tok[:, None])[:, 0]
+    old = (lp + 0.3 * torch.randn(N, generator=g, dtype=torch.float64)).float()
+    ref = (lp + 0.3 * torch.randn(N, generator=g, dtype=torch.float64)).float()
+    roll = old + 0.1 * torch.randn(N, generator=g)
+    adv = torch.randn(N, generator=g)
+    mask = torch.tensor([1, 1, 0, 1, 1, 0], dtype=torch.bool)
+    kw = dict(policy_loss=policy_loss, kl_coef=0.1, kl_bias_correction=True, entropy_coef=0.01,
+              entropy_agg_mode="token-mean", loss_agg_mode="seq-mean-token-mean",
+              rollout_logprobs=roll, rollout_correction="tis-seq",
+              rollout_is_threshold=(0.5, 1.5), off_policy_mask_threshold=0.01)
+    ref_kw = dict(logits=x[None].double(), tokens=tok[None], old=old[None], adv=adv[None],
+                  mask=mask[None], ref=ref[None], kw=dict(kw, rollout_logprobs=roll[None]))
+    compare_with_reference(be, x, tok, old, adv, mask, ref, ref_kw=ref_kw, **kw)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("mode,threshold", [("geo-seq", 1.5), ("mis", (0.7, 1.4))])
+def test_raw_t_plus_one_logits_with_rollout_correction(be, policy_loss, mode, threshold):
+    """[B, T + 1, V] logits (the last position gets a zero gradient)."""
+    inp = seeded_inputs(2, 4, 9, 14, layout="raw")
+    roll = inp["old"] + 0.2 * torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    _, _, grad = compare_with_reference(be, inp["full"], inp["tokens"], inp["old"],
+                                        inp["adv"][:, 0], inp["mask"], inp["ref"],
+                                        policy_loss=policy_loss, kl_coef=0.2, kl_estimator="k1+",
+                                        entropy_coef=0.02, rollout_logprobs=roll,
+                                        rollout_correction=mode, rollout_is_threshold=threshold,
+                                        off_policy_mask_threshold=0.0)
+    assert (grad[:, -1] == 0).all()
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("mode", ["tis", "tis-seq", "mis", "mis-seq", "geo-seq"])
+def test_nan_rollout_logprobs_on_masked_positions(be, policy_loss, mode):
+    """NaN rollout_logprobs on masked positions reach neither the loss, the metrics nor
+    the gradient, for every correction mode and policy loss."""
+    inp = seeded_inputs(2, 4, 11, 26)
+    m = inp["mask"]
+    roll = inp["old"] + 0.1
+    kw = dict(policy_loss=policy_loss, rollout_correction=mode, rollout_is_threshold=(0.5, 1.5),
+              off_policy_mask_threshold=0.05)
+    x = inp["full"][:, :4].clone().requires_grad_(True)
+    loss, met = pk.ppo_loss(x, inp["tokens"], inp["old"], inp["adv"], m,
+                            rollout_logprobs=torch.where(m, roll, float("nan")),
+                            backend=be.name, **kw)
+    loss.backward()
+    e_loss, _, e_grad = R.ppo_loss(inp["base"], inp["tokens"], inp["old"], inp["adv"], m,
+                                   rollout_logprobs=roll, **kw)
+    assert float(loss.detach()) == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
+    assert all(math.isfinite(float(v)) for v in met.values())
+    assert np.abs(to_np(x.grad) - e_grad).max() <= 3e-6 * np.abs(e_grad).max()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("kw", [dict(rollout_correction="tis"),
+                                dict(policy_loss="gspo", rollout_correction="geo-seq",
+                                     rollout_is_threshold=1.5),
+                                dict()], ids=["tis", "gspo-geo", "metrics-only"])
+def test_compile_fullgraph_with_rollout_logprobs(backend, kw):
+    """torch.compile(fullgraph=True) with rollout_logprobs (a correction, a
+    sequence-level one with gspo, or the rollout metrics alone): no data-dependent control
+    flow in the rollout metrics; the gradient of eager."""
+    torch._dynamo.reset()
+    inp = seeded_inputs(2, 4, 11, 29)
+    roll = inp["old"] + 0.2
+
+    def f(x, tok, old, adv, mask, roll):
+        return pk.ppo_loss(x, tok, old, adv, mask, rollout_logprobs=roll, backend=backend, **kw)
+
+    x = inp["full"][:, :4].clone().requires_grad_(True)
+    args = (inp["tokens"], inp["old"], inp["adv"], inp["mask"], roll)
+    loss, _ = torch.compile(f, fullgraph=True, backend="aot_eager")(x, *args)
+    loss.backward()
+    y = inp["full"][:, :4].clone().requires_grad_(True)
+    f(y, *args)[0].backward()
+    torch.testing.assert_close(x.grad, y.grad)
+
+
+def test_rollout_threshold_order_message():
+    """rollout_is_threshold (hi, lo) in the wrong order: the ValueError says hi > lo."""
+    d = base_ppo()
+    with pytest.raises(ValueError, match="hi > lo"):
+        pk.ppo_loss(**d, rollout_logprobs=d["old_logprobs"], rollout_correction="mis",
+                    rollout_is_threshold=(2.0, 0.5))
