@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs verl 0.9.1 for ppo_kernels.integrations.verl and tests/test_integration_verl.py
+# Installs verl 0.9.1 for ppo_kernels.integrations.verl and tests/test_integrations_verl.py
 # without verl's heavy dependency tree (vllm, wandb, datasets, peft, ...): verl itself with
 # --no-deps, plus only what verl.trainer.ppo.core_algos, verl.workers.utils.losses and the
 # fused-kernel modules import (ray: verl/__init__.py imports verl.protocol, which imports

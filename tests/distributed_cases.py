@@ -221,7 +221,9 @@ def dtensor_checks(rank, world):
     lf.backward()
     h2 = x["hidden"].clone().requires_grad_()
     w2 = distribute_tensor(x["weight"].clone(), mesh, [Shard(0)]).requires_grad_()
-    ls, _ = pk.ppo_loss_from_hidden(h2, w2, x["tokens"], x["old"], x["adv"], x["mask"])
+    # (a head sharded on its rows needs its group: FSDP2's shards look the same)
+    ls, _ = pk.ppo_loss_from_hidden(h2, w2, x["tokens"], x["old"], x["adv"], x["mask"],
+                                    tp_group=mesh.get_group())
     ls.backward()
     out["dtensor/ppo_loss_from_hidden/loss"] = [err(ls, lf), F32]
     out["dtensor/ppo_loss_from_hidden/grad_hidden"] = [err(h2.grad, h1.grad), F32]

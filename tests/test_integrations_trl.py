@@ -21,8 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
-from ppo_kernels.integrations.trl import (FusedGRPOTrainer, from_trl_config,  # noqa: E402
-                                          fuse_grpo_loss, trl_batch_kwargs)
+from ppo_kernels.integrations.trl import (FusedGRPOLossMixin, FusedGRPOTrainer,  # noqa: E402
+                                          from_trl_config, fuse_grpo_loss, trl_batch_kwargs)
 
 RTOL, ATOL = 1e-5, 1e-6
 GA = 2  # gradient-accumulation steps the normalisers see
@@ -365,3 +365,66 @@ def test_train_steps_match(tmp_path, cfg):
                 assert ef[k] == pytest.approx(es[k], rel=1e-4, abs=1e-6), k
     assert "entropy" in stock[0] and "reward" in stock[0]
     torch.testing.assert_close(pf, ps, rtol=1e-4, atol=1e-6)
+
+
+def test_on_policy_logp_minus_ref_and_old_is_zero(tmp_path):
+    """The fused trainer computes the old and reference log-probs with the kernel of its
+    loss: on-policy (the policy is the reference, and the old log-probs are its own), the
+    KL and every ratio are exactly 0 and 1, as in stock TRL (where rounding noise would be
+    amplified by AdamW on zero-gradient coordinates)."""
+    _, fused = trainer_pair(tmp_path, beta=0.04)
+    inputs = batch(fused, old=False, ref=False)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        ref, _, _ = fused._get_per_token_logps_and_entropies(fused.ref_model, ids, att, T,
+                                                            batch_size=2)
+        old, _, _ = fused._get_per_token_logps_and_entropies(fused.model, ids, att, T,
+                                                            batch_size=2)
+    inputs["ref_per_token_logps"], inputs["old_per_token_logps"] = ref, old
+    run_loss(fused, inputs)
+    m = fused._metrics["train"]
+    assert m["kl"][-1] == 0.0
+    assert m["clip_ratio/region_mean"][-1] == 0.0
+
+
+def test_subclass_overrides_are_refused(tmp_path):
+    """A subclass's own _compute_loss (which the fused one would shadow) or its own
+    _get_per_token_logps_and_entropies is a clear error under fuse_grpo_loss and behind
+    the mixin, and the trainer is left as it was; an override in front of the mixin that
+    calls super() is honoured."""
+    path, args = saved_model(tmp_path), config(tmp_path)
+
+    class Regularised(GRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            return super()._compute_loss(model, inputs) + 0.0
+
+    class OwnLogps(GRPOTrainer):
+        def _get_per_token_logps_and_entropies(self, *a, **k):
+            return super()._get_per_token_logps_and_entropies(*a, **k)
+
+    def make(cls):
+        return cls(model=path, reward_funcs=reward_len, args=args, train_dataset=DATA,
+                   processing_class=tokenizer())
+
+    for cls, name in ((Regularised, "_compute_loss"),
+                      (OwnLogps, "_get_per_token_logps_and_entropies")):
+        tr = make(cls)
+        with pytest.raises(ValueError, match=name):
+            fuse_grpo_loss(tr)
+        assert "_compute_loss" not in vars(tr) and not hasattr(tr, "_pk_kwargs")
+
+        class Behind(FusedGRPOLossMixin, cls):
+            pass
+
+        with pytest.raises(ValueError, match=name):
+            make(Behind)._ppo_kernels_setup()
+
+    class Front(FusedGRPOLossMixin, GRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            return super()._compute_loss(model, inputs) * 1.0
+
+    tr = make(Front)
+    tr._ppo_kernels_setup()  # the control: no error
+    tr.current_gradient_accumulation_steps = GA
+    assert torch.isfinite(tr._compute_loss(tr.model, batch(tr)))

@@ -455,7 +455,7 @@ def round_to(x, DTYPE: tl.constexpr):
 
     A GPU rounds float32 -> bfloat16 to nearest (cvt.rn.bf16.f32). The triton interpreter
     truncates instead (a -0.3% mean bias over a gradient, which
-    tests/test_backward_scale.py sees), so there the bits are rounded by hand: add
+    tests/test_autograd_backward.py sees), so there the bits are rounded by hand: add
     0x7FFF plus the lowest kept bit, keep the high half (NaN passes through the plain cast).
     """
     if INTERPRETED and DTYPE == tl.bfloat16:

@@ -22,7 +22,7 @@
 // Not covered: real shuffles/barriers/launches (gpu_check.sh on a GPU), and the device's
 // own libm: exp2f is 2 ulp on the device vs < 1 ulp in glibc (NOTES.md, tolerances).
 //
-// Build and run (tests/test_cuda_host_emulation.py does this):
+// Build and run (tests/test_csrc.py does this):
 //   TI=$(python -c "import torch.utils.cpp_extension as c; print(c.include_paths()[0])")
 //   nvcc -std=c++20 -O1 --expt-relaxed-constexpr -I csrc -I $TI \
 //        csrc/cuda/host_check/emulate_rows.cu -o /tmp/emu && /tmp/emu
