@@ -83,10 +83,14 @@ def worker(rank, world, port, a, queue):
     for policy in ("vanilla", "gspo"):
         dist.barrier()
         res[f"tp, {policy}"] = median_ms(loss_step(x, local, policy, **tp), a.reps)
-    stats = torch.zeros(1, a.n, 5)
+    stats = torch.zeros(1, a.n, 6)
     dist.barrier()
     res["all-gather of the statistics alone"] = median_ms(
         lambda: pk.vocab_parallel.all_gather(stats, dist.group.WORLD), a.reps)
+    dist.barrier()
+    res["validity header alone (rank_agreement)"] = median_ms(
+        lambda: pk.rank_agreement.checks_together({"tp_group": dist.group.WORLD},
+                                                  lambda: None, lambda r: {}), a.reps)
     w_local = x["weight"][v0:v1].contiguous()
     dist.barrier()
     res["tp, from hidden (vanilla)"] = median_ms(hidden_step(x, w_local, **tp), a.reps)
@@ -142,8 +146,9 @@ def main(argv=None):
         print(f"{k:44s} {ms:9.1f} {ratio}")
     print(f"\nper row and rank: logits {a.v // a.tp * item} B read (twice on the split path), "
           f"dlogits {a.v // a.tp * item} B written;")
-    print(f"  statistics all-gather: sends 20 B (5 float32), receives {20 * (a.tp - 1)} B "
-          f"(one collective per forward, none in the backward);")
+    print(f"  statistics all-gather: sends 24 B (6 float32: the statistics and the token id), "
+          f"receives {24 * (a.tp - 1)} B (one collective per forward, none in the backward),")
+    print(f"  after the validity header (32 B per rank and call, not per row);")
     print(f"  from hidden, d hidden all-reduce: {a.h * 4} B per row (float32), a ring moves "
           f"{2 * (a.tp - 1) * a.h * 4 // a.tp} B per row and rank.")
 
