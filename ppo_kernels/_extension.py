@@ -15,6 +15,7 @@ them. PPO_KERNELS_NO_EXTENSION=1 skips the compiled kernels even when they are t
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -34,6 +35,13 @@ CPU_CAPABILITY = None
 _CPU_MODULE = None
 LOAD_ERROR = None
 BUILD_META = None  # what setup.py recorded, or None (never built, or built before it did)
+
+
+def _own(name):
+    """The spec of module `name` in this package's own folder, else None. Asked of the
+    path finder alone: an import hook (setuptools' editable finder, for one) may resolve
+    ppo_kernels.<name> to another checkout's file."""
+    return importlib.machinery.PathFinder.find_spec(f"ppo_kernels.{name}", [_PKG_DIR])
 
 
 def _python():
@@ -106,16 +114,14 @@ def _load():
         LOAD_ERROR = ImportError("the compiled kernels were not loaded "
                                  "(PPO_KERNELS_NO_EXTENSION=1)")
         return
-    try:
+    if "ppo_kernels._build_meta" in sys.modules or _own("_build_meta") is not None:
         from . import _build_meta
-    except ImportError:
-        _build_meta = None
-    else:
+
         BUILD_META = dict(_build_meta.BUILD)
         err = _mismatch(BUILD_META)
         if err is not None:
             raise err
-    if importlib.util.find_spec("ppo_kernels._C") is None:
+    if _own("_C") is None:
         if BUILD_META is not None:
             raise _broken("module ppo_kernels._C", ModuleNotFoundError(
                 f"_build_meta.py is there, but no _C module in {_PKG_DIR}"))
@@ -130,16 +136,17 @@ def _load():
     order = {"AVX512": ("avx512", "avx2", "default"), "AVX2": ("avx2", "default")}
     built = BUILD_META.get("cpu_capabilities") if BUILD_META else None
     for cap in order.get(torch.backends.cpu.get_cpu_capability(), ("default",)):
-        if built is not None and cap not in built:
-            continue
+        if (built is not None and cap not in built) or _own(f"_cpu_{cap}") is None:
+            continue  # a capability not built on this platform
         try:
             _CPU_MODULE = importlib.import_module(f"ppo_kernels._cpu_{cap}")
             CPU_CAPABILITY = cap
             break
-        except ModuleNotFoundError as e:  # a capability not built on this platform
-            LOAD_ERROR = e
         except ImportError as e:
             raise _broken(f"CPU module ppo_kernels._cpu_{cap}", e) from e
+    if CPU_CAPABILITY is None:
+        LOAD_ERROR = ImportError(f"no CPU kernel module (ppo_kernels._cpu_*) in {_PKG_DIR}; "
+                                 f"rebuild with `{rebuild_command()}`")
 
 
 _load()

@@ -193,5 +193,6 @@ def test_no_top_level_module_but_ppo_kernels():
     ppo_kernels.triton_kernels subpackage: nothing another package could shadow)."""
     files = installed_wheel().files or []
     tops = {f.parts[0] for f in files if not f.parts[0].endswith((".dist-info", ".pth"))
-            and f.parts[0] != ".." and not f.parts[0].startswith("__editable__")}
+            and f.parts[0] not in ("..", "__pycache__")
+            and not f.parts[0].startswith("__editable__")}
     assert tops <= {"ppo_kernels"}, tops
