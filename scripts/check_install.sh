@@ -73,7 +73,7 @@ loss, _ = pk.ppo_loss(logits, tokens, old, adv, mask, ref_logprobs=refl, backend
 loss.backward()
 r_loss, _, r_grad = ref.ppo_loss(logits.detach().numpy(), tokens.numpy(), old.numpy(),
                                  adv.numpy(), mask.numpy(), ref_logprobs=refl.numpy(), **kw)
-err_l = abs(float(loss) - r_loss)
+err_l = abs(float(loss.detach()) - r_loss)
 err_g = float(np.abs(logits.grad.numpy() - r_grad).max())
 print(f"smoke: ppo_loss cpu float64 fwd+bwd vs reference: |dloss| {err_l:.1e}, |dgrad| {err_g:.1e}")
 assert err_l < 1e-12 and err_g < 1e-12, (err_l, err_g)
