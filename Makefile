@@ -1,7 +1,7 @@
 # The two commands of the README:
 #   make demo   set everything up on a fresh machine and run the PPO demo (the main job)
 #   make test   set everything up and run the test suite
-.PHONY: setup demo test bench report
+.PHONY: setup demo test bench report check-install
 
 setup:
 	./scripts/setup.sh
@@ -19,3 +19,8 @@ bench: setup
 # REPORT_ARGS="--quick" for a smoke run
 report: setup
 	.venv/bin/python benchmarks/report.py $(REPORT_ARGS)
+
+# CI's install checks (after make test): the wheel installed into a second venv with the
+# same torch, and the oldest supported torch, each running a fast subset of the tests
+check-install: setup
+	bash scripts/check_install.sh all

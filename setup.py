@@ -1,19 +1,46 @@
-"""Builds ppo_kernels._C (operator schemas, CUDA kernels when a toolkit and a CUDA torch
-exist, build_info) and the CPU kernels once per SIMD capability (_cpu_default, _cpu_avx2,
-_cpu_avx512); ppo_kernels/_ops.py loads the best one this processor runs, as ATen does.
+"""Builds ppo_kernels._C (operator schemas, CUDA kernels when a matching toolkit exists,
+build_info) and the CPU kernels once per SIMD capability (_cpu_default, _cpu_avx2,
+_cpu_avx512); ppo_kernels/_extension.py loads the best one this processor runs, as ATen
+does.
 
-Environment: CUDA_HOME=/usr/local/cuda, TORCH_CUDA_ARCH_LIST="9.0" and MAX_JOBS=2 on the
-build machines (DESIGN.md, build notes); PPO_KERNELS_NO_CUDA=1 skips the CUDA sources.
+The extension is compiled against the torch of the environment that runs this file, so
+install with `pip install --no-build-isolation .` (or `uv pip install --no-build-isolation
+.`); an isolated build cannot see that torch and is stopped with an explanation. No
+environment variable is needed; each choice below can be overridden:
+
+- CUDA toolkit: CUDA_HOME (or CUDA_PATH) if set, else the toolkit that the `nvcc` on PATH
+  belongs to (nvcc's own report of where it runs from, so a symlink or a wrapper script in
+  /usr/local/bin is followed to the real toolkit), else /usr/local/cuda and
+  /usr/local/cuda-<torch's CUDA version>. Its major version must be the installed torch's
+  CUDA major version; when no such toolkit exists, or torch is a CPU-only build, the CPU
+  kernels are built alone (the Triton backend still runs on GPUs) and
+  `ppo_kernels.build_info()["cuda_skipped"]` says why. PPO_KERNELS_NO_CUDA=1 skips CUDA.
+- TORCH_CUDA_ARCH_LIST: with a visible GPU torch's own default (that GPU); without one
+  DEFAULT_ARCHS, the architecture the CUDA kernels are written for, plus PTX.
+- MAX_JOBS: the cores this process may use, at most one job per 2 GiB of available memory
+  (one torch translation unit peaks near 1.6 GB).
+
+The torch the build used (version, CUDA version, C++ ABI) and these choices are written to
+ppo_kernels/_build_meta.py next to the compiled modules; the extension refuses to load
+under another torch (an ImportError saying how to rebuild), and the wheel's metadata pins
+that torch version.
 """
 
 import glob
 import os
 import platform
-
-from setuptools import setup
-from torch.utils import cpp_extension
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# The oldest torch this source builds against and passes the tests with: CI builds it
+# and runs a named subset of the tests (scripts/check_install.sh).
+OLDEST_TORCH = (2, 6)
+DEFAULT_ARCHS = "9.0+PTX"
+GIB_PER_JOB = 2
 CXX_FLAGS = ["-O3", "-std=c++20", "-fopenmp", "-Wall", "-Wno-unused-function"]
 # Flags ATen uses for its own per-capability kernels (cmake/Codegen.cmake).
 SIMD = {
@@ -23,50 +50,302 @@ SIMD = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
 }
+INSTALL_HINT = """\
+    pip install --no-build-isolation <this source: a checkout, a git+URL>
+    uv pip install --no-build-isolation <the same>
+    python -m build --wheel --no-isolation      (a wheel for this environment's torch)"""
+
+
+def say(msg):
+    # pip shows a build's output only when it fails or with -v; what a user must know
+    # after a successful build is also in ppo_kernels.build_info()
+    print(f"ppo_kernels setup: {msg}", file=sys.stderr, flush=True)
+
+
+def fail(msg):
+    sys.exit(f"\nppo_kernels setup: error: {msg}\n")
+
+
+def version_tuple(text):
+    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def isolated_markers(path):
+    """The temporary environments of pip, pypa/build and uv isolated builds."""
+    return any(m in path for m in ("pip-build-env-", os.sep + "build-env-", "builds-v0"))
+
+
+def import_torch():
+    try:
+        import setuptools
+    except ImportError:  # pragma: no cover (pip needs it to get here)
+        fail("setuptools is not installed: pip install 'setuptools>=77'")
+    if version_tuple(setuptools.__version__) < (77,):
+        fail(f"setuptools {setuptools.__version__} is too old for pyproject.toml (SPDX "
+             f"license): pip install -U 'setuptools>=77', then build again")
+    try:
+        import torch
+    except ImportError:
+        fail("torch is not importable in this build. ppo-kernels compiles C++ (and CUDA) "
+             "against the torch of the environment it is installed into, and a build "
+             "isolated from that environment (pip's and uv's default, `python -m build` "
+             "without --no-isolation) cannot see it; a torch fetched into the isolated "
+             "environment could be another version, whose compiled kernels would not load "
+             "under yours. Install torch first if it is not there (`pip install torch`), "
+             f"then build with:\n{INSTALL_HINT}")
+    where = os.path.dirname(torch.__file__)
+    if (isolated_markers(where) or isolated_markers(sys.prefix)) and \
+            os.environ.get("PPO_KERNELS_ALLOW_ISOLATED_BUILD") != "1":
+        fail(f"this is an isolated build (torch {torch.__version__} from {where}): the "
+             f"extension would be compiled against that torch, not the one you run, and the "
+             f"package would then require torch=={torch.__version__.split('+')[0]} (pip "
+             f"would swap your torch for it). Build with:\n{INSTALL_HINT}\n"
+             f"(PPO_KERNELS_ALLOW_ISOLATED_BUILD=1 builds anyway, e.g. when the build "
+             f"environment's torch is pinned to the target's)")
+    if version_tuple(torch.__version__)[:2] < OLDEST_TORCH:
+        fail(f"torch {torch.__version__} is older than the oldest supported torch "
+             f"{'.'.join(map(str, OLDEST_TORCH))}: pip install -U 'torch>="
+             f"{'.'.join(map(str, OLDEST_TORCH))}'")
+    return torch
+
+
+def nvcc_version(nvcc):
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def nvcc_home(nvcc):
+    """The toolkit an `nvcc` belongs to: nvcc's dry run reports the directory it really
+    runs from (_HERE_), whatever symlink or wrapper script started it."""
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "x.cu")
+        open(src, "w").close()
+        try:
+            out = subprocess.run([nvcc, "-dryrun", "-c", src, "-o", os.path.join(d, "x.o")],
+                                 capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    m = re.search(r"^#\$ _HERE_=(.+)$", out.stdout + out.stderr, re.M)
+    if m:
+        return os.path.dirname(m.group(1).strip())
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+def is_toolkit(home):
+    return bool(home) and os.path.isfile(os.path.join(home, "bin", "nvcc")) and any(
+        os.path.isfile(os.path.join(home, d, "include", "cuda_runtime.h"))
+        for d in ("", "targets/x86_64-linux", "targets/sbsa-linux"))
+
+
+def find_cuda(torch):
+    """(toolkit home, None) for a toolkit that matches torch's CUDA, else (None, reason)."""
+    if os.environ.get("PPO_KERNELS_NO_CUDA") == "1":
+        return None, "PPO_KERNELS_NO_CUDA=1"
+    if torch.version.cuda is None:
+        return None, f"torch {torch.__version__} is a CPU-only build"
+    if not glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")):
+        return None, "no CUDA sources"
+    want = version_tuple(torch.version.cuda)[:2]
+    explicit = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if explicit:
+        candidates = [("CUDA_HOME" if os.environ.get("CUDA_HOME") else "CUDA_PATH", explicit)]
+    else:
+        candidates = []
+        nvcc = shutil.which("nvcc")
+        if nvcc:
+            candidates.append((f"nvcc on PATH ({nvcc})", nvcc_home(nvcc)))
+        for home in ("/usr/local/cuda", f"/usr/local/cuda-{want[0]}.{want[1]}",
+                     f"/usr/local/cuda-{want[0]}", "/opt/cuda"):
+            candidates.append((home, home))
+    seen = []
+    for origin, home in candidates:
+        if not home or os.path.realpath(home) in [os.path.realpath(h) for h, _ in seen]:
+            continue
+        if not is_toolkit(home):
+            if explicit:
+                fail(f"{origin}={home} is not a CUDA toolkit (no bin/nvcc and "
+                     f"include/cuda_runtime.h); point it at one, or unset it, or set "
+                     f"PPO_KERNELS_NO_CUDA=1 for a build without CUDA")
+            continue
+        ver = nvcc_version(os.path.join(home, "bin", "nvcc"))
+        seen.append((home, ver))
+        if ver is not None and ver[0] == want[0]:
+            if ver != want:
+                say(f"nvcc {ver[0]}.{ver[1]} at {home}, torch was built with CUDA "
+                    f"{torch.version.cuda}: same major version, building")
+            return home, None
+    found = ", ".join(f"{h} (nvcc {'.'.join(map(str, v)) if v else '?'})" for h, v in seen)
+    reason = (f"torch {torch.__version__} needs a CUDA {want[0]}.x toolkit; found "
+              f"{found or 'none'}")
+    say(f"building without CUDA kernels: {reason}. The CPU kernels are built, and the "
+        f"Triton backend runs on GPUs. For the CUDA kernels install a CUDA {want[0]}.x "
+        f"toolkit and set CUDA_HOME to it, then rebuild.")
+    return None, reason
+
+
+def gpu_visible(torch):
+    try:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:  # a broken driver: as if none
+        return False
+
+
+def max_jobs():
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover (not Linux)
+        cores = os.cpu_count() or 1
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover
+        pass
+    jobs = cores if avail is None else min(cores, int(avail // (GIB_PER_JOB << 30)))
+    return max(1, jobs), cores, avail
 
 
 def rel(pattern):
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
-def want_cuda():
-    if os.environ.get("PPO_KERNELS_NO_CUDA") == "1":
-        return False
-    import torch
-
-    return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None and bool(
-        rel("csrc/cuda/*.cu"))
+def simd_caps():
+    caps = ["default"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        caps += ["avx2", "avx512"]
+    return caps
 
 
-def extensions():
+def extensions(cpp_extension, cuda):
     include = [os.path.join(ROOT, "csrc")]
-    cuda = want_cuda()
     c_sources = rel("csrc/*.cpp")
     macros = [("PPO_KERNELS_WITH_CUDA", "1" if cuda else "0")]
     if cuda:
         ext = cpp_extension.CUDAExtension(
-            "ppo_kernels._C", c_sources + rel("csrc/cuda/*.cu"), include_dirs=include,
+            "ppo_kernels._C", c_sources + rel("csrc/cuda/*.cu"), include_dirs=list(include),
             define_macros=macros,
             extra_compile_args={"cxx": CXX_FLAGS,
                                 "nvcc": ["-O3", "-std=c++20",
                                          "-lineinfo", "--expt-relaxed-constexpr"]})
     else:
-        ext = cpp_extension.CppExtension("ppo_kernels._C", c_sources, include_dirs=include,
-                                         define_macros=macros,
+        ext = cpp_extension.CppExtension("ppo_kernels._C", c_sources,
+                                         include_dirs=list(include), define_macros=macros,
                                          extra_compile_args={"cxx": CXX_FLAGS})
     exts = [ext]
-    simd = ["default"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        simd += ["avx2", "avx512"]
-    for cap in simd:
+    for cap in simd_caps():
         exts.append(cpp_extension.CppExtension(
-            f"ppo_kernels._cpu_{cap}", rel("csrc/cpu/*.cpp"), include_dirs=include,
+            f"ppo_kernels._cpu_{cap}", rel("csrc/cpu/*.cpp"), include_dirs=list(include),
             extra_compile_args={"cxx": CXX_FLAGS + SIMD[cap]},
             extra_link_args=["-fopenmp"]))
     return exts
 
 
-setup(
-    ext_modules=extensions(),
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
-)
+def build_meta(torch, cuda_home, cuda_skipped):
+    return {
+        "torch_version": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "torch_cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        "cuda": bool(cuda_home),
+        "cuda_home": cuda_home,
+        "cuda_skipped": cuda_skipped,
+        "cuda_arch_list": (os.environ.get("TORCH_CUDA_ARCH_LIST") or "the visible GPUs'")
+        if cuda_home else None,
+        "cpu_capabilities": simd_caps(),
+        "platform": platform.machine(),
+    }
+
+
+def build_base(torch):
+    """build/ of this Python and torch: builds for another torch never mix with it."""
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}"
+    return os.path.join(ROOT, "build", tag)
+
+
+def build_ext_class(cpp_extension, torch, meta):
+    use_ninja = cpp_extension.is_ninja_available()
+    if not use_ninja:
+        say("ninja not found: compiling one file at a time (`pip install ninja` makes the "
+            "build parallel and rebuilds incremental)")
+    base_cls = cpp_extension.BuildExtension.with_options(use_ninja=use_ninja)
+
+    class build_ext(base_cls):
+        """torch's BuildExtension, plus: each extension compiles in its own folder of a
+        persistent build/ directory (the three SIMD variants compile the same files with
+        other flags; with a folder each, ninja reuses every object a previous build left,
+        e.g. the editable build's when a wheel is built next), and
+        ppo_kernels/_build_meta.py is written beside the compiled modules."""
+
+        def finalize_options(self):
+            super().finalize_options()
+            self.build_temp = os.path.join(build_base(torch), "temp")
+
+        def build_extension(self, ext):
+            base = self.build_temp
+            self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+            try:
+                super().build_extension(ext)
+            finally:
+                self.build_temp = base
+
+        def run(self):
+            super().run()
+            text = ("# Written by setup.py when the extension was built; _extension.py reads "
+                    "it before it loads the compiled modules.\nBUILD = " + repr(meta) + "\n")
+            dirs = {os.path.join(self.build_lib, "ppo_kernels")}
+            if self.inplace:
+                dirs.add(os.path.dirname(os.path.abspath(
+                    self.get_ext_fullpath("ppo_kernels._C"))))
+            for d in dirs:
+                os.makedirs(d, exist_ok=True)
+                with open(os.path.join(d, "_build_meta.py"), "w") as f:
+                    f.write(text)
+
+        def get_outputs(self):
+            return super().get_outputs() + [
+                os.path.join(self.build_lib, "ppo_kernels", "_build_meta.py")]
+
+    return build_ext
+
+
+def main():
+    torch = import_torch()
+    cuda_home, cuda_skipped = find_cuda(torch)
+    if cuda_home:
+        # before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, and left
+        # to itself takes the parent folder of the nvcc on PATH, which may be a wrapper's
+        os.environ["CUDA_HOME"] = cuda_home
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not gpu_visible(torch):
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+            say(f"no GPU visible: TORCH_CUDA_ARCH_LIST={DEFAULT_ARCHS}")
+    if not os.environ.get("MAX_JOBS", "").isdigit():
+        jobs, cores, avail = max_jobs()
+        os.environ["MAX_JOBS"] = str(jobs)
+        say(f"MAX_JOBS={jobs} ({cores} cores, "
+            f"{'?' if avail is None else round(avail / 2**30, 1)} GiB available)")
+
+    from setuptools import setup
+    from torch.utils import cpp_extension
+
+    if cuda_home:
+        cpp_extension.CUDA_HOME = cuda_home  # in case it was imported before this file ran
+    meta = build_meta(torch, cuda_home, cuda_skipped)
+    setup(
+        ext_modules=extensions(cpp_extension, bool(cuda_home)),
+        cmdclass={"build_ext": build_ext_class(cpp_extension, torch, meta)},
+        # the wheel runs only under the torch it was compiled against: pin it (a source
+        # build needs torch >= OLDEST_TORCH, checked in import_torch)
+        install_requires=[f"torch=={torch.__version__.split('+')[0]}", "numpy"],
+        options={"build": {"build_base": build_base(torch)}},
+    )
+
+
+if __name__ == "__main__":  # pip, uv and python -m build run it so; tests import it
+    main()

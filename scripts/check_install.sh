@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# The install checks CI runs after `make test` (.ci/run): ppo-kernels installed the way a
+# user installs it, into virtual environments that hold only torch and numpy (plus the test
+# runner), with no build variable set, and tested from a copy of tests/ outside the
+# checkout, so that `import ppo_kernels` can only be the installed copy (checked).
+#
+#   wheel   `python -m build --wheel --no-isolation` in .venv (make test's environment: ninja
+#           reuses the objects of its editable build, so this mostly links), the wheel's
+#           metadata checked (torch pinned to the build's, only ppo_kernels at the top
+#           level, _build_meta.py inside); a second venv with the same torch installs it
+#           and runs the smoke check and FAST_TESTS.
+#   oldest  a venv with the oldest torch the project claims (setup.py's OLDEST_TORCH; a CUDA
+#           12 build there, so with nvcc 13 this is also the "no matching toolkit" path: a
+#           CPU-only build that says why), `pip install --no-build-isolation <checkout>`,
+#           then the smoke check and FAST_TESTS.
+#
+# Usage: scripts/check_install.sh [wheel|oldest|all] (default all). KEEP_VENVS=1 keeps the
+# temporary venvs (5 GB each) and prints where they are.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+WHAT=${1:-all}
+PY=${PYTHON:-python3}
+# the named fast subset: the CPU kernels against the reference, the loader and setup.py;
+# none needs TRL, verl or transformers
+FAST_TESTS="tests/test_reference.py tests/test_ppo_loss.py tests/test_token_logprobs.py
+  tests/test_seed_sheet.py tests/test_extension.py tests/test_install.py"
+TMP=$(mktemp -d /tmp/ppo-kernels-install.XXXXXX)
+cleanup() {
+  if [ "${KEEP_VENVS:-0}" = 1 ]; then echo "kept: $TMP"; else rm -rf "$TMP"; fi
+}
+trap cleanup EXIT
+# nothing from the caller's environment steers the builds below
+unset CUDA_HOME CUDA_PATH TORCH_CUDA_ARCH_LIST MAX_JOBS PPO_KERNELS_NO_CUDA \
+  PPO_KERNELS_NO_EXTENSION PYTHONPATH
+
+# quiet: the command's output without the local mirror's "Location ... is ignored" lines,
+# and the command's own exit status
+quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
+minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
+
+# smoke_and_tests VENV: from a folder outside the checkout, check that ppo_kernels is the
+# installed copy, run ppo_loss forward and backward on the CPU kernels against the
+# reference, then FAST_TESTS
+smoke_and_tests() {
+  local venv=$1 work
+  work=$(mktemp -d "$TMP/tests.XXXXXX")
+  cp -r "$ROOT/tests" "$work/"
+  printf '[pytest]\naddopts = -ra\nmarkers =\n    slow: larger shapes\n    gpu: needs a CUDA device\n' \
+    > "$work/pytest.ini"
+  (cd "$work" && nice -n 10 "$venv/bin/python" - <<'PYEOF'
+import sysconfig
+import numpy as np
+import torch
+import ppo_kernels as pk
+from ppo_kernels import reference as ref
+site = sysconfig.get_paths()["platlib"]
+assert pk.__file__.startswith(site), f"ppo_kernels imported from {pk.__file__}, not {site}"
+info = pk.build_info()
+print("ppo_kernels", pk.__file__)
+print("build_info", info)
+assert info["built"] and info["cpu"] and "cpu" in info["backends"], info
+g = torch.Generator().manual_seed(0)
+B, T, V = 3, 7, 257
+logits = torch.randn(B, T + 1, V, generator=g, dtype=torch.float64, requires_grad=True)
+tokens = torch.randint(0, V, (B, T), generator=g)
+old = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.2 - 5.0
+adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+refl = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.2 - 5.0
+mask = torch.rand(B, T, generator=g) > 0.2
+kw = dict(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.05, entropy_coef=0.01)
+loss, _ = pk.ppo_loss(logits, tokens, old, adv, mask, ref_logprobs=refl, backend="cpu", **kw)
+loss.backward()
+r_loss, _, r_grad = ref.ppo_loss(logits.detach().numpy(), tokens.numpy(), old.numpy(),
+                                 adv.numpy(), mask.numpy(), ref_logprobs=refl.numpy(), **kw)
+err_l = abs(float(loss.detach()) - r_loss)
+err_g = float(np.abs(logits.grad.numpy() - r_grad).max())
+print(f"smoke: ppo_loss cpu float64 fwd+bwd vs reference: |dloss| {err_l:.1e}, |dgrad| {err_g:.1e}")
+assert err_l < 1e-12 and err_g < 1e-12, (err_l, err_g)
+PYEOF
+  ) || return 1
+  # shellcheck disable=SC2086
+  (cd "$work" && nice -n 10 "$venv/bin/python" -m pytest -q -p no:cacheprovider $FAST_TESTS)
+}
+
+check_wheel() {
+  local t0=$SECONDS dist="$TMP/dist" venv="$TMP/venv-wheel" torch_version
+  echo "== wheel: python -m build --wheel --no-isolation (.venv)"
+  torch_version=$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])')
+  nice -n 10 .venv/bin/python -m build --wheel --no-isolation --outdir "$dist" . > "$TMP/build.log" 2>&1 \
+    || { tail -50 "$TMP/build.log"; return 1; }
+  local whl
+  whl=$(ls "$dist"/ppo_kernels-*.whl)
+  echo "built $(basename "$whl") in $(minutes $((SECONDS - t0))) min"
+  .venv/bin/python - "$whl" "$torch_version" <<'PYEOF'
+import sys, zipfile
+whl, torch_version = sys.argv[1:]
+z = zipfile.ZipFile(whl)
+names = z.namelist()
+tops = {n.split("/")[0] for n in names}
+assert {t for t in tops if not t.endswith(".dist-info")} == {"ppo_kernels"}, tops
+assert "ppo_kernels/_build_meta.py" in names and any(n.startswith("ppo_kernels/_C.") for n in names)
+meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+reqs = [l for l in meta.splitlines() if l.startswith("Requires-Dist: torch")]
+assert reqs == [f"Requires-Dist: torch=={torch_version}"], reqs
+print("wheel metadata:", reqs[0], "| top level:", sorted(tops))
+PYEOF
+  echo "== wheel: a second venv with torch $torch_version installs it"
+  "$PY" -m venv "$venv"
+  quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$torch_version" numpy
+  quiet nice -n 10 "$venv/bin/python" -m pip install -q "$whl[test]"
+  smoke_and_tests "$venv"
+  echo "== wheel check: $(minutes $((SECONDS - t0))) min"
+}
+
+check_oldest() {
+  local t0=$SECONDS venv="$TMP/venv-oldest" oldest
+  oldest=$("$PY" -c "import ast, re; src = open('setup.py').read(); \
+print('.'.join(map(str, ast.literal_eval(re.search(r'^OLDEST_TORCH = (.+)$', src, re.M).group(1)))))")
+  echo "== oldest torch: a venv with torch==$oldest.*, pip install --no-build-isolation <checkout>"
+  "$PY" -m venv "$venv"
+  # setuptools >= 77 for pyproject.toml: torch 2.6 does not bring it on Python 3.11 (a
+  # fresh venv has setuptools 65; torch 2.14 requires setuptools >= 77 itself)
+  quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$oldest.*" numpy "setuptools>=77"
+  echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
+  local t1=$SECONDS
+  (cd "$TMP" && nice -n 10 "$venv/bin/python" -m pip install -v --no-build-isolation "$ROOT" \
+    > "$TMP/build-oldest.log" 2>&1) || { tail -50 "$TMP/build-oldest.log"; return 1; }
+  grep "ppo_kernels setup:" "$TMP/build-oldest.log" | sort -u
+  echo "built in $(minutes $((SECONDS - t1))) min"
+  quiet nice -n 10 "$venv/bin/python" -m pip install -q pytest hypothesis expecttest
+  smoke_and_tests "$venv"
+  echo "== oldest torch check: $(minutes $((SECONDS - t0))) min"
+}
+
+case "$WHAT" in
+  wheel) check_wheel ;;
+  oldest) check_oldest ;;
+  all) check_wheel; check_oldest ;;
+  *) echo "usage: $0 [wheel|oldest|all]" >&2; exit 2 ;;
+esac
