@@ -23,7 +23,7 @@ WHAT=${1:-all}
 PY=${PYTHON:-python3}
 # the named fast subset: the CPU kernels against the reference, the loader and setup.py;
 # none needs TRL, verl or transformers
-FAST_TESTS="tests/test_reference.py tests/test_ppo_loss.py tests/test_token_logprobs.py
+FAST_TESTS="tests/test_reference.py tests/test_loss.py tests/test_loss_token_logprobs.py
   tests/test_seed_sheet.py tests/test_extension.py tests/test_install.py"
 TMP=$(mktemp -d /tmp/ppo-kernels-install.XXXXXX)
 cleanup() {
