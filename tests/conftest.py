@@ -525,27 +525,32 @@ def group1():
     assert not dist.is_initialized()
 
 
-@pytest.fixture(scope="session")
-def two_ranks(tmp_path_factory):
-    """The results of tests/two_rank_cases.py on 2 gloo processes (one launch per session):
-    a list of the ranks' {case: result} dicts."""
-    d = tmp_path_factory.mktemp("tp2")
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_rank_cases.py")
+def run_ranks(script, out, n=2, timeout=180):
+    """Runs ``python script RANK PORT OUT`` as n processes (a gloo group the script makes)
+    and returns the ranks' OUT/rank<r>.json dicts, in rank order."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, script, str(r), port, str(d)],
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(out)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for r in range(2)]
+                              env=env) for r in range(n)]
     try:
         for p in procs:
-            _, err = p.communicate(timeout=180)
+            _, err = p.communicate(timeout=timeout)
             assert p.returncode == 0, err[-4000:]
     finally:
         for p in procs:  # (a rank left waiting in a collective)
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+@pytest.fixture(scope="session")
+def two_ranks(tmp_path_factory):
+    """The results of tests/two_rank_cases.py on 2 gloo processes (one launch per session):
+    a list of the ranks' {case: result} dicts."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "two_rank_cases.py")
+    return run_ranks(script, tmp_path_factory.mktemp("tp2"))
 
 
 def raises_naming(fn, name, types=(ValueError, TypeError)):

@@ -5,15 +5,11 @@ silent result. Two gloo processes (a script written to a temporary folder) whose
 group times out after 30 s, so a hang fails the test instead of stalling it; the healthy
 control is the same calls without the fault, equal to the unsharded op."""
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import textwrap
-import time
 
 import pytest
+
+from conftest import run_ranks
 
 _SCRIPT = r'''
 import datetime, json, os, sys, time
@@ -125,35 +121,12 @@ if __name__ == "__main__":
 '''
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     d = tmp_path_factory.mktemp("agree")
     script = d / "agree.py"
     script.write_text(textwrap.dedent(_SCRIPT))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    port = str(_free_port())
-    start = time.time()
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(d)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env) for r in range(2)]
-    try:
-        for p in procs:
-            _, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-4000:]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    out = [json.loads((d / f"rank{r}.json").read_text()) for r in range(2)]
-    out.append(time.time() - start)
-    return out
+    return run_ranks(script, d, timeout=240)
 
 
 FAULTS = {  # case -> the argument the message names

@@ -89,26 +89,25 @@ def _check_overrides(trainer, patched):
     methods go on the instance (fuse_grpo_loss), shadowing every class's."""
     mro = type(trainer).__mro__
     ours = (FusedGRPOLossMixin, FusedGRPOTrainer, GRPOTrainer)
+
+    def users(classes, name):  # the classes (not TRL's, not ours) that define ``name``
+        return [c for c in classes if c not in ours and not c.__module__.startswith("trl.")
+                and name in c.__dict__]
+
     behind = mro if patched else mro[mro.index(FusedGRPOLossMixin) + 1:]
-    for cls in behind:
-        if cls in ours or cls.__module__.startswith("trl."):
-            continue
-        if "_compute_loss" in cls.__dict__:
-            raise ValueError(
-                f"trainer: {cls.__name__} overrides GRPOTrainer._compute_loss, which the fused "
-                f"loss would replace, dropping the override; compute the extra term in your "
-                f"own _compute_loss on top of ppo_kernels' (class MyTrainer("
-                f"FusedGRPOLossMixin, GRPOTrainer) and call super()._compute_loss), or train "
-                f"without the fused loss")
-    for cls in mro:
-        if cls in ours or cls.__module__.startswith("trl."):
-            continue
-        if "_get_per_token_logps_and_entropies" in cls.__dict__:
-            raise ValueError(
-                f"trainer: {cls.__name__} overrides _get_per_token_logps_and_entropies; TRL "
-                f"would use it for the old and reference log-probs while the fused loss "
-                f"computes the current ones from the hidden states without it: the ratio "
-                f"would compare two different functions. Not supported with the fused loss")
+    for cls in users(behind, "_compute_loss"):
+        raise ValueError(
+            f"trainer: {cls.__name__} overrides GRPOTrainer._compute_loss, which the fused "
+            f"loss would replace, dropping the override; compute the extra term in your "
+            f"own _compute_loss on top of ppo_kernels' (class MyTrainer("
+            f"FusedGRPOLossMixin, GRPOTrainer) and call super()._compute_loss), or train "
+            f"without the fused loss")
+    for cls in users(mro, "_get_per_token_logps_and_entropies"):
+        raise ValueError(
+            f"trainer: {cls.__name__} overrides _get_per_token_logps_and_entropies; TRL "
+            f"would use it for the old and reference log-probs while the fused loss "
+            f"computes the current ones from the hidden states without it: the ratio "
+            f"would compare two different functions. Not supported with the fused loss")
 
 
 def check_trainer(trainer, patched=False):
