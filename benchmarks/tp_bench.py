@@ -148,7 +148,7 @@ def main(argv=None):
           f"dlogits {a.v // a.tp * item} B written;")
     print(f"  statistics all-gather: sends 24 B (6 float32: the statistics and the token id), "
           f"receives {24 * (a.tp - 1)} B (one collective per forward, none in the backward),")
-    print(f"  after the validity header (32 B per rank and call, not per row);")
+    print(f"  after the validity header (40 B per rank and call, not per row);")
     print(f"  from hidden, d hidden all-reduce: {a.h * 4} B per row (float32), a ring moves "
           f"{2 * (a.tp - 1) * a.h * 4 // a.tp} B per row and rank.")
 

@@ -7,8 +7,8 @@ one all-gather over each group of a small header: a flag for an error on this ra
 sizes the ranks must agree on (B and T of the tokens under tp_group, B under cp_group).
 When any rank's flag is set or the sizes differ, every rank raises a ValueError that names
 the rank and repeats its message (gathered with all_gather_object, on that path only). The
-header is 3 numbers per rank: next to the statistics all-gather (20 bytes per row) it is
-one more small collective per call (benchmarks/tp_bench.py measures it).
+header is 5 float64 numbers per rank (40 bytes): next to the statistics all-gather (24 bytes
+per row) it is one more small collective per call (benchmarks/tp_bench.py measures it).
 """
 
 from __future__ import annotations
