@@ -17,6 +17,10 @@
 //   log p_v = (x_v - row_max) / temperature - log_sum with every digit). grad_scale: the
 //   written dlogits are grad_scale * d loss / d logits (the loss itself is unscaled);
 //   scale_grad_ is the backward's in-place rescale (see ppo_kernels/_autograd.py).
+//   gae / score_rollout's GAE (ppo_kernels/advantages.py): the advantages use lambda_b =
+//   lam_per_seq[b] ([B] of the accumulation dtype, each in [0, 1]; VAPO's length-adaptive
+//   lambda) when given, else lam; returns = the GAE of value_lam (a second scan, VAPO's
+//   decoupled lambda) + values when value_lam is given, else advantages + values.
 #include <torch/library.h>
 
 TORCH_LIBRARY(ppo_kernels, m) {
@@ -44,10 +48,11 @@ TORCH_LIBRARY(ppo_kernels, m) {
   m.def("scale_grad_(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()");
   m.def(
       "gae(Tensor rewards, Tensor values, Tensor mask, Tensor? bootstrap_values, "
-      "float gamma, float lam) -> (Tensor advantages, Tensor returns)");
+      "float gamma, float lam, Tensor? lam_per_seq=None, float? value_lam=None) "
+      "-> (Tensor advantages, Tensor returns)");
   m.def(
       "score_rollout(Tensor logits, Tensor tokens, Tensor mask, Tensor ref_logprobs, "
       "Tensor values, Tensor scores, float kl_coef, int kl_estimator, float gamma, "
-      "float lam, float temperature) "
+      "float lam, float temperature, Tensor? lam_per_seq=None, float? value_lam=None) "
       "-> (Tensor logprobs, Tensor kl, Tensor rewards, Tensor advantages, Tensor returns)");
 }

@@ -47,12 +47,14 @@ def _fake_scale_grad_(grad, grad_output, applied):
     return None
 
 
-def _fake_gae(rewards, values, mask, bootstrap_values, gamma, lam):
+def _fake_gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,
+              value_lam=None):
     return torch.empty_like(rewards), torch.empty_like(rewards)
 
 
 def _fake_score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
-                        kl_estimator, gamma, lam, temperature):
+                        kl_estimator, gamma, lam, temperature, lam_per_seq=None,
+                        value_lam=None):
     return tuple(tokens.new_empty(tokens.shape, dtype=acc_dtype(logits)) for _ in range(5))
 
 

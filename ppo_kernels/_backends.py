@@ -50,8 +50,10 @@ class KernelBackend:
             loss = loss + spec.entropy_coef * ((weights - w_ent) * ent.detach()).sum()
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
-    def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):
-        return self.op("gae")(rewards, values, mask, bootstrap_values, gamma, lam)
+    def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,
+            value_lam=None):
+        return self.op("gae")(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq,
+                              value_lam)
 
     def score_rollout(self, *args):
         return self.op("score_rollout")(*args)
@@ -71,13 +73,16 @@ class TorchBackend:
                                                          ref, isw, spec, w_ent)
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
-    def gae(self, rewards, values, mask, bootstrap_values, gamma, lam):
-        return _torch_impl.gae(rewards, values, mask, bootstrap_values, gamma, lam)
+    def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,
+            value_lam=None):
+        return _torch_impl.gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq,
+                               value_lam)
 
     def score_rollout(self, logits, tokens, mask, ref, values, scores, kl_coef, kl_estimator_id,
-                      gamma, lam, temperature):
+                      gamma, lam, temperature, lam_per_seq=None, value_lam=None):
         return _torch_impl.score_rollout(logits, tokens, mask, ref, values, scores, kl_coef,
-                                         KL_ESTIMATORS[kl_estimator_id], gamma, lam, temperature)
+                                         KL_ESTIMATORS[kl_estimator_id], gamma, lam, temperature,
+                                         lam_per_seq, value_lam)
 
 
 def _triton_importable():

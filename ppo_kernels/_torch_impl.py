@@ -268,20 +268,31 @@ def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, spec):
     return out
 
 
-def gae(rewards, values, mask, bootstrap_values, gamma, lam):
-    """Reverse GAE scan (Schulman et al. 2016, eq. 16), masked positions transparent."""
+def gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None, value_lam=None):
+    """Reverse GAE scan (Schulman et al. 2016, eq. 16), masked positions transparent.
+    lam_per_seq [B] replaces lam (VAPO's length-adaptive lambda); value_lam given: returns
+    from a second scan of the same deltas with value_lam (VAPO's decoupled GAE), else
+    advantages + values."""
     b, t = rewards.shape
     adv = torch.zeros_like(rewards)
+    ret_adv = adv if value_lam is None else torch.zeros_like(rewards)
     v_next = (torch.zeros(b, dtype=rewards.dtype, device=rewards.device)
               if bootstrap_values is None else bootstrap_values.to(rewards.dtype))
     a_next = torch.zeros_like(v_next)
+    g_next = torch.zeros_like(v_next)
+    gl = gamma * lam if lam_per_seq is None else gamma * lam_per_seq.to(rewards.dtype)
     for j in reversed(range(t)):
         m = mask[:, j]
-        a = rewards[:, j] + gamma * v_next - values[:, j] + gamma * lam * a_next
+        delta = rewards[:, j] + gamma * v_next - values[:, j]
+        a = delta + gl * a_next
         a_next = torch.where(m, a, a_next)
-        v_next = torch.where(m, values[:, j], v_next)
         adv[:, j] = torch.where(m, a, 0.0)
-    return adv, torch.where(mask, adv + values, 0.0)
+        if value_lam is not None:
+            g = delta + gamma * value_lam * g_next
+            g_next = torch.where(m, g, g_next)
+            ret_adv[:, j] = torch.where(m, g, 0.0)
+        v_next = torch.where(m, values[:, j], v_next)
+    return adv, torch.where(mask, ret_adv + values, 0.0)
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator):
@@ -299,9 +310,9 @@ def kl_penalized_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estim
 
 
 def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, kl_estimator,
-                  gamma, lam, temperature):
+                  gamma, lam, temperature, lam_per_seq=None, value_lam=None):
     """(logprobs, kl, rewards, advantages, returns), advantages not yet whitened."""
     logp, _ = token_logprobs(logits, tokens, mask, temperature, False)
     rewards, kl = kl_penalized_rewards(scores, logp, ref_logprobs, mask, kl_coef, kl_estimator)
-    adv, ret = gae(rewards, values, mask, None, gamma, lam)
+    adv, ret = gae(rewards, values, mask, None, gamma, lam, lam_per_seq, value_lam)
     return logp, kl, rewards, adv, ret

@@ -27,17 +27,84 @@ def _seq_tensors(rewards_name, rewards, values_name, values, response_mask):
     return rewards.to(acc).contiguous(), v, mask, acc
 
 
+LENGTH_ADAPTIVE = "length-adaptive"
+
+
+def length_adaptive_lam(response_mask, lam_alpha, dtype=torch.float32):
+    """VAPO's length-adaptive lambda (Yue et al. 2025, arXiv:2504.05118, Length-Adaptive
+    GAE): lambda_b = 1 - 1 / (lam_alpha * l_b) with l_b the number of valid tokens of
+    sequence b (response_mask.sum(-1)), clamped at 0 (a sequence shorter than 1 / lam_alpha
+    gets lambda 0, the TD(0) advantage; VAPO gives no rule there); an empty sequence
+    (l_b = 0) gets 0 (it has no advantage to compute). Computed in float64 on the mask's
+    device (no host read), returned as ``dtype`` [B]."""
+    n = response_mask.sum(-1, dtype=torch.float64)
+    lam = (1.0 - 1.0 / (lam_alpha * n.clamp(min=1.0))).clamp(min=0.0)
+    return torch.where(n > 0, lam, 0.0).to(dtype)
+
+
+class GaeLambda(NamedTuple):
+    """The checked lambda options of gae / score_rollout: lam (a number, or None for the
+    length-adaptive lambda of lam_alpha) and the returns' value_lam (None: lam's)."""
+
+    lam: float | None
+    lam_alpha: float | None
+    value_lam: float | None
+
+    def options(self):
+        """As keyword arguments of pk.gae."""
+        return dict(lam=LENGTH_ADAPTIVE if self.lam is None else self.lam,
+                    lam_alpha=self.lam_alpha, value_lam=self.value_lam)
+
+    def kernel_args(self, mask, dtype):
+        """(lam, lam_per_seq or None, value_lam or None) of the kernel ops (csrc/ops.cpp).
+        A value_lam equal to a scalar lam is passed as None: the same returns, one scan."""
+        if self.lam is None:
+            return 0.0, length_adaptive_lam(mask, self.lam_alpha, dtype), self.value_lam
+        value_lam = None if self.value_lam == self.lam else self.value_lam
+        return self.lam, None, value_lam
+
+
+def gae_lambda(lam, value_lam, lam_alpha):
+    """Checks gae's lambda options (a ValueError / TypeError naming the argument)."""
+    if isinstance(lam, str):
+        if lam != LENGTH_ADAPTIVE:
+            raise ValueError(f"lam: expected a number in [0, 1] or {LENGTH_ADAPTIVE!r}, got "
+                             f"{lam!r}")
+        if lam_alpha is None:
+            raise ValueError(f"lam_alpha: lam={LENGTH_ADAPTIVE!r} needs lam_alpha (VAPO's "
+                             f"alpha, a number > 0), got None")
+        lam, alpha = None, ck.number("lam_alpha", lam_alpha, lo=0.0, lo_open=True)
+    else:
+        lam, alpha = ck.number("lam", lam, lo=0.0, hi=1.0), None
+        if lam_alpha is not None:
+            raise ValueError(f"lam_alpha: only meaningful with lam={LENGTH_ADAPTIVE!r}, got "
+                             f"lam_alpha={lam_alpha!r} with lam={lam!r}")
+    if value_lam is not None:
+        value_lam = ck.number("value_lam", value_lam, lo=0.0, hi=1.0)
+    return GaeLambda(lam, alpha, value_lam)
+
+
 def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_values=None,
-        cu_seqlens=None, max_seqlen=None, backend="auto"):
+        value_lam=None, lam_alpha=None, cu_seqlens=None, max_seqlen=None, backend="auto"):
     """Generalised advantage estimation, a reverse scan over T (Schulman et al. 2016, eq. 16).
 
     delta_t = r_t + gamma V_next - V_t;  A_t = delta_t + gamma lam A_next. Masked positions
     are transparent: V_next and A_next carry across them unchanged, without decay. After the
     last valid token V_next = 0 (terminated) unless ``bootstrap_values`` (truncated).
 
+    VAPO's variants (Yue et al. 2025, arXiv:2504.05118): decoupled GAE (``value_lam``: the
+    critic's targets use their own lambda, VAPO / VC-PPO take 1.0, arXiv:2503.01491) and
+    length-adaptive GAE (``lam="length-adaptive"``: lambda_b = max(0, 1 - 1 / (lam_alpha *
+    l_b)) per sequence, l_b its number of valid tokens; an empty sequence gets 0; VAPO's
+    alpha is 0.05; see length_adaptive_lam).
+
     Args:
         rewards, values: float [B, T]. response_mask: [B, T], nonzero = valid; None = all.
-        gamma, lam: in [0, 1]. bootstrap_values: float [B] (per sequence) or None.
+        gamma: in [0, 1]. lam: in [0, 1], or "length-adaptive" (needs lam_alpha > 0; a
+            lam_alpha with a numeric lam is a ValueError).
+        value_lam: in [0, 1], the lambda of the returns; None = lam's (the length-adaptive
+            one too), which gives today's returns bit for bit.
+        bootstrap_values: float [B] (per sequence) or None.
         cu_seqlens: int [S + 1] for packed sequences (ppo_kernels.packed): rewards, values
             and the mask are then [1, total] or [total] and the scan restarts at every
             boundary; max_seqlen: the longest sequence, if known (saves a host read on
@@ -45,8 +112,13 @@ def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_v
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
-        (advantages, returns = advantages + values), float32 [B, T] (float64 for float64
-        rewards; the packed layout with cu_seqlens), 0 where the mask is 0. No gradient.
+        (advantages, returns), float32 [B, T] (float64 for float64 rewards; the packed
+        layout with cu_seqlens), 0 where the mask is 0. No gradient. returns = the GAE
+        advantages computed with value_lam + values, i.e. the lambda-return of value_lam
+        (Sutton & Barto 2018, sec. 12.1: G^lambda_t - V_t = sum_l (gamma lam)^l delta_{t+l}),
+        which verl's compute_gae_advantage_return also takes as the critic's targets (with
+        the advantages' lambda: value_lam=None); value_lam = 1 gives the discounted
+        reward-to-go plus gamma^n times the bootstrap value.
 
     Raises:
         TypeError / ValueError naming the argument.
@@ -57,12 +129,13 @@ def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_v
         mask, t = packed.padded_inputs(packing, response_mask, "rewards", rewards, rewards=rewards,
                                        values=values)
         adv, ret = gae(t["rewards"], t["values"], mask, gamma=gamma, lam=lam,
-                       bootstrap_values=bootstrap_values, backend=backend)
+                       bootstrap_values=bootstrap_values, value_lam=value_lam,
+                       lam_alpha=lam_alpha, backend=backend)
         return packed.unpadded(packing, adv, rewards), packed.unpadded(packing, ret, rewards)
     packed.check_max_seqlen(max_seqlen)
     r, v, mask, acc = _seq_tensors("rewards", rewards, "values", values, response_mask)
     gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
-    lam = ck.number("lam", lam, lo=0.0, hi=1.0)
+    lams = gae_lambda(lam, value_lam, lam_alpha)
     boot = None
     if bootstrap_values is not None:
         ck.tensor("bootstrap_values", bootstrap_values, floating=True)
@@ -73,7 +146,7 @@ def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_v
         boot = bootstrap_values.detach().to(acc).contiguous()
     be = get_backend(backend, r.device)
     with torch.no_grad():
-        return be.gae(r.detach(), v.detach(), mask, boot, gamma, lam)
+        return be.gae(r.detach(), v.detach(), mask, boot, gamma, *lams.kernel_args(mask, acc))
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, response_mask, *, kl_coef,
@@ -198,9 +271,10 @@ torch.serialization.add_safe_globals([Rollout])
 
 
 def rollout_inputs(tokens2, response_mask, ref_logprobs, values, scores, kl_coef,
-                   kl_estimator, gamma, lam, whiten):
+                   kl_estimator, gamma, lam, whiten, value_lam=None, lam_alpha=None):
     """score_rollout's checks of everything but the logits (shared with
-    score_rollout_from_hidden): (mask, ref, values, kl_coef, gamma, lam)."""
+    score_rollout_from_hidden): (mask, ref, values, kl_coef, gamma, lams), lams the
+    GaeLambda of lam, value_lam and lam_alpha."""
     mask = ck.response_mask(response_mask, tokens2, False)
     ref = ck.per_token("ref_logprobs", ref_logprobs, tokens2, False, torch.float32)
     vals = ck.per_token("values", values, tokens2, False, torch.float32)
@@ -208,31 +282,31 @@ def rollout_inputs(tokens2, response_mask, ref_logprobs, values, scores, kl_coef
     kl_coef = ck.number("kl_coef", kl_coef, lo=0.0)
     ck.choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
     gamma = ck.number("gamma", gamma, lo=0.0, hi=1.0)
-    lam = ck.number("lam", lam, lo=0.0, hi=1.0)
+    lams = gae_lambda(lam, value_lam, lam_alpha)
     ck.flag("whiten", whiten)
-    return mask, ref, vals, kl_coef, gamma, lam
+    return mask, ref, vals, kl_coef, gamma, lams
 
 
-def rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator, gamma, lam,
+def rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator, gamma, lams,
                           whiten, backend):
     """The [B, T] steps of score_rollout after the log-probs (no gradient): KL-penalised
-    rewards, GAE, whitening. For the paths that get the log-probs elsewhere (from hidden
-    states, a split vocabulary, packed sequences)."""
+    rewards, GAE (lams: the GaeLambda of rollout_inputs), whitening. For the paths that get
+    the log-probs elsewhere (from hidden states, a split vocabulary, packed sequences)."""
     with torch.no_grad():
         logp = logp.float().contiguous()  # rollout outputs are float32 by contract
         # (what pk.kl_penalized_rewards computes, with the per-token KL it drops)
         rewards, kl = _torch_impl.kl_penalized_rewards(
             scores.detach().float().contiguous(), logp, ref, mask, kl_coef, kl_estimator)
-        adv, ret = gae(rewards, vals, mask, gamma=gamma, lam=lam, backend=backend)
+        adv, ret = gae(rewards, vals, mask, gamma=gamma, backend=backend, **lams.options())
         if whiten:
             adv = _whiten(adv, mask)
     return Rollout(logp, kl, rewards, adv, ret)
 
 
 def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *, kl_coef,
-                  kl_estimator="k1", gamma=1.0, lam=0.95, temperature=1.0, whiten=True,
-                  cu_seqlens=None, max_seqlen=None, tp_group=None, vocab_start=None,
-                  backend="auto"):
+                  kl_estimator="k1", gamma=1.0, lam=0.95, value_lam=None, lam_alpha=None,
+                  temperature=1.0, whiten=True, cu_seqlens=None, max_seqlen=None,
+                  tp_group=None, vocab_start=None, backend="auto"):
     """The rollout side in one pass over the logits: logprobs of the sampled tokens, per-token
     KL to the reference, KL-penalised rewards (score on the last valid token), GAE
     advantages and returns, then (optionally) whitened advantages.
@@ -243,7 +317,9 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
         response_mask: [B, T]. kl_coef: >= 0. kl_estimator: "k1" | "k2" | "k3" | "abs" |
             "k1+" | "k3+" (the "+" estimators give the values of k1 / k3 here: no gradient
             flows).
-        gamma, lam: in [0, 1]. temperature: > 0. whiten: whiten the advantages.
+        gamma, lam, value_lam, lam_alpha: the GAE options of pk.gae (lam may be
+            "length-adaptive" with lam_alpha; value_lam the returns' lambda, VAPO's
+            decoupled GAE). temperature: > 0. whiten: whiten the advantages.
         tp_group, vocab_start: a vocabulary split over ranks, as in pk.token_logprobs (a
             DTensor sharded with Shard(-1) needs neither): the log-probs are merged over the
             group, then the [B, T] steps run on every rank alike.
@@ -269,7 +345,8 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
                              f"cu_seqlens for the packed [total, V]), got "
                              f"{list(local.shape)}")
         checked = rollout_inputs(tokens2, response_mask, ref_logprobs, values, scores,
-                                 kl_coef, kl_estimator, gamma, lam, whiten)
+                                 kl_coef, kl_estimator, gamma, lam, whiten, value_lam,
+                                 lam_alpha)
         be = get_backend(backend, logits3.device)
         vp.require_kernels(be, shard)
         return logits3, tokens2, shard, (*checked, ck.temperature(temperature, logits3), be)
@@ -280,22 +357,24 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
         return _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores,
                              response_mask, shard, cu_seqlens, max_seqlen,
                              dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma,
-                                  lam=lam, whiten=whiten), temperature, backend)
-    mask, ref, vals, kl_coef, gamma, lam, temperature, be = checked
+                                  lam=lam, whiten=whiten, value_lam=value_lam,
+                                  lam_alpha=lam_alpha), temperature, backend)
+    mask, ref, vals, kl_coef, gamma, lams, temperature, be = checked
     if shard is not None:
         with torch.no_grad():
             logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask, temperature,
                                         shard)
         return rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator,
-                                     gamma, lam, whiten, backend)
+                                     gamma, lams, whiten, backend)
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
     if logits3.dtype == torch.float64:
         logits3 = logits3.float()  # rollout outputs are float32 by contract
+    lam, lam_per_seq, value_lam = lams.kernel_args(mask, torch.float32)
     with torch.no_grad():
         logp, kl, rewards, adv, ret = be.score_rollout(
             logits3.detach(), tokens2, mask, ref.detach(), vals.detach(),
             scores.detach().float().contiguous(), kl_coef, KL_ESTIMATORS.index(kl_estimator),
-            gamma, lam, temperature)
+            gamma, lam, temperature, lam_per_seq, value_lam)
         if whiten:
             adv = _whiten(adv, mask)
     return Rollout(logp, kl, rewards, adv, ret)
@@ -304,7 +383,8 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
 def packed_rollout_inputs(tokens2, tokens, ref_logprobs, values, scores, response_mask,
                           cu_seqlens, max_seqlen, opts):
     """score_rollout's checks for packed sequences (shared with score_rollout_from_hidden):
-    (packing, the padded mask, ref and values, kl_coef, gamma, lam)."""
+    (packing, the padded mask, ref and values, kl_coef, gamma, lams); opts: kl_coef,
+    kl_estimator, gamma, lam, whiten and (optional) value_lam, lam_alpha."""
     if tokens2.shape[0] != 1:
         raise ValueError(f"tokens: with cu_seqlens expected the packed layout [1, total] or "
                          f"[total], got {list(tokens.shape)}")
@@ -313,17 +393,18 @@ def packed_rollout_inputs(tokens2, tokens, ref_logprobs, values, scores, respons
                                    ref_logprobs=ref_logprobs, values=values)
     if t["ref_logprobs"] is None or t["values"] is None:
         raise TypeError("ref_logprobs, values: expected tensors, got None")
-    mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
+    mask, ref, vals, kl_coef, gamma, lams = rollout_inputs(
         packing.pad(tokens2), mask, t["ref_logprobs"], t["values"], scores, opts["kl_coef"],
-        opts["kl_estimator"], opts["gamma"], opts["lam"], opts["whiten"])
-    return packing, mask, ref, vals, kl_coef, gamma, lam
+        opts["kl_estimator"], opts["gamma"], opts["lam"], opts["whiten"],
+        opts.get("value_lam"), opts.get("lam_alpha"))
+    return packing, mask, ref, vals, kl_coef, gamma, lams
 
 
 def _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores, response_mask,
                   shard, cu_seqlens, max_seqlen, opts, temperature, backend):
     """score_rollout of packed sequences: the log-probs on the packed rows, the [B, T]
     steps on the padded copy, the outputs packed again."""
-    packing, mask, ref, vals, kl_coef, gamma, lam = packed_rollout_inputs(
+    packing, mask, ref, vals, kl_coef, gamma, lams = packed_rollout_inputs(
         tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens, max_seqlen,
         opts)
     temperature = ck.temperature(temperature, logits3)
@@ -338,5 +419,5 @@ def _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores, respon
             tok = ck.token_range(tokens2, mask_k, logits3.shape[2])
             logp, _ = be.token_logprobs(logits3.detach(), tok, mask_k, temperature, False)
     r = rollout_from_logprobs(packing.pad(logp), ref, vals, scores, mask, kl_coef,
-                              opts["kl_estimator"], gamma, lam, opts["whiten"], backend)
+                              opts["kl_estimator"], gamma, lams, opts["whiten"], backend)
     return Rollout(*(packed.unpadded(packing, x, tokens) for x in r))

@@ -582,9 +582,9 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
 def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, values, scores,
                               response_mask, *, lm_head_bias=None, logit_softcap=None,
                               chunk_size=None, kl_coef, kl_estimator="k1", gamma=1.0,
-                              lam=0.95, temperature=1.0, whiten=True, cu_seqlens=None,
-                              max_seqlen=None, tp_group=None, vocab_start=None,
-                              backend="auto"):
+                              lam=0.95, value_lam=None, lam_alpha=None, temperature=1.0,
+                              whiten=True, cu_seqlens=None, max_seqlen=None, tp_group=None,
+                              vocab_start=None, backend="auto"):
     """pk.score_rollout of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     with logit_softcap, without storing them (docs/FROM_HIDDEN.md): the log-probs come from
     token_logprobs_from_hidden (chunks of chunk_size rows, no gradient), then the same
@@ -595,7 +595,8 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             that sampled ``tokens``; lm_head_weight [V, H], lm_head_bias [V] or None, of
             hidden's dtype and device. No gradient flows to any of them.
         tokens, ref_logprobs, values, scores, response_mask, kl_coef, kl_estimator, gamma,
-        lam, temperature, whiten, cu_seqlens, max_seqlen, backend: as pk.score_rollout
+        lam, value_lam, lam_alpha, temperature, whiten, cu_seqlens, max_seqlen, backend: as
+            pk.score_rollout
             (cu_seqlens: hidden [1, total, H] or [total, H]).
         logit_softcap, chunk_size, tp_group, vocab_start: as packing.token_logprobs_from_hidden.
 
@@ -610,8 +611,8 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
     packing = None
     if cu_seqlens is not None:
         opts = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma, lam=lam,
-                    whiten=whiten)
-        packing, mask, ref, vals, kl_coef, gamma, lam = packed_rollout_inputs(
+                    whiten=whiten, value_lam=value_lam, lam_alpha=lam_alpha)
+        packing, mask, ref, vals, kl_coef, gamma, lams = packed_rollout_inputs(
             tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens,
             max_seqlen, opts)
         mask_k = packing.unpad(mask)
@@ -621,9 +622,9 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             raise ValueError(f"hidden: score_rollout_from_hidden needs [B, T, H] or "
                              f"[B, T + 1, H] (or cu_seqlens for the packed [total, H]), got "
                              f"{list(hidden.shape)}")
-        mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
+        mask, ref, vals, kl_coef, gamma, lams = rollout_inputs(
             tokens2, response_mask, ref_logprobs, values, scores, kl_coef, kl_estimator,
-            gamma, lam, whiten)
+            gamma, lam, whiten, value_lam, lam_alpha)
         mask_k = mask
     with torch.no_grad():
         logp = token_logprobs_from_hidden(
@@ -634,7 +635,7 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             vocab_start=None if shard is None else shard.start, backend=backend)
     if packing is None:
         return rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator,
-                                     gamma, lam, whiten, backend)
+                                     gamma, lams, whiten, backend)
     r = rollout_from_logprobs(packing.pad(logp), ref, vals, scores, mask, kl_coef, kl_estimator,
-                              gamma, lam, whiten, backend)
+                              gamma, lams, whiten, backend)
     return type(r)(*(packed.unpadded(packing, x, tokens) for x in r))

@@ -4,7 +4,8 @@ Written for clarity, not speed: one formula per function, plain numpy, float64 t
 Inputs may be numpy arrays or torch tensors (converted with ``as_f64``). The math is that
 of DESIGN.md; sources: PPO clipped surrogate, Schulman et al. 2017, eq. 7; dual clip,
 Ye et al. 2020, eq. 5; KL estimators k1/k2/k3, Schulman 2020 "Approximating KL
-Divergence"; GAE, Schulman et al. 2016, eq. 16; Dr. GRPO length normalisation,
+Divergence"; GAE, Schulman et al. 2016, eq. 16, with VAPO's decoupled and length-adaptive
+lambda (Yue et al. 2025, arXiv:2504.05118); Dr. GRPO length normalisation,
 Liu et al. 2025.
 """
 
@@ -409,24 +410,58 @@ def value_loss(values, old_values, returns, response_mask=None, *, clip_range=No
 
 # ---------------------------------------------------------------- rollout side
 
-def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_values=None):
-    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), masked positions
-    transparent. Returns (advantages, returns), 0 where the mask is 0."""
-    r, v = as_f64(rewards), as_f64(values)
-    m = _mask(response_mask, r.shape)
+def length_adaptive_lam(response_mask, lam_alpha):
+    """VAPO's length-adaptive lambda (Yue et al. 2025, arXiv:2504.05118,
+    Length-Adaptive GAE):
+    lambda_b = 1 - 1 / (alpha * l_b), l_b = the number of valid tokens of sequence b,
+    clamped at 0 (l_b < 1 / alpha gives TD(0)); an empty sequence (l_b = 0) gets 0. [B]."""
+    m = as_f64(response_mask) != 0
+    n = m.sum(axis=1).astype(np.float64)
+    lam = np.zeros(n.shape)
+    for i, n_i in enumerate(n):
+        if n_i > 0:
+            lam[i] = max(0.0, 1.0 - 1.0 / (lam_alpha * n_i))
+    return lam
+
+
+def _gae_scan(r, v, m, gamma, lam_per_seq, boot):
+    """The GAE advantages of eq. 16 with lambda lam_per_seq[b] for sequence b."""
     b, t = r.shape
     adv = np.zeros_like(r)
-    boot = np.zeros(b) if bootstrap_values is None else as_f64(bootstrap_values)
     for i in range(b):
         v_next, a_next = boot[i], 0.0
         for j in reversed(range(t)):
             if m[i, j] == 0:
                 continue
             delta = r[i, j] + gamma * v_next - v[i, j]
-            a_next = delta + gamma * lam * a_next
+            a_next = delta + gamma * lam_per_seq[i] * a_next
             v_next = v[i, j]
             adv[i, j] = a_next
-    return adv, (adv + v) * m
+    return adv
+
+
+def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_values=None,
+        value_lam=None, lam_alpha=None):
+    """Generalised advantage estimation (Schulman et al. 2016, eq. 16), masked positions
+    transparent. Returns (advantages, returns), 0 where the mask is 0.
+
+    lam: a number, or "length-adaptive" (with lam_alpha: length_adaptive_lam per sequence).
+    returns = the GAE advantages computed with value_lam (None: the advantages' lambda)
+    + values: the lambda-return that VAPO's decoupled GAE trains the critic on (VAPO,
+    Decoupled-GAE; VC-PPO, Yuan et al. 2025, arXiv:2503.01491), Monte-Carlo for value_lam = 1."""
+    r, v = as_f64(rewards), as_f64(values)
+    m = _mask(response_mask, r.shape)
+    b, _ = r.shape
+    boot = np.zeros(b) if bootstrap_values is None else as_f64(bootstrap_values)
+    if isinstance(lam, str):
+        assert lam == "length-adaptive" and lam_alpha is not None and lam_alpha > 0
+        lams = length_adaptive_lam(m, lam_alpha)
+    else:
+        lams = np.full(b, float(lam))
+    adv = _gae_scan(r, v, m, gamma, lams, boot)
+    g = adv if value_lam is None else _gae_scan(r, v, m, gamma, np.full(b, float(value_lam)),
+                                                boot)
+    return adv, (g + v) * m
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, response_mask, *, kl_coef,
@@ -462,14 +497,16 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8):
 
 
 def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *, kl_coef,
-                  kl_estimator="k1", gamma=1.0, lam=0.95, temperature=1.0, whiten_advantages=True):
+                  kl_estimator="k1", gamma=1.0, lam=0.95, temperature=1.0, whiten_advantages=True,
+                  value_lam=None, lam_alpha=None):
     """dict of logprobs, kl, rewards, advantages, returns (returns before whitening)."""
     logp, _ = token_logprobs(logits, tokens, response_mask, temperature)
     m = _mask(response_mask, logp.shape)
     kl, _ = kl_terms(logp, ref_logprobs, kl_estimator)
     rewards = kl_penalized_rewards(scores, logp, ref_logprobs, m, kl_coef=kl_coef,
                                    kl_estimator=kl_estimator)
-    adv, ret = gae(rewards, values, m, gamma=gamma, lam=lam)
+    adv, ret = gae(rewards, values, m, gamma=gamma, lam=lam, value_lam=value_lam,
+                   lam_alpha=lam_alpha)
     if whiten_advantages:
         adv = whiten(adv, m)
     return {"logprobs": logp, "kl": kl * m, "rewards": rewards, "advantages": adv,

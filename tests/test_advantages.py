@@ -5,9 +5,13 @@ ValueError or TypeError naming the argument, as in test_loss_bad_inputs.py)."""
 
 import math
 
+import os
+
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
@@ -92,6 +96,237 @@ def test_gae_no_gradient(gen):
     v.requires_grad_(True)
     adv, ret = pk.gae(r, v, m)
     assert not adv.requires_grad and not ret.requires_grad
+
+
+# ------------------------------------------------------------------ VAPO's lambdas
+
+@pytest.mark.parametrize("padding", ["left", "right", "interior", "random", "empty_row", "all"])
+@pytest.mark.parametrize("lam,value_lam", [(0.9, 1.0), (0.95, 0.0), (0.0, 1.0), (1.0, 0.5)])
+@pytest.mark.parametrize("boot", [False, True])
+def test_gae_value_lam_matches_reference(be, padding, lam, value_lam, boot, gen):
+    """Decoupled GAE: advantages with lam, returns = GAE of value_lam + values."""
+    r, v, m = rand_seq(3, 13, gen, padding)
+    bv = torch.randn(3, generator=gen) if boot else None
+    adv, ret = pk.gae(be.t(r), be.t(v), be.t(m), gamma=0.99, lam=lam, value_lam=value_lam,
+                      bootstrap_values=None if bv is None else be.t(bv), backend=be.name)
+    e_adv, e_ret = ref.gae(r, v, m, gamma=0.99, lam=lam, value_lam=value_lam,
+                           bootstrap_values=bv)
+    assert_close_np(adv, e_adv, rtol=1e-5, atol=1e-5, what="advantages")
+    assert_close_np(ret, e_ret, rtol=1e-5, atol=1e-5, what="returns")
+    assert torch.all(adv.cpu()[~m] == 0) and torch.all(ret.cpu()[~m] == 0)
+    # the advantages are those of lam alone, the returns those of value_lam alone
+    a1, _ = pk.gae(be.t(r), be.t(v), be.t(m), gamma=0.99, lam=lam,
+                   bootstrap_values=None if bv is None else be.t(bv), backend=be.name)
+    _, r2 = pk.gae(be.t(r), be.t(v), be.t(m), gamma=0.99, lam=value_lam,
+                   bootstrap_values=None if bv is None else be.t(bv), backend=be.name)
+    torch.testing.assert_close(adv, a1, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ret, r2, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("padding", ["left", "right", "interior", "random", "empty_row", "all"])
+@pytest.mark.parametrize("alpha,T", [(0.3, 13), (2.0, 13), (0.05, 45), (1e-6, 13), (1e6, 13)])
+@pytest.mark.parametrize("value_lam", [None, 1.0])
+def test_gae_length_adaptive_matches_reference(be, padding, alpha, T, value_lam, gen):
+    """Length-adaptive GAE: lambda_b = max(0, 1 - 1 / (alpha l_b)) per sequence."""
+    r, v, m = rand_seq(3, T, gen, padding)
+    adv, ret = pk.gae(be.t(r), be.t(v), be.t(m), gamma=0.999, lam="length-adaptive",
+                      lam_alpha=alpha, value_lam=value_lam, backend=be.name)
+    e_adv, e_ret = ref.gae(r, v, m, gamma=0.999, lam="length-adaptive", lam_alpha=alpha,
+                           value_lam=value_lam)
+    assert adv.dtype == torch.float32 and adv.shape == (3, T)
+    assert_close_np(adv, e_adv, rtol=1e-5, atol=1e-5, what="advantages")
+    assert_close_np(ret, e_ret, rtol=1e-5, atol=1e-5, what="returns")
+    assert torch.isfinite(adv).all() and torch.isfinite(ret).all()
+    # row by row, the plain GAE of that row's own lambda
+    lams = ref.length_adaptive_lam(m, alpha)
+    for b in range(3):
+        a_b, r_b = pk.gae(be.t(r[b:b + 1]), be.t(v[b:b + 1]), be.t(m[b:b + 1]), gamma=0.999,
+                          lam=float(np.float32(lams[b])), value_lam=value_lam,
+                          backend=be.name)
+        torch.testing.assert_close(adv[b:b + 1], a_b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ret[b:b + 1], r_b, rtol=1e-6, atol=1e-6)
+
+
+def test_gae_length_adaptive_float64(be, gen):
+    r, v, m = rand_seq(3, 40, gen, "random")
+    r, v = r.double(), v.double()
+    adv, ret = pk.gae(be.t(r), be.t(v), be.t(m), gamma=0.99, lam="length-adaptive",
+                      lam_alpha=0.1, value_lam=0.97, backend=be.name)
+    assert adv.dtype == torch.float64
+    e_adv, e_ret = ref.gae(r, v, m, gamma=0.99, lam="length-adaptive", lam_alpha=0.1,
+                           value_lam=0.97)
+    assert_close_np(adv, e_adv, rtol=1e-12, atol=1e-12)
+    assert_close_np(ret, e_ret, rtol=1e-12, atol=1e-12)
+
+
+def test_gae_value_lam_none_is_bit_identical(be, gen):
+    """value_lam=None (and value_lam == lam) gives today's results bit for bit."""
+    r, v, m = rand_seq(4, 17, gen, "interior")
+    before = pk.gae(be.t(r), be.t(v), be.t(m), gamma=0.99, lam=0.9, backend=be.name)
+    for vl in (None, 0.9):
+        now = pk.gae(be.t(r), be.t(v), be.t(m), gamma=0.99, lam=0.9, value_lam=vl,
+                     backend=be.name)
+        assert torch.equal(before[0], now[0]) and torch.equal(before[1], now[1])
+    # length-adaptive with value_lam=None: returns = advantages + values, exactly
+    adv, ret = pk.gae(be.t(r), be.t(v), be.t(m), gamma=0.99, lam="length-adaptive",
+                      lam_alpha=0.2, backend=be.name)
+    assert torch.equal(ret, torch.where(be.t(m), adv + be.t(v), 0.0))
+
+
+def test_gae_value_lam_by_hand(be):
+    """gamma 0.9, lam 0.8, value_lam 1: deltas 1.2, -1.9, 3.0; advantages with 0.72, the
+    returns are the discounted rewards-to-go (2.17, 1.3, 2.0); an interior gap changes
+    nothing."""
+    r = torch.tensor([1.0, -0.5, 2.0])
+    v = torch.tensor([0.25, 0.5, -1.0])
+    # d2 = 2 + 0.9 * 0 + 1 = 3; d1 = -0.5 + 0.9 * -1 - 0.5 = -1.9; d0 = 1 + 0.9 * 0.5 - 0.25
+    a = [1.2 + 0.72 * (-1.9 + 0.72 * 3.0), -1.9 + 0.72 * 3.0, 3.0]  # 1.3872, 0.26, 3
+    g = [1.2 + 0.9 * (-1.9 + 0.9 * 3.0), -1.9 + 0.9 * 3.0, 3.0]  # 1.92, 0.8, 3
+    rets = [g[0] + 0.25, g[1] + 0.5, g[2] - 1.0]  # 2.17, 1.3, 2.0
+    np.testing.assert_allclose(rets, [1.0 + 0.9 * (-0.5 + 0.9 * 2.0), -0.5 + 0.9 * 2.0, 2.0])
+    rr = torch.tensor([[1.0, 9.0, -0.5, 2.0]])
+    vv = torch.tensor([[0.25, -4.0, 0.5, -1.0]])
+    m = torch.tensor([[True, False, True, True]])
+    adv, ret = pk.gae(be.t(rr), be.t(vv), be.t(m), gamma=0.9, lam=0.8, value_lam=1.0,
+                      backend=be.name)
+    np.testing.assert_allclose(adv.cpu()[0].numpy(), [a[0], 0.0, a[1], a[2]], rtol=1e-6)
+    np.testing.assert_allclose(ret.cpu()[0].numpy(), [rets[0], 0.0, rets[1], rets[2]],
+                               rtol=1e-6)
+    np.testing.assert_allclose(a, [1.3872, 0.26, 3.0], rtol=1e-12)
+    np.testing.assert_allclose(rets, [2.17, 1.3, 2.0], rtol=1e-12)
+
+
+def test_gae_length_adaptive_by_hand(be):
+    """alpha 0.5, gamma 1: valid lengths 4, 2, 1, 0 give lambda 1 - 1 / (0.5 * 4) = 0.5,
+    1 - 1 / 1 = 0, max(0, 1 - 2) = 0 and 0 (empty)."""
+    nan = float("nan")  # masked positions are never read
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0, nan],
+                      [nan, 2.0, nan, -1.0, nan],
+                      [nan, nan, nan, nan, 3.0],
+                      [nan] * 5])
+    v = torch.tensor([[0.5, 0.5, 0.5, 0.5, nan],
+                      [nan, 0.25, nan, 0.75, nan],
+                      [nan, nan, nan, nan, 1.0],
+                      [nan] * 5])
+    m = torch.tensor([[1, 1, 1, 1, 0], [0, 1, 0, 1, 0], [0, 0, 0, 0, 1], [0] * 5]).bool()
+    np.testing.assert_array_equal(ref.length_adaptive_lam(m, 0.5), [0.5, 0.0, 0.0, 0.0])
+    torch.testing.assert_close(pk.advantages.length_adaptive_lam(m, 0.5),
+                               torch.tensor([0.5, 0.0, 0.0, 0.0]), rtol=0, atol=0)
+    # row 0, lambda 0.5: deltas 1, 0, 0, 0.5; A3 = 0.5, A2 = 0.25, A1 = 0.125, A0 = 1.0625
+    # row 1, lambda 0: A = the deltas, 2 + 0.75 - 0.25 = 2.5 and -1 - 0.75 = -1.75
+    # row 2: 3 - 1 = 2
+    e_adv = [[1.0625, 0.125, 0.25, 0.5, 0.0], [0.0, 2.5, 0.0, -1.75, 0.0],
+             [0.0, 0.0, 0.0, 0.0, 2.0], [0.0] * 5]
+    e_ret = [[1.5625, 0.625, 0.75, 1.0, 0.0], [0.0, 2.75, 0.0, -1.0, 0.0],
+             [0.0, 0.0, 0.0, 0.0, 3.0], [0.0] * 5]
+    # value_lam = 1: the undiscounted rewards-to-go 2, 1, 1, 1 (row 0), 1, -1 (row 1), 3
+    e_mc = [[2.0, 1.0, 1.0, 1.0, 0.0], [0.0, 1.0, 0.0, -1.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0, 3.0], [0.0] * 5]
+    adv, ret = pk.gae(be.t(r), be.t(v), be.t(m), gamma=1.0, lam="length-adaptive",
+                      lam_alpha=0.5, backend=be.name)
+    np.testing.assert_allclose(adv.cpu().numpy(), e_adv, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(ret.cpu().numpy(), e_ret, rtol=1e-6, atol=1e-7)
+    adv1, mc = pk.gae(be.t(r), be.t(v), be.t(m), gamma=1.0, lam="length-adaptive",
+                      lam_alpha=0.5, value_lam=1.0, backend=be.name)
+    assert torch.equal(adv1, adv)
+    np.testing.assert_allclose(mc.cpu().numpy(), e_mc, rtol=1e-6, atol=1e-7)
+
+
+def test_length_adaptive_lam_values():
+    """lambda = 1 - 1 / (alpha l), clamped at 0; l = 0 gives 0 (no division by zero)."""
+    m = torch.zeros(5, 40, dtype=torch.bool)
+    for i, n in enumerate([0, 1, 2, 4, 40]):
+        m[i, 40 - n:] = True  # left padding: only the count matters
+    la = pk.advantages.length_adaptive_lam
+    torch.testing.assert_close(la(m, 0.05, torch.float64),
+                               torch.tensor([0.0, 0.0, 0.0, 0.0, 0.5], dtype=torch.float64))
+    torch.testing.assert_close(la(m, 0.5, torch.float64),
+                               torch.tensor([0.0, 0.0, 0.0, 0.5, 0.95], dtype=torch.float64))
+    # extreme alphas stay in [0, 1] without NaN (1 / (alpha l) overflows or vanishes)
+    for alpha in (5e-324, 1e-300, 1e300, 1.7e308):
+        lam = la(m, alpha, torch.float64)
+        assert torch.isfinite(lam).all() and (lam >= 0).all() and (lam <= 1).all()
+        np.testing.assert_allclose(lam.numpy(), ref.length_adaptive_lam(m, alpha))
+    assert la(m, 1e300)[1:].eq(1.0).all()
+    # the mask's nonzero entries count (float masks), on a [B, 0] mask every lambda is 0
+    torch.testing.assert_close(la(m.float(), 0.5), la(m, 0.5))
+    assert la(torch.ones(3, 0, dtype=torch.bool), 0.5).eq(0).all()
+
+
+def test_gae_length_adaptive_empty_batches(be):
+    for B, T in [(0, 4), (3, 0)]:
+        z = be.t(torch.zeros(B, T))
+        adv, ret = pk.gae(z, z, be.t(torch.ones(B, T, dtype=torch.bool)),
+                          lam="length-adaptive", lam_alpha=0.05, value_lam=1.0,
+                          backend=be.name)
+        assert adv.shape == ret.shape == (B, T)
+
+
+@pytest.mark.parametrize("kw,match,exc", [
+    (dict(lam="length-adaptive"), "lam_alpha", ValueError),
+    (dict(lam="length-adaptive", lam_alpha=0.0), "lam_alpha", ValueError),
+    (dict(lam="length-adaptive", lam_alpha=-0.05), "lam_alpha", ValueError),
+    (dict(lam="length-adaptive", lam_alpha=math.inf), "lam_alpha", ValueError),
+    (dict(lam="length-adaptive", lam_alpha=math.nan), "lam_alpha", ValueError),
+    (dict(lam="length-adaptive", lam_alpha="0.05"), "lam_alpha", TypeError),
+    (dict(lam="length-adaptive", lam_alpha=0.05, value_lam=1.5), "value_lam", ValueError),
+    (dict(lam=0.95, lam_alpha=0.05), "lam_alpha", ValueError),
+    (dict(lam="Length-Adaptive", lam_alpha=0.05), "lam", ValueError),
+])
+@pytest.mark.parametrize("fn", ["gae", "score_rollout"])
+def test_lambda_options_bad_pairs(fn, kw, match, exc):
+    """The option pairs a one-argument row cannot express: lam="length-adaptive" without a
+    positive finite lam_alpha, a lam_alpha with a numeric lam."""
+    f, base = PUBLIC_FUNCS[fn]
+    with pytest.raises(exc, match=match) as info:
+        f(**{**base(), **kw})
+    assert str(info.value).split(":")[0].strip() == match
+
+
+def test_gae_length_adaptive_lam_alpha_boundaries():
+    """A tiny or huge lam_alpha is accepted (lambda 0 or 1 everywhere)."""
+    g = base_gae()
+    for alpha, lam in ((1e-300, 0.0), (1e300, 1.0)):
+        adv, ret = pk.gae(**g, lam="length-adaptive", lam_alpha=alpha)
+        e = pk.gae(**g, lam=lam)
+        torch.testing.assert_close(adv, e[0])
+        torch.testing.assert_close(ret, e[1])
+
+
+HYP = settings(max_examples=int(os.environ.get("PPO_HYPOTHESIS_EXAMPLES", 60)), deadline=None,
+              derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+
+@HYP
+@given(B=st.integers(1, 4), T=st.integers(0, 70), seed=st.integers(0, 2**31 - 1),
+       p_mask=st.sampled_from([0.0, 0.3, 0.9, 1.0]),
+       gamma=st.sampled_from([0.0, 0.9, 0.99, 1.0]),
+       lam=st.one_of(st.sampled_from([0.0, 0.5, 0.95, 1.0]), st.just("length-adaptive")),
+       alpha=st.sampled_from([0.01, 0.05, 0.3, 1.0, 1e3]),
+       value_lam=st.sampled_from([None, 0.0, 0.9, 1.0]), boot=st.booleans())
+def test_gae_vapo_lambdas_property(B, T, seed, p_mask, gamma, lam, alpha, value_lam, boot):
+    """Random shapes, masks and lambda options: the CPU kernel (float32 and float64) and
+    the eager composite against the float64 reference; the returns depend on value_lam
+    alone, the advantages on lam alone."""
+    g = torch.Generator().manual_seed(seed)
+    r, v = torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    m = torch.rand(B, T, generator=g) >= p_mask
+    bv = torch.randn(B, generator=g) if boot else None
+    kw = dict(gamma=gamma, lam=lam, value_lam=value_lam,
+              lam_alpha=alpha if lam == "length-adaptive" else None)
+    e_adv, e_ret = ref.gae(r, v, m, bootstrap_values=bv, **kw)
+    for backend in ("cpu", "torch"):
+        for dt, tol in ((torch.float32, 2e-5), (torch.float64, 1e-11)):
+            adv, ret = pk.gae(r.to(dt), v.to(dt), m, bootstrap_values=None if bv is None
+                              else bv.to(dt), backend=backend, **kw)
+            assert adv.dtype == ret.dtype == dt
+            assert_close_np(adv, e_adv, rtol=tol, atol=tol, what=f"{backend} advantages")
+            assert_close_np(ret, e_ret, rtol=tol, atol=tol, what=f"{backend} returns")
+    if value_lam is not None and lam != "length-adaptive":
+        _, ret_v = ref.gae(r, v, m, gamma=gamma, lam=value_lam, bootstrap_values=bv)
+        adv_l, _ = ref.gae(r, v, m, gamma=gamma, lam=lam, bootstrap_values=bv)
+        np.testing.assert_allclose(e_ret, ret_v, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(e_adv, adv_l, rtol=1e-12, atol=1e-12)
 
 
 # ------------------------------------------------------------------ kl_penalized_rewards
@@ -211,6 +446,45 @@ def test_score_rollout_matches_reference(be, est, whiten, gen):
         assert torch.all(got.cpu()[~inp["mask"]] == 0), name
 
 
+@pytest.mark.parametrize("lams", [dict(lam=0.9, value_lam=1.0),
+                                  dict(lam="length-adaptive", lam_alpha=0.4),
+                                  dict(lam="length-adaptive", lam_alpha=0.4, value_lam=1.0)])
+@pytest.mark.parametrize("padding", ["random", "interior", "empty_row"])
+@pytest.mark.parametrize("whiten", [True, False])
+def test_score_rollout_vapo_lambdas_match_reference(be, lams, padding, whiten, gen):
+    """score_rollout's GAE with VAPO's decoupled / length-adaptive lambda, against the
+    reference and against pk.gae of its own rewards."""
+    inp, values, scores = _rollout_case(gen, padding=padding)
+    kw = dict(kl_coef=0.05, kl_estimator="k3", gamma=0.99, temperature=0.8, **lams)
+    logits = be.t(inp["full"][:, :5].contiguous())
+    args = (logits, be.t(inp["tokens"]), be.t(inp["ref"]), be.t(values), be.t(scores),
+            be.t(inp["mask"]))
+    out = pk.score_rollout(*args, whiten=whiten, backend=be.name, **kw)
+    e = ref.score_rollout(inp["base"], inp["tokens"], inp["ref"], values, scores, inp["mask"],
+                          whiten_advantages=whiten, **kw)
+    for name in ("logprobs", "kl", "rewards", "advantages", "returns"):
+        assert_close_np(getattr(out, name), e[name], rtol=1e-5, atol=1e-5, what=name)
+        assert torch.all(getattr(out, name).cpu()[~inp["mask"]] == 0), name
+    if not whiten:
+        adv, ret = pk.gae(out.rewards, be.t(values), be.t(inp["mask"]), gamma=0.99,
+                          backend=be.name, **lams)
+        torch.testing.assert_close(out.advantages, adv, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(out.returns, ret, rtol=1e-6, atol=1e-6)
+    plain = pk.score_rollout(*args, whiten=whiten, backend=be.name,
+                             **{**kw, "lam": 0.9, "lam_alpha": None, "value_lam": None})
+    assert not torch.allclose(plain.returns, out.returns) or lams.get("value_lam") is None
+
+
+def test_score_rollout_value_lam_none_is_bit_identical(be, gen):
+    inp, values, scores = _rollout_case(gen, padding="interior")
+    args = (be.t(inp["full"][:, :5].contiguous()), be.t(inp["tokens"]), be.t(inp["ref"]),
+            be.t(values), be.t(scores), be.t(inp["mask"]))
+    a = pk.score_rollout(*args, kl_coef=0.1, lam=0.9, backend=be.name)
+    for vl in (None, 0.9):
+        b = pk.score_rollout(*args, kl_coef=0.1, lam=0.9, value_lam=vl, backend=be.name)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("layout", ["view", "raw", "tbatch"])
 @pytest.mark.parametrize("padding", ["left", "interior", "empty_row", "all"])
 def test_score_rollout_layouts_and_padding(be, layout, padding, gen):
@@ -327,6 +601,15 @@ BAD_ROWS = [
     ("gae", "lam", 1.5, ValueError, "lam"),
     ("gae", "lam", -1.0, ValueError, "lam"),
     ("gae", "lam", math.nan, ValueError, "lam"),
+    ("gae", "lam", "adaptive", ValueError, "lam"),
+    ("gae", "lam", "length-adaptive", ValueError, "lam_alpha"),  # without lam_alpha
+    ("gae", "lam", None, TypeError, "lam"),
+    ("gae", "value_lam", 1.01, ValueError, "value_lam"),
+    ("gae", "value_lam", -0.5, ValueError, "value_lam"),
+    ("gae", "value_lam", math.nan, ValueError, "value_lam"),
+    ("gae", "value_lam", "length-adaptive", TypeError, "value_lam"),
+    ("gae", "value_lam", torch.tensor(1.0), TypeError, "value_lam"),
+    ("gae", "lam_alpha", 0.05, ValueError, "lam_alpha"),  # with the numeric default lam
     ("gae", "bootstrap_values", torch.zeros(BAD_B, 1), ValueError, "bootstrap_values"),
     ("gae", "bootstrap_values", torch.zeros(BAD_B + 1), ValueError, "bootstrap_values"),
     ("gae", "bootstrap_values", torch.zeros(BAD_B, dtype=torch.long), TypeError,
@@ -370,6 +653,11 @@ BAD_ROWS = [
     ("score_rollout", "kl_estimator", "k0", ValueError, "kl_estimator"),
     ("score_rollout", "gamma", 2.0, ValueError, "gamma"),
     ("score_rollout", "lam", -0.5, ValueError, "lam"),
+    ("score_rollout", "lam", "vapo", ValueError, "lam"),
+    ("score_rollout", "lam", "length-adaptive", ValueError, "lam_alpha"),
+    ("score_rollout", "value_lam", 2.0, ValueError, "value_lam"),
+    ("score_rollout", "value_lam", -1e-9, ValueError, "value_lam"),
+    ("score_rollout", "lam_alpha", 0.05, ValueError, "lam_alpha"),
     ("score_rollout", "temperature", 0.0, ValueError, "temperature"),
     ("score_rollout", "temperature", 1e-40, ValueError, "temperature"),
     ("score_rollout", "whiten", "no", TypeError, "whiten"),

@@ -90,18 +90,23 @@ def test_opcheck_scale_grad_(case, dtype, go):
 
 
 @pytest.mark.parametrize("boot", [False, True])
-def test_opcheck_gae(case, gen, boot):
+@pytest.mark.parametrize("lams", ["scalar", "per_seq", "decoupled", "both"])
+def test_opcheck_gae(case, gen, boot, lams):
     r = torch.randn(B, T, generator=gen)
     v = torch.randn(B, T, generator=gen)
     bv = torch.randn(B, generator=gen) if boot else None
-    torch.library.opcheck(OPS.gae, (r, v, case["mask"], bv, 0.99, 0.95))
+    lps = torch.rand(B, generator=gen) if lams in ("per_seq", "both") else None
+    vl = 1.0 if lams in ("decoupled", "both") else None
+    torch.library.opcheck(OPS.gae, (r, v, case["mask"], bv, 0.99, 0.95, lps, vl))
 
 
-def test_opcheck_score_rollout(case, gen):
+@pytest.mark.parametrize("lams", ["scalar", "both"])
+def test_opcheck_score_rollout(case, gen, lams):
+    extra = (torch.rand(B, generator=gen), 1.0) if lams == "both" else ()
     torch.library.opcheck(OPS.score_rollout, (case["logits"], case["tokens"], case["mask"],
                                               case["ref"], torch.randn(B, T, generator=gen),
                                               torch.randn(B, generator=gen), 0.05, 0, 0.99,
-                                              0.95, 1.0))
+                                              0.95, 1.0, *extra))
 
 
 # ------------------------------------------------------------------ the Triton ops
@@ -130,7 +135,10 @@ def _opcheck_cases():
         "triton_scale_grad_": (L.clone(), torch.tensor(0.25, device=DEV),
                                torch.tensor(2.0, device=DEV)),
         "triton_gae": (z, z.clone(), m, s, 0.9, 0.95),
+        "triton_gae_vapo": (z, z.clone(), m, s, 0.9, 0.95, s.clone().clamp(0, 1), 1.0),
         "triton_score_rollout": (L, t, m, z, z, s, 0.1, 2, 1.0, 0.95, 1.0),
+        "triton_score_rollout_vapo": (L, t, m, z, z, s, 0.1, 2, 1.0, 0.95, 1.0,
+                                      s.clone().clamp(0, 1), 0.5),
     }
 
 
@@ -138,7 +146,8 @@ def _opcheck_cases():
 @pytest.mark.parametrize("name", ["triton_token_logprobs_fwd", "triton_token_logprobs_bwd",
                                   "triton_ppo_loss_fwd", "triton_ppo_loss_fwd_inplace",
                                   "triton_scale_grad_", "triton_gae",
-                                  "triton_score_rollout"])
+                                  "triton_score_rollout", "triton_gae_vapo",
+                                  "triton_score_rollout_vapo"])
 def test_opcheck_triton_ops(name):
     """torch.library.opcheck of each op with the fake/autograd registrations of
     ppo_kernels/_autograd.py: the schema's mutation annotations are honest (only the in-place
@@ -151,7 +160,9 @@ def test_opcheck_triton_ops(name):
     utils = ["test_schema", "test_autograd_registration", "test_faketensor"]
     if DEV == "cuda":
         utils.append("test_aot_dispatch_dynamic")
-    res = torch.library.opcheck(getattr(OPS, name).default, _opcheck_cases()[name],
+    # (*_vapo: the op with lam_per_seq and value_lam)
+    res = torch.library.opcheck(getattr(OPS, name.removesuffix("_vapo")).default,
+                                _opcheck_cases()[name],
                                 test_utils=utils)
     assert set(res) == set(utils) and all(v == "SUCCESS" for v in res.values()), res
 

@@ -75,6 +75,10 @@ m = torch.rand(3, 9, generator=g) > 0.3
 a, ret = pk.gae(r, v, m, gamma=0.99, lam=0.9, backend="cpu")
 ra, rr = R.gae(r, v, m, gamma=0.99, lam=0.9)
 assert np.abs(a.numpy() - ra).max() < 1e-5 and np.abs(ret.numpy() - rr).max() < 1e-5
+kw = dict(gamma=0.99, lam="length-adaptive", lam_alpha=0.3, value_lam=1.0)
+a, ret = pk.gae(r, v, m, backend="cpu", **kw)
+ra, rr = R.gae(r, v, m, **kw)
+assert np.abs(a.numpy() - ra).max() < 1e-5 and np.abs(ret.numpy() - rr).max() < 1e-5
 print("ok")
 """
 
@@ -177,6 +181,15 @@ def test_raw_cpu_ops_reject_bad_input_without_crashing():
                                  codes, True),
         lambda: ops.gae(torch.randn(3, 2).t(), O, m, None, 1., .9),
         lambda: ops.gae(O, O, m, torch.zeros(5), 1., .9),
+        lambda: ops.gae(O, O, m, None, 1., .9, torch.zeros(3)),  # lam_per_seq: [B] = [2]
+        lambda: ops.gae(O, O, m, None, 1., .9, torch.zeros(2, dtype=torch.float64)),
+        lambda: ops.gae(O, O, m, None, 1., .9, torch.tensor([0.5, 1.5])),
+        lambda: ops.gae(O, O, m, None, 1., .9, torch.tensor([0.5, float("nan")])),
+        lambda: ops.gae(O, O, m, None, 1., .9, None, 1.5),
+        lambda: ops.gae(O, O, m, None, 1., .9, None, -0.1),
+        lambda: ops.score_rollout(L, tk, m, O, O, torch.zeros(2), .1, 0, 1., .9, 1.,
+                                  torch.tensor([0.5, -0.5])),
+        lambda: ops.score_rollout(L, tk, m, O, O, torch.zeros(2), .1, 0, 1., .9, 1., None, 2.),
         lambda: ops.score_rollout(L, torch.full((2, 3), 5), m, O, O, torch.zeros(2), .1, 0, 1.,
                                   .9, 1.),
         lambda: ops.score_rollout(L, tk, m, O, O, torch.zeros(3), .1, 0, 1., .9, 1.),

@@ -685,6 +685,28 @@ def test_score_rollout_from_hidden(chunk, est, whiten):
     _assert_rollout(got, want)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_score_rollout_from_hidden_vapo_lambdas(backend):
+    """VAPO's decoupled and length-adaptive lambda reach the GAE of the from-hidden path."""
+    d = make(B=4, T=6, seed=32)
+    values, scores = _rollout_inputs(d)
+    kw = dict(kl_coef=0.1, gamma=0.99, lam="length-adaptive", lam_alpha=0.5, value_lam=1.0,
+              whiten=False)
+    got = pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
+                                       scores, d["mask"], chunk_size=3, backend=backend, **kw)
+    with torch.no_grad():
+        logits = logits_of(d["hidden"], d["W"])
+    want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, d["mask"],
+                            backend="cpu", **kw)
+    _assert_rollout(got, want)
+    plain = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, d["mask"],
+                             backend="cpu", kl_coef=0.1, gamma=0.99, lam=0.95, whiten=False)
+    assert not torch.allclose(got.returns, plain.returns)
+    with pytest.raises(ValueError, match="lam_alpha"):
+        pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
+                                     scores, d["mask"], kl_coef=0.1, lam="length-adaptive")
+
+
 @pytest.mark.parametrize("cap", [None, 2.0])
 @pytest.mark.parametrize("extra_pos", [False, True])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

@@ -608,3 +608,30 @@ def test_from_verl_config_whole_trainer_config():
                  actor_config(clip_ratio_high=0.28), isw)
     assert_same(ours, theirs, torch.float32)
     assert math.isfinite(ours[0].item())
+
+
+# ------------------------------------------------------------------ GAE
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0)])
+def test_gae_matches_verl_compute_gae_advantage_return(seed, gamma, lam):
+    """pk.gae (value_lam=None) against verl's compute_gae_advantage_return, on masks with
+    interior gaps (verl too carries the next value and advantage across masked tokens):
+    the returns on valid tokens, and verl's whitened advantages = pk.whiten of ours. The
+    decoupled value_lam gives verl's returns of lam=value_lam, with our advantages
+    unchanged (VAPO's decoupled GAE = verl run twice)."""
+    g = torch.Generator().manual_seed(seed)
+    b, t = 5, 13
+    r = torch.randn(b, t, generator=g)
+    v = torch.randn(b, t, generator=g)
+    m = torch.rand(b, t, generator=g) > 0.3
+    m[1, :] = True
+    va, vr = ca.compute_gae_advantage_return(r, v, m.float(), gamma=gamma, lam=lam)
+    for value_lam in (None, lam):
+        a, ret = pk.gae(r, v, m, gamma=gamma, lam=lam, value_lam=value_lam, backend="cpu")
+        torch.testing.assert_close(ret[m], vr[m], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(pk.whiten(a, m)[m], va[m], rtol=1e-5, atol=1e-5)
+    _, vr1 = ca.compute_gae_advantage_return(r, v, m.float(), gamma=gamma, lam=1.0)
+    a1, ret1 = pk.gae(r, v, m, gamma=gamma, lam=lam, value_lam=1.0, backend="cpu")
+    torch.testing.assert_close(ret1[m], vr1[m], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pk.whiten(a1, m)[m], va[m], rtol=1e-5, atol=1e-5)

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
+from ppo_kernels import reference as R
 
 from conftest import (PK_CU, PK_H, PK_S, PK_TOTAL, PK_V, TRITON_INTERP, backend_params,
                       packed_batch, raises_naming)
@@ -595,6 +596,47 @@ def test_gae_restarts_at_every_boundary():
                         gamma=0.97, lam=0.9)
         assert_same(a[lo:hi], aa[0], TOL32, f"sequence {s}")
         assert_same(r[lo:hi], rr[0], TOL32, f"sequence {s} returns")
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("name", sorted(EDGE_LENS) + ["long"])
+def test_gae_vapo_lambdas(be, name):
+    """Length-adaptive lambda per PACKED sequence (its own valid-token count) and the
+    decoupled value_lam: the padded copy's results and the float64 reference's."""
+    lens = EDGE_LENS.get(name, [11, 0, 3, 9])
+    b = Batch(lens, 3, seed=7 + len(name))
+    for kw in (dict(lam="length-adaptive", lam_alpha=0.3),
+               dict(lam="length-adaptive", lam_alpha=0.3, value_lam=1.0),
+               dict(lam=0.9, value_lam=0.5)):
+        for layout in ("flat", "row"):
+            a, r = pk.gae(shaped(b.p["rewards"], layout), shaped(b.p["values"], layout),
+                          shaped(b.mask, layout), gamma=0.99, cu_seqlens=b.cu,
+                          backend=be.name, **kw)
+            assert a.shape == shaped(b.mask, layout).shape and r.shape == a.shape
+            if b.L == 0:
+                continue
+            aq, rq = pk.gae(*_padded_seq_inputs(b), gamma=0.99, backend=be.name, **kw)
+            assert_same(a.reshape(-1), b.unpad(aq), TOL32, f"advantages {kw}")
+            assert_same(r.reshape(-1), b.unpad(rq), TOL32, f"returns {kw}")
+            ea, er = R.gae(*_padded_seq_inputs(b), gamma=0.99, **kw)
+            assert_same(a.reshape(-1), b.unpad(torch.from_numpy(ea).float()), TOL32, "ref adv")
+            assert_same(r.reshape(-1), b.unpad(torch.from_numpy(er).float()), TOL32, "ref ret")
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+def test_score_rollout_vapo_lambdas(be):
+    b = Batch(TRITON_LENS if be.small else EDGE_LENS["mixed"], 31, seed=9)
+    kw = dict(kl_coef=0.05, gamma=0.99, lam="length-adaptive", lam_alpha=0.3, value_lam=1.0,
+              whiten=False)
+    _, logits = packed_logits(b, "row", requires_grad=False)
+    out = pk.score_rollout(logits, shaped(b.tokens, "row"), shaped(b.p["ref"], "row"),
+                           shaped(b.p["values"], "row"), b.seq["scores"],
+                           shaped(b.mask, "row"), cu_seqlens=b.cu, backend=be.name, **kw)
+    outq = pk.score_rollout(b.pad(b.logits), b.padded_tokens, b.pad(b.p["ref"]),
+                            b.pad(b.p["values"]), b.seq["scores"], b.padded_mask,
+                            backend=be.name, **kw)
+    for f, x, xq in zip(out._fields, out, outq):
+        assert_same(x.reshape(-1), b.unpad(xq), TOL32, f)
 
 
 @pytest.mark.parametrize("name", sorted(EDGE_LENS))

@@ -754,6 +754,36 @@ def test_gae_chunk_sizes(block_t):
     assert_close_np(ret, rr, 1e-5, 1e-5, "returns")
 
 
+@pytest.mark.parametrize("block_t", [1, 2, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gae_vapo_lambdas_chunk_sizes(block_t, dtype):
+    """A lambda per sequence and the decoupled returns' own scan carry across chunks
+    like the advantages' (score_rollout's GAE pass too)."""
+    B, T = 3, 13
+    gen = torch.Generator().manual_seed(62)
+    mask = make_mask(B, T, gen, "interior").to(DEV)
+    r = torch.randn(B, T, generator=gen, dtype=dtype).to(DEV)
+    v = torch.randn(B, T, generator=gen, dtype=dtype).to(DEV)
+    boot = torch.randn(B, generator=gen, dtype=dtype).to(DEV)
+    lams = torch.tensor([0.0, 0.5, 0.97], dtype=dtype, device=DEV)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for lps, vl in ((lams, None), (None, 1.0), (lams, 0.3)):
+        a, ret = tk.gae(r, v, mask, boot, 0.99, 0.9, lps, vl, block_t=block_t)
+        ra = rr = None
+        for b in range(B):  # the reference, one sequence at a time with its own lambda
+            lam_b = 0.9 if lps is None else float(lams[b])
+            ea, er = ref.gae(r[b:b + 1], v[b:b + 1], mask[b:b + 1], gamma=0.99, lam=lam_b,
+                             value_lam=vl, bootstrap_values=boot[b:b + 1])
+            ra = ea if ra is None else np.concatenate([ra, ea])
+            rr = er if rr is None else np.concatenate([rr, er])
+        assert_close_np(a, ra, tol, tol, "advantages")
+        assert_close_np(ret, rr, tol, tol, "returns")
+    with pytest.raises(ValueError, match="value_lam"):
+        tk.gae(r, v, mask, None, 0.99, 0.9, None, 1.5)
+    with pytest.raises((ValueError, TypeError), match="lam_per_seq"):
+        tk.gae(r, v, mask, None, 0.99, 0.9, lams[:2], None)
+
+
 def test_gae_exercise_numbers():
     """A hand-checkable case: gamma = lam = 1, a reward of 1 at the end, V = 0: every valid
     position's advantage is 1; a masked gap changes nothing (transparent)."""

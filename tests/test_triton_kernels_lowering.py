@@ -67,7 +67,7 @@ HOPPER = {"num_warps": 8}  # a mid config of _config._HOPPER_ROW_CONFIGS
 VARIANTS = {}
 for dt in ("fp32", "bf16", "fp16"):
     VARIANTS[f"logprobs_fwd-{dt}"] = (
-        "logprobs", "_logprobs_fwd_kernel", _row_types(dt),
+        "logprobs", "logprobs_fwd_kernel", _row_types(dt),
         dict(ACC="fp32", NEED_ENT=True, SCORE=False, KL_EST=0, BLOCK_V=4096), HOPPER)
     VARIANTS[f"logprobs_bwd-{dt}"] = (
         "logprobs", "_logprobs_bwd_kernel", _row_types(dt),
@@ -77,7 +77,7 @@ for dt in ("fp32", "bf16", "fp16"):
         dict(ACC="fp32", KL_EST=2, HAS_REF=True, HAS_ISW=True, HAS_DUAL=True,
              COMPUTE_GRAD=True, BLOCK_V=4096), HOPPER)
 VARIANTS["score_rows-bf16"] = (
-    "logprobs", "_logprobs_fwd_kernel", _row_types("bf16"),
+    "logprobs", "logprobs_fwd_kernel", _row_types("bf16"),
     dict(ACC="fp32", NEED_ENT=False, SCORE=True, KL_EST=3, BLOCK_V=4096), HOPPER)
 VARIANTS["logprobs_bwd-noent-fp32"] = (
     "logprobs", "_logprobs_bwd_kernel", _row_types("fp32"),
@@ -111,7 +111,7 @@ VARIANTS["ppo_loss-V1-fp32"] = (
     dict(ACC="fp32", KL_EST=2, HAS_REF=True, HAS_ISW=False, HAS_DUAL=False,
          COMPUTE_GRAD=True, BLOCK_V=128, V=1), {"num_warps": 1})
 VARIANTS["logprobs_fwd-T1-bf16"] = (
-    "logprobs", "_logprobs_fwd_kernel", _row_types("bf16"),
+    "logprobs", "logprobs_fwd_kernel", _row_types("bf16"),
     dict(ACC="fp32", NEED_ENT=True, SCORE=False, KL_EST=0, BLOCK_V=4096, T=1), HOPPER)
 # scale_grad_ (grad *= grad_output / applied, in place) for every gradient dtype, and the
 # one-program kernel that updates `applied` after it

@@ -12,26 +12,65 @@ inline namespace CPU_CAPABILITY {
 namespace {
 
 // Reverse scan of one row; masked positions are transparent (V_next, A_next carried over).
+// decoupled: the returns are the GAE of value_lam (its own A_next, the same deltas) + V;
+// else A + V.
 template <typename T>
 void gae_row(const T* r, const T* v, const bool* m, T v_next, int64_t n, T gamma, T lam,
-             T* adv, T* ret) {
-  T a_next = T(0);
+             bool decoupled, T value_lam, T* adv, T* ret) {
+  T a_next = T(0), g_next = T(0);
   for (int64_t j = n - 1; j >= 0; --j) {
     if (!m[j]) {
       adv[j] = ret[j] = T(0);
       continue;
     }
     a_next = ppo::gae_step(r[j], v[j], v_next, a_next, gamma, lam);
+    if (decoupled) g_next = ppo::gae_step(r[j], v[j], v_next, g_next, gamma, value_lam);
     v_next = v[j];
     adv[j] = a_next;
-    ret[j] = a_next + v[j];
+    ret[j] = (decoupled ? g_next : a_next) + v[j];
   }
 }
+
+// The GAE options of gae / score_rollout (schema comment in csrc/ops.cpp): lambda per
+// sequence (lam_per_seq, else lam) and the returns' value_lam.
+struct Lambdas {
+  const at::Tensor* per_seq = nullptr;
+  bool decoupled = false;
+  double value_lam = 0.0;
+  Lambdas(const std::optional<at::Tensor>& lam_per_seq, std::optional<double> value_lam_in,
+          int64_t B, at::ScalarType dtype) {
+    if (lam_per_seq.has_value() && lam_per_seq->defined()) {
+      per_seq = &*lam_per_seq;
+      TORCH_CHECK(per_seq->dim() == 1 && per_seq->size(0) == B && per_seq->is_contiguous() &&
+                      per_seq->scalar_type() == dtype,
+                  "lam_per_seq: expected contiguous [", B, "] of dtype ", dtype, ", got ",
+                  per_seq->scalar_type(), " ", per_seq->sizes());
+      AT_DISPATCH_FLOATING_TYPES(dtype, "lam_per_seq", [&] {
+        const scalar_t* l = per_seq->data_ptr<scalar_t>();
+        for (int64_t b = 0; b < B; ++b)
+          TORCH_CHECK(l[b] >= 0 && l[b] <= 1, "lam_per_seq: expected values in [0, 1], got ",
+                      l[b], " at ", b);
+      });
+    }
+    if (value_lam_in.has_value()) {
+      decoupled = true;
+      value_lam = *value_lam_in;
+      TORCH_CHECK(value_lam >= 0 && value_lam <= 1, "value_lam: expected a value in [0, 1], got ",
+                  value_lam);
+    }
+  }
+  template <typename T>
+  T of(int64_t b, double lam) const {
+    return per_seq ? per_seq->data_ptr<T>()[b] : T(lam);
+  }
+};
 
 std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tensor& values,
                                        const at::Tensor& mask_in,
                                        const std::optional<at::Tensor>& bootstrap,
-                                       double gamma, double lam) {
+                                       double gamma, double lam,
+                                       const std::optional<at::Tensor>& lam_per_seq,
+                                       std::optional<double> value_lam) {
   TORCH_CHECK(rewards.dim() == 2 && rewards.is_contiguous(), "rewards: expected contiguous [B, T]");
   TORCH_CHECK(rewards.scalar_type() == at::kFloat || rewards.scalar_type() == at::kDouble,
               "rewards: expected float32 or float64");
@@ -47,6 +86,7 @@ std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tens
                     bootstrap->scalar_type() == rewards.scalar_type(),
                 "bootstrap_values: expected contiguous [B] of the rewards' dtype");
   }
+  const Lambdas lams(lam_per_seq, value_lam, B, rewards.scalar_type());
   at::Tensor adv = at::empty_like(rewards), ret = at::empty_like(rewards);
   AT_DISPATCH_FLOATING_TYPES(rewards.scalar_type(), "gae", [&] {
     const scalar_t* boot = bootstrap ? bootstrap->data_ptr<scalar_t>() : nullptr;
@@ -55,7 +95,8 @@ std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tens
       for (int64_t b = begin; b < end; ++b) {
         gae_row<scalar_t>(rewards.data_ptr<scalar_t>() + b * T, values.data_ptr<scalar_t>() + b * T,
                           mask.data_ptr<bool>() + b * T, boot ? boot[b] : scalar_t(0), T,
-                          scalar_t(gamma), scalar_t(lam), adv.data_ptr<scalar_t>() + b * T,
+                          scalar_t(gamma), lams.of<scalar_t>(b, lam), lams.decoupled,
+                          scalar_t(lams.value_lam), adv.data_ptr<scalar_t>() + b * T,
                           ret.data_ptr<scalar_t>() + b * T);
       }
     });
@@ -66,7 +107,8 @@ std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tens
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rollout(
     const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
     const at::Tensor& ref_logprobs, const at::Tensor& values, const at::Tensor& scores,
-    double kl_coef, int64_t kl_estimator, double gamma, double lam, double temperature) {
+    double kl_coef, int64_t kl_estimator, double gamma, double lam, double temperature,
+    const std::optional<at::Tensor>& lam_per_seq, std::optional<double> value_lam) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   TORCH_CHECK(logits.scalar_type() != at::kDouble, "logits: score_rollout runs in float32");
@@ -80,6 +122,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rol
   const int64_t* tok = tokens.data_ptr<int64_t>();
   const bool* m = mask.data_ptr<bool>();
   r.check_tokens(tok, m);
+  TORCH_CHECK(gamma >= 0 && gamma <= 1 && lam >= 0 && lam <= 1,
+              "gamma, lam: expected values in [0, 1], got ", gamma, ", ", lam);
+  const Lambdas lams(lam_per_seq, value_lam, r.B, at::kFloat);
   const auto opts = ref_logprobs.options();
   at::Tensor logp = at::empty({r.B, r.T}, opts), kl = at::empty({r.B, r.T}, opts),
              rew = at::empty({r.B, r.T}, opts), adv = at::empty({r.B, r.T}, opts),
@@ -122,7 +167,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rol
         }
       }
       gae_row<float>(rw + b * r.T, values.data_ptr<float>() + b * r.T, m + b * r.T, 0.f, r.T,
-                     float(gamma), float(lam), adv.data_ptr<float>() + b * r.T,
+                     float(gamma), lams.of<float>(b, lam), lams.decoupled,
+                     float(lams.value_lam), adv.data_ptr<float>() + b * r.T,
                      ret.data_ptr<float>() + b * r.T);
     }
   });

@@ -12,6 +12,10 @@
 // Long sequences are walked in tiles of blockDim * ITEMS from the right, carrying x across.
 // B = 8, T = 32768 is 8 blocks x 4 tiles of 1024 threads, not one thread per sequence.
 //
+// Per-sequence lambda (VAPO's length-adaptive lambda): lam_per_seq[b] replaces lam in the
+// advantages' decay. Decoupled returns (VAPO's value lambda): the returns are the same
+// deltas scanned with gamma * value_lam (a third block scan) plus V, not A + V.
+//
 // Score mode (score_rollout): the block first finds the last valid position and adds
 // scores[b] to the reward there (written back to rewards), as kl_penalized_rewards does.
 #pragma once
@@ -118,8 +122,11 @@ struct GaeArgs {
   const A* scores;     // [B] or null (score mode when not null)
   A* adv;              // [B, T]
   A* ret;              // [B, T]
+  const A* lam_per_seq;  // [B] or null (lam for every sequence)
   int64_t T;
   A gamma, lam;
+  bool decoupled;  // returns from value_lam's scan, not adv + values
+  A value_lam;
 };
 
 constexpr int kGaeItems = 8;
@@ -169,6 +176,17 @@ PPO_CUDA_HD Affine<A> gae_next_value_map(const GaeThread<A>& th) {
   return m;
 }
 
+// Scan 2's map (and the decoupled returns' scan, with gl = gamma * value_lam): the deltas of
+// this thread's positions, right to left, each decayed by gl.
+template <typename A>
+PPO_CUDA_HD Affine<A> gae_delta_map(const GaeThread<A>& th, A gl) {
+  Affine<A> m = affine_identity<A>();
+#pragma unroll
+  for (int j = kGaeItems - 1; j >= 0; --j)
+    m = compose(m, th.ok[j] ? Affine<A>{th.delta[j], gl} : affine_identity<A>());
+  return m;
+}
+
 // x_in: the next valid value to the right of this thread's positions. Fills delta and
 // returns scan 2's map.
 template <typename A>
@@ -179,14 +197,11 @@ PPO_CUDA_HD Affine<A> gae_deltas(GaeThread<A>& th, A x_in, A gamma, A gl) {
     th.delta[j] = th.ok[j] ? th.r[j] + gamma * x - th.v[j] : A(0);
     if (th.ok[j]) x = th.v[j];
   }
-  Affine<A> m = affine_identity<A>();
-#pragma unroll
-  for (int j = kGaeItems - 1; j >= 0; --j)
-    m = compose(m, th.ok[j] ? Affine<A>{th.delta[j], gl} : affine_identity<A>());
-  return m;
+  return gae_delta_map(th, gl);
 }
 
-// y_in: the advantage carried in from the right. Writes advantages and returns (0 masked).
+// y_in: the advantage carried in from the right. Writes the advantages (0 masked) and, unless
+// g.decoupled, the returns A + V.
 template <typename A>
 PPO_CUDA_HD void gae_store(const GaeArgs<A>& g, int64_t seq, const GaeThread<A>& th, A y_in,
                            A gl) {
@@ -198,8 +213,30 @@ PPO_CUDA_HD void gae_store(const GaeArgs<A>& g, int64_t seq, const GaeThread<A>&
     if (p < 0) continue;
     if (th.ok[j]) y = th.delta[j] + gl * y;
     g.adv[off + p] = th.ok[j] ? y : A(0);
+    if (!g.decoupled) g.ret[off + p] = th.ok[j] ? y + th.v[j] : A(0);
+  }
+}
+
+// Decoupled returns: y_in, the value_lam advantage carried in from the right; glv = gamma *
+// value_lam. Writes returns = that advantage + V (0 masked).
+template <typename A>
+PPO_CUDA_HD void gae_store_returns(const GaeArgs<A>& g, int64_t seq, const GaeThread<A>& th,
+                                   A y_in, A glv) {
+  const int64_t off = seq * g.T;
+  A y = y_in;
+#pragma unroll
+  for (int j = kGaeItems - 1; j >= 0; --j) {
+    const int64_t p = th.p0 + j;
+    if (p < 0) continue;
+    if (th.ok[j]) y = th.delta[j] + glv * y;
     g.ret[off + p] = th.ok[j] ? y + th.v[j] : A(0);
   }
+}
+
+// The advantages' lambda of sequence seq.
+template <typename A>
+PPO_CUDA_HD A gae_lambda(const GaeArgs<A>& g, int64_t seq) {
+  return g.lam_per_seq ? g.lam_per_seq[seq] : g.lam;
 }
 
 // Last valid position of sequence seq in this thread's share (ascending: the last hit wins).
@@ -218,7 +255,8 @@ __global__ void __launch_bounds__(1024) gae_kernel(GaeArgs<A> g) {
   const int tid = threadIdx.x;
   const int nthr = blockDim.x;
   const int64_t seq = blockIdx.x;
-  const A gl = g.gamma * g.lam;
+  const A gl = g.gamma * gae_lambda(g, seq);
+  const A glv = g.gamma * g.value_lam;
   int64_t last = -1;
   A score = A(0);
   if (g.scores) {  // block-uniform
@@ -226,7 +264,7 @@ __global__ void __launch_bounds__(1024) gae_kernel(GaeArgs<A> g) {
     score = g.scores[seq];
   }
   A carry_v = g.bootstrap ? g.bootstrap[seq] : A(0);
-  A carry_a = A(0);
+  A carry_a = A(0), carry_g = A(0);
   const int64_t tile = static_cast<int64_t>(nthr) * kGaeItems;
   for (int64_t hi = g.T; hi > 0; hi -= tile) {
     GaeThread<A> th;
@@ -238,6 +276,11 @@ __global__ void __launch_bounds__(1024) gae_kernel(GaeArgs<A> g) {
     e = block_exclusive_scan(m2, tot, sscan);
     gae_store(g, seq, th, e.a + e.c * carry_a, gl);
     carry_a = tot.a + tot.c * carry_a;
+    if (g.decoupled) {  // block-uniform
+      e = block_exclusive_scan(gae_delta_map(th, glv), tot, sscan);
+      gae_store_returns(g, seq, th, e.a + e.c * carry_g, glv);
+      carry_g = tot.a + tot.c * carry_g;
+    }
   }
 }
 

@@ -2,7 +2,8 @@
 //  1. one pass over the logits (row_kernels.cuh, no gradient): logprob of each sampled
 //     token, kl_t = kl_estimator(logp - ref_logp) and the reward -kl_coef * kl_t (0 masked);
 //  2. the GAE scan (gae_scan.cuh), which first adds scores[b] to the reward at the LAST
-//     VALID position of sequence b, then computes advantages and returns (A + V).
+//     VALID position of sequence b, then computes advantages and returns (A + V, or the
+//     GAE of value_lam + V; lambda per sequence with lam_per_seq: csrc/ops.cpp).
 // No whitening here: the Python layer whitens the advantages after the returns are taken.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -18,13 +19,16 @@ using Tensor = at::Tensor;
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
     const Tensor& logits, const Tensor& tokens_in, const Tensor& mask_in,
     const Tensor& ref_logprobs, const Tensor& values_in, const Tensor& scores_in,
-    double kl_coef, int64_t kl_estimator, double gamma, double lam, double temperature) {
+    double kl_coef, int64_t kl_estimator, double gamma, double lam, double temperature,
+    const std::optional<Tensor>& lam_per_seq, std::optional<double> value_lam) {
   check_logits(logits, tokens_in, mask_in);
   check_temperature(temperature, logits.scalar_type());
   check_kl_estimator(kl_estimator);
   TORCH_CHECK(gamma >= 0.0 && gamma <= 1.0, "ppo_kernels (CUDA): gamma must be in [0, 1], got ",
               gamma);
   TORCH_CHECK(lam >= 0.0 && lam <= 1.0, "ppo_kernels (CUDA): lam must be in [0, 1], got ", lam);
+  TORCH_CHECK(!value_lam || (*value_lam >= 0.0 && *value_lam <= 1.0),
+              "ppo_kernels (CUDA): value_lam must be in [0, 1], got ", value_lam.value_or(0.0));
   c10::cuda::CUDAGuard guard(logits.device());
   const Tensor tokens = tokens_in.contiguous();
   const Tensor mask = mask_in.contiguous();
@@ -35,6 +39,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
   const Tensor ref = per_token(ref_logprobs, "ref_logprobs", acc, shape, dev);
   const Tensor values = per_token(values_in, "values", acc, shape, dev);
   const Tensor scores = per_token(scores_in, "scores", acc, {B}, dev);
+  const std::optional<Tensor> lams = opt_per_token(lam_per_seq, "lam_per_seq", acc, {B}, dev);
   const auto acc_opts = logits.options().dtype(acc);
   Tensor logp = at::empty({B, T}, acc_opts);
   Tensor kl = at::empty({B, T}, acc_opts);
@@ -70,6 +75,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
         g.T = T;
         g.gamma = static_cast<A>(gamma);
         g.lam = static_cast<A>(lam);
+        g.lam_per_seq = ptr_or_null<A>(lams);
+        g.decoupled = value_lam.has_value();
+        g.value_lam = static_cast<A>(value_lam.value_or(0.0));
         gae_kernel<A><<<static_cast<unsigned>(B), gae_threads(T), 0, stream>>>(g);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

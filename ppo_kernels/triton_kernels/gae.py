@@ -4,6 +4,9 @@ GAE (Schulman et al. 2016, eq. 16) with masked positions transparent (DESIGN.md)
     delta_t = r_t + gamma * V_next - V_t,   A_t = delta_t + gamma * lam * A_next
 where V_next, A_next are those of the next VALID position (bootstrap_values[b], 0 after
 the last one); masked positions carry both across unchanged, and get 0 in both outputs.
+lam_per_seq [B] (VAPO's length-adaptive lambda) replaces lam sequence by sequence; with
+value_lam the returns are the GAE of value_lam (the same maps with d = gamma * value_lam,
+a second associative scan) + V (VAPO's decoupled GAE), else A + V.
 
 Scan formulation. Going right to left, the state (V_next, A_next) goes through one affine
 map per position: a valid one sends it to (V_t, gamma V_next + gamma lam A_next + r_t - V_t),
@@ -16,8 +19,8 @@ the chunk to the right. Chunks are scanned in reversed order of position (elemen
 chunk is position T - 1 - (chunk * BLOCK_T + k)), so that a forward scan composes the
 maps right-to-left; padding lanes past the start of the row are identity maps.
 
-Shapes/dtypes (csrc/ops.cpp): rewards, values [B, T] and bootstrap_values [B] of one
-float dtype (float32 or float64), mask bool [B, T]; outputs [B, T] of that dtype.
+Shapes/dtypes (csrc/ops.cpp): rewards, values [B, T], bootstrap_values [B] and lam_per_seq
+[B] of one float dtype (float32 or float64), mask bool [B, T]; outputs [B, T] of that dtype.
 """
 
 import torch
@@ -27,7 +30,7 @@ from torch.library import wrap_triton
 
 from . import _config
 from ._math import as_acc
-from .logprobs import (check_logits, _logprobs_fwd_kernel, acc_dtype, check_kl_estimator,
+from .logprobs import (check_logits, logprobs_fwd_kernel, acc_dtype, check_kl_estimator,
                        check_per_token, device_guard, inv_temperature, tl_acc)
 
 
@@ -42,26 +45,33 @@ def _compose(a1, c1, d1, u1, w1, a2, c2, d2, u2, w2):
 
 @triton.jit
 def _gae_kernel(
-    rew_ptr, val_ptr, mask_ptr, boot_ptr, scores_ptr,
+    rew_ptr, val_ptr, mask_ptr, boot_ptr, scores_ptr, lams_ptr,
     adv_ptr, ret_ptr, rew_out_ptr,
     T,
-    gamma: tl.float64, lam: tl.float64,
+    gamma: tl.float64, lam: tl.float64, value_lam: tl.float64,
     ACC: tl.constexpr, HAS_BOOT: tl.constexpr, HAS_SCORES: tl.constexpr,
+    HAS_LAMS: tl.constexpr, DECOUPLED: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     """One program per sequence b. HAS_SCORES (score_rollout): scores[b] is added to the
     reward of the LAST valid position (the first valid one met from the right), and the
     final rewards are written to rew_out_ptr (may be rew_ptr: each chunk is read before it
-    is written, by the same program)."""
+    is written, by the same program). HAS_LAMS: the advantages' lambda is lams[b].
+    DECOUPLED: the returns come from a second scan with gamma * value_lam."""
     b = tl.program_id(0).to(tl.int64)
     base = b * T
     g = as_acc(gamma, ACC)
-    gl = g * as_acc(lam, ACC)
+    if HAS_LAMS:
+        gl = g * tl.load(lams_ptr + b).to(ACC)
+    else:
+        gl = g * as_acc(lam, ACC)
+    glv = g * as_acc(value_lam, ACC)
     if HAS_BOOT:
         v_carry = tl.load(boot_ptr + b).to(ACC)
     else:
         v_carry = tl.zeros([], ACC)
     a_carry = tl.zeros([], ACC)
+    g_carry = tl.zeros([], ACC)  # DECOUPLED: the value_lam advantage
     if HAS_SCORES:
         score = tl.load(scores_ptr + b).to(ACC)
     seen = tl.zeros([], tl.int32)  # a valid position was met already (to the right)
@@ -88,15 +98,22 @@ def _gae_kernel(
         v_state = sa * v_carry + su
         a_state = sc * v_carry + sd * a_carry + sw
         tl.store(adv_ptr + base + pos, tl.where(m, a_state, 0.0), mask=inb)
-        tl.store(ret_ptr + base + pos, tl.where(m, a_state + v, 0.0), mask=inb)
         # the state after the chunk's last (leftmost) element goes on to the next chunk
         last = k == BLOCK_T - 1
+        if DECOUPLED:
+            edv = tl.where(m, glv + zero, one)
+            ta, tc, td, tu, tw = tl.associative_scan((ea, ec, edv, eu, ew), 0, _compose)
+            g_state = tc * v_carry + td * g_carry + tw
+            tl.store(ret_ptr + base + pos, tl.where(m, g_state + v, 0.0), mask=inb)
+            g_carry = tl.sum(tl.where(last, g_state, 0.0), axis=0)
+        else:
+            tl.store(ret_ptr + base + pos, tl.where(m, a_state + v, 0.0), mask=inb)
         v_carry = tl.sum(tl.where(last, v_state, 0.0), axis=0)
         a_carry = tl.sum(tl.where(last, a_state, 0.0), axis=0)
 
 
 def _launch_gae(rewards, values, mask, bootstrap_values, scores, rew_out, gamma, lam,
-                block_t):
+                lam_per_seq, value_lam, block_t):
     B, T = rewards.shape
     adv = torch.empty_like(rewards)
     ret = torch.empty_like(rewards)
@@ -106,15 +123,27 @@ def _launch_gae(rewards, values, mask, bootstrap_values, scores, rew_out, gamma,
                 rewards, values, mask,
                 bootstrap_values if bootstrap_values is not None else rewards,
                 scores if scores is not None else rewards,
+                lam_per_seq if lam_per_seq is not None else rewards,
                 adv, ret, rew_out if rew_out is not None else rewards,
-                T, float(gamma), float(lam),
+                T, float(gamma), float(lam), float(0.0 if value_lam is None else value_lam),
                 ACC=tl_acc(rewards.dtype), HAS_BOOT=bootstrap_values is not None,
-                HAS_SCORES=scores is not None,
+                HAS_SCORES=scores is not None, HAS_LAMS=lam_per_seq is not None,
+                DECOUPLED=value_lam is not None,
                 BLOCK_T=block_t or _config.gae_block_t(T), num_warps=4)
     return adv, ret
 
 
-def gae(rewards, values, mask, bootstrap_values, gamma, lam, block_t=None):
+def _check_lambdas(lam_per_seq, value_lam, B, dtype, device):
+    """lam_per_seq: None or [B] of dtype on device (its values in [0, 1] are the caller's:
+    reading them would sync); value_lam: None or a number in [0, 1]."""
+    if lam_per_seq is not None:
+        check_per_token("lam_per_seq", lam_per_seq, (B,), dtype, device)
+    if value_lam is not None and not 0.0 <= value_lam <= 1.0:
+        raise ValueError(f"value_lam: expected a number in [0, 1], got {value_lam!r}")
+
+
+def gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None, value_lam=None,
+        block_t=None):
     """(advantages, returns) [B, T], 0 on masked positions. block_t overrides the scan
     chunk (a power of two; tests use it to exercise the carry between chunks)."""
     if rewards.dim() != 2 or rewards.dtype not in (torch.float32, torch.float64):
@@ -129,12 +158,13 @@ def gae(rewards, values, mask, bootstrap_values, gamma, lam, block_t=None):
     if bootstrap_values is not None:
         check_per_token("bootstrap_values", bootstrap_values, (B,), rewards.dtype,
                         rewards.device)
+    _check_lambdas(lam_per_seq, value_lam, B, rewards.dtype, rewards.device)
     return _launch_gae(rewards, values, mask, bootstrap_values, None, None, gamma, lam,
-                       block_t)
+                       lam_per_seq, value_lam, block_t)
 
 
 def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, kl_estimator,
-                  gamma, lam, temperature, block_t=None):
+                  gamma, lam, temperature, lam_per_seq=None, value_lam=None, block_t=None):
     """(logprobs, kl, rewards, advantages, returns) [B, T] of the accumulation dtype.
 
     Two launches: a row pass (logprobs at `temperature`, kl of the chosen estimator,
@@ -150,17 +180,19 @@ def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, k
     check_per_token("values", values, (B, T), acc, dev)
     check_per_token("scores", scores, (B,), acc, dev)
     check_kl_estimator(kl_estimator)
+    _check_lambdas(lam_per_seq, value_lam, B, acc, dev)
     inv = inv_temperature(temperature, acc)
     logp = torch.empty((B, T), dtype=acc, device=dev)
     kl = torch.empty((B, T), dtype=acc, device=dev)
     rewards = torch.empty((B, T), dtype=acc, device=dev)
     if B * T > 0:
         with device_guard(logits):
-            wrap_triton(_logprobs_fwd_kernel)[(B * T,)](
+            wrap_triton(logprobs_fwd_kernel)[(B * T,)](
                 logits, logits.stride(0), logits.stride(1), tokens, mask,
                 logp, logp, logp, logp,  # entropy / row_max / log_sum: unused with SCORE
                 ref_logprobs, kl, rewards,
                 T, V, inv, float(kl_coef),
                 ACC=tl_acc(acc), NEED_ENT=False, SCORE=True, KL_EST=int(kl_estimator))
-    adv, ret = _launch_gae(rewards, values, mask, None, scores, rewards, gamma, lam, block_t)
+    adv, ret = _launch_gae(rewards, values, mask, None, scores, rewards, gamma, lam,
+                           lam_per_seq, value_lam, block_t)
     return logp, kl, rewards, adv, ret

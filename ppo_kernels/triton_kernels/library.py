@@ -51,11 +51,12 @@ SCHEMAS = {
         "(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()",
     "triton_gae":
         "(Tensor rewards, Tensor values, Tensor mask, Tensor? bootstrap_values, "
-        "float gamma, float lam) -> (Tensor advantages, Tensor returns)",
+        "float gamma, float lam, Tensor? lam_per_seq=None, float? value_lam=None) "
+        "-> (Tensor advantages, Tensor returns)",
     "triton_score_rollout":
         "(Tensor logits, Tensor tokens, Tensor mask, Tensor ref_logprobs, "
         "Tensor values, Tensor scores, float kl_coef, int kl_estimator, float gamma, "
-        "float lam, float temperature) "
+        "float lam, float temperature, Tensor? lam_per_seq=None, float? value_lam=None) "
         "-> (Tensor logprobs, Tensor kl, Tensor rewards, Tensor advantages, Tensor returns)",
 }
 
@@ -97,16 +98,18 @@ def scale_grad_(grad: Tensor, grad_output: Tensor, applied: Tensor) -> None:
 
 
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, bootstrap_values: Optional[Tensor],
-        gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    return _gae(rewards, values, mask, bootstrap_values, gamma, lam)
+        gamma: float, lam: float, lam_per_seq: Optional[Tensor] = None,
+        value_lam: Optional[float] = None) -> tuple[Tensor, Tensor]:
+    return _gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq, value_lam)
 
 
 def score_rollout(logits: Tensor, tokens: Tensor, mask: Tensor, ref_logprobs: Tensor,
                   values: Tensor, scores: Tensor, kl_coef: float, kl_estimator: int,
-                  gamma: float, lam: float, temperature: float
+                  gamma: float, lam: float, temperature: float,
+                  lam_per_seq: Optional[Tensor] = None, value_lam: Optional[float] = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
-                          kl_estimator, gamma, lam, temperature)
+                          kl_estimator, gamma, lam, temperature, lam_per_seq, value_lam)
 
 
 _IMPLS = {

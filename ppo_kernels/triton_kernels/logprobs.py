@@ -61,7 +61,7 @@ def inv_temperature(temperature, acc):
 @triton.autotune(configs=_config.row_configs(), key=["V", "NEED_ENT", "SCORE"],
                  prune_configs_by={"early_config_prune": _config.prune_row_configs})
 @triton.jit
-def _logprobs_fwd_kernel(
+def logprobs_fwd_kernel(
     logits_ptr, stride_lb, stride_lt,
     tokens_ptr, mask_ptr,
     logp_ptr, ent_ptr, max_ptr, lsum_ptr,
@@ -223,7 +223,7 @@ def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
            else torch.empty((0,), dtype=acc, device=dev))
     if B * T > 0:
         with device_guard(logits):
-            wrap_triton(_logprobs_fwd_kernel)[(B * T,)](
+            wrap_triton(logprobs_fwd_kernel)[(B * T,)](
                 logits, logits.stride(0), logits.stride(1), tokens, mask,
                 logp, ent if return_entropy else logp, row_max, log_sum,
                 logp, logp, logp,  # ref / kl / rewards: unused without SCORE
