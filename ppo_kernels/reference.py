@@ -461,7 +461,7 @@ def gae(rewards, values, response_mask=None, *, gamma=1.0, lam=0.95, bootstrap_v
     adv = _gae_scan(r, v, m, gamma, lams, boot)
     g = adv if value_lam is None else _gae_scan(r, v, m, gamma, np.full(b, float(value_lam)),
                                                 boot)
-    return adv, (g + v) * m
+    return adv, np.where(m != 0, g + v, 0.0)
 
 
 def kl_penalized_rewards(scores, logprobs, ref_logprobs, response_mask, *, kl_coef,

@@ -57,8 +57,8 @@ def _scale_types(grad, acc):
 def _gae_types(acc):
     a = f"*{acc}"
     return {"rew_ptr": a, "val_ptr": a, "mask_ptr": "*i1", "boot_ptr": a, "scores_ptr": a,
-            "adv_ptr": a, "ret_ptr": a, "rew_out_ptr": a, "T": "i32", "gamma": "fp64",
-            "lam": "fp64"}
+            "lams_ptr": a, "adv_ptr": a, "ret_ptr": a, "rew_out_ptr": a, "T": "i32",
+            "gamma": "fp64", "lam": "fp64", "value_lam": "fp64"}
 
 
 HOPPER = {"num_warps": 8}  # a mid config of _config._HOPPER_ROW_CONFIGS
@@ -124,10 +124,15 @@ for acc in ("fp32", "fp64"):
     VARIANTS[f"scale_grad_commit-{acc}"] = (
         "ppo_loss", "_scale_grad_commit_kernel", _scale_types("fp32", acc), {},
         {"num_warps": 1})
+# (vapo: VAPO's lambda per sequence and the decoupled returns' second scan)
 for acc, flags in (("fp32", dict(HAS_BOOT=True, HAS_SCORES=False)),
                    ("fp32", dict(HAS_BOOT=False, HAS_SCORES=True)),
-                   ("fp64", dict(HAS_BOOT=True, HAS_SCORES=True))):
-    name = f"gae-{acc}-{'boot' if flags['HAS_BOOT'] else 'scores'}"
+                   ("fp64", dict(HAS_BOOT=True, HAS_SCORES=True)),
+                   ("fp32", dict(HAS_BOOT=False, HAS_SCORES=True, HAS_LAMS=True,
+                                 DECOUPLED=True))):
+    flags = dict(dict(HAS_LAMS=False, DECOUPLED=False), **flags)
+    name = (f"gae-{acc}-{'boot' if flags['HAS_BOOT'] else 'scores'}"
+            f"{'-vapo' if flags['DECOUPLED'] else ''}")
     VARIANTS[name] = ("gae", "_gae_kernel", _gae_types(acc),
                       dict(ACC=acc, BLOCK_T=1024, **flags), {"num_warps": 4})
 
