@@ -37,7 +37,8 @@ def length_adaptive_lam(response_mask, lam_alpha, dtype=torch.float32):
     gets lambda 0, the TD(0) advantage; VAPO gives no rule there); an empty sequence
     (l_b = 0) gets 0 (it has no advantage to compute). Computed in float64 on the mask's
     device (no host read), returned as ``dtype`` [B]."""
-    n = response_mask.sum(-1, dtype=torch.float64)
+    m = response_mask if response_mask.dtype == torch.bool else response_mask != 0
+    n = m.sum(-1).to(torch.float64)  # (an exact int64 count: faster than a float64 sum)
     lam = (1.0 - 1.0 / (lam_alpha * n.clamp(min=1.0))).clamp(min=0.0)
     return torch.where(n > 0, lam, 0.0).to(dtype)
 
