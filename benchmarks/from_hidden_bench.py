@@ -3,6 +3,11 @@ backward (gradients to hidden and to the head weight), against N, for
 
   fused                   pk.ppo_loss_from_hidden(h, W, ...) (chunks of --chunk rows; the
                           [N, V] logits are never stored; docs/FROM_HIDDEN.md)
+  fused, fp32 logits      the same with logits_dtype=torch.float32: with --dtype bfloat16,
+                          each chunk's logits in float32 (vLLM head_dtype=float32, SGLang
+                          enable_fp32_lm_head); on the CPU the weight is widened to float32
+                          once per pass (torch.mm has no float32 output for bf16 operands
+                          there). With --dtype float32 it is the fused variant again
   materialised + ppo_loss logits = h @ W.T, then pk.ppo_loss(logits, ...) (the fused row
                           kernel on the whole [N, V] logits)
   eager composite         pk.ppo_loss_from_hidden(..., backend="torch"): F.linear, then the
@@ -80,6 +85,12 @@ def fused(h, w, tokens, mask, old, adv, chunk):
                                    clip_eps_low=CLIP, backend="cpu")[0]
 
 
+def fused_fp32_logits(h, w, tokens, mask, old, adv, chunk):
+    return pk.ppo_loss_from_hidden(h, w, tokens, old, adv, mask, chunk_size=chunk,
+                                   clip_eps_low=CLIP, backend="cpu",
+                                   logits_dtype=torch.float32)[0]
+
+
 def materialised(h, w, tokens, mask, old, adv, chunk):
     return pk.ppo_loss(F.linear(h, w), tokens, old, adv, mask, clip_eps_low=CLIP,
                        backend="cpu")[0]
@@ -140,7 +151,8 @@ def chunked_ckpt(h, w, tokens, mask, old, adv, chunk):
     return _chunked(h, w, tokens, mask, old, adv, chunk, True)
 
 
-VARIANTS = {"fused": fused, "materialised + ppo_loss": materialised,
+VARIANTS = {"fused": fused, "fused, fp32 logits": fused_fp32_logits,
+            "materialised + ppo_loss": materialised,
             "eager composite": eager, "torch.compile": compiled,
             "chunked torch (TRL)": chunked, "chunked + checkpoint": chunked_ckpt}
 
@@ -250,6 +262,12 @@ def main():
                   f"{r['peak_extra_bytes'] / 2**20:>18.1f}{r['peak_extra_nv']:>12.3f}")
         if t_m is not None:
             print(f"time fused / (materialised + ppo_loss) = {t_f / t_m:.2f}")
+        if "fused, fp32 logits" in rows:
+            r32 = rows["fused, fp32 logits"]
+            print(f"fp32 logits / {a.dtype} logits: time {r32['seconds'] / t_f:.2f}x, peak "
+                  f"extra {r32['peak_extra_bytes'] / max(rows['fused']['peak_extra_bytes'], 1):.2f}x"
+                  f" ({(r32['peak_extra_bytes'] - rows['fused']['peak_extra_bytes']) / 2**20:+.1f}"
+                  f" MiB)")
 
     if "materialised + ppo_loss" in names:
         print("\nsummary: time ratio fused / (materialised + ppo_loss), peak extra MiB")
