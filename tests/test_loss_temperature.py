@@ -7,16 +7,19 @@ the scalar call's bits; masked positions' values are never read. (The bad-input 
 test_loss_bad_inputs.py, test_advantages.py, test_from_hidden.py.)"""
 
 import math
+import os
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import (BACKENDS_CPU, KERNELS_CPU, assert_close_np, assert_grad_close,
-                      logits_for, seeded_inputs, triton_interpreter)
+from conftest import (BACKENDS_CPU, CPU, KERNELS_CPU, assert_close_np, assert_grad_close,
+                      logits_for, make_inputs, seeded_inputs, triton_interpreter)
 
 # float32-representable temperatures (a per-row float32 value then is the Python number)
 TEMPS = np.array([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 0.625], dtype=np.float64)
@@ -249,6 +252,17 @@ def test_packed_per_sequence_temperature_follows_the_packing():
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(gm["per_token_logprobs"][0], wm["per_token_logprobs"][pm],
                                    rtol=1e-12, atol=1e-14)
+    # from hidden states, packed: the same temperatures on the chunks' rows
+    H = 5
+    hid = torch.randn(1, total, H, generator=g, dtype=torch.float64)
+    W = torch.randn(V, H, generator=g, dtype=torch.float64)
+    for mode in ("seq-mean-token-mean", "none"):
+        kf = dict(kw, loss_agg_mode=mode)
+        got, _ = pk.ppo_loss_from_hidden(hid, W, tok, old, adv[:, None], temperature=temp,
+                                         cu_seqlens=cu, chunk_size=3, **kf)
+        want, _ = pk.ppo_loss(hid @ W.t(), tok, old, adv[:, None], temperature=per_tok,
+                              cu_seqlens=cu, **kf)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     r = pk.score_rollout(logits.float(), tok, old.float(), torch.zeros(1, total),
                          torch.ones(S), None, kl_coef=0.1, temperature=temp, cu_seqlens=cu,
                          backend="cpu")
@@ -310,3 +324,50 @@ def test_triton_raw_op_per_row_matches_cpu():
     db = ops.triton_token_logprobs_bwd(g, g, logits, tok, mask, b[2], b[3], b[1], 1.0,
                                        temperatures=temps)
     torch.testing.assert_close(da, db, rtol=2e-6, atol=2e-6)
+
+
+@st.composite
+def _problems(draw):
+    B = draw(st.integers(1, 4))
+    T = draw(st.integers(1, 6))
+    V = draw(st.sampled_from([1, 2, 7, 33, 129]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    padding = draw(st.sampled_from(["mixed", "none", "empty_row", "left"]))
+    per = draw(st.sampled_from(["token", "seq"]))
+    # tiny and large temperatures next to ordinary ones, on confident and flat rows
+    lo, hi = draw(st.sampled_from([(0.5, 2.0), (1e-3, 1e-2), (5.0, 50.0), (1e-3, 50.0)]))
+    scale = draw(st.sampled_from([0.1, 2.0, 8.0]))
+    pl = draw(st.sampled_from(["vanilla", "sapo", "gspo"]))
+    return B, T, V, seed, padding, per, lo, hi, scale, pl
+
+
+@settings(max_examples=int(os.environ.get("PPO_HYPOTHESIS_EXAMPLES", 40)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(_problems())
+def test_random_per_row_temperatures_against_reference(problem):
+    """The C++ kernels against the float64 reference over random shapes (V = 1, empty
+    sequences), per-token or per-sequence temperatures from 1e-3 to 50 and logit scales."""
+    B, T, V, seed, padding, per, lo, hi, scale, pl = problem
+    inp = make_inputs(B, T, V, torch.Generator().manual_seed(seed), padding=padding,
+                      scale=scale)
+    g = torch.Generator().manual_seed(seed + 1)
+    shape = (B, T) if per == "token" else (B,)
+    temp = torch.exp(math.log(lo) + (math.log(hi) - math.log(lo)) *
+                     torch.rand(shape, generator=g, dtype=torch.float64)).float()
+    leaf, logits = logits_for(inp, CPU)
+    kw = dict(policy_loss=pl, entropy_coef=0.01, kl_coef=0.05)
+    loss, met = pk.ppo_loss(logits, inp["tokens"], inp["old"], inp["adv"], inp["mask"],
+                            inp["ref"], temperature=temp, return_per_token=True,
+                            backend="cpu", **kw)
+    loss.backward()
+    m = inp["mask"].numpy()
+    e_lp, e_h = ref.token_logprobs(inp["base"], inp["tokens"].numpy(), m, temp.numpy())
+    e_loss, _, e_grad = ref.ppo_loss(inp["base"], inp["tokens"].numpy(), inp["old"].numpy(),
+                                     inp["adv"].numpy(), m, inp["ref"].numpy(),
+                                     temperature=temp.numpy(), **kw)
+    # logp and H are O(|x| / T) here: relative to the largest entry, as the precision tests
+    for got, want in ((met["per_token_logprobs"], e_lp), (met["per_token_entropy"], e_h)):
+        err = float(np.abs(got.double().numpy() - want).max()) if want.size else 0.0
+        assert err <= 3e-6 * max(1.0, float(np.abs(want).max())), (err, per, lo, hi)
+    assert abs(float(loss.detach()) - e_loss) <= 3e-5 * max(1.0, abs(e_loss))
+    assert_grad_close(logits.grad, e_grad, 3e-5)
