@@ -76,14 +76,18 @@ def number(name, value, *, lo=None, hi=None, lo_open=False, hi_open=False):
 
 def temperature(value, logits, tokens=None, flat=False, mask=None):
     """A temperature > 0 whose reciprocal is finite in the logits' accumulation dtype
-    (temperature_in), or a tensor of them: per sequence [B] / [B, 1] or per token [B, T]
-    ([N] with flat tokens), of the tokens' shape once broadcast (per_token), returned as
+    (temperature_in), or a tensor of them: 0-d (one value, kept on its device), per
+    sequence [B] / [B, 1] or per token [B, T] ([N] with flat tokens), of the tokens' shape
+    once broadcast (per_token), returned as
     the [B, T] tensor of the accumulation dtype the kernels take (temperature_values).
     Ops that take no tensor pass no tokens: a tensor is then a TypeError."""
     if not isinstance(value, torch.Tensor):
         return temperature_in(value, acc_dtype(logits))
     if tokens is None:
         raise TypeError("temperature: expected a number here, got a tensor")
+    if value.dim() == 0:  # one value for the batch, left on its device (no host read)
+        value = value.reshape(1, 1).expand(tokens.shape)
+        flat = False
     t = per_token("temperature", value, tokens, flat, acc_dtype(logits), per_seq_ok=True)
     return temperature_values(t, mask)
 

@@ -31,8 +31,8 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
         response_mask: [B, T] bool/int/float, nonzero = valid; None = all valid. Masked
             positions are never read and come back 0.
         temperature: > 0, the sampling temperature the logits are divided by: a number, or a
-            tensor of them, per sequence [B] (or [B, 1]) or per token [B, T] ([N] with flat
-            tokens): each row is divided by its own value (prime-rl's temperature schedules,
+            tensor of them, 0-d, per sequence [B] (or [B, 1]) or per token [B, T] ([N] with
+            flat tokens): each row is divided by its own value (prime-rl's temperature schedules,
             per-turn temperatures). The tensor gets no gradient; values on masked positions
             are not read; the logits' gradient is divided by the row's temperature.
         return_entropy: also return the entropy H [B, T] (nats).
@@ -342,6 +342,8 @@ def check_loss(like, vocab, tokens2, flat, options):
                     if k not in _TENSOR_OPTIONS + _CALL_ARGUMENTS}
     if isinstance(temperature, torch.Tensor):  # per row: LossSpec keeps the default 1
         spec_options.pop("temperature")
+        if temperature.dim() == 0:  # one value, left on its device
+            temperature = temperature.reshape(1, 1).expand(tokens2.shape)
     else:
         temperature = None
     spec = LossSpec.build(acc, **spec_options)

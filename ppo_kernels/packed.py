@@ -122,6 +122,8 @@ def packed_temperature(pk, temperature):
     checks either)."""
     if not isinstance(temperature, torch.Tensor):
         return temperature
+    if temperature.dim() == 0:
+        return temperature.reshape(1, 1).expand(1, pk.total)
     s = pk.num_seqs
     if tuple(temperature.shape) == (s, 1) or (tuple(temperature.shape) == (s,) and
                                               s != pk.total):

@@ -183,6 +183,25 @@ def test_full_tensor_gives_the_scalar_bits(be):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("be", KERNELS_CPU)
+def test_zero_d_tensor_is_the_number(be):
+    """A 0-d tensor (a schedule's value left on its device): the number's bits."""
+    B, T, V = _small(be)
+    inp = seeded_inputs(B, T, V, 65)
+    tok, mask = be.t(inp["tokens"]), be.t(inp["mask"])
+    logits = be.t(inp["full"][:, :T].float().contiguous())
+    a = pk.token_logprobs(logits, tok, mask, temperature=0.625, backend=be.name)
+    b = pk.token_logprobs(logits, tok, mask, temperature=be.t(torch.tensor(0.625)),
+                          backend=be.name)
+    assert torch.equal(a, b)
+    la, _ = pk.ppo_loss(logits, tok, be.t(inp["old"]), be.t(inp["adv"]), mask,
+                        temperature=0.625, backend=be.name)
+    lb, _ = pk.ppo_loss(logits, tok, be.t(inp["old"]), be.t(inp["adv"]), mask,
+                        temperature=be.t(torch.tensor(0.625, dtype=torch.float64)),
+                        backend=be.name)
+    assert torch.equal(la, lb)
+
+
 @pytest.mark.parametrize("be", BACKENDS_CPU)
 def test_masked_positions_are_not_read(be):
     B, T, V = _small(be)
@@ -246,6 +265,10 @@ def test_packed_per_sequence_temperature_follows_the_packing():
             old[0, a:a + n], True
     kw = dict(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.01, backend="cpu")
     want, wm = pk.ppo_loss(pl, pt, po, adv, pm, temperature=temp, return_per_token=True, **kw)
+    z, _ = pk.ppo_loss(logits, tok, old, adv[:, None],
+                       temperature=torch.tensor(0.8, dtype=torch.float64), cu_seqlens=cu, **kw)
+    zw, _ = pk.ppo_loss(logits, tok, old, adv[:, None], temperature=0.8, cu_seqlens=cu, **kw)
+    assert torch.equal(z, zw)
     for t in (temp, temp[:, None], per_tok, per_tok[0]):
         got, gm = pk.ppo_loss(logits, tok, old, adv[:, None], temperature=t, cu_seqlens=cu,
                               return_per_token=True, **kw)
