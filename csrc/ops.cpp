@@ -28,8 +28,8 @@
 TORCH_LIBRARY(ppo_kernels, m) {
   m.def(
       "token_logprobs_fwd(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
-      "bool return_entropy, Tensor? temperatures=None) -> (Tensor logprobs, Tensor entropy, Tensor row_max, "
-      "Tensor log_sum)");
+      "bool return_entropy, Tensor? temperatures=None) -> (Tensor logprobs, Tensor entropy, "
+      "Tensor row_max, Tensor log_sum)");
   m.def(
       "token_logprobs_bwd(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
       "Tensor tokens, Tensor mask, Tensor row_max, Tensor log_sum, Tensor entropy, "
