@@ -3,6 +3,11 @@ backward (gradients to hidden and to the head weight), against N, for
 
   fused                   pk.ppo_loss_from_hidden(h, W, ...) (chunks of --chunk rows; the
                           [N, V] logits are never stored; docs/FROM_HIDDEN.md)
+  fused, fp32 logits      the same with logits_dtype=torch.float32: with --dtype bfloat16,
+                          each chunk's logits in float32 (vLLM head_dtype=float32, SGLang
+                          enable_fp32_lm_head); on the CPU the weight is widened to float32
+                          once per pass (torch.mm has no float32 output for bf16 operands
+                          there). With --dtype float32 it is the fused variant again
   materialised + ppo_loss logits = h @ W.T, then pk.ppo_loss(logits, ...) (the fused row
                           kernel on the whole [N, V] logits)
   eager composite         pk.ppo_loss_from_hidden(..., backend="torch"): F.linear, then the
@@ -21,7 +26,8 @@ backward (gradients to hidden and to the head weight), against N, for
 
 Every variant computes the same loss (token-mean vanilla clipped surrogate, clip 0.2, no
 KL, no entropy bonus); the script checks the losses and gradients against the fused one
-first. The pk variants also compute the entropy metric (the kernel gets it for free), the
+first (the float32-logits variant against the fused float32 computation on the rounded
+inputs). The pk variants also compute the entropy metric (the kernel gets it for free), the
 plain-torch ones do not.
 
 Time: the median wall time of forward + backward, all variants in this process. Peak
@@ -78,6 +84,12 @@ def make_inputs(n, h, v, dtype, seed=0):
 def fused(h, w, tokens, mask, old, adv, chunk):
     return pk.ppo_loss_from_hidden(h, w, tokens, old, adv, mask, chunk_size=chunk,
                                    clip_eps_low=CLIP, backend="cpu")[0]
+
+
+def fused_fp32_logits(h, w, tokens, mask, old, adv, chunk):
+    return pk.ppo_loss_from_hidden(h, w, tokens, old, adv, mask, chunk_size=chunk,
+                                   clip_eps_low=CLIP, backend="cpu",
+                                   logits_dtype=torch.float32)[0]
 
 
 def materialised(h, w, tokens, mask, old, adv, chunk):
@@ -140,7 +152,8 @@ def chunked_ckpt(h, w, tokens, mask, old, adv, chunk):
     return _chunked(h, w, tokens, mask, old, adv, chunk, True)
 
 
-VARIANTS = {"fused": fused, "materialised + ppo_loss": materialised,
+VARIANTS = {"fused": fused, "fused, fp32 logits": fused_fp32_logits,
+            "materialised + ppo_loss": materialised,
             "eager composite": eager, "torch.compile": compiled,
             "chunked torch (TRL)": chunked, "chunked + checkpoint": chunked_ckpt}
 
@@ -178,14 +191,20 @@ def measure_peak_here(name, n, a):
 # ------------------------------------------------------------------ main
 
 def check(inputs, chunk):
-    """max relative difference of (loss, d hidden, dW) of each variant to the fused one."""
+    """max relative difference of (loss, d hidden, dW) of each variant to the fused one;
+    the float32-logits variant's to the fused float32 computation on the same (rounded)
+    hidden states and weight, which is what it computes (the bf16 logits' rounding can
+    flip clip decisions: the two paths' gradients then differ by far more than rounding)."""
     ref = step(fused, inputs, chunk)
+    ref32 = step(fused, [x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+                         for x in inputs], chunk)
     out = {}
     for name, fn in VARIANTS.items():
         got = step(fn, inputs, chunk)
+        want = ref32 if name == "fused, fp32 logits" else ref
         out[name] = max(float((x.double() - y.double()).abs().max() /
                               y.double().abs().max().clamp(min=1e-30))
-                        for x, y in zip(got, ref))
+                        for x, y in zip(got, want))
     return out
 
 
@@ -250,6 +269,11 @@ def main():
                   f"{r['peak_extra_bytes'] / 2**20:>18.1f}{r['peak_extra_nv']:>12.3f}")
         if t_m is not None:
             print(f"time fused / (materialised + ppo_loss) = {t_f / t_m:.2f}")
+        if "fused, fp32 logits" in rows:
+            r32, p16 = rows["fused, fp32 logits"], rows["fused"]["peak_extra_bytes"]
+            p32 = r32["peak_extra_bytes"]
+            print(f"fp32 logits / {a.dtype} logits: time {r32['seconds'] / t_f:.2f}x, peak "
+                  f"extra {p32 / max(p16, 1):.2f}x ({(p32 - p16) / 2**20:+.1f} MiB)")
 
     if "materialised + ppo_loss" in names:
         print("\nsummary: time ratio fused / (materialised + ppo_loss), peak extra MiB")

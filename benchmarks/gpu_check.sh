@@ -16,7 +16,8 @@
 #   6. compute-sanitizer memcheck, racecheck, synccheck, initcheck on the quick smoke;
 #   7. pytest -k "cuda or triton", then the distributed checks (tests/distributed_cases.py:
 #   NCCL with 2 GPUs, else gloo carrying CUDA tensors);  8. benchmarks/gpu_bench.py;
-#   9. the loss from hidden states (benchmarks/gpu_from_hidden.py); 10. the report from this GPU
+#   9. the loss from hidden states, bf16 and float32 logits (benchmarks/gpu_from_hidden.py);
+#   10. the report from this GPU
 #   (benchmarks/report.py --device cuda: CSV and plots in $OUT/report); 11. a summary table.
 # Every stage has its own timeout, capped by what is left of CHECK_BUDGET_S (default 470 s,
 # so a 15-minute lease keeps time for a rerun); a stage that does not fit is skipped.

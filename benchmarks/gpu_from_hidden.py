@@ -1,4 +1,5 @@
-"""The loss from hidden states on a GPU: pk.ppo_loss_from_hidden against materialised
+"""The loss from hidden states on a GPU: pk.ppo_loss_from_hidden (bf16 logits, and float32
+logits with logits_dtype=torch.float32) against materialised
 logits + pk.ppo_loss and Liger-Kernel's fused-linear GRPO loss (LigerFusedLinearGRPOLoss,
 when importable), forward+backward time (CUDA events, median) and peak allocated memory
 beyond the inputs, bf16, with a check that the fused and materialised gradients agree.
@@ -38,6 +39,14 @@ def make(n, h, v, dtype, device, seed=0):
 def fused(hidden, weight, tokens, mask, old, adv):
     return pk.ppo_loss_from_hidden(hidden, weight, tokens, old, adv, mask,
                                    loss_agg_mode="seq-mean-token-mean")[0]
+
+
+def fused_fp32_logits(hidden, weight, tokens, mask, old, adv):
+    """logits_dtype=torch.float32: each chunk's bf16 matmul with a float32 output (cuBLAS,
+    torch.mm out_dtype), no bf16 rounding of the logits (docs/FROM_HIDDEN.md)."""
+    return pk.ppo_loss_from_hidden(hidden, weight, tokens, old, adv, mask,
+                                   loss_agg_mode="seq-mean-token-mean",
+                                   logits_dtype=torch.float32)[0]
 
 
 def materialised(hidden, weight, tokens, mask, old, adv):
@@ -100,7 +109,8 @@ def main():
     gpu = a.device == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
     sizes = [(256, 64, 1000)] if a.quick else [(2048, 4096, 151936), (8192, 4096, 151936)]
-    variants = {"fused from hidden": fused, "logits + ppo_loss": materialised}
+    variants = {"fused from hidden": fused, "fused, fp32 logits": fused_fp32_logits,
+                "logits + ppo_loss": materialised}
     lg = liger()
     if lg is not None:
         variants["liger fused-linear GRPO"] = lg
@@ -113,6 +123,11 @@ def main():
                   float((w1.float() - w2.float()).abs().max() / w2.float().abs().max()))
         print(f"CHECK {'ok' if err < 2e-2 else 'FAIL'} from-hidden vs materialised N={n} "
               f"V={v}: max rel grad diff {err:.2e}")
+        g3, w3 = step(fused_fp32_logits, inputs)
+        err = max(float((g3.float() - g2.float()).abs().max() / g2.float().abs().max()),
+                  float((w3.float() - w2.float()).abs().max() / w2.float().abs().max()))
+        print(f"CHECK {'ok' if err < 2e-2 else 'FAIL'} fp32 logits vs materialised N={n} "
+              f"V={v}: max rel grad diff {err:.2e}")
         for name, fn in variants.items():
             try:
                 ms, peak = measure(fn, inputs, 3 if a.quick else 5, gpu)
@@ -121,6 +136,11 @@ def main():
                 continue
             rows.append(dict(n=n, h=h, v=v, variant=name, ms=ms, peak_mib=peak))
             print(f"N={n:6d} H={h} V={v} {name:<26} {ms:9.2f} ms  peak {peak:9.1f} MiB")
+        mine = {r["variant"]: r for r in rows if r["n"] == n}
+        if "fused from hidden" in mine and "fused, fp32 logits" in mine:
+            b, f = mine["fused from hidden"], mine["fused, fp32 logits"]
+            print(f"N={n:6d} fp32 logits / bf16 logits: time {f['ms'] / b['ms']:.2f}x, peak "
+                  f"{f['peak_mib'] / b['peak_mib']:.2f}x")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -21,27 +21,35 @@
 //   lam_per_seq[b] ([B] of the accumulation dtype, each in [0, 1]; VAPO's length-adaptive
 //   lambda) when given, else lam; returns = the GAE of value_lam (a second scan, VAPO's
 //   decoupled lambda) + values when value_lam is given, else advantages + values.
+//   temperatures: the per-row temperature, [B, T] of the accumulation dtype (float32 for
+//   score_rollout), contiguous; None: the float `temperature` (or the temperature slot of
+//   scalars) for every row. When given, row i divides its logits by temperatures[i] (1 /
+//   temperatures[i] taken in double and rounded once, as the scalar's) and the scalar is
+//   ignored; masked rows are not read. The Python layer expands a per-sequence [B]
+//   temperature to [B, T] and fills masked positions with 1.
 #include <torch/library.h>
 
 TORCH_LIBRARY(ppo_kernels, m) {
   m.def(
       "token_logprobs_fwd(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
-      "bool return_entropy) -> (Tensor logprobs, Tensor entropy, Tensor row_max, "
-      "Tensor log_sum)");
+      "bool return_entropy, Tensor? temperatures=None) -> (Tensor logprobs, Tensor entropy, "
+      "Tensor row_max, Tensor log_sum)");
   m.def(
       "token_logprobs_bwd(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
       "Tensor tokens, Tensor mask, Tensor row_max, Tensor log_sum, Tensor entropy, "
-      "float temperature) -> Tensor");
+      "float temperature, Tensor? temperatures=None) -> Tensor");
   m.def(
       "ppo_loss_fwd(Tensor logits, Tensor tokens, Tensor mask, Tensor? old_logprobs, "
       "Tensor advantages, Tensor weights, Tensor? ref_logprobs, Tensor? rollout_is_weights, "
-      "Tensor? entropy_weights, float[] scalars, int[] codes, bool compute_grad) "
+      "Tensor? entropy_weights, float[] scalars, int[] codes, bool compute_grad, "
+      "Tensor? temperatures=None) "
       "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy, Tensor dlogits)");
   // Same as ppo_loss_fwd with compute_grad, but the gradient overwrites the logits.
   m.def(
       "ppo_loss_fwd_inplace(Tensor(a!) logits, Tensor tokens, Tensor mask, "
       "Tensor? old_logprobs, Tensor advantages, Tensor weights, Tensor? ref_logprobs, "
-      "Tensor? rollout_is_weights, Tensor? entropy_weights, float[] scalars, int[] codes) "
+      "Tensor? rollout_is_weights, Tensor? entropy_weights, float[] scalars, int[] codes, "
+      "Tensor? temperatures=None) "
       "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)");
   // grad := grad * (grad_output / applied) and applied := grad_output, decided on the
   // device (no host read): nothing is written when the ratio is 1.
@@ -53,6 +61,7 @@ TORCH_LIBRARY(ppo_kernels, m) {
   m.def(
       "score_rollout(Tensor logits, Tensor tokens, Tensor mask, Tensor ref_logprobs, "
       "Tensor values, Tensor scores, float kl_coef, int kl_estimator, float gamma, "
-      "float lam, float temperature, Tensor? lam_per_seq=None, float? value_lam=None) "
+      "float lam, float temperature, Tensor? lam_per_seq=None, float? value_lam=None, "
+      "Tensor? temperatures=None) "
       "-> (Tensor logprobs, Tensor kl, Tensor rewards, Tensor advantages, Tensor returns)");
 }

@@ -15,7 +15,8 @@ from .spec import F
 
 # ------------------------------------------------------------------ fake (shape) functions
 
-def _fake_token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
+def _fake_token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy,
+                             temperatures=None):
     acc = acc_dtype(logits)
     ent_shape = tokens.shape if return_entropy else (0,)
     return (tokens.new_empty(tokens.shape, dtype=acc), tokens.new_empty(ent_shape, dtype=acc),
@@ -23,12 +24,13 @@ def _fake_token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
 
 
 def _fake_token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_max,
-                             log_sum, entropy, temperature):
+                             log_sum, entropy, temperature, temperatures=None):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
 def _fake_ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                       rollout_is_weights, entropy_weights, scalars, codes, compute_grad):
+                       rollout_is_weights, entropy_weights, scalars, codes, compute_grad,
+                       temperatures=None):
     acc = acc_dtype(logits)
     per_tok = [tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)]
     dl = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype,
@@ -54,7 +56,7 @@ def _fake_gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=N
 
 def _fake_score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
                         kl_estimator, gamma, lam, temperature, lam_per_seq=None,
-                        value_lam=None):
+                        value_lam=None, temperatures=None):
     return tuple(tokens.new_empty(tokens.shape, dtype=acc_dtype(logits)) for _ in range(5))
 
 
@@ -121,24 +123,25 @@ def hand_out(prefix, buf, grad_output, applied, shape3=None):
 
 
 def _lp_setup(ctx, inputs, output):
-    logits, tokens, mask, temperature, return_entropy = inputs
+    logits, tokens, mask, temperature, return_entropy, temperatures = inputs
     _, ent, row_max, log_sum = output
-    ctx.save_for_backward(logits, tokens, mask, row_max, log_sum, ent)
+    ctx.save_for_backward(logits, tokens, mask, row_max, log_sum, ent, temperatures)
     ctx.temperature, ctx.return_entropy = temperature, return_entropy
 
 
 def _lp_backward_for(prefix):
     def backward(ctx, grad_logp, grad_ent, _grad_max, _grad_log_sum):
         first_order_only("token_logprobs")
-        logits, tokens, mask, row_max, log_sum, ent = ctx.saved_tensors
+        logits, tokens, mask, row_max, log_sum, ent, temps = ctx.saved_tensors
         bwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_bwd")
         acc = row_max.dtype
         g_ent = grad_ent.to(acc).contiguous() if ctx.return_entropy and grad_ent is not None \
             else None
         g_lp = (torch.zeros_like(row_max) if grad_logp is None
                 else grad_logp.to(acc).contiguous())
-        dl = bwd(g_lp, g_ent, logits, tokens, mask, row_max, log_sum, ent, ctx.temperature)
-        return dl, None, None, None, None
+        dl = bwd(g_lp, g_ent, logits, tokens, mask, row_max, log_sum, ent, ctx.temperature,
+                 temperatures=temps)
+        return dl, None, None, None, None, None
     return backward
 
 
@@ -225,8 +228,9 @@ class InplaceLoss(torch.autograd.Function):
     the one [N, V] buffer; the caller promised not to use the logits afterwards."""
 
     @staticmethod
-    def forward(ctx, logits, op, tensors, scalars, codes, prefix):
-        loss, loss_tok, logp, ent = op(logits, *tensors, scalars, codes)
+    def forward(ctx, logits, op, tensors, scalars, codes, prefix, temperatures=None):
+        loss, loss_tok, logp, ent = op(logits, *tensors, scalars, codes,
+                                       temperatures=temperatures)
         # the logits now hold dlogits: anything that saved them for its own backward must
         # see the change (the C++ op has no ADInplaceOrView kernel to do this)
         torch.autograd.graph.increment_version(logits)
@@ -254,4 +258,4 @@ class InplaceLoss(torch.autograd.Function):
         grad = hand_out(ctx.prefix, buf, grad_loss, ctx.applied)
         if grad is buf:  # handed out: the logits' storage is the caller's gradient now
             ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None

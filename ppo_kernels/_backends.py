@@ -11,6 +11,7 @@ import torch
 
 from . import _torch_impl
 from ._autograd import InplaceLoss, register
+from ._checks import split_temperature
 from ._extension import HAS_CPU, HAS_CUDA, LOAD_ERROR
 from .spec import KL_ESTIMATORS
 
@@ -28,22 +29,27 @@ class KernelBackend:
         return getattr(torch.ops.ppo_kernels, self.prefix + name)
 
     def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
-        logp, ent, _, _ = self.op("token_logprobs_fwd")(logits, tokens, mask, temperature,
-                                                         return_entropy)
+        """temperature: a number or the per-row [B, T] tensor (the ops' `temperatures`)."""
+        t, temps = split_temperature(temperature)
+        logp, ent, _, _ = self.op("token_logprobs_fwd")(logits, tokens, mask, t,
+                                                         return_entropy, temperatures=temps)
         return logp, (ent if return_entropy else None)
 
-    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None):
+    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None,
+                 temperatures=None):
         """The fused single pass of a token-level policy loss (the two-phase path is
-        loss.two_phase's to choose): (loss, loss_tok, logp, ent), all but loss detached."""
+        loss.two_phase's to choose): (loss, loss_tok, logp, ent), all but loss detached.
+        temperatures: the per-row [B, T] temperature, or None (spec.temperature)."""
         tensors = (tokens, mask, old, adv, weights, ref, isw, w_ent)
         scalars, codes = spec.kernel_args(logits.dtype)
         need_grad = torch.is_grad_enabled() and logits.requires_grad
         if spec.inplace_backward and need_grad:
             loss, loss_tok, logp, ent = InplaceLoss.apply(
-                logits, self.op("ppo_loss_fwd_inplace"), tensors, scalars, codes, self.prefix)
+                logits, self.op("ppo_loss_fwd_inplace"), tensors, scalars, codes, self.prefix,
+                temperatures)
         else:
-            loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(logits, *tensors, scalars,
-                                                                    codes, need_grad)
+            loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(
+                logits, *tensors, scalars, codes, need_grad, temperatures=temperatures)
         if w_ent is not None and spec.entropy_coef != 0.0:
             # the kernel sums w * (... - entropy_coef H); the entropy term's own weights
             # are w_ent (its gradient already carries them)
@@ -55,8 +61,13 @@ class KernelBackend:
         return self.op("gae")(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq,
                               value_lam)
 
-    def score_rollout(self, *args):
-        return self.op("score_rollout")(*args)
+    def score_rollout(self, logits, tokens, mask, ref, values, scores, kl_coef, kl_estimator_id,
+                      gamma, lam, temperature, lam_per_seq=None, value_lam=None):
+        """temperature: a number or the per-row [B, T] tensor (the op's `temperatures`)."""
+        t, temps = split_temperature(temperature)
+        return self.op("score_rollout")(logits, tokens, mask, ref, values, scores, kl_coef,
+                                        kl_estimator_id, gamma, lam, t, lam_per_seq, value_lam,
+                                        temperatures=temps)
 
 
 class TorchBackend:
@@ -68,9 +79,10 @@ class TorchBackend:
     def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
         return _torch_impl.token_logprobs(logits, tokens, mask, temperature, return_entropy)
 
-    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None):
+    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None,
+                 temperatures=None):
         loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, tokens, mask, old, adv, weights,
-                                                         ref, isw, spec, w_ent)
+                                                         ref, isw, spec, w_ent, temperatures)
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,

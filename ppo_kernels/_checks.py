@@ -74,10 +74,53 @@ def number(name, value, *, lo=None, hi=None, lo_open=False, hi_open=False):
     return v
 
 
-def temperature(value, logits):
+def temperature(value, logits, tokens=None, flat=False, mask=None):
     """A temperature > 0 whose reciprocal is finite in the logits' accumulation dtype
-    (temperature_in)."""
-    return temperature_in(value, acc_dtype(logits))
+    (temperature_in), or a tensor of them: 0-d (one value, kept on its device), per
+    sequence [B] / [B, 1] or per token [B, T] ([N] with flat tokens), of the tokens' shape
+    once broadcast (per_token), returned as
+    the [B, T] tensor of the accumulation dtype the kernels take (temperature_values).
+    Ops that take no tensor pass no tokens: a tensor is then a TypeError."""
+    if not isinstance(value, torch.Tensor):
+        return temperature_in(value, acc_dtype(logits))
+    if tokens is None:
+        raise TypeError("temperature: expected a number here, got a tensor")
+    if value.dim() == 0:  # one value for the batch, left on its device (no host read)
+        value = value.reshape(1, 1).expand(tokens.shape)
+        flat = False
+    t = per_token("temperature", value, tokens, flat, acc_dtype(logits), per_seq_ok=True)
+    return temperature_values(t, mask)
+
+
+def temperature_values(t, mask):
+    """A per-row temperature t [B, T] (the accumulation dtype) against mask [B, T]: every
+    valid position's value finite, > 0 and with a reciprocal finite in t's dtype, as
+    temperature_in asks of a number; masked positions hold anything and become 1 (no
+    backend reads them, the composite divides by them). On CPU tensors a ValueError names
+    the first bad position; on a device (and under torch.compile) the check is an
+    asynchronous device assertion (a RuntimeError naming `temperature`), with the bad
+    values replaced by 1 so that nothing computes with them before it fires."""
+    ok = torch.isfinite(t) & (t > 0) & torch.isfinite(t.double().reciprocal().to(t.dtype))
+    bad = mask & ~ok
+    if not host_readable(t):
+        torch._assert_async(~bad.any(), "temperature: expected finite numbers > 0 (whose "
+                                        "reciprocals are finite) on valid positions")
+    else:
+        pb, pt = plain(bad), plain(t)
+        if bool(pb.any()):
+            idx = [int(i) for i in pb.nonzero()[0]]
+            raise ValueError(f"temperature: expected a finite number > 0 whose reciprocal is "
+                             f"finite in {t.dtype} on every valid position; got "
+                             f"{float(pt[tuple(idx)])!r} at position {idx}")
+    return torch.where(mask & ok, t, 1.0).contiguous()
+
+
+def split_temperature(temperature):
+    """(the float the kernel ops take, their `temperatures` tensor or None) of a checked
+    temperature: a number, or the per-row [B, T] tensor (the float is then 1, unread)."""
+    if isinstance(temperature, torch.Tensor):
+        return 1.0, temperature
+    return temperature, None
 
 
 def temperature_in(value, acc):

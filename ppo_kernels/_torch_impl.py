@@ -18,9 +18,13 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def token_logprobs(logits, tokens, mask, temperature, return_entropy):
-    """logprobs [B, T] (and entropy [B, T] or None) of logits [B, Tl, V]; 0 where masked."""
+    """logprobs [B, T] (and entropy [B, T] or None) of logits [B, Tl, V]; 0 where masked.
+    temperature: a number, or the per-row [B, T] tensor of the accumulation dtype (checked:
+    1 on masked positions)."""
     t = tokens.shape[1]
     acc = acc_dtype(logits)
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.unsqueeze(-1)
     # masked rows are zeroed first: whatever they hold (NaN) stays out of value and grad
     z = torch.where(mask.unsqueeze(-1), logits[:, :t].to(acc), 0.0) / temperature
     logp_all = torch.log_softmax(z, dim=-1)
@@ -220,9 +224,11 @@ def aggregate(pol, ent, mask, weights, entropy_weights, spec):
 
 
 def ppo_loss(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-             rollout_is_weights, spec, entropy_weights=None):
-    """Eager composite: returns (loss, loss_tok, logp, entropy), loss differentiable."""
-    logp, ent = token_logprobs(logits, tokens, mask, spec.temperature, True)
+             rollout_is_weights, spec, entropy_weights=None, temperatures=None):
+    """Eager composite: returns (loss, loss_tok, logp, entropy), loss differentiable.
+    temperatures: the per-row [B, T] temperature, or None (spec.temperature)."""
+    logp, ent = token_logprobs(logits, tokens, mask,
+                               spec.temperature if temperatures is None else temperatures, True)
     pol, _ = token_losses(logp, ent, old_logprobs, advantages, ref_logprobs,
                           rollout_is_weights, mask, spec)
     loss = aggregate(pol, ent, mask, weights, entropy_weights, spec)

@@ -23,6 +23,7 @@ import torch
 
 from . import _torch_impl
 from ._autograd import applied_scale, first_order_only, hand_out
+from ._checks import split_temperature
 from .vocab_parallel import logits_grad, shard_stats
 
 
@@ -61,12 +62,14 @@ def _passes(logits, spec, x, prefix, need_grad, shard=None):
     ([S, max_seqlen]) and the kernels read them packed again (x.kernel)."""
     fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
     tok, msk = x.kernel(x.tokens), x.kernel(x.mask)
+    temp = x.kernel_temperature(spec)  # a number, or per row (the kernels' layout)
     own = None
     if shard is not None:  # (tok becomes the shard-local ids)
-        logp, ent, row_max, log_sum, tok, own = shard_stats(logits, tok, msk, spec.temperature,
-                                                             shard, prefix)
+        logp, ent, row_max, log_sum, tok, own = shard_stats(logits, tok, msk, temp, shard,
+                                                             prefix)
     else:
-        logp, ent, row_max, log_sum = fwd(logits, tok, msk, spec.temperature, True)
+        t, temps = split_temperature(temp)
+        logp, ent, row_max, log_sum = fwd(logits, tok, msk, t, True, temperatures=temps)
     dlogp, dent, loss, pol = middle_grad(x.padded(logp), x.padded(ent), spec, x)
     gs = spec.effective_grad_scale(logits.dtype)
     dlogits = None
@@ -74,7 +77,7 @@ def _passes(logits, spec, x, prefix, need_grad, shard=None):
         g_lp = x.kernel(dlogp * gs).contiguous()
         g_ent = x.kernel(dent * gs).contiguous() if spec.entropy_coef != 0.0 else None
         dlogits = logits_grad(prefix, g_lp, g_ent, logits, tok, msk, row_max, log_sum, ent,
-                              spec.temperature, shard, own)
+                              temp, shard, own)
     ent_p = x.padded(ent)
     loss_tok = torch.where(x.mask, pol - spec.entropy_coef * ent_p, 0.0)
     return loss.detach(), loss_tok, x.padded(logp), ent_p, dlogits, gs

@@ -320,7 +320,10 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
             flows).
         gamma, lam, value_lam, lam_alpha: the GAE options of pk.gae (lam may be
             "length-adaptive" with lam_alpha; value_lam the returns' lambda, VAPO's
-            decoupled GAE). temperature: > 0. whiten: whiten the advantages.
+            decoupled GAE). whiten: whiten the advantages.
+        temperature: > 0, a number or a tensor per sequence [B] / [B, 1] or per token
+            [B, T] (with cu_seqlens: per packed sequence [S] / [S, 1] or per token
+            [total] / [1, total]); as in pk.token_logprobs.
         tp_group, vocab_start: a vocabulary split over ranks, as in pk.token_logprobs (a
             DTensor sharded with Shard(-1) needs neither): the log-probs are merged over the
             group, then the [B, T] steps run on every rank alike.
@@ -350,7 +353,8 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
                                  lam_alpha)
         be = get_backend(backend, logits3.device)
         vp.require_kernels(be, shard)
-        return logits3, tokens2, shard, (*checked, ck.temperature(temperature, logits3), be)
+        temp = ck.temperature(temperature, logits3, tokens2, False, checked[0])
+        return logits3, tokens2, shard, (*checked, temp, be)
 
     logits3, tokens2, shard, checked = checks_together(
         groups(tp_group=tp_group), checks, lambda r: {"tp_group": tuple(r[1].shape)})
@@ -370,6 +374,8 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
     if logits3.dtype == torch.float64:
         logits3 = logits3.float()  # rollout outputs are float32 by contract
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.float()
     lam, lam_per_seq, value_lam = lams.kernel_args(mask, torch.float32)
     with torch.no_grad():
         logp, kl, rewards, adv, ret = be.score_rollout(
@@ -408,10 +414,11 @@ def _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores, respon
     packing, mask, ref, vals, kl_coef, gamma, lams = packed_rollout_inputs(
         tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens, max_seqlen,
         opts)
-    temperature = ck.temperature(temperature, logits3)
     be = get_backend(backend, logits3.device)
     vp.require_kernels(be, shard)
     mask_k = packing.unpad(mask)
+    temperature = ck.temperature(packed.packed_temperature(packing, temperature), logits3,
+                                 tokens2, False, mask_k)
     with torch.no_grad():
         if shard is not None:
             logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask_k, temperature,

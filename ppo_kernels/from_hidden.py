@@ -28,7 +28,7 @@ import torch
 
 from . import _checks as ck
 from . import packed
-from ._checks import acc_dtype
+from ._checks import acc_dtype, split_temperature
 from ._autograd import applied_scale, first_order_only, hand_out
 from ._backends import get_backend
 from ._two_phase import middle_grad
@@ -91,11 +91,31 @@ def _head_shard(hidden, weight, bias, tp_group, vocab_start):
     return hidden, weight, bias, shard
 
 
-def _head_options(hidden3, weight, logit_softcap, chunk_size):
+def _logits_dtype(logits_dtype, hidden3):
+    """logits_dtype as the chunk loops read it: None (the hidden states' dtype) or
+    torch.float32 for bfloat16 / float16 hidden states (float32 hidden states: None, the
+    same thing). Anything else is a TypeError / ValueError naming logits_dtype."""
+    if logits_dtype is None:
+        return None
+    if not isinstance(logits_dtype, torch.dtype):
+        raise TypeError(f"logits_dtype: expected None or torch.float32, got "
+                        f"{type(logits_dtype).__name__}")
+    if logits_dtype != torch.float32:
+        raise ValueError(f"logits_dtype: expected None (the hidden states' dtype) or "
+                         f"torch.float32, got {logits_dtype}")
+    if hidden3.dtype == torch.float64:
+        raise ValueError("logits_dtype: torch.float32 would round the logits of float64 "
+                         "hidden states down; pass None")
+    return None if hidden3.dtype == torch.float32 else torch.float32
+
+
+def _head_options(hidden3, weight, logit_softcap, chunk_size, logits_dtype=None):
+    """(cap, rows per chunk); the default chunk holds about CHUNK_BYTES of logits in
+    logits_dtype (checked: _logits_dtype) or hidden's dtype."""
     cap = None if logit_softcap is None else ck.number("logit_softcap", logit_softcap,
                                                        lo=0.0, lo_open=True)
     if chunk_size is None:
-        chunk = default_chunk_size(weight.shape[0], hidden3.dtype)
+        chunk = default_chunk_size(weight.shape[0], logits_dtype or hidden3.dtype)
     else:
         if isinstance(chunk_size, bool) or not hasattr(type(chunk_size), "__index__"):
             raise TypeError(f"chunk_size: expected an int (rows per chunk) or None, got "
@@ -123,7 +143,7 @@ class _Chunks:
     prefix: str
     cap: Optional[float]
     chunk: int
-    temperature: float
+    temperature: Any  # a number, or the per-row [B, T] tensor (the kernels' layout)
     tokens: Any
     mask: Any
     acc: Any
@@ -139,6 +159,7 @@ class _Chunks:
     weights: Any = None
     w_ent: Any = None
     gs: float = 1.0
+    logits_dtype: Any = None  # the chunks' logits dtype (None: hidden's)
 
     def __post_init__(self):
         self.global_tokens = self.tokens
@@ -150,13 +171,49 @@ class _Chunks:
 
 # ------------------------------------------------------------------ the chunk pieces
 
-def chunk_logits(h, weight, bias, cap):
+def chunk_logits(h, weight, bias, cap, logits_dtype=None):
     """[C, V] logits of the rows h [C, H] in hidden's dtype, soft-capped in place. The one
-    place the fused paths create [rows, V] logits (tests spy on it)."""
+    place the fused paths create [rows, V] logits (tests spy on it).
+
+    logits_dtype=torch.float32 with bfloat16 / float16 rows: the logits in float32, never
+    rounded to the rows' dtype (vLLM's head_dtype=float32, SGLang's enable_fp32_lm_head,
+    ScaleRL's FP32 LM head): on CUDA one cuBLAS matmul of the 16-bit operands with a
+    float32 output (torch.mm out_dtype); elsewhere the float32 product of the rows and a
+    weight the caller has already widened to float32 (head_for_logits: once per pass)."""
+    if logits_dtype is not None and logits_dtype != h.dtype:
+        if h.is_cuda and weight.dtype == h.dtype:
+            z = torch.mm(h, weight.t(), out_dtype=logits_dtype)
+            if bias is not None:
+                z.add_(bias)
+        else:
+            w = weight.to(logits_dtype)
+            h = h.to(logits_dtype)
+            z = torch.mm(h, w.t()) if bias is None else torch.addmm(bias.to(logits_dtype), h,
+                                                                   w.t())
+        if cap is not None:
+            z.div_(cap).tanh_().mul_(cap)
+        return z
     z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
     if cap is not None:
         z.div_(cap).tanh_().mul_(cap)
     return z
+
+
+def head_for_logits(weight, logits_dtype):
+    """The weight chunk_logits multiplies by: itself, or (logits_dtype float32 off CUDA,
+    where torch.mm has no float32 output for 16-bit operands) its float32 copy, made once
+    per pass over the chunks ([V, H] float32 of memory while the pass runs)."""
+    if logits_dtype is None or logits_dtype == weight.dtype or weight.is_cuda:
+        return weight
+    return weight.to(logits_dtype)
+
+
+def _chunk_logits(s, h, head, bias):
+    """A chunk's logits as the loops make them (s.logits_dtype only when set, so that the
+    default call is chunk_logits(h, weight, bias, cap), as before)."""
+    if s.logits_dtype is None:
+        return chunk_logits(h, head, bias, s.cap)
+    return chunk_logits(h, head, bias, s.cap, s.logits_dtype)
 
 
 def _softcap_factor_(z, cap):
@@ -188,7 +245,12 @@ class _Grads:
 
     def add(self, r0, r1, dz, h, weight):
         """Accumulate a chunk's dz [C, V] (d loss / d logits of rows r0:r1, h = their
-        hidden states)."""
+        hidden states). float32 dz of 16-bit weights (logits_dtype=torch.float32) is
+        rounded to the weights' dtype first: the two matmuls run as in the default path
+        (the float32 accumulation of cuBLAS / oneDNN), so d hidden and dW keep their dtype
+        and cost."""
+        if dz.dtype != weight.dtype:
+            dz = dz.to(weight.dtype)
         if self.dh2 is not None:
             torch.mm(dz, weight, out=self.dh2[r0:r1])
         if self.single:
@@ -230,6 +292,12 @@ def _rows(x, s, r0, r1):
     return None if x is None else x.reshape(s.n)[r0:r1].view(1, r1 - r0)
 
 
+def _temperature_rows(s, r0, r1):
+    """The temperature of rows r0:r1: a number, or their [1, C] per-row values."""
+    t = s.temperature
+    return _rows(t, s, r0, r1) if isinstance(t, torch.Tensor) else t
+
+
 def _flat_hidden(hidden3, s):
     return hidden3[:, :s.t].reshape(s.n, hidden3.shape[2])
 
@@ -255,24 +323,28 @@ def _fused_pass(s, hidden3, weight, bias, need):
     ent = torch.empty(s.n, dtype=s.acc, device=dev)
     loss = torch.zeros((), dtype=s.acc, device=dev)
     scalars, codes = spec.kernel_args(hidden3.dtype)
+    head = head_for_logits(weight, s.logits_dtype)
     for r0 in range(0, s.n, s.chunk):
         r1 = min(s.n, r0 + s.chunk)
         c = r1 - r0
         hc = _hidden_rows(h2, s, r0, r1)
-        z = chunk_logits(hc, weight, bias, s.cap)
+        z = _chunk_logits(s, hc, head, bias)
         per_tok = tuple(_rows(x, s, r0, r1) for x in (s.tokens, s.mask, s.old, s.adv,
                                                        s.weights, s.ref, s.isw, s.w_ent))
+        temps = _rows(s.temperature, s, r0, r1) if isinstance(s.temperature,
+                                                              torch.Tensor) else None
         if g.any:
             factor = None if s.cap is None else _softcap_factor_(z.clone(), s.cap)
             lc, _, lp, en = getattr(ops, s.prefix + op_name)(z.view(1, c, -1), *per_tok,
-                                                              scalars, codes)
+                                                              scalars, codes,
+                                                              temperatures=temps)
             if factor is not None:
                 z.mul_(factor)
                 del factor
             g.add(r0, r1, z, hc, weight)
         else:
             lc, _, lp, en, _ = getattr(ops, s.prefix + "ppo_loss_fwd")(
-                z.view(1, c, -1), *per_tok, scalars, codes, False)
+                z.view(1, c, -1), *per_tok, scalars, codes, False, temperatures=temps)
         del z
         loss += lc
         logp[r0:r1] = lp.view(c)
@@ -294,12 +366,14 @@ def _stats_pass(s, hidden3, weight, bias, return_entropy):
     out = [torch.empty(s.n, dtype=s.acc, device=dev) for _ in range(4)]
     if not return_entropy:
         out[1] = torch.empty(0, dtype=s.acc, device=dev)
+    head = head_for_logits(weight, s.logits_dtype)
     for r0 in range(0, s.n, s.chunk):
         r1 = min(s.n, r0 + s.chunk)
         c = r1 - r0
-        z = chunk_logits(_hidden_rows(h2, s, r0, r1), weight, bias, s.cap)
+        z = _chunk_logits(s, _hidden_rows(h2, s, r0, r1), head, bias)
+        t, temps = split_temperature(_temperature_rows(s, r0, r1))
         res = fwd(z.view(1, c, -1), _rows(s.tokens, s, r0, r1), _rows(s.mask, s, r0, r1),
-                  s.temperature, return_entropy)
+                  t, return_entropy, temperatures=temps)
         del z
         for i, r in enumerate(res):
             if i != 1 or return_entropy:
@@ -308,7 +382,8 @@ def _stats_pass(s, hidden3, weight, bias, return_entropy):
         row = (1, s.n)
         lp, en, mx, ls = s.shard.merge(out[0].view(row), out[1].view(row) if return_entropy
                                        else None, out[2].view(row), out[3].view(row),
-                                       s.own.view(row), s.mask.view(row), s.temperature,
+                                       s.own.view(row), s.mask.view(row),
+                                       _temperature_rows(s, 0, s.n),
                                        s.global_tokens.reshape(row))
         out = [lp.view(s.n), en.view(s.n) if return_entropy else out[1], mx.view(s.n),
                ls.view(s.n)]
@@ -320,11 +395,12 @@ def _grad_pass(s, hidden3, weight, bias, g, dlogp, dent, stats):
     token_logprobs_bwd from d loss / d logp and d loss / d H ([N]; dent may be None)."""
     _, ent, row_max, log_sum = stats
     h2 = _flat_hidden(hidden3, s)
+    head = head_for_logits(weight, s.logits_dtype)
     for r0 in range(0, s.n, s.chunk):
         r1 = min(s.n, r0 + s.chunk)
         c = r1 - r0
         hc = _hidden_rows(h2, s, r0, r1)
-        z = chunk_logits(hc, weight, bias, s.cap)
+        z = _chunk_logits(s, hc, head, bias)
         # (a shard's placeholder entries are rewritten here, before the soft cap's factor,
         # which reuses z)
         dz = logits_grad(s.prefix, dlogp[r0:r1].view(1, c).contiguous(),
@@ -332,8 +408,9 @@ def _grad_pass(s, hidden3, weight, bias, g, dlogp, dent, stats):
                          z.view(1, c, -1), _rows(s.tokens, s, r0, r1),
                          _rows(s.mask, s, r0, r1), row_max[r0:r1].view(1, c),
                          log_sum[r0:r1].view(1, c),
-                         ent[r0:r1].view(1, c) if ent.numel() else ent, s.temperature,
-                         s.shard, _rows(s.own, s, r0, r1)).view(c, -1)
+                         ent[r0:r1].view(1, c) if ent.numel() else ent,
+                         _temperature_rows(s, r0, r1), s.shard,
+                         _rows(s.own, s, r0, r1)).view(c, -1)
         if s.cap is not None:
             dz.mul_(_softcap_factor_(z, s.cap))
         del z
@@ -424,12 +501,17 @@ class _LogprobsFromHidden(torch.autograd.Function):
 
 # ------------------------------------------------------------------ the torch reference
 
-def materialised_logits(hidden3, weight, bias, cap, mask):
+def materialised_logits(hidden3, weight, bias, cap, mask, logits_dtype=None):
     """The logits the fused paths never store, differentiably (backend="torch"); masked
-    rows' hidden states zeroed first, as in the chunked paths."""
+    rows' hidden states zeroed first, as in the chunked paths. logits_dtype float32: the
+    float32 product of the widened operands (their gradients flow back in their dtype)."""
     keep = torch.zeros(hidden3.shape[:2], dtype=torch.bool, device=hidden3.device)
     keep[:, :mask.shape[1]] = mask
-    x = torch.nn.functional.linear(torch.where(keep[..., None], hidden3, 0.0), weight, bias)
+    h = torch.where(keep[..., None], hidden3, 0.0)
+    if logits_dtype is not None:
+        h, weight = h.to(logits_dtype), weight.to(logits_dtype)
+        bias = None if bias is None else bias.to(logits_dtype)
+    x = torch.nn.functional.linear(h, weight, bias)
     return x if cap is None else cap * torch.tanh(x / cap)
 
 
@@ -442,7 +524,7 @@ def _squeeze(x, flat):
 def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=None, *,
                                lm_head_bias=None, logit_softcap=None, temperature=1.0,
                                return_entropy=False, chunk_size=None, tp_group=None,
-                               vocab_start=None, backend="auto"):
+                               vocab_start=None, backend="auto", logits_dtype=None):
     """pk.token_logprobs of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     to cap * tanh(x / cap) with logit_softcap, without storing them: chunks of chunk_size
     rows (None: about 256 MiB of logits per chunk); the backward recomputes each chunk's
@@ -453,32 +535,41 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     Returns logprobs [B, T] (or [N]), or (logprobs, entropy); backend "torch" materialises
     the logits (the reference composite). tp_group / vocab_start: the head's rows split over
     ranks ([V_r, H] here; docs/DISTRIBUTED.md): the whole vocabulary's results on every
-    rank, d hidden summed over the group, this shard's dW / db.
+    rank, d hidden summed over the group, this shard's dW / db. temperature: a number or a
+    tensor per sequence [B] / per token [B, T] ([N] flat), as in pk.token_logprobs.
+    logits_dtype: None (the logits in hidden's dtype, as the model's own LM head makes them)
+    or torch.float32: with bfloat16 / float16 hidden states and head, each chunk's logits
+    are computed and kept in float32 (vLLM's head_dtype=float32, SGLang's
+    enable_fp32_lm_head), the gradients into hidden / lm_head_weight / lm_head_bias stay in
+    their dtype (docs/FROM_HIDDEN.md, "float32 logits"); float64 hidden states take None.
+    Errors: a TypeError / ValueError naming the argument (temperature as in
+    pk.token_logprobs; logits_dtype other than None / torch.float32).
     """
     def checks():  # no collective: the ranks of tp_group decide validity together
         h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
                                         vocab_start)
         hidden3, tokens2, flat = _hidden_and_tokens(h, w, bias, tokens)
         mask = ck.response_mask(response_mask, tokens2, flat)
-        t = ck.temperature(temperature, hidden3)
+        t = ck.temperature(temperature, hidden3, tokens2, flat, mask)
         ck.flag("return_entropy", return_entropy)
-        cap, chunk = _head_options(hidden3, w, logit_softcap, chunk_size)
+        ldt = _logits_dtype(logits_dtype, hidden3)
+        cap, chunk = _head_options(hidden3, w, logit_softcap, chunk_size, ldt)
         be = get_backend(backend, hidden3.device)
         require_kernels(be, shard)
         if shard is None:
             tokens2 = ck.token_range(tokens2, mask, w.shape[0])
-        return w, bias, shard, hidden3, tokens2, flat, mask, t, cap, chunk, be
+        return w, bias, shard, hidden3, tokens2, flat, mask, t, cap, chunk, be, ldt
 
     (lm_head_weight, lm_head_bias, shard, hidden3, tokens2, flat, mask, temperature, cap, chunk,
-     be) = checks_together(groups(tp_group=tp_group), checks,
-                           lambda r: {"tp_group": tuple(r[4].shape)})
+     be, ldt) = checks_together(groups(tp_group=tp_group), checks,
+                                lambda r: {"tp_group": tuple(r[4].shape)})
     if not be.is_kernel:
-        logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, cap, mask)
+        logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, cap, mask, ldt)
         logp, ent = be.token_logprobs(logits, tokens2, mask, temperature, return_entropy)
     else:
         s = _Chunks(prefix=be.prefix, cap=cap, chunk=chunk, temperature=temperature,
                     tokens=tokens2, mask=mask, acc=acc_dtype(hidden3), shard=shard,
-                    return_entropy=return_entropy)
+                    return_entropy=return_entropy, logits_dtype=ldt)
         args = (hidden3, lm_head_weight, lm_head_bias)
         if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args):
             logp, ent = _LogprobsFromHidden.apply(*args, s)
@@ -495,7 +586,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
 def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages,
                          response_mask=None, ref_logprobs=None, *, lm_head_bias=None,
                          logit_softcap=None, chunk_size=None, tp_group=None, vocab_start=None,
-                         cp_group=None, **loss_options):
+                         cp_group=None, logits_dtype=None, **loss_options):
     """pk.ppo_loss(hidden @ lm_head_weight^T (+ lm_head_bias), ...) without the [N, V]
     logits ever being stored (docs/FROM_HIDDEN.md).
 
@@ -516,6 +607,9 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
             row) and d hidden summed over the group (one
             all-reduce); docs/DISTRIBUTED.md.
         cp_group: context parallel, as in pk.ppo_loss.
+        logits_dtype: None (hidden's dtype) or torch.float32: each chunk's logits in
+            float32 from bfloat16 / float16 hidden states and head (as in
+            token_logprobs_from_hidden; docs/FROM_HIDDEN.md).
         **loss_options: every keyword of pk.ppo_loss (policy_loss, clip_eps_*, kl_*,
             entropy_*, temperature, loss_agg_mode, global counts, rollout_*, grad_scale,
             backend, ...), checked by the same code (loss.check_loss; an unknown keyword
@@ -536,13 +630,14 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
                                         vocab_start)
         hidden3, tokens2, flat = _hidden_and_tokens(h, w, bias, tokens)
-        cap, chunk = _head_options(hidden3, w, logit_softcap, chunk_size)
+        ldt = _logits_dtype(logits_dtype, hidden3)
+        cap, chunk = _head_options(hidden3, w, logit_softcap, chunk_size, ldt)
         spec, x, pending = check_loss(hidden3, None if shard else w.shape[0], tokens2, flat,
                                       options)
         require_kernels(x.be, shard)
-        return w, bias, shard, hidden3, cap, chunk, spec, x, pending
+        return w, bias, shard, hidden3, cap, chunk, spec, x, pending, ldt
 
-    lm_head_weight, lm_head_bias, shard, hidden3, cap, chunk, spec, x, pending = \
+    lm_head_weight, lm_head_bias, shard, hidden3, cap, chunk, spec, x, pending, ldt = \
         checks_together(groups(tp_group=tp_group, cp_group=cp_group), checks,
                         lambda r: agreed_sizes(r[7]), options)
     x = weigh_loss(spec, x, pending)
@@ -551,26 +646,28 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
     if x.weights is None:
         logp, ent = token_logprobs_from_hidden(
             hidden3, lm_head_weight, k(x.tokens), k(x.mask), lm_head_bias=lm_head_bias,
-            logit_softcap=cap, temperature=spec.temperature, return_entropy=True,
+            logit_softcap=cap, temperature=x.kernel_temperature(spec), return_entropy=True,
             chunk_size=chunk, tp_group=None if shard is None else shard.group,
-            vocab_start=None if shard is None else shard.start, backend=x.be.name)
+            vocab_start=None if shard is None else shard.start, backend=x.be.name,
+            logits_dtype=ldt)
         logp, ent = x.padded(logp), x.padded(ent)
         loss = per_token_loss(spec, x, logp, ent)
     elif not x.be.is_kernel:
-        logits = materialised_logits(*diff, cap, k(x.mask))
+        logits = materialised_logits(*diff, cap, k(x.mask), ldt)
         if two_phase(spec, x, shard):
             loss, logp, ent = composite_padded(spec, x, logits)
         else:
             loss, _, logp, ent = x.be.ppo_loss(logits, k(x.tokens), k(x.mask), k(x.old),
                                                k(x.adv), k(x.weights), k(x.ref), k(x.isw),
-                                               spec, k(x.w_ent))
+                                               spec, k(x.w_ent), k(x.temperature))
             logp, ent = x.padded(logp), x.padded(ent)
     else:
-        st = _Chunks(prefix=x.be.prefix, cap=cap, chunk=chunk, temperature=spec.temperature,
+        st = _Chunks(prefix=x.be.prefix, cap=cap, chunk=chunk,
+                     temperature=x.kernel_temperature(spec),
                      tokens=k(x.tokens), mask=k(x.mask), acc=x.acc, shard=shard, spec=spec,
                      inputs=x, old=k(x.old), adv=k(x.adv), ref=k(x.ref), isw=k(x.isw),
                      weights=k(x.weights), w_ent=k(x.w_ent),
-                     gs=spec.effective_grad_scale(hidden3.dtype))
+                     gs=spec.effective_grad_scale(hidden3.dtype), logits_dtype=ldt)
         if torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in diff):
             loss, logp, ent = _LossFromHidden.apply(*diff, st)
         else:
@@ -584,7 +681,7 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
                               chunk_size=None, kl_coef, kl_estimator="k1", gamma=1.0,
                               lam=0.95, value_lam=None, lam_alpha=None, temperature=1.0,
                               whiten=True, cu_seqlens=None, max_seqlen=None, tp_group=None,
-                              vocab_start=None, backend="auto"):
+                              vocab_start=None, backend="auto", logits_dtype=None):
     """pk.score_rollout of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     with logit_softcap, without storing them (docs/FROM_HIDDEN.md): the log-probs come from
     token_logprobs_from_hidden (chunks of chunk_size rows, no gradient), then the same
@@ -598,7 +695,8 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
         lam, value_lam, lam_alpha, temperature, whiten, cu_seqlens, max_seqlen, backend: as
             pk.score_rollout
             (cu_seqlens: hidden [1, total, H] or [total, H]).
-        logit_softcap, chunk_size, tp_group, vocab_start: as packing.token_logprobs_from_hidden.
+        logit_softcap, chunk_size, tp_group, vocab_start, logits_dtype: as
+            token_logprobs_from_hidden.
 
     Returns:
         Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each, 0 where
@@ -616,6 +714,7 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens,
             max_seqlen, opts)
         mask_k = packing.unpad(mask)
+        temperature = packed.packed_temperature(packing, temperature)
     else:
         packed.check_max_seqlen(max_seqlen)
         if flat:
@@ -632,7 +731,8 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             lm_head_bias=None if lm_head_bias is None else lm_head_bias.detach(),
             logit_softcap=logit_softcap, temperature=temperature, chunk_size=chunk_size,
             tp_group=None if shard is None else shard.group,
-            vocab_start=None if shard is None else shard.start, backend=backend)
+            vocab_start=None if shard is None else shard.start, backend=backend,
+            logits_dtype=logits_dtype)
     if packing is None:
         return rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator,
                                      gamma, lams, whiten, backend)

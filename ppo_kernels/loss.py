@@ -30,7 +30,11 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
         tokens: int [B, T] (or [N]), sampled token ids.
         response_mask: [B, T] bool/int/float, nonzero = valid; None = all valid. Masked
             positions are never read and come back 0.
-        temperature: > 0, the sampling temperature the logits are divided by.
+        temperature: > 0, the sampling temperature the logits are divided by: a number, or a
+            tensor of them, 0-d, per sequence [B] (or [B, 1]) or per token [B, T] ([N] with
+            flat tokens): each row is divided by its own value (prime-rl's temperature schedules,
+            per-turn temperatures). The tensor gets no gradient; values on masked positions
+            are not read; the logits' gradient is divided by the row's temperature.
         return_entropy: also return the entropy H [B, T] (nats).
         tp_group: a torch.distributed process group over which the vocabulary is split:
             ``logits`` is then this rank's contiguous shard [.., V_r] (token ids stay
@@ -47,14 +51,16 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, shapes, devices,
-        out-of-range token ids on valid positions, a non-positive temperature or an unknown
-        or unavailable backend.
+        out-of-range token ids on valid positions, a non-positive or non-finite temperature
+        (a number, or a tensor's value on a valid position; on a device that is an
+        asynchronous device assertion, a RuntimeError naming `temperature`), a temperature
+        tensor of the wrong shape, or an unknown or unavailable backend.
     """
     def checks():  # no collective: the ranks of tp_group decide validity together
         local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
         logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
         mask = ck.response_mask(response_mask, tokens2, flat)
-        t = ck.temperature(temperature, logits3)
+        t = ck.temperature(temperature, logits3, tokens2, flat, mask)
         ck.flag("return_entropy", return_entropy)
         be = get_backend(backend, logits3.device)
         _vp.require_kernels(be, shard)
@@ -118,7 +124,9 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             use_bias_correction_kl), differentiated through the ratio as TRL does.
         entropy_coef: entropy bonus weight. entropy_agg_mode: the entropy term's
             aggregation (default: loss_agg_mode; TRL: "token-mean").
-        temperature: > 0.
+        temperature: > 0, a number or a tensor per sequence [B] / [B, 1] or per token
+            [B, T] (as in token_logprobs; with cu_seqlens per packed sequence [S] / [S, 1]
+            or per token in the packed layout [total] / [1, total]).
         loss_agg_mode: "token-mean" | "token-sum" | "seq-mean-token-sum" |
             "seq-mean-token-mean" | "seq-mean-token-sum-norm" | "none" (per-token loss
             [B, T], 0 where masked).
@@ -235,10 +243,10 @@ def _loss_of_logits(spec, x, logits3, shard):
         # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
         if shard is not None:
             logp, ent = _vp.token_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
-                                           spec.temperature, shard)
+                                           x.kernel_temperature(spec), shard)
         else:
-            logp, ent = x.be.token_logprobs(logits3, k(x.tokens), k(x.mask), spec.temperature,
-                                            True)
+            logp, ent = x.be.token_logprobs(logits3, k(x.tokens), k(x.mask),
+                                            x.kernel_temperature(spec), True)
         logp, ent = x.padded(logp), x.padded(ent)
         return per_token_loss(spec, x, logp, ent), logp, ent
     if not x.be.is_kernel:
@@ -248,7 +256,8 @@ def _loss_of_logits(spec, x, logits3, shard):
         loss, _, logp, ent = _two_phase.ppo_loss(x.be.prefix, logits3, spec, x, shard)
         return loss, logp, ent
     loss, _, logp, ent = x.be.ppo_loss(logits3, k(x.tokens), k(x.mask), k(x.old), k(x.adv),
-                                       k(x.weights), k(x.ref), k(x.isw), spec, k(x.w_ent))
+                                       k(x.weights), k(x.ref), k(x.isw), spec, k(x.w_ent),
+                                       k(x.temperature))
     return loss, x.padded(logp), x.padded(ent)
 
 
@@ -257,7 +266,7 @@ def composite_padded(spec, x, logits3):
     with cu_seqlens), the loss on the LossInputs' [B, T] layout (padded; autograd through
     both)."""
     logp, ent = _torch_impl.token_logprobs(logits3, x.kernel(x.tokens), x.kernel(x.mask),
-                                           spec.temperature, True)
+                                           x.kernel_temperature(spec), True)
     logp, ent = x.padded(logp), x.padded(ent)
     pol, _ = _torch_impl.token_losses(logp, ent, x.old, x.adv, x.ref, x.isw, x.mask, spec,
                                       x.behaviour)
@@ -285,6 +294,13 @@ class LossInputs(NamedTuple):
     be: Any  # the backend
     flat: bool
     packing: Any  # packed.Packing (cu_seqlens: the tensors above are padded) or None
+    # the per-row temperature [B, T] (1 on masked positions), or None: spec.temperature
+    temperature: Any = None
+
+    def kernel_temperature(self, spec):
+        """The temperature as the backends take it: spec.temperature, or the per-row tensor
+        in the kernels' layout (packed again with cu_seqlens)."""
+        return spec.temperature if self.temperature is None else self.kernel(self.temperature)
 
     def kernel(self, x):
         """x [B, T] in the layout the kernels read (packed again with cu_seqlens)."""
@@ -300,6 +316,8 @@ class LossInputs(NamedTuple):
 _TENSOR_OPTIONS = ("old_logprobs", "advantages", "response_mask", "ref_logprobs",
                    "global_num_tokens", "global_num_seqs", "rollout_is_weights",
                    "rollout_logprobs", "cu_seqlens", "max_seqlen", "backend")
+# (temperature is a LossSpec number, or a tensor that check_loss takes apart like the
+# per-token inputs)
 # the arguments ppo_loss reads itself (the logits' path, the split vocabulary)
 _CALL_ARGUMENTS = ("logits", "tokens", "tp_group", "vocab_start")
 
@@ -319,8 +337,16 @@ def check_loss(like, vocab, tokens2, flat, options):
     t = {k: options.get(k) for k in _TENSOR_OPTIONS}
     t["backend"] = options.get("backend", "auto")
     acc = ck.acc_dtype(like)
-    spec = LossSpec.build(acc, **{k: v for k, v in options.items()
-                                  if k not in _TENSOR_OPTIONS + _CALL_ARGUMENTS})
+    temperature = options.get("temperature")
+    spec_options = {k: v for k, v in options.items()
+                    if k not in _TENSOR_OPTIONS + _CALL_ARGUMENTS}
+    if isinstance(temperature, torch.Tensor):  # per row: LossSpec keeps the default 1
+        spec_options.pop("temperature")
+        if temperature.dim() == 0:  # one value, left on its device
+            temperature = temperature.reshape(1, 1).expand(tokens2.shape)
+    else:
+        temperature = None
+    spec = LossSpec.build(acc, **spec_options)
     _cp.check_group(spec.cp_group)
     response_mask, old_logprobs, advantages = (t["response_mask"], t["old_logprobs"],
                                                t["advantages"])
@@ -336,14 +362,16 @@ def check_loss(like, vocab, tokens2, flat, options):
         # per sequence: [S, 1], or [S] where S != total (with S == total a 1-D tensor is
         # per token)
         s_ = packing.num_seqs
-        advantages, rollout_is_weights = (
+        advantages, rollout_is_weights, temperature = (
             packing.per_seq(v) if isinstance(v, torch.Tensor) and (
                 tuple(v.shape) == (s_, 1) or (tuple(v.shape) == (s_,) and s_ != packing.total))
-            else v for v in (advantages, rollout_is_weights))
+            else v for v in (advantages, rollout_is_weights, temperature))
         response_mask, padded = packed.padded_inputs(
             packing, response_mask, "tokens", tokens2, old_logprobs=old_logprobs,
             advantages=advantages, ref_logprobs=ref_logprobs,
-            rollout_is_weights=rollout_is_weights, rollout_logprobs=rollout_logprobs)
+            rollout_is_weights=rollout_is_weights, rollout_logprobs=rollout_logprobs,
+            temperature=temperature)
+        temperature = padded["temperature"]
         old_logprobs, advantages, ref_logprobs = (padded["old_logprobs"], padded["advantages"],
                                                   padded["ref_logprobs"])
         rollout_is_weights = padded["rollout_is_weights"]
@@ -359,6 +387,8 @@ def check_loss(like, vocab, tokens2, flat, options):
                        optional=True, per_seq_ok=True)
     rollout = ck.per_token("rollout_logprobs", rollout_logprobs, tokens2, flat, acc,
                            optional=True)
+    if temperature is not None:
+        temperature = ck.temperature(temperature, like, tokens2, flat, mask)
     # masked positions hold anything (NaN included); the [B, T] formulas that reduce over
     # a sequence (GSPO's ratio, the off-policy mask) would carry 0 * NaN into the valid
     # tokens' gradient, so they are set apart here, before any of them (the kernels never
@@ -388,7 +418,8 @@ def check_loss(like, vocab, tokens2, flat, options):
         tokens2 = ck.token_range(tokens2, mask, vocab)
     x = LossInputs(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref, isw=isw,
                    rollout=rollout, rc_w=None, behaviour=behaviour, weights=None, w_ent=None,
-                   be=be, flat=out_flat if packing is not None else flat, packing=packing)
+                   be=be, flat=out_flat if packing is not None else flat, packing=packing,
+                   temperature=temperature)
     return spec, x, dict(bounds=bounds, global_num_tokens=global_num_tokens,
                          global_num_seqs=global_num_seqs, norm_length=norm_length)
 

@@ -115,6 +115,22 @@ def total_of(x, name):
                      f"[total], got {list(x.shape)}")
 
 
+def packed_temperature(pk, temperature):
+    """A temperature of packed sequences in the packed layout: a per-sequence [S] / [S, 1]
+    tensor spread over its tokens (a 1-D tensor of S == total entries is per token), a
+    per-token [total] / [1, total] one as [1, total]; a number as it is (ck.temperature
+    checks either)."""
+    if not isinstance(temperature, torch.Tensor):
+        return temperature
+    if temperature.dim() == 0:
+        return temperature.reshape(1, 1).expand(1, pk.total)
+    s = pk.num_seqs
+    if tuple(temperature.shape) == (s, 1) or (tuple(temperature.shape) == (s,) and
+                                              s != pk.total):
+        return pk.per_seq(temperature)
+    return packed_like(temperature, "temperature", pk.total)
+
+
 def padded_inputs(pk, mask, like_name, like, **tensors):
     """(mask [S, L], {name: [S, L] or None}) for per-token tensors of the packed layout of
     ``like`` (mask None: every packed position is valid; the padding never is). The

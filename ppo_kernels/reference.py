@@ -72,11 +72,24 @@ def _row_stats(z):
     return d, log_sum, ent, p
 
 
+def _temperature(temperature, shape):
+    """The temperature as a divisor of z [B, T, V]: a number, or per sequence [B] / per
+    token [B, T] (each row of z divided by its own value; the per-row temperature of
+    prime-rl's schedules and per-turn temperatures). Positions where it is not positive
+    (masked ones) divide by 1: their results are 0 anyway."""
+    if np.ndim(temperature) == 0:
+        return float(temperature)
+    t = as_f64(temperature)
+    t = t[:, None] * np.ones(shape) if t.ndim == 1 else t.reshape(shape)
+    return np.where(t > 0, t, 1.0)[..., None]
+
+
 def token_logprobs(logits, tokens, response_mask=None, temperature=1.0):
-    """logprobs [B, T] and entropy [B, T] of the sampled tokens; 0 on masked positions."""
+    """logprobs [B, T] and entropy [B, T] of the sampled tokens; 0 on masked positions.
+    temperature: a number, or [B] / [B, T] (_temperature)."""
     z, tokens = _align(logits, tokens)
     m = _mask(response_mask, tokens.shape)
-    d, log_sum, ent, _ = _row_stats(z / temperature)
+    d, log_sum, ent, _ = _row_stats(z / _temperature(temperature, tokens.shape))
     safe = np.where(m > 0, tokens, 0)
     logp = np.take_along_axis(d, safe[..., None], -1)[..., 0] - log_sum
     return np.where(m > 0, logp, 0.0), np.where(m > 0, ent, 0.0)
@@ -87,11 +100,14 @@ def token_logprobs_grad(logits, tokens, response_mask, temperature, grad_logprob
     """d/dlogits of sum(grad_logprobs * logp + grad_entropy * H), shaped like ``logits``.
 
     d logp / d z_v = 1[v = token] - p_v, d H / d z_v = -p_v (log p_v + H); the token's own
-    1 - p is taken as -expm1(log p) (no cancellation for confident tokens)."""
+    1 - p is taken as -expm1(log p) (no cancellation for confident tokens). With z =
+    logits / temperature (a number or per row, [B] / [B, T]), d / dlogits = d / dz divided
+    by the row's own temperature."""
     full = as_f64(logits)
     z, tokens = _align(full, tokens)
     m = _mask(response_mask, tokens.shape)
-    d, log_sum, ent, p = _row_stats(z / temperature)
+    temp = _temperature(temperature, tokens.shape)
+    d, log_sum, ent, p = _row_stats(z / temp)
     glp = as_f64(grad_logprobs) * m
     gh = np.zeros_like(glp) if grad_entropy is None else as_f64(grad_entropy) * m
     logp_v = np.where(p > 0, d - log_sum[..., None], 0.0)
@@ -104,7 +120,7 @@ def token_logprobs_grad(logits, tokens, response_mask, temperature, grad_logprob
     g_tok = -glp[..., None] * np.expm1(lp_tok) - gh[..., None] * ent_part
     np.put_along_axis(g, safe, g_tok, -1)
     out = np.zeros_like(full)
-    out[:, : tokens.shape[1]] = g / temperature
+    out[:, : tokens.shape[1]] = g / temp
     return out
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ._autograd import first_order_only
-from ._checks import host_readable, tensor
+from ._checks import host_readable, split_temperature, tensor
 from .context_parallel import check_group
 
 
@@ -116,7 +116,8 @@ def logits_grad(prefix, dlogp, dent, logits, tokens, mask, row_max, log_sum, ent
     the placeholder entries are rewritten as well. The one way every path gets a shard's
     dlogits."""
     bwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_bwd")
-    dz = bwd(dlogp, dent, logits, tokens, mask, row_max, log_sum, ent, temperature)
+    t, temps = split_temperature(temperature)
+    dz = bwd(dlogp, dent, logits, tokens, mask, row_max, log_sum, ent, t, temperatures=temps)
     if shard is not None:
         shard.fix_placeholder_(dz, logits, own, mask, dlogp, dent, row_max, log_sum, ent,
                                temperature)
@@ -265,10 +266,12 @@ def require_kernels(be, shard):
 
 
 def shard_stats(logits, tokens, mask, temperature, shard, prefix):
-    """(logp, H, row max, log_sum) of the whole rows, then (local ids, own)."""
+    """(logp, H, row max, log_sum) of the whole rows, then (local ids, own). temperature: a
+    number or the per-row [B, T] tensor (the merge divides by it row by row)."""
     local, own = shard.local_tokens(tokens)
     fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
-    lp, ent, mx, ls = fwd(logits, local, mask, temperature, True)
+    t, temps = split_temperature(temperature)
+    lp, ent, mx, ls = fwd(logits, local, mask, t, True, temperatures=temps)
     return (*shard.merge(lp, ent, mx, ls, own, mask, temperature, tokens), local, own)
 
 

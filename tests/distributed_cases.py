@@ -478,9 +478,70 @@ def tp_packed_checks(rank, world):
     return out
 
 
+def temperature_checks(rank, world):
+    """A per-token temperature [B, T] (and a per-sequence [B] one) over a split vocabulary
+    and over sequences split along T: the single-process result with the same tensor."""
+    out = {}
+    group = dist.group.WORLD
+    x = batch()
+    b, t = x["tokens"].shape
+    g = torch.Generator().manual_seed(5)
+    temp = (0.4 + 1.6 * torch.rand(b, t, generator=g)).to(DEVICE)
+    seq = temp[:, 0].contiguous()
+    v0, v1 = split(x["logits"].shape[-1], world, rank)
+    for form, tt in (("token", temp), ("seq", seq)):
+        for pl in ("vanilla", "gspo"):
+            kw = dict(policy_loss=pl, entropy_coef=0.01, temperature=tt)
+            full = x["logits"].clone().requires_grad_()
+            lf, mf = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"], **kw)
+            lf.backward()
+            loc = x["logits"][..., v0:v1].clone().requires_grad_()
+            ls, ms = pk.ppo_loss(loc, x["tokens"], x["old"], x["adv"], x["mask"],
+                                 tp_group=group, vocab_start=v0, **kw)
+            ls.backward()
+            name = f"temperature/tp/{form}/ppo_loss/{pl}"
+            compare_loss(out, name, lf, mf, ls, ms, F32)
+            out[name + "/grad"] = [err(loc.grad, full.grad[..., v0:v1]), F32]
+        lp = pk.token_logprobs(x["logits"], x["tokens"], x["mask"], temperature=tt)
+        lq = pk.token_logprobs(x["logits"][..., v0:v1], x["tokens"], x["mask"], temperature=tt,
+                               tp_group=group, vocab_start=v0)
+        out[f"temperature/tp/{form}/token_logprobs"] = [err(lq, lp), F32]
+        h1 = x["hidden"].clone().requires_grad_()
+        lf, _ = pk.ppo_loss_from_hidden(h1, x["weight"], x["tokens"], x["old"], x["adv"],
+                                        x["mask"], temperature=tt, chunk_size=10)
+        lf.backward()
+        h2 = x["hidden"].clone().requires_grad_()
+        ls, _ = pk.ppo_loss_from_hidden(h2, x["weight"][v0:v1], x["tokens"], x["old"],
+                                        x["adv"], x["mask"], temperature=tt, chunk_size=7,
+                                        tp_group=group, vocab_start=v0)
+        ls.backward()
+        out[f"temperature/tp/{form}/ppo_loss_from_hidden/loss"] = [err(ls, lf), F32]
+        out[f"temperature/tp/{form}/ppo_loss_from_hidden/grad_hidden"] = [err(h2.grad, h1.grad),
+                                                                          F32]
+    # context parallel: each rank's piece of the per-token temperature
+    t0, t1 = split(t, world, rank)
+    tsl = slice(t0, t1)
+    for pl in ("vanilla", "gspo"):
+        full = x["logits"].clone().requires_grad_()
+        lf, _ = pk.ppo_loss(full, x["tokens"], x["old"], x["adv"], x["mask"], policy_loss=pl,
+                            loss_agg_mode="seq-mean-token-mean", temperature=temp)
+        lf.backward()
+        loc = x["logits"][:, tsl].clone().requires_grad_()
+        ls, _ = pk.ppo_loss(loc, x["tokens"][:, tsl], x["old"][:, tsl], x["adv"],
+                            x["mask"][:, tsl], policy_loss=pl,
+                            loss_agg_mode="seq-mean-token-mean", temperature=temp[:, tsl],
+                            cp_group=group)
+        ls.backward()
+        total = ls.detach().clone()
+        dist.all_reduce(total)
+        out[f"temperature/cp/ppo_loss/{pl}/loss"] = [err(total, lf), F32]
+        out[f"temperature/cp/ppo_loss/{pl}/grad"] = [err(loc.grad, full.grad[:, tsl]), F32]
+    return out
+
+
 SUITES = {
     2: [tp_checks, dtensor_checks, dp_checks, dp_from_hidden_checks, cp_checks,
-        tp_packed_checks, low_precision_checks],
+        tp_packed_checks, low_precision_checks, temperature_checks],
     3: [tp_checks, dp_checks, cp_checks, tp_packed_checks],
     4: [tp_dp_checks, cp_dp_checks],
 }

@@ -80,6 +80,36 @@ def test_opcheck_ppo_loss_fwd_inplace(case):
     torch.library.opcheck(OPS.ppo_loss_fwd_inplace, _loss_args(case, logits))
 
 
+def _row_temps(inp):
+    """A per-row temperature [B, T] (1 on masked positions), the ops' `temperatures`."""
+    g = torch.Generator().manual_seed(7)
+    return torch.where(inp["mask"], 0.5 + torch.rand(B, T, generator=g), 1.0)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_opcheck_with_per_row_temperatures(case, grad):
+    """The optional `temperatures` argument through every op's schema, fake function and
+    autograd registration (token_logprobs_fwd's backward saves it for token_logprobs_bwd)."""
+    tt = _row_temps(case)
+    logits = case["logits"].clone().requires_grad_(grad)
+    torch.library.opcheck(OPS.token_logprobs_fwd, (logits, case["tokens"], case["mask"], 1.0,
+                                                   True), {"temperatures": tt})
+    logp, ent, mx, ls = OPS.token_logprobs_fwd(case["logits"], case["tokens"], case["mask"],
+                                               1.0, True, temperatures=tt)
+    g = torch.randn(B, T)
+    torch.library.opcheck(OPS.token_logprobs_bwd, (g, g.clone(), case["logits"],
+                                                   case["tokens"], case["mask"], mx, ls, ent,
+                                                   1.0), {"temperatures": tt})
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    torch.library.opcheck(OPS.ppo_loss_fwd, _loss_args(case, logits) + (grad,),
+                          {"temperatures": tt}, test_utils=utils)
+    torch.library.opcheck(OPS.ppo_loss_fwd_inplace, _loss_args(case, case["logits"].clone()),
+                          {"temperatures": tt})
+    torch.library.opcheck(OPS.score_rollout, (case["logits"], case["tokens"], case["mask"],
+                                              case["ref"], torch.randn(B, T), torch.randn(B),
+                                              0.05, 0, 0.99, 0.95, 1.0), {"temperatures": tt})
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("go", [1.0, 0.25])
 def test_opcheck_scale_grad_(case, dtype, go):
@@ -163,6 +193,26 @@ def test_opcheck_triton_ops(name):
     # (*_vapo: the op with lam_per_seq and value_lam)
     res = torch.library.opcheck(getattr(OPS, name.removesuffix("_vapo")).default,
                                 _opcheck_cases()[name],
+                                test_utils=utils)
+    assert set(res) == set(utils) and all(v == "SUCCESS" for v in res.values()), res
+
+
+@triton_ops
+@pytest.mark.parametrize("name", ["triton_token_logprobs_fwd", "triton_token_logprobs_bwd",
+                                  "triton_ppo_loss_fwd", "triton_ppo_loss_fwd_inplace",
+                                  "triton_score_rollout"])
+def test_opcheck_triton_ops_with_per_row_temperatures(name):
+    """The same with the optional `temperatures` [B, T] (1 on the masked position)."""
+    from ppo_kernels import _backends
+
+    _backends.get_backend("triton", torch.device(DEV))
+    utils = ["test_schema", "test_autograd_registration", "test_faketensor"]
+    if DEV == "cuda":
+        utils.append("test_aot_dispatch_dynamic")
+    args = _opcheck_cases()[name]
+    m = args[2] if name != "triton_token_logprobs_bwd" else args[4]
+    tt = torch.where(m, torch.linspace(0.5, 1.5, m.numel(), device=DEV).view(m.shape), 1.0)
+    res = torch.library.opcheck(getattr(OPS, name).default, args, {"temperatures": tt},
                                 test_utils=utils)
     assert set(res) == set(utils) and all(v == "SUCCESS" for v in res.values()), res
 

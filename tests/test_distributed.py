@@ -66,7 +66,8 @@ def test_every_suite_ran(world_results):
     prefixes = {"tp_checks": "tp/", "dtensor_checks": "dtensor/", "dp_checks": "dp/ppo_loss",
                 "dp_from_hidden_checks": "dp/ppo_loss_from_hidden", "cp_checks": "cp/",
                 "tp_dp_checks": "tp_x_dp/", "cp_dp_checks": "cp_x_dp/",
-                "tp_packed_checks": "tp_packed/", "low_precision_checks": "dp/bfloat16"}
+                "tp_packed_checks": "tp_packed/", "low_precision_checks": "dp/bfloat16",
+                "temperature_checks": "temperature/"}
     for fn in cases.SUITES[world]:
         for rank, res in enumerate(results):
             n = sum(k.startswith(prefixes[fn.__name__]) for k in res)

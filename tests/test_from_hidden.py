@@ -548,8 +548,8 @@ def test_no_tensor_larger_than_a_chunk(policy_loss, cap):
     spy_calls = []
     real = fh.chunk_logits
 
-    def spy(h, w, b, cap_):
-        z = real(h, w, b, cap_)
+    def spy(h, w, b, cap_, *rest):
+        z = real(h, w, b, cap_, *rest)
         spy_calls.append(tuple(z.shape))
         return z
 
@@ -788,6 +788,12 @@ def test_score_rollout_from_hidden_no_tensor_larger_than_a_chunk():
     (lambda d, v, s: dict(gamma=1.5), ValueError, "gamma"),
     (lambda d, v, s: dict(lam=-0.1), ValueError, "lam"),
     (lambda d, v, s: dict(temperature=0.0), ValueError, "temperature"),
+    (lambda d, v, s: dict(temperature=torch.ones(d["tokens"].shape[0] + 1)), ValueError,
+     "temperature"),
+    (lambda d, v, s: dict(temperature=torch.full(d["tokens"].shape, -1.0)), ValueError,
+     "temperature"),
+    (lambda d, v, s: dict(logits_dtype=torch.float16), ValueError, "logits_dtype"),
+    (lambda d, v, s: dict(logits_dtype="float32"), TypeError, "logits_dtype"),
     (lambda d, v, s: dict(chunk_size=0), ValueError, "chunk_size"),
     (lambda d, v, s: dict(logit_softcap=-1.0), ValueError, "logit_softcap"),
     (lambda d, v, s: dict(tokens=d["tokens"] + 100), ValueError, "tokens"),
@@ -802,3 +808,84 @@ def test_score_rollout_from_hidden_bad_inputs(over, exc, name):
     a.update(over(d, values, scores))
     with pytest.raises(exc, match=name):
         pk.score_rollout_from_hidden(**a)
+
+
+# ------------------------------------------------------------------ logits_dtype=float32
+
+def _bf16_head(seed, B=3, T=6, H=16, V=37):
+    g = torch.Generator().manual_seed(seed)
+    hid = (torch.randn(B, T, H, generator=g) * 2).to(torch.bfloat16)
+    W = torch.randn(V, H, generator=g).to(torch.bfloat16)
+    b = torch.randn(V, generator=g).to(torch.bfloat16)
+    tok = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    old = -torch.rand(B, T, generator=g) - 0.5
+    adv = torch.randn(B, T, generator=g)
+    return hid, W, b, tok, mask, old, adv
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_float32_logits_of_bf16_inputs(backend, policy_loss):
+    """bf16 hidden / head with logits_dtype=float32: the float32 computation on the
+    bf16-rounded inputs (well under 1e-5), unlike the default bf16 logits; gradients in
+    bf16, within bf16 rounding of the float32 ones."""
+    hid, W, b, tok, mask, old, adv = _bf16_head(201)
+    kw = dict(policy_loss=policy_loss, entropy_coef=0.01, temperature=0.7, chunk_size=5,
+              lm_head_bias=b, backend=backend)
+    h16, w16 = hid.clone().requires_grad_(True), W.clone().requires_grad_(True)
+    loss, met = pk.ppo_loss_from_hidden(h16, w16, tok, old, adv, mask,
+                                        logits_dtype=torch.float32, return_per_token=True, **kw)
+    loss.backward()
+    h32, w32 = hid.float().requires_grad_(True), W.float().requires_grad_(True)
+    kw32 = dict(kw, lm_head_bias=b.float())
+    want, wm = pk.ppo_loss_from_hidden(h32, w32, tok, old, adv, mask, return_per_token=True,
+                                       **kw32)
+    want.backward()
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    lp, wlp = met["per_token_logprobs"], wm["per_token_logprobs"]
+    assert float((lp - wlp).abs().max()) <= 1e-5 * max(1.0, float(wlp.abs().max()))
+    assert h16.grad.dtype == torch.bfloat16 and w16.grad.dtype == torch.bfloat16
+    for got, ref32 in ((h16.grad, h32.grad), (w16.grad, w32.grad)):
+        err = float((got.float() - ref32).abs().max())
+        assert err <= 1e-2 * float(ref32.abs().max()), err
+    default, dm = pk.ppo_loss_from_hidden(hid, W, tok, old, adv, mask, return_per_token=True,
+                                          **kw)
+    # the default path rounds each logit to bf16 (8 bits): visibly different log-probs
+    assert float((dm["per_token_logprobs"] - wlp).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_float32_logits_token_logprobs_and_score(backend):
+    hid, W, b, tok, mask, old, adv = _bf16_head(211)
+    lp, h = pk.token_logprobs_from_hidden(hid, W, tok, mask, lm_head_bias=b,
+                                          logits_dtype=torch.float32, return_entropy=True,
+                                          chunk_size=4, backend=backend)
+    e_lp, e_h = pk.token_logprobs_from_hidden(hid.float(), W.float(), tok, mask,
+                                              lm_head_bias=b.float(), return_entropy=True,
+                                              chunk_size=4, backend=backend)
+    assert float((lp - e_lp).abs().max()) <= 1e-5 * max(1.0, float(e_lp.abs().max()))
+    assert float((h - e_h).abs().max()) <= 1e-5 * max(1.0, float(e_h.abs().max()))
+    d_lp = pk.token_logprobs_from_hidden(hid, W, tok, mask, lm_head_bias=b, chunk_size=4,
+                                         backend=backend)
+    assert float((d_lp - e_lp).abs().max()) > 1e-4
+    B, T = tok.shape
+    g = torch.Generator().manual_seed(212)
+    r = pk.score_rollout_from_hidden(hid, W, tok, old, torch.randn(B, T, generator=g),
+                                     torch.randn(B, generator=g), mask, lm_head_bias=b,
+                                     kl_coef=0.1, logits_dtype=torch.float32, chunk_size=4,
+                                     backend=backend)
+    assert float((r.logprobs - e_lp).abs().max()) <= 1e-5 * max(1.0, float(e_lp.abs().max()))
+
+
+def test_float32_logits_is_a_no_op_for_float32_inputs():
+    hid, W, b, tok, mask, old, adv = _bf16_head(221)
+    hid, W = hid.float(), W.float()
+    a = pk.token_logprobs_from_hidden(hid, W, tok, mask, chunk_size=4, backend="cpu")
+    c = pk.token_logprobs_from_hidden(hid, W, tok, mask, chunk_size=4, backend="cpu",
+                                      logits_dtype=torch.float32)
+    assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="logits_dtype"):
+        pk.token_logprobs_from_hidden(hid.double(), W.double(), tok, mask,
+                                      logits_dtype=torch.float32)

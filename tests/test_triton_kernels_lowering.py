@@ -38,7 +38,7 @@ def _row_types(logits, acc="fp32"):
         "logp_ptr": a, "ent_ptr": a, "max_ptr": a, "lsum_ptr": a, "ref_ptr": a, "kl_ptr": a,
         "rew_ptr": a,
         "glogp_ptr": a, "gent_ptr": a, "old_ptr": a, "adv_ptr": a, "w_ptr": a,
-        "isw_ptr": a, "went_ptr": a, "loss_tok_ptr": a,
+        "isw_ptr": a, "went_ptr": a, "loss_tok_ptr": a, "invt_ptr": a,
         "T": "i32", "TL": "i32", "TG": "i32", "V": "i32",
         "inv_temp": "fp64", "kl_coef": "fp64", "clip_eps_low": "fp64",
         "clip_eps_high": "fp64", "dual_clip_c": "fp64", "entropy_coef": "fp64",
@@ -160,6 +160,16 @@ _MENU_DEFAULTS = dict(HAS_OLD=True, HAS_WENT=False, POLICY_LOSS=0, KL_BIAS=False
 for _name, (_mod, _attr, _types, _consts, _opts) in list(VARIANTS.items()):
     if _attr == "_ppo_loss_jit":
         VARIANTS[_name] = (_mod, _attr, _types, {**_MENU_DEFAULTS, **_consts}, _opts)
+# the per-row temperature (ROW_TEMP: each row's 1 / T loaded from invt_ptr): off in the
+# variants above, on in the copies below
+_ROW_KERNELS = ("_ppo_loss_jit", "logprobs_fwd_kernel", "_logprobs_bwd_kernel")
+for _name, (_mod, _attr, _types, _consts, _opts) in list(VARIANTS.items()):
+    if _attr in _ROW_KERNELS:
+        VARIANTS[_name] = (_mod, _attr, _types, {"ROW_TEMP": False, **_consts}, _opts)
+for _base in ("ppo_loss-bf16", "logprobs_fwd-bf16", "logprobs_bwd-fp32", "score_rows-bf16",
+              "ppo_loss-fp64"):
+    _mod, _attr, _types, _consts, _opts = VARIANTS[_base]
+    VARIANTS[_base + "-row-temp"] = (_mod, _attr, _types, {**_consts, "ROW_TEMP": True}, _opts)
 
 # Kernels whose 16-byte alignment the runtime would know (it specializes pointers and
 # ints divisible by 16): with that, the vocabulary loop must use 128-bit loads.

@@ -9,7 +9,9 @@
 #include "grad_buffer.h"
 #include "row_kernels.h"
 
+#include <cmath>
 #include <cstdint>
+#include <optional>
 
 namespace ppo_cpu {
 inline namespace CPU_CAPABILITY {
@@ -51,6 +53,33 @@ inline void check_per_token(const at::Tensor& x, const char* name, const at::Ten
 inline void check_temperature(double temperature) {
   TORCH_CHECK(std::isfinite(temperature) && temperature > 0,
               "temperature: expected a finite number > 0, got ", temperature);
+}
+
+// The optional per-row temperatures (csrc/ops.cpp): [B, T] of the accumulation dtype T,
+// contiguous; every valid row's value finite, > 0, with a reciprocal finite in T (masked
+// rows are never read). Returns the data pointer, or null without the tensor (the scalar
+// temperature then applies to every row).
+template <typename T>
+inline const T* row_temperatures(const std::optional<at::Tensor>& temps, const at::Tensor& tokens,
+                                 const bool* m) {
+  if (!temps.has_value()) return nullptr;
+  check_per_token(*temps, "temperatures", tokens, c10::CppTypeToScalarType<T>::value);
+  const T* t = temps->data_ptr<T>();
+  for (int64_t i = 0; i < tokens.numel(); ++i) {
+    if (!m[i]) continue;
+    const double v = double(t[i]);
+    TORCH_CHECK(std::isfinite(v) && v > 0 && std::isfinite(T(1.0 / v)),
+                "temperatures: expected a finite number > 0 whose reciprocal is finite in the "
+                "accumulation dtype on every valid row, got ", v, " at flat position ", i);
+  }
+  return t;
+}
+
+// 1 / temperature of row i: the per-row value when there is one, rounded once from double as
+// the scalar `inv` is (so a tensor of equal values gives the scalar call's bits).
+template <typename T>
+inline T row_inv(const T* temps, int64_t i, T inv) {
+  return temps ? T(1.0 / double(temps[i])) : inv;
 }
 
 inline void check_kl_estimator(int64_t kl_estimator) {

@@ -13,7 +13,7 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
     const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
-    double temperature, bool return_entropy) {
+    double temperature, bool return_entropy, const std::optional<at::Tensor>& temperatures) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   check_temperature(temperature);
@@ -32,7 +32,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
     T* en = return_entropy ? ent.data_ptr<T>() : nullptr;
     T* mx = row_max.data_ptr<T>();
     T* ls = log_sum.data_ptr<T>();
-    const T inv = T(1.0 / temperature);
+    const T inv0 = T(1.0 / temperature);
+    const T* tt = row_temperatures<T>(temperatures, tokens, m);
     at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
       RowWorker<scalar_t> rw(r.V, false);
       for (int64_t i = begin; i < end; ++i) {
@@ -41,6 +42,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
           if (en) en[i] = T(0);
           continue;
         }
+        const T inv = row_inv(tt, i, inv0);
         const scalar_t* x = L + r.offset(i);
         const RowStats<T> st = en ? rw.template stats<true>(x, inv)
                                   : rw.template stats<false>(x, inv);
@@ -63,7 +65,8 @@ at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
                               const at::Tensor& logits, const at::Tensor& tokens_in,
                               const at::Tensor& mask_in, const at::Tensor& row_max,
                               const at::Tensor& log_sum, const at::Tensor& entropy,
-                              double temperature) {
+                              double temperature,
+                              const std::optional<at::Tensor>& temperatures) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   check_temperature(temperature);
@@ -90,7 +93,8 @@ at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
     const T* H = has_ge ? entropy.data_ptr<T>() : nullptr;
     const T* mx = row_max.data_ptr<T>();
     const T* ls = log_sum.data_ptr<T>();
-    const T inv = T(1.0 / temperature);
+    const T inv0 = T(1.0 / temperature);
+    const T* tt = row_temperatures<T>(temperatures, tokens, m);
     // every row of out, t >= T included (zeros), i = b * Tl + t
     at::parallel_for(0, r.B * r.Tl, row_grain(r.V), [&](int64_t begin, int64_t end) {
       RowWorker<scalar_t> rw(r.V, false);
@@ -103,7 +107,8 @@ at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
           continue;
         }
         const RowStats<T> st{mx[i], ls[i], T(0), H ? H[i] : T(0)};
-        rw.grad(L + b * r.sB + t * r.sT, inv, st, gl[i], g_ent, tok[i], false, orow);
+        rw.grad(L + b * r.sB + t * r.sT, row_inv(tt, i, inv0), st, gl[i], g_ent, tok[i],
+                false, orow);
       }
     });
   });

@@ -15,7 +15,7 @@ namespace {
 
 struct LossInputs {
   const at::Tensor &tokens, &mask, &advantages, &weights;
-  const std::optional<at::Tensor>&old, &ref, &is_w, &w_ent;
+  const std::optional<at::Tensor>&old, &ref, &is_w, &w_ent, &temps;
   ppo::PolicyParams p;
   double temperature;
   double grad_scale;  // the written dlogits are grad_scale * d loss / d logits
@@ -39,7 +39,8 @@ void fused_rows(const at::Tensor& logits, const Rows& r, const LossInputs& in, s
   T* lt = loss_tok.data_ptr<T>();
   T* lp = logp.data_ptr<T>();
   T* en = ent.data_ptr<T>();
-  const T inv = T(1.0 / in.temperature);
+  const T inv0 = T(1.0 / in.temperature);
+  const T* tt = row_temperatures<T>(in.temps, in.tokens, m);
   const T gs = T(in.grad_scale);
   const ppo::PolicyParams p = in.p;
   at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
@@ -52,6 +53,7 @@ void fused_rows(const at::Tensor& logits, const Rows& r, const LossInputs& in, s
         if (orow) zero_row(orow, r.V);
         continue;
       }
+      const T inv = row_inv(tt, i, inv0);
       const scalar_t* x = L + r.offset(i);
       const RowStats<T> st = rw.template stats<true>(x, inv);
       const T logp_i = rw.logp(x, tok[i], inv, st);
@@ -95,7 +97,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
     const std::optional<at::Tensor>& old, const at::Tensor& advantages,
     const at::Tensor& weights, const std::optional<at::Tensor>& ref,
     const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, const at::Tensor& dlogits) {
+    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, const at::Tensor& dlogits,
+    const std::optional<at::Tensor>& temps) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   const at::ScalarType acc = acc_type(logits);
@@ -107,7 +110,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
   if (w_ent) check_per_token(*w_ent, "entropy_weights", tokens, acc);
   const ppo::PolicyParams p = ppo::loss_params(scalars, codes, ref.has_value(), is_w.has_value());
   r.check_tokens(tokens.data_ptr<int64_t>(), mask.data_ptr<bool>());
-  const LossInputs in{tokens, mask, advantages, weights, old, ref, is_w, w_ent, p,
+  const LossInputs in{tokens, mask, advantages, weights, old, ref, is_w, w_ent, temps, p,
                       p[ppo::slot::temperature], p[ppo::slot::grad_scale]};
   const auto opts = logits.options().dtype(acc);
   at::Tensor loss_tok = at::empty({r.B, r.T}, opts), logp = at::empty({r.B, r.T}, opts),
@@ -127,12 +130,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_
     const std::optional<at::Tensor>& old, const at::Tensor& advantages,
     const at::Tensor& weights, const std::optional<at::Tensor>& ref,
     const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, bool compute_grad) {
+    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, bool compute_grad,
+    const std::optional<at::Tensor>& temperatures) {
   at::Tensor dlogits = compute_grad ? new_grad_buffer(logits.sizes(), logits.options())
                                     : at::empty({0}, logits.options());
   auto [loss, loss_tok, logp, ent] = run(logits, tokens, mask, old, advantages, weights, ref,
                                          is_w, w_ent, scalars, codes,
-                                         compute_grad ? dlogits : at::Tensor());
+                                         compute_grad ? dlogits : at::Tensor(), temperatures);
   return {loss, loss_tok, logp, ent, dlogits};
 }
 
@@ -141,10 +145,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd_inplace(
     const std::optional<at::Tensor>& old, const at::Tensor& advantages,
     const at::Tensor& weights, const std::optional<at::Tensor>& ref,
     const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes) {
+    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
+    const std::optional<at::Tensor>& temperatures) {
   // each row is read (its exps kept) before its gradient overwrites it
   return run(logits, tokens, mask, old, advantages, weights, ref, is_w, w_ent, scalars, codes,
-             logits);
+             logits, temperatures);
 }
 
 }  // namespace

@@ -108,7 +108,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rol
     const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
     const at::Tensor& ref_logprobs, const at::Tensor& values, const at::Tensor& scores,
     double kl_coef, int64_t kl_estimator, double gamma, double lam, double temperature,
-    const std::optional<at::Tensor>& lam_per_seq, std::optional<double> value_lam) {
+    const std::optional<at::Tensor>& lam_per_seq, std::optional<double> value_lam,
+    const std::optional<at::Tensor>& temperatures) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   TORCH_CHECK(logits.scalar_type() != at::kDouble, "logits: score_rollout runs in float32");
@@ -125,6 +126,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rol
   TORCH_CHECK(gamma >= 0 && gamma <= 1 && lam >= 0 && lam <= 1,
               "gamma, lam: expected values in [0, 1], got ", gamma, ", ", lam);
   const Lambdas lams(lam_per_seq, value_lam, r.B, at::kFloat);
+  const float* tt = row_temperatures<float>(temperatures, tokens, m);
   const auto opts = ref_logprobs.options();
   at::Tensor logp = at::empty({r.B, r.T}, opts), kl = at::empty({r.B, r.T}, opts),
              rew = at::empty({r.B, r.T}, opts), adv = at::empty({r.B, r.T}, opts),
@@ -136,7 +138,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rol
   auto logprob_sweep = [&](auto zero) {
     using scalar_t = decltype(zero);
     const scalar_t* L = logits.data_ptr<scalar_t>();
-    const float inv = float(1.0 / temperature);
+    const float inv0 = float(1.0 / temperature);
     at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
       RowWorker<scalar_t> worker(r.V, false);
       for (int64_t i = begin; i < end; ++i) {
@@ -144,6 +146,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rol
           lp[i] = klp[i] = rw[i] = 0.f;
           continue;
         }
+        const float inv = row_inv(tt, i, inv0);
         const scalar_t* x = L + r.offset(i);
         lp[i] = worker.logp(x, tok[i], inv, worker.template stats<false>(x, inv));
         klp[i] = ppo::kl_term<float>(lp[i] - ref[i], int(kl_estimator)).kl;

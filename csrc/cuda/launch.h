@@ -118,6 +118,25 @@ inline const A* ptr_or_null(const std::optional<at::Tensor>& x) {
   return x.has_value() ? x->data_ptr<A>() : nullptr;
 }
 
+// The ops' optional per-row temperatures (csrc/ops.cpp): [B, T] of the accumulation dtype on
+// the logits' device, contiguous, or nullopt. Their values are not read on the host (that
+// would sync the stream): the Python layer checks them (an asynchronous device assertion,
+// ppo_kernels/_checks.py temperature_values) and puts 1 on masked positions.
+inline std::optional<at::Tensor> row_temperatures(const std::optional<at::Tensor>& temps,
+                                                  at::ScalarType acc, at::IntArrayRef shape,
+                                                  const at::Device& dev) {
+  if (!temps.has_value() || !temps->defined()) return std::nullopt;
+  return per_token(*temps, "temperatures", acc, shape, dev);
+}
+
+// make_temp of the scalar, with the per-row temperatures attached when there are any.
+template <typename A>
+inline Temp<A> make_row_temp(double temperature, const std::optional<at::Tensor>& temps) {
+  Temp<A> tp = make_temp<A>(temperature);
+  tp.per_row = temps.has_value() ? temps->data_ptr<A>() : nullptr;
+  return tp;
+}
+
 // Multiprocessor count of a device, cached per device. Relaxed atomics: two
 // threads may both query the driver once, never race on the value.
 inline int sm_count(int device) {

@@ -18,7 +18,7 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(
     const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
-    double temperature, bool return_entropy) {
+    double temperature, bool return_entropy, const std::optional<at::Tensor>& temperatures) {
   check_logits(logits, tokens_in, mask_in);
   check_temperature(temperature, logits.scalar_type());
   c10::cuda::CUDAGuard guard(logits.device());
@@ -26,6 +26,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cu
   const at::Tensor mask = mask_in.contiguous();
   const auto acc_opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
   const int64_t B = tokens.size(0), T = tokens.size(1);
+  const std::optional<at::Tensor> temps = row_temperatures(
+      temperatures, acc_dtype(logits.scalar_type()), tokens.sizes(), logits.device());
   at::Tensor logp = at::empty({B, T}, acc_opts);
   at::Tensor ent = return_entropy ? at::empty({B, T}, acc_opts) : at::empty({0}, acc_opts);
   at::Tensor row_max = at::empty({B, T}, acc_opts);
@@ -42,7 +44,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cu
         io.entropy = return_entropy ? ent.data_ptr<A>() : nullptr;
         io.row_max = row_max.data_ptr<A>();
         io.log_sum = log_sum.data_ptr<A>();
-        run_rows<scalar_t>(rv, io, make_temp<A>(temperature), acc_opts, device, stream);
+        run_rows<scalar_t>(rv, io, make_row_temp<A>(temperature, temps), acc_opts, device,
+                           stream);
       });
   return {logp, ent, row_max, log_sum};
 }
@@ -52,7 +55,8 @@ at::Tensor token_logprobs_bwd_cuda(const at::Tensor& grad_logprobs,
                                    const at::Tensor& logits, const at::Tensor& tokens_in,
                                    const at::Tensor& mask_in, const at::Tensor& row_max_in,
                                    const at::Tensor& log_sum_in, const at::Tensor& entropy_in,
-                                   double temperature) {
+                                   double temperature,
+                                   const std::optional<at::Tensor>& temperatures) {
   check_logits(logits, tokens_in, mask_in);
   check_temperature(temperature, logits.scalar_type());
   c10::cuda::CUDAGuard guard(logits.device());
@@ -66,6 +70,7 @@ at::Tensor token_logprobs_bwd_cuda(const at::Tensor& grad_logprobs,
   const at::Tensor log_sum = per_token(log_sum_in, "log_sum", acc, shape, dev);
   const std::optional<at::Tensor> gent =
       opt_per_token(grad_entropy, "grad_entropy", acc, shape, dev);
+  const std::optional<at::Tensor> temps = row_temperatures(temperatures, acc, shape, dev);
   std::optional<at::Tensor> ent;
   if (gent.has_value()) {
     // the entropy is needed only for the entropy term of the gradient
@@ -88,7 +93,7 @@ at::Tensor token_logprobs_bwd_cuda(const at::Tensor& grad_logprobs,
         TORCH_CHECK(B * Tl <= 0x7fffffff, "ppo_kernels (CUDA): too many rows");
         grad_chunks_kernel<scalar_t>
             <<<dim3(static_cast<unsigned>(B * Tl), static_cast<unsigned>(cp.S)), cp.threads, 0,
-               stream>>>(rv, make_temp<A>(temperature), cp.chunk, src);
+               stream>>>(rv, make_row_temp<A>(temperature, temps), cp.chunk, src);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return dlogits;

@@ -35,7 +35,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
     const OptTensor& old_logprobs, const Tensor& advantages, const Tensor& weights,
     const OptTensor& ref_logprobs, const OptTensor& rollout_is_weights,
     const OptTensor& entropy_weights, c10::ArrayRef<double> scalars,
-    c10::ArrayRef<int64_t> codes, bool compute_grad, bool inplace) {
+    c10::ArrayRef<int64_t> codes, bool compute_grad, bool inplace,
+    const OptTensor& temperatures) {
   check_logits(logits, tokens_in, mask_in);
   const ppo::PolicyParams params =
       ppo::loss_params(scalars, codes, ref_logprobs.has_value(), rollout_is_weights.has_value());
@@ -53,6 +54,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
   const OptTensor ref = opt_per_token(ref_logprobs, "ref_logprobs", acc, shape, dev);
   const OptTensor isw = opt_per_token(rollout_is_weights, "rollout_is_weights", acc, shape, dev);
   const OptTensor w_ent = opt_per_token(entropy_weights, "entropy_weights", acc, shape, dev);
+  const OptTensor temps = row_temperatures(temperatures, acc, shape, dev);
   if (inplace) at::assert_no_internal_overlap(logits);
 
   const auto acc_opts = logits.options().dtype(acc);
@@ -95,7 +97,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
         io.entropy = ent.data_ptr<A>();
         io.loss_tok = loss_tok.data_ptr<A>();
         io.grad_scale = static_cast<A>(params[ppo::slot::grad_scale]);
-        run_rows<scalar_t>(rv, io, make_temp<A>(temperature), acc_opts, device, stream);
+        run_rows<scalar_t>(rv, io, make_row_temp<A>(temperature, temps), acc_opts, device,
+                           stream);
         weighted_sum_kernel<A><<<1, kMaxThreads, 0, stream>>>(
             w.data_ptr<A>(), loss_tok.data_ptr<A>(), B * T, loss.data_ptr<A>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -107,9 +110,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_cuda(
     const Tensor& logits, const Tensor& tokens, const Tensor& mask, const OptTensor& old_logprobs,
     const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
     const OptTensor& rollout_is_weights, const OptTensor& entropy_weights,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, bool compute_grad) {
+    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, bool compute_grad,
+    const OptTensor& temperatures) {
   return ppo_loss_impl(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                       rollout_is_weights, entropy_weights, scalars, codes, compute_grad, false);
+                       rollout_is_weights, entropy_weights, scalars, codes, compute_grad, false,
+                       temperatures);
 }
 
 // Tensor(a!) in the schema: the dispatcher wants `Tensor&` here, the same C++ signature as
@@ -118,10 +123,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_inplace_cuda(
     Tensor& logits, const Tensor& tokens, const Tensor& mask, const OptTensor& old_logprobs,
     const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
     const OptTensor& rollout_is_weights, const OptTensor& entropy_weights,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes) {
+    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
+    const OptTensor& temperatures) {
   auto [loss, loss_tok, logp, ent, unused] =
       ppo_loss_impl(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                    rollout_is_weights, entropy_weights, scalars, codes, true, true);
+                    rollout_is_weights, entropy_weights, scalars, codes, true, true,
+                    temperatures);
   (void)unused;
   return {loss, loss_tok, logp, ent};
 }

@@ -71,6 +71,7 @@ __global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
       if (orow) zero_range(orow, 0, rv.V, tid, nthr);
       continue;
     }
+    const Temp<A> rt = row_temp(tp, i);  // this row's temperature
     TokenIn<A> tin{};
     if (tid == 0) tin = fetch_token(io, rv, row, i);  // in flight during sweep 1
     // Sweep 1: the groups take the chunks in turn; a uniform trip count (every thread
@@ -79,14 +80,14 @@ __global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
       const int64_t c = c0 + group;
       Stats<A> st = stats_empty<A>();
       if (c < cp.S)
-        st = range_stats(row, c * cp.chunk, imin(rv.V, (c + 1) * cp.chunk), rv.V, tp.inv2, lt, G);
-      st = group_merge(st, wsm, G, tp.inv2);
+        st = range_stats(row, c * cp.chunk, imin(rv.V, (c + 1) * cp.chunk), rv.V, rt.inv2, lt, G);
+      st = group_merge(st, wsm, G, rt.inv2);
       if (lt == 0 && c < cp.S) cs[c] = st;
     }
     __syncthreads();
     if (tid < kWarpSize) {
-      const Stats<A> st = merge_chunks(cs, cp.S, tp.inv2);
-      if (tid == 0) bc = token_epilogue(io, i, tin, stats_finish(st), tp);
+      const Stats<A> st = merge_chunks(cs, cp.S, rt.inv2);
+      if (tid == 0) bc = token_epilogue(io, i, tin, stats_finish(st), rt);
     }
     __syncthreads();
     const GradRow<A> g = bc;
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
       if (grad_is_zero(g))
         zero_range(orow, 0, rv.V, tid, nthr);
       else
-        grad_range(row, orow, 0, rv.V, rv.V, g, tp, tid, nthr);
+        grad_range(row, orow, 0, rv.V, rv.V, g, rt, tid, nthr);
     }
   }
 }
@@ -116,9 +117,10 @@ __global__ void __launch_bounds__(kChunkThreads)
   const int64_t t = i - b * rv.T;
   const scalar_t* row = rv.logits + b * rv.sB + t * rv.sT;
   const int64_t c = blockIdx.y;
-  Stats<A> st = range_stats(row, c * cp.chunk, imin(rv.V, (c + 1) * cp.chunk), rv.V, tp.inv2,
+  const Temp<A> rt = row_temp(tp, i);
+  Stats<A> st = range_stats(row, c * cp.chunk, imin(rv.V, (c + 1) * cp.chunk), rv.V, rt.inv2,
                             static_cast<int>(threadIdx.x), cp.threads);
-  st = group_merge(st, wsm, cp.threads, tp.inv2);
+  st = group_merge(st, wsm, cp.threads, rt.inv2);
   if (threadIdx.x == 0) ws[i * cp.S + c] = st;
 }
 
@@ -144,12 +146,13 @@ __global__ void combine_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> 
     }
     return;
   }
-  const Stats<A> st = merge_chunks(ws + i * S, S, tp.inv2);
+  const Temp<A> rt = row_temp(tp, i);
+  const Stats<A> st = merge_chunks(ws + i * S, S, rt.inv2);
   if (lane == 0) {
     const int64_t b = i / rv.T;
     const int64_t t = i - b * rv.T;
     const TokenIn<A> tin = fetch_token(io, rv, rv.logits + b * rv.sB + t * rv.sT, i);
-    const GradRow<A> g = token_epilogue(io, i, tin, stats_finish(st), tp);
+    const GradRow<A> g = token_epilogue(io, i, tin, stats_finish(st), rt);
     if (info) {
       A* o = info + i * kInfo;
       o[kInfoXmax] = g.xmax;
@@ -223,12 +226,13 @@ __global__ void __launch_bounds__(kChunkThreads)
     return;
   }
   const scalar_t* row = rv.logits + b * rv.sB + t * rv.sT;
-  const GradRow<A> g = grad_row_of(src, rv, row, i, tp);
+  const Temp<A> rt = row_temp(tp, i);
+  const GradRow<A> g = grad_row_of(src, rv, row, i, rt);
   if (grad_is_zero(g)) {
     zero_range(orow, begin, end, tid, nthr);
     return;
   }
-  grad_range(row, orow, begin, end, rv.V, g, tp, tid, nthr);
+  grad_range(row, orow, begin, end, rv.V, g, rt, tid, nthr);
 }
 
 // out[0] = sum_i w[i] * x[i], one block, double accumulation, a fixed order: deterministic.

@@ -15,6 +15,7 @@
 // dlogit_token (ppo_math.h).
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
 #include <cstring>
 
@@ -72,10 +73,29 @@ constexpr double kLn2 = 0.69314718055994530942;
 // base-2 shifted logits of the sweeps). inv2 is capped at the largest finite value: when
 // log2(e) / T overflows while 1 / T does not, every non-max entry is 0 either way and the
 // max entries keep d2 = 0 * cap = 0 (never 0 * inf).
+// per_row: the ops' optional per-row temperatures [B, T] (csrc/ops.cpp), or null; with
+// them each row takes its own Temp (row_temp) and inv / inv2 here are unused.
 template <typename A>
 struct Temp {
   A inv, inv2;
+  const A* per_row = nullptr;
 };
+
+// Row i's temperature: tp itself, or the Temp of per_row[i] computed as make_temp
+// (launch.h) computes the scalar's (1 / T and log2(e) / T in double, the base-2 scale
+// capped at A's largest finite value, each rounded once), so that equal per-row values
+// give the scalar call's bits. Read once at the top of each row.
+template <typename A>
+PPO_CUDA_HD Temp<A> row_temp(const Temp<A>& tp, int64_t i) {
+  if (tp.per_row == nullptr) return tp;
+  const double inv = 1.0 / static_cast<double>(tp.per_row[i]);
+  const double cap = sizeof(A) == 8 ? DBL_MAX : static_cast<double>(FLT_MAX);
+  const double inv2 = inv * kLog2e < cap ? inv * kLog2e : cap;
+  Temp<A> r;
+  r.inv = static_cast<A>(inv);
+  r.inv2 = static_cast<A>(inv2);
+  return r;
+}
 
 // ---------------------------------------------------------------- 16-byte packs
 

@@ -20,7 +20,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
     const Tensor& logits, const Tensor& tokens_in, const Tensor& mask_in,
     const Tensor& ref_logprobs, const Tensor& values_in, const Tensor& scores_in,
     double kl_coef, int64_t kl_estimator, double gamma, double lam, double temperature,
-    const std::optional<Tensor>& lam_per_seq, std::optional<double> value_lam) {
+    const std::optional<Tensor>& lam_per_seq, std::optional<double> value_lam,
+    const std::optional<at::Tensor>& temperatures) {
   check_logits(logits, tokens_in, mask_in);
   check_temperature(temperature, logits.scalar_type());
   check_kl_estimator(kl_estimator);
@@ -40,6 +41,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
   const Tensor values = per_token(values_in, "values", acc, shape, dev);
   const Tensor scores = per_token(scores_in, "scores", acc, {B}, dev);
   const std::optional<Tensor> lams = opt_per_token(lam_per_seq, "lam_per_seq", acc, {B}, dev);
+  const std::optional<Tensor> temps = row_temperatures(temperatures, acc, shape, dev);
   const auto acc_opts = logits.options().dtype(acc);
   Tensor logp = at::empty({B, T}, acc_opts);
   Tensor kl = at::empty({B, T}, acc_opts);
@@ -61,7 +63,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
         io.logp = logp.data_ptr<A>();
         io.kl = kl.data_ptr<A>();
         io.rewards = rewards.data_ptr<A>();
-        run_rows<scalar_t>(rv, io, make_temp<A>(temperature), acc_opts, device, stream);
+        run_rows<scalar_t>(rv, io, make_row_temp<A>(temperature, temps), acc_opts, device,
+                           stream);
 
         GaeArgs<A> g;
         g.rewards = rewards.data_ptr<A>();

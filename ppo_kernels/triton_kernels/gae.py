@@ -31,7 +31,8 @@ from torch.library import wrap_triton
 from . import _config
 from ._math import as_acc
 from .logprobs import (check_logits, logprobs_fwd_kernel, acc_dtype, check_kl_estimator,
-                       check_per_token, device_guard, inv_temperature, tl_acc)
+                       check_per_token, device_guard, inv_temperature, inv_temperatures,
+                       tl_acc)
 
 
 @triton.jit
@@ -164,12 +165,14 @@ def gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None, v
 
 
 def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, kl_estimator,
-                  gamma, lam, temperature, lam_per_seq=None, value_lam=None, block_t=None):
+                  gamma, lam, temperature, lam_per_seq=None, value_lam=None, block_t=None,
+                  temperatures=None):
     """(logprobs, kl, rewards, advantages, returns) [B, T] of the accumulation dtype.
 
     Two launches: a row pass (logprobs at `temperature`, kl of the chosen estimator,
     -kl_coef * kl into the rewards) and a GAE pass that adds scores[b] at the last valid
     position and scans. Advantages are NOT whitened (the Python layer does that).
+    temperatures: the optional per-row temperature [B, T] of ACC (the float is then unread).
     """
     check_logits(logits, tokens, mask)
     B, T = tokens.shape
@@ -182,6 +185,7 @@ def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, k
     check_kl_estimator(kl_estimator)
     _check_lambdas(lam_per_seq, value_lam, B, acc, dev)
     inv = inv_temperature(temperature, acc)
+    invt, row_temp = inv_temperatures(temperatures, (B, T), acc, dev)
     logp = torch.empty((B, T), dtype=acc, device=dev)
     kl = torch.empty((B, T), dtype=acc, device=dev)
     rewards = torch.empty((B, T), dtype=acc, device=dev)
@@ -190,9 +194,10 @@ def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, k
             wrap_triton(logprobs_fwd_kernel)[(B * T,)](
                 logits, logits.stride(0), logits.stride(1), tokens, mask,
                 logp, logp, logp, logp,  # entropy / row_max / log_sum: unused with SCORE
-                ref_logprobs, kl, rewards,
+                ref_logprobs, kl, rewards, invt if row_temp else logp,
                 T, V, inv, float(kl_coef),
-                ACC=tl_acc(acc), NEED_ENT=False, SCORE=True, KL_EST=int(kl_estimator))
+                ACC=tl_acc(acc), NEED_ENT=False, SCORE=True, KL_EST=int(kl_estimator),
+                ROW_TEMP=row_temp)
     adv, ret = _launch_gae(rewards, values, mask, None, scores, rewards, gamma, lam,
                            lam_per_seq, value_lam, block_t)
     return logp, kl, rewards, adv, ret

@@ -31,21 +31,23 @@ NAMESPACE = "ppo_kernels"
 SCHEMAS = {
     "triton_token_logprobs_fwd":
         "(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
-        "bool return_entropy) "
+        "bool return_entropy, Tensor? temperatures=None) "
         "-> (Tensor logprobs, Tensor entropy, Tensor row_max, Tensor log_sum)",
     "triton_token_logprobs_bwd":
         "(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
         "Tensor tokens, Tensor mask, Tensor row_max, Tensor log_sum, Tensor entropy, "
-        "float temperature) -> Tensor",
+        "float temperature, Tensor? temperatures=None) -> Tensor",
     "triton_ppo_loss_fwd":
         "(Tensor logits, Tensor tokens, Tensor mask, Tensor? old_logprobs, "
         "Tensor advantages, Tensor weights, Tensor? ref_logprobs, Tensor? rollout_is_weights, "
-        "Tensor? entropy_weights, float[] scalars, int[] codes, bool compute_grad) "
+        "Tensor? entropy_weights, float[] scalars, int[] codes, bool compute_grad, "
+        "Tensor? temperatures=None) "
         "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy, Tensor dlogits)",
     "triton_ppo_loss_fwd_inplace":
         "(Tensor(a!) logits, Tensor tokens, Tensor mask, "
         "Tensor? old_logprobs, Tensor advantages, Tensor weights, Tensor? ref_logprobs, "
-        "Tensor? rollout_is_weights, Tensor? entropy_weights, float[] scalars, int[] codes) "
+        "Tensor? rollout_is_weights, Tensor? entropy_weights, float[] scalars, int[] codes, "
+        "Tensor? temperatures=None) "
         "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)",
     "triton_scale_grad_":
         "(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()",
@@ -56,41 +58,46 @@ SCHEMAS = {
     "triton_score_rollout":
         "(Tensor logits, Tensor tokens, Tensor mask, Tensor ref_logprobs, "
         "Tensor values, Tensor scores, float kl_coef, int kl_estimator, float gamma, "
-        "float lam, float temperature, Tensor? lam_per_seq=None, float? value_lam=None) "
+        "float lam, float temperature, Tensor? lam_per_seq=None, float? value_lam=None, "
+        "Tensor? temperatures=None) "
         "-> (Tensor logprobs, Tensor kl, Tensor rewards, Tensor advantages, Tensor returns)",
 }
 
 
 def token_logprobs_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, temperature: float,
-                       return_entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy)
+                       return_entropy: bool, temperatures: Optional[Tensor] = None
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy, temperatures)
 
 
 def token_logprobs_bwd(grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits: Tensor,
                        tokens: Tensor, mask: Tensor, row_max: Tensor, log_sum: Tensor,
-                       entropy: Tensor, temperature: float) -> Tensor:
+                       entropy: Tensor, temperature: float,
+                       temperatures: Optional[Tensor] = None) -> Tensor:
     return _token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_max,
-                               log_sum, entropy, temperature)
+                               log_sum, entropy, temperature, temperatures)
 
 
 def ppo_loss_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, old_logprobs: Optional[Tensor],
                  advantages: Tensor, weights: Tensor, ref_logprobs: Optional[Tensor],
                  rollout_is_weights: Optional[Tensor], entropy_weights: Optional[Tensor],
-                 scalars: list[float], codes: list[int], compute_grad: bool
+                 scalars: list[float], codes: list[int], compute_grad: bool,
+                 temperatures: Optional[Tensor] = None
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights,
                          ref_logprobs, rollout_is_weights, entropy_weights, scalars, codes,
-                         compute_grad)
+                         compute_grad, temperatures)
 
 
 def ppo_loss_fwd_inplace(logits: Tensor, tokens: Tensor, mask: Tensor,
                          old_logprobs: Optional[Tensor], advantages: Tensor, weights: Tensor,
                          ref_logprobs: Optional[Tensor], rollout_is_weights: Optional[Tensor],
                          entropy_weights: Optional[Tensor], scalars: list[float],
-                         codes: list[int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                         codes: list[int], temperatures: Optional[Tensor] = None
+                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return _ppo_loss_fwd_inplace(logits, tokens, mask, old_logprobs, advantages, weights,
                                  ref_logprobs, rollout_is_weights, entropy_weights, scalars,
-                                 codes)
+                                 codes, temperatures)
 
 
 def scale_grad_(grad: Tensor, grad_output: Tensor, applied: Tensor) -> None:
@@ -106,10 +113,12 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, bootstrap_values: Optiona
 def score_rollout(logits: Tensor, tokens: Tensor, mask: Tensor, ref_logprobs: Tensor,
                   values: Tensor, scores: Tensor, kl_coef: float, kl_estimator: int,
                   gamma: float, lam: float, temperature: float,
-                  lam_per_seq: Optional[Tensor] = None, value_lam: Optional[float] = None
+                  lam_per_seq: Optional[Tensor] = None, value_lam: Optional[float] = None,
+                  temperatures: Optional[Tensor] = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
-                          kl_estimator, gamma, lam, temperature, lam_per_seq, value_lam)
+                          kl_estimator, gamma, lam, temperature, lam_per_seq, value_lam,
+                          temperatures=temperatures)
 
 
 _IMPLS = {

@@ -54,6 +54,19 @@ def inv_temperature(temperature, acc):
     return 1.0 / t
 
 
+def inv_temperatures(temperatures, shape, acc, device):
+    """The per-row 1 / temperature [B, T] of ACC from the ops' optional `temperatures`
+    (csrc/ops.cpp): taken in float64 and rounded once to ACC, as inv_temperature's number
+    is, so that equal values give the scalar call's bits. Returns (tensor, True), or
+    (None, False) without them. A bad value on a valid row is the Python layer's to reject
+    (ppo_kernels/_checks.py temperature_values): this is a device tensor, and reading it
+    here would stall the host."""
+    if temperatures is None:
+        return None, False
+    check_per_token("temperatures", temperatures, shape, acc, device)
+    return temperatures.double().reciprocal().to(acc).contiguous(), True
+
+
 # Autotuning is keyed on V and the flags, never on the row count: the block size sets the
 # order of a row's reductions and so its bits, and a key with the row count could pick a
 # different BLOCK_V for a bigger batch, breaking batch invariance (DESIGN.md, Batch invariance
@@ -65,14 +78,15 @@ def logprobs_fwd_kernel(
     logits_ptr, stride_lb, stride_lt,
     tokens_ptr, mask_ptr,
     logp_ptr, ent_ptr, max_ptr, lsum_ptr,
-    ref_ptr, kl_ptr, rew_ptr,
+    ref_ptr, kl_ptr, rew_ptr, invt_ptr,
     T, V,
     inv_temp: tl.float64, kl_coef: tl.float64,
     ACC: tl.constexpr, NEED_ENT: tl.constexpr, SCORE: tl.constexpr, KL_EST: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    ROW_TEMP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Row r = b * T + t: logp, (entropy), row_max, log_sum of token (b, t); 0 on masked
-    rows.
+    rows. ROW_TEMP: row r's 1 / temperature is invt_ptr[r] (inv_temperatures), else
+    inv_temp.
 
     SCORE (score_rollout's first half): kl = kl_term(logp - ref) and the KL part of the
     reward, -kl_coef * kl, both 0 on masked rows, instead of row_max / log_sum.
@@ -82,7 +96,10 @@ def logprobs_fwd_kernel(
     t = row % T
     valid = tl.load(mask_ptr + row)
     if valid:
-        inv = as_acc(inv_temp, ACC)
+        if ROW_TEMP:
+            inv = tl.load(invt_ptr + row).to(ACC)
+        else:
+            inv = as_acc(inv_temp, ACC)
         in_row = logits_ptr + b * stride_lb + t * stride_lt
         x_tok = token_logit(in_row, tl.load(tokens_ptr + row), V, ACC)
         row_max, log_sum, ent = row_stats(in_row, V, inv, ACC, NEED_ENT, BLOCK_V)
@@ -116,10 +133,10 @@ def logprobs_fwd_kernel(
 def _logprobs_bwd_kernel(
     logits_ptr, stride_lb, stride_lt,
     tokens_ptr, mask_ptr, max_ptr, lsum_ptr, ent_ptr, glogp_ptr, gent_ptr,
-    grad_ptr,
+    grad_ptr, invt_ptr,
     T, TL, V,
     inv_temp: tl.float64,
-    ACC: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    ACC: tl.constexpr, HAS_GENT: tl.constexpr, ROW_TEMP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Row r = b * Tl + t of dlogits [B, Tl, V] (contiguous): the gradient of
     sum(g_logp * logp + g_H * H) on valid rows, zeros on masked rows and rows t >= T
@@ -136,7 +153,10 @@ def _logprobs_bwd_kernel(
     tok_idx = b * T + t
     valid = tl.load(mask_ptr + tok_idx, mask=in_seq, other=0) != 0
     if valid:
-        inv = as_acc(inv_temp, ACC)
+        if ROW_TEMP:
+            inv = tl.load(invt_ptr + tok_idx).to(ACC)
+        else:
+            inv = as_acc(inv_temp, ACC)
         in_row = logits_ptr + b * stride_lb + t * stride_lt
         tok = tl.load(tokens_ptr + tok_idx)
         x_tok = token_logit(in_row, tok, V, ACC)
@@ -203,12 +223,13 @@ def check_kl_estimator(kl_estimator):
                          f"or 5 (k3+), got {kl_estimator}")
 
 
-def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
+def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy, temperatures=None):
     """(logprobs, entropy, row_max, log_sum), each [B, T] of ACC, 0 on masked rows;
     entropy has numel 0 unless return_entropy.
 
     row_max is the raw (un-tempered) max logit of the row, log_sum =
     log sum_v exp((x_v - row_max) / temperature): what token_logprobs_bwd needs.
+    temperatures: the optional per-row temperature [B, T] of ACC (the float is then unread).
     """
     check_logits(logits, tokens, mask)
     B, T = tokens.shape
@@ -216,6 +237,7 @@ def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
     acc = acc_dtype(logits)
     inv = inv_temperature(temperature, acc)
     dev = logits.device
+    invt, row_temp = inv_temperatures(temperatures, (B, T), acc, dev)
     logp = torch.empty((B, T), dtype=acc, device=dev)
     row_max = torch.empty((B, T), dtype=acc, device=dev)
     log_sum = torch.empty((B, T), dtype=acc, device=dev)
@@ -227,13 +249,15 @@ def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy):
                 logits, logits.stride(0), logits.stride(1), tokens, mask,
                 logp, ent if return_entropy else logp, row_max, log_sum,
                 logp, logp, logp,  # ref / kl / rewards: unused without SCORE
+                invt if row_temp else logp,
                 T, V, inv, 0.0,
-                ACC=tl_acc(acc), NEED_ENT=bool(return_entropy), SCORE=False, KL_EST=0)
+                ACC=tl_acc(acc), NEED_ENT=bool(return_entropy), SCORE=False, KL_EST=0,
+                ROW_TEMP=row_temp)
     return logp, ent, row_max, log_sum
 
 
 def token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_max, log_sum,
-                       entropy, temperature):
+                       entropy, temperature, temperatures=None):
     """dlogits [B, Tl, V] (logits' dtype, contiguous) of
     sum(grad_logprobs * logp + grad_entropy * H); grad_entropy may be None. row_max,
     log_sum (and entropy, with grad_entropy) [B, T] of ACC: token_logprobs_fwd's."""
@@ -242,6 +266,7 @@ def token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_ma
     TL, V = logits.shape[1], logits.shape[2]
     acc = acc_dtype(logits)
     inv = inv_temperature(temperature, acc)
+    invt, row_temp = inv_temperatures(temperatures, (B, T), acc, logits.device)
     for name, x in (("grad_logprobs", grad_logprobs), ("row_max", row_max),
                     ("log_sum", log_sum)):
         check_per_token(name, x, (B, T), acc, logits.device)
@@ -256,6 +281,6 @@ def token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_ma
                 logits, logits.stride(0), logits.stride(1), tokens, mask, row_max, log_sum,
                 entropy if has_gent else log_sum, grad_logprobs,
                 grad_entropy if has_gent else grad_logprobs,
-                grad, T, TL, V, inv,
-                ACC=tl_acc(acc), HAS_GENT=has_gent)
+                grad, invt if row_temp else log_sum, T, TL, V, inv,
+                ACC=tl_acc(acc), HAS_GENT=has_gent, ROW_TEMP=row_temp)
     return grad

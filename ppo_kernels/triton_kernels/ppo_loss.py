@@ -34,19 +34,19 @@ from ..spec import FLOAT_SLOTS, INT_SLOTS, KERNEL_POLICY_LOSSES, POLICY_LOSSES, 
 from ._math import (F_GRAD_SCALE, as_acc, round_to, row_grad, row_stats, row_zero, token_col,
                     token_logit, token_logp, token_loss)
 from .logprobs import (check_logits, acc_dtype, check_kl_estimator, check_per_token,
-                       device_guard, inv_temperature, tl_acc)
+                       device_guard, inv_temperature, inv_temperatures, tl_acc)
 
 
 def _ppo_loss_kernel_fn(
     logits_ptr, stride_lb, stride_lt,
     tokens_ptr, mask_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, isw_ptr, went_ptr,
     loss_tok_ptr, logp_ptr, ent_ptr,
-    grad_ptr, stride_gb, stride_gt,
+    grad_ptr, stride_gb, stride_gt, invt_ptr,
     T, TG, V, FS, inv_temp: tl.float64,
     ACC: tl.constexpr, KL_EST: tl.constexpr, HAS_REF: tl.constexpr, HAS_ISW: tl.constexpr,
     HAS_DUAL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_WENT: tl.constexpr,
     POLICY_LOSS: tl.constexpr, KL_BIAS: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    ROW_TEMP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Row r = b * TG + t (TG = Tl with a gradient, so that rows t >= T get their zeros,
     else T). grad_ptr/stride_g* address the gradient rows: a fresh contiguous buffer, or
@@ -54,7 +54,8 @@ def _ppo_loss_kernel_fn(
     overwrites it, and no other program touches that row). The gradient written is
     grad_scale * d loss / d logits (dlogp and dent scaled before the sweep); the per-token
     outputs are not scaled. HAS_OLD False: on-policy, old = logp (old_ptr is not read);
-    HAS_WENT False: the entropy weight is w (went_ptr is not read)."""
+    HAS_WENT False: the entropy weight is w (went_ptr is not read). ROW_TEMP: the row's
+    1 / temperature is invt_ptr[b * T + t] (logprobs.inv_temperatures), else inv_temp."""
     row = tl.program_id(0).to(tl.int64)
     b = row // TG
     t = row % TG
@@ -63,7 +64,10 @@ def _ppo_loss_kernel_fn(
     valid = tl.load(mask_ptr + idx, mask=in_seq, other=0) != 0
     out_row = grad_ptr + b * stride_gb + t * stride_gt
     if valid:
-        inv = as_acc(inv_temp, ACC)
+        if ROW_TEMP:
+            inv = tl.load(invt_ptr + idx).to(ACC)
+        else:
+            inv = as_acc(inv_temp, ACC)
         in_row = logits_ptr + b * stride_lb + t * stride_lt
         # every per-token load is issued before the sweep, which hides its latency
         tok = tl.load(tokens_ptr + idx)
@@ -143,7 +147,8 @@ def _check_args(scalars, codes):
 
 
 def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-            rollout_is_weights, entropy_weights, scalars, codes, grad, inplace):
+            rollout_is_weights, entropy_weights, scalars, codes, grad, inplace,
+            temperatures=None):
     check_logits(logits, tokens, mask)
     B, T = tokens.shape
     TL, V = logits.shape[1], logits.shape[2]
@@ -157,6 +162,7 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
             check_per_token(name, x, (B, T), acc, dev)
     fs, codes = _check_args(scalars, codes)
     inv = inv_temperature(fs[F["temperature"]], acc)
+    invt, row_temp = inv_temperatures(temperatures, (B, T), acc, dev)
     loss_tok = torch.empty((B, T), dtype=acc, device=dev)
     logp = torch.empty((B, T), dtype=acc, device=dev)
     ent = torch.empty((B, T), dtype=acc, device=dev)
@@ -177,14 +183,14 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
                 rollout_is_weights if rollout_is_weights is not None else advantages,
                 entropy_weights if entropy_weights is not None else advantages,
                 loss_tok, logp, ent,
-                g, g.stride(0), g.stride(1),
+                g, g.stride(0), g.stride(1), invt if row_temp else advantages,
                 T, TL if compute_grad else T, V, fs, inv,
                 ACC=tl_acc(acc), KL_EST=codes[I["kl_estimator"]],
                 HAS_REF=ref_logprobs is not None, HAS_ISW=rollout_is_weights is not None,
                 HAS_DUAL=fs[F["dual_clip_c"]] > 0.0, HAS_OLD=old_logprobs is not None,
                 HAS_WENT=entropy_weights is not None, POLICY_LOSS=codes[I["policy_loss"]],
                 KL_BIAS=bool(codes[I["kl_bias_correction"]]), COMPUTE_GRAD=compute_grad,
-                **launch)
+                ROW_TEMP=row_temp, **launch)
     # sum(w * loss_tok) over [B, T] in a deterministic order (no atomics): this reads
     # 8 bytes per token, nothing next to the [B, T, V] sweep.
     loss = torch.dot(weights.reshape(-1), loss_tok.reshape(-1))
@@ -192,7 +198,8 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
 
 
 def ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                 rollout_is_weights, entropy_weights, scalars, codes, compute_grad):
+                 rollout_is_weights, entropy_weights, scalars, codes, compute_grad,
+                 temperatures=None):
     """(loss, loss_tok, logprobs, entropy, dlogits); dlogits (like logits, contiguous) is
     grad_scale * d loss / d logits, numel 0 unless compute_grad."""
     grad = (torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -200,16 +207,18 @@ def ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_lo
     loss, loss_tok, logp, ent = _launch(
         logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
         rollout_is_weights, entropy_weights, scalars, codes,
-        grad if compute_grad else None, inplace=False)
+        grad if compute_grad else None, inplace=False, temperatures=temperatures)
     return loss, loss_tok, logp, ent, grad
 
 
 def ppo_loss_fwd_inplace(logits, tokens, mask, old_logprobs, advantages, weights,
-                         ref_logprobs, rollout_is_weights, entropy_weights, scalars, codes):
+                         ref_logprobs, rollout_is_weights, entropy_weights, scalars, codes,
+                         temperatures=None):
     """(loss, loss_tok, logprobs, entropy); the logits now hold grad_scale * dlogits
     (zeros on masked rows and rows t >= T), in their own dtype and strides."""
     return _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                   rollout_is_weights, entropy_weights, scalars, codes, logits, inplace=True)
+                   rollout_is_weights, entropy_weights, scalars, codes, logits, inplace=True,
+                   temperatures=temperatures)
 
 
 # ------------------------------------------------------------------ scale_grad_

@@ -2,7 +2,8 @@
 row stride (misaligned 16-byte packs), Tl = T + 1, masked positions holding out-of-range
 token ids, -inf logits, all four dtypes, fused and split-vocabulary paths, grad_scale and
 scale_grad_ (in place, on the strided view too), the loss menu (cispo, sapo, k1+ / k3+, the
-KL bias correction, on-policy old_logprobs=None, entropy_weights); gae long and short,
+KL bias correction, on-policy old_logprobs=None, entropy_weights), the per-row temperature
+(`temperatures`); gae long and short,
 with gaps and bootstrap values. Run by benchmarks/gpu_check.sh (also under
 compute-sanitizer, quick).
 
@@ -120,6 +121,19 @@ for split in splits:
                                        lsum, ent, 0.7)
             close(f"token_logprobs_bwd {tag}", d,
                   R.token_logprobs_grad(lg64, tokens, mask, 0.7, glp, gent), tg)
+            # the per-row temperature (the ops' `temperatures`, 1 on masked positions): each
+            # row's own 1 / T, in the fused and the split-vocabulary kernels alike
+            temps = torch.where(mask, 0.3 + 1.7 * torch.rand(B, T, generator=g), 1.0).to(acc)
+            tt = temps.contiguous().to(dev)
+            lp_t, ent_t, rmax_t, lsum_t = ops.token_logprobs_fwd(logits, tok_d, mask_d, 1.0,
+                                                                 True, temperatures=tt)
+            rlp_t, rent_t = R.token_logprobs(lg64, tokens, mask, temps.double())
+            close(f"logprobs per-row T {tag}", lp_t, rlp_t, tl)
+            close(f"entropy per-row T {tag}", ent_t, rent_t, tl * 10)
+            d_t = ops.token_logprobs_bwd(glp.to(dev), gent.to(dev), logits, tok_d, mask_d,
+                                         rmax_t, lsum_t, ent_t, 1.0, temperatures=tt)
+            close(f"token_logprobs_bwd per-row T {tag}", d_t,
+                  R.token_logprobs_grad(lg64, tokens, mask, temps.double(), glp, gent), tg)
             # ppo_loss (dual clip, k3 KL, entropy bonus, IS weights), out of place and in place
             w = torch.tensor(R.agg_weights(mask, "token-mean")).to(acc)
             args = (old.to(dev), adv.to(dev), w.to(dev), refl.to(dev), isw.to(dev), None, 0.2,
@@ -133,6 +147,15 @@ for split in splits:
                                        rollout_is_weights=isw)
             close(f"ppo loss {tag}", loss, rloss, tl * 10)
             close(f"ppo dlogits {tag}", dl, rdl, tg, 1e-3)
+            loss_t, _, _, _, dl_t = ops.ppo_loss_fwd(logits, tok_d, mask_d,
+                                                     *loss_args(args, 1.0, tail), True,
+                                                     temperatures=tt)
+            rloss_t, _, rdl_t = R.ppo_loss(lg64, tokens, old, adv, mask, refl, clip_eps_low=0.2,
+                                           clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1,
+                                           kl_estimator="k3", entropy_coef=0.01,
+                                           temperature=temps.double(), rollout_is_weights=isw)
+            close(f"ppo loss per-row T {tag}", loss_t, rloss_t, tl * 10)
+            close(f"ppo dlogits per-row T {tag}", dl_t, rdl_t, tg, 1e-3)
             # grad_scale: the same dlogits times 0.25 (a power of 2: exact in every dtype)
             _, _, _, _, dl4 = ops.ppo_loss_fwd(logits, tok_d, mask_d,
                                                *loss_args(args, 0.25, tail), True)
@@ -205,6 +228,13 @@ for split in splits:
                                  whiten_advantages=False)
             for k, got in zip(("logprobs", "kl", "rewards", "advantages", "returns"), out):
                 close(f"score_rollout {k} {tag}", got, rs[k], tl * 10)
+            out_t = ops.score_rollout(logits, tok_d, mask_d, refl.to(dev), vals.to(dev),
+                                      sc.to(dev), 0.05, 0, 0.99, 0.95, 1.0,
+                                      temperatures=temps.float().to(dev))
+            rs_t = R.score_rollout(lg64, tokens, refl, vals, sc, mask, kl_coef=0.05,
+                                   kl_estimator="k1", gamma=0.99, lam=0.95,
+                                   temperature=temps.double(), whiten_advantages=False)
+            close(f"score_rollout per-row T logprobs {tag}", out_t[0], rs_t["logprobs"], tl * 10)
 # GAE, long and short, with gaps and bootstrap values
 for B, T in ((3, 1), (4, 37), (2, 9000)):
     for acc in (torch.float32, torch.float64):

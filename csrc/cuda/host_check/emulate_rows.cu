@@ -35,6 +35,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 // Every 16-byte block a pack load reads must lie inside [g_lo, g_hi) (the row being swept).
@@ -854,8 +855,39 @@ static void plan_cases() {
   }
 }
 
+// The per-row temperature (row_reduce.cuh row_temp): row i's Temp from per_row[i] must be
+// the scalar's (temp_of, launch.h make_temp's formulas) bit for bit, the capped base-2
+// scale included; without per_row the scalar Temp itself.
+template <typename A>
+static void row_temp_cases() {
+  const std::vector<double> ts = {1.0, 0.7, 1.3, 1e-3, 1e-10, 3e-38, 2.5e-39, 1e30, 0.625};
+  std::vector<A> per_row;
+  for (double t : ts) per_row.push_back(static_cast<A>(t));
+  Temp<A> tp{static_cast<A>(0.5), static_cast<A>(0.25)};
+  tp.per_row = per_row.data();
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const double t = static_cast<double>(per_row[i]);  // the value the kernel reads
+    if (!(std::isfinite(1.0 / t) && 1.0 / t <= (double)std::numeric_limits<A>::max()))
+      continue;  // rejected before any kernel (ppo_kernels/_checks.py)
+    const Temp<A> want = temp_of<typename std::conditional<sizeof(A) == 8, double,
+                                                           float>::type>(t);
+    const Temp<A> got = row_temp(tp, static_cast<int64_t>(i));
+    EXPECT(std::memcmp(&got.inv, &want.inv, sizeof(A)) == 0 &&
+               std::memcmp(&got.inv2, &want.inv2, sizeof(A)) == 0,
+           "row_temp(%g): inv %a / %a, inv2 %a / %a\n", t, (double)got.inv, (double)want.inv,
+           (double)got.inv2, (double)want.inv2);
+  }
+  Temp<A> plain{static_cast<A>(0.5), static_cast<A>(0.25)};
+  const Temp<A> same = row_temp(plain, 3);
+  EXPECT(same.inv == plain.inv && same.inv2 == plain.inv2, "row_temp without per_row\n");
+  std::printf("%-8s row_temp of %zu temperatures (%s)\n", "temps", ts.size(),
+              sizeof(A) == 8 ? "double" : "float");
+}
+
 int main() {
   std::mt19937 rng(1234);
+  row_temp_cases<float>();
+  row_temp_cases<double>();
   random_rows<float>(rng);
   random_rows<c10::BFloat16>(rng);
   random_rows<c10::Half>(rng);
