@@ -1,0 +1,2 @@
+def distill_loss_from_hidden(*a, **k):
+    raise NotImplementedError
