@@ -54,7 +54,8 @@ TORCH_LIBRARY(ppo_kernels, m) {
 
 // Top-k distillation (ppo_kernels.distill_loss, ppo_kernels/distill.py): logits [B, Tl, V]
 // as above, mask bool [B, T]; the teacher's sets in CSR over the N = B * T positions in
-// row-major order: offsets int64 [N + 1] (0 first, nnz last, non-decreasing), token_ids
+// row-major order: offsets int64 [N + 1] (non-decreasing indices into token_ids: the
+// whole CSR starts at 0 and ends at nnz, a chunk's view of it anywhere), token_ids
 // int64 [nnz] (distinct within a position, in [0, V)), teacher_logprobs [nnz] of the
 // accumulation dtype; weights [B, T] the loss_agg_mode weights. Per position kl (the forward
 // KL from the teacher's top-k distribution to the student's, plus the tail bucket when

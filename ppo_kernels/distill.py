@@ -195,7 +195,10 @@ def distill_terms_torch(z2, ids, row_of, lt, row_valid, tail):
     if tail:
         in_s = torch.zeros(n, v, dtype=torch.bool, device=z2.device)
         in_s[row_of, ids_r] = True
-        log_comp = torch.logsumexp(logp.masked_fill(in_s, float("-inf")), dim=-1)
+        # log(1 - PS) as a log-sum-exp of the complement, relative to the row's (the same
+        # call: an empty set gives exactly 0)
+        log_comp = (torch.logsumexp(z2.masked_fill(in_s, float("-inf")), dim=-1) -
+                    torch.logsumexp(z2, dim=-1))
         has = tail_t > 0
         term = tail_t * (torch.log1p(-pt_sum.where(has, 0.0)) - log_comp.where(has, 0.0))
         kl = kl + torch.where(has, term, 0.0)
@@ -256,8 +259,11 @@ def check_call(like, vocab, teacher, response_mask, options, name="logits"):
                          f"{list(teacher.offsets.shape)}")
     n = teacher.offsets.numel() - 1
     acc = ck.acc_dtype(like)
-    b, t = _positions(like.shape, n, name)
     flat = options["flat"]
+    if flat and like.shape[1] != n:
+        raise ValueError(f"teacher.offsets: N + 1 = {n + 1} entries do not fit {name} of shape "
+                         f"{list(like.shape[1:])} (expected N = {like.shape[1]} positions)")
+    b, t = _positions(like.shape, n, name)
     shape_like = torch.empty((b, t), dtype=torch.bool, device=like.device)
     packing = None
     if options.get("cu_seqlens") is not None:

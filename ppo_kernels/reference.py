@@ -512,7 +512,8 @@ def distill_terms(logits, offsets, token_ids, teacher_logprobs, *, tail=True, te
         ps = p[i, ids]
         outside = np.ones(v, dtype=bool)
         outside[ids] = False
-        comp = p[i, outside].sum()
+        # relative to the row's own sum of p (1 up to rounding): exactly 1 for an empty set
+        comp = p[i, outside].sum() / p[i].sum()
         pt_sum = pt.sum()
         k = float(np.where(pt > 0, pt * (lt - np.where(pt > 0, lps, 0.0)), 0.0).sum())
         whole = len(ids) == v

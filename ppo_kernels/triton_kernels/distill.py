@@ -86,7 +86,8 @@ def _distill_kernel(
         if TAIL:
             has = tail_t > 0.0
             log_tt = tl.log(tl.where(has, tail_t, 1.0).to(tl.float64))
-            log_cs = tl.log(tl.where(has, comp, 1.0))
+            # relative to the row's own total D (1 up to rounding): an empty set gives 0
+            log_cs = tl.log(tl.where(has, comp, 1.0)) - tl.log(total)
             diff = (log_tt - log_cs).to(ACC)
             kl += tl.where(has, tail_t * diff, 0.0)
             r = tl.where(has, tl.exp(diff), 0.0)
