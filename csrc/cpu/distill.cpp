@@ -91,8 +91,15 @@ void distill_rows(const at::Tensor& logits, const Rows& r, const bool* m, const 
       if constexpr (!kWiden<scalar_t>) {
         for (; v + W <= r.V; v += W)
           vexp((Vec::loadu(x + v) - vmax) * vinv - vls).store(p.data() + v);
+      } else {  // bf16 / fp16: widened in registers, two float vectors per load
+        for (; v + 2 * W <= r.V; v += 2 * W) {
+          auto [a, c] = at::vec::convert_to_float<scalar_t>(Vectorized<scalar_t>::loadu(x + v));
+          vexp((a - vmax) * vinv - vls).store(p.data() + v);
+          vexp((c - vmax) * vinv - vls).store(p.data() + v + W);
+        }
       }
-      for (; v < r.V; ++v) p[v] = ppo::ppo_exp((static_cast<T>(x[v]) - st.max) * inv - st.log_sum);
+      for (; v < r.V; ++v)
+        p[v] = ppo::ppo_exp((static_cast<T>(x[v]) - st.max) * inv - st.log_sum);
       const int64_t o0 = off[i], k = off[i + 1] - o0;
       lps.resize(k);
       pss.resize(k);
