@@ -140,7 +140,7 @@ def main():
             x = logits.detach().requires_grad_()
             loss = variants(a.device)[name](x, teacher)
             loss.backward()
-            grads[name] = (float(loss), x.grad.float())
+            grads[name] = (float(loss.detach()), x.grad.float())
         ref_loss, ref_grad = grads["fused"]
         for name, (l_, g_) in grads.items():
             assert abs(l_ - ref_loss) <= 1e-4 * max(1.0, abs(ref_loss)), (name, l_, ref_loss)

@@ -155,6 +155,7 @@ def test_layouts_and_temperature(be, layout, gen):
         leaf = be.t(full).requires_grad_()
         loss, _ = pk.distill_loss(leaf[:, :t], on(be, te), backend=be.name, **kw)
         loss.backward()
+        loss = loss.detach()
         grad = leaf.grad.cpu()[:, :t]
         rl, rg, _ = ref.distill_loss(full[:, :t].double(), te.offsets, te.token_ids,
                                      te.logprobs.double(), **kw)
@@ -410,3 +411,33 @@ def test_public_names():
     assert pk.SparseLogprobs._fields == ("token_ids", "offsets", "logprobs")
     assert "distill_loss" in pk.__all__ and "distill_loss_from_hidden" in pk.__all__
     assert math.isclose(pk.distill.MASS_TOLERANCE, 1e-3)
+
+
+# ------------------------------------------------------------------ the raw ops
+
+@pytest.mark.parametrize("be", KERNELS_CPU)
+def test_raw_op_defends_itself(be):
+    """Direct callers of ppo_kernels::[triton_]distill_fwd get an error naming the
+    argument, never an out-of-bounds read."""
+    import ppo_kernels.distill  # noqa: F401  (registers the op's autograd)
+
+    op = getattr(torch.ops.ppo_kernels, ("triton_" if be.name == "triton" else "") +
+                 "distill_fwd")
+    x = torch.randn(1, 2, 5)
+    m = torch.ones(1, 2, dtype=torch.bool)
+    w = torch.ones(1, 2)
+    lt = torch.tensor([-1.0, -2.0, -0.5])
+    with pytest.raises((RuntimeError, ValueError), match="offsets"):
+        op(x, m, torch.tensor([0, 3]), torch.tensor([0, 1, 3]), lt, w, 1.0, 1.0, True, True)
+    with pytest.raises((RuntimeError, ValueError), match="teacher_logprobs"):
+        op(x, m, torch.tensor([0, 2, 3]), torch.tensor([0, 1, 3]), lt[:2], w, 1.0, 1.0, True,
+           True)
+    if be.name == "cpu":
+        with pytest.raises(RuntimeError, match="token_ids"):
+            op(x, m, torch.tensor([0, 2, 3]), torch.tensor([0, 1, 7]), lt, w, 1.0, 1.0, True,
+               True)
+    # a chunk's view of the offsets (starting past 0) is accepted
+    loss, kl, _, _, _ = op(x[:, 1:], m[:, 1:], torch.tensor([2, 3]), torch.tensor([0, 1, 3]),
+                           lt, w[:, 1:], 1.0, 1.0, True, False)
+    rk, _, _, _ = ref.distill_terms(x[0, 1:].double(), [0, 1], [3], [-0.5])
+    assert float(kl[0, 0]) == pytest.approx(float(rk[0]), rel=1e-6)
