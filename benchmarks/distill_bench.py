@@ -16,7 +16,10 @@ Every variant computes the same loss (token-mean, tail on); the script checks th
 gradients against the fused one first. Time: the median wall time of forward + backward.
 Peak memory: the peak extra bytes of one step above the memory before it (CPU: Linux's
 VmHWM in a fresh subprocess per variant, after a warm-up step, with glibc's mmap threshold
-fixed; CUDA: max_memory_allocated), printed in MiB and as ratios to the fused kernel's.
+fixed; CUDA: max_memory_allocated), the gradient (or the floor's copy) included, printed in
+MiB and as ratios to the fused kernel's. On a shared machine, OMP_NUM_THREADS=1 gives the
+steadiest numbers (oversubscribed OpenMP regions, the argument checks' sort among them,
+slow down by tens of times).
 Timings are not tests.
 """
 
@@ -94,10 +97,8 @@ def peak_child(name, n, v, k, dtype, device):
     """(this script, --peak-of name): one warm-up step, then the peak of one step."""
     logits, teacher = make_inputs(n, v, k, dtype, device)
     if name == "copy floor":
-        floor = _measure.CopyFloor()
-
-        def step():
-            return floor(logits)
+        def step():  # (a fresh output buffer per step: its allocation is in the peak)
+            return _measure.CopyFloor()(logits)
     else:
         step = step_of(variants(device)[name], logits, teacher)
     step()

@@ -120,7 +120,16 @@ def check_csr(name, token_ids, offsets, n, like, *, vocab=None, row_valid=None,
         else:
             torch._assert_async(~bad.any(), f"{name}.token_ids: ids must lie in [0, {vocab})")
             ids = torch.where(bad, 0, ids)
-    if distinct and nnz > 1:
+    if distinct and nnz > 1 and host and n and bool((counts == nnz // n).all()):
+        # every position holds k ids (a teacher's top-k): sort within rows, [n, k]
+        k = nnz // n
+        s = ids.view(n, k).sort(dim=1).values
+        dup = (s[:, 1:] == s[:, :-1]) & (check.view(n, k)[:, 1:])
+        if bool(dup.any()):
+            i, a = (int(v) for v in dup.nonzero()[0])
+            raise ValueError(f"{name}.token_ids: ids must be distinct within a position; "
+                             f"id {int(s[i, a])} appears twice at position {i}")
+    elif distinct and nnz > 1:
         span = vocab if vocab is not None else int(ids.max()) + 1 if host else 2 ** 31
         key = torch.where(check, row_of * span + ids.clamp(min=0),
                           -1 - torch.arange(nnz, device=ids.device))

@@ -355,6 +355,10 @@ BAD = [
     ("teacher.token_ids", lambda te: te._replace(token_ids=torch.tensor([0, -1, 3]))),
     ("teacher.token_ids", lambda te: te._replace(token_ids=torch.tensor([1, 1, 3]))),
     ("teacher.token_ids", lambda te: te._replace(token_ids=te.token_ids.float())),
+    # (a repeat within a position when every position holds k ids: the per-row check)
+    ("teacher.token_ids", lambda te: pk.SparseLogprobs(
+        torch.tensor([0, 4, 2, 2]), torch.tensor([0, 2, 4]), torch.tensor([-1.0, -2.0, -1.0,
+                                                                           -2.0]))),
     ("teacher.offsets", lambda te: te._replace(offsets=torch.tensor([0, 3, 2]))),
     ("teacher.offsets", lambda te: te._replace(offsets=torch.tensor([0, 2, 2]))),
     ("teacher.offsets", lambda te: te._replace(offsets=torch.tensor([1, 2, 3]))),
@@ -441,3 +445,24 @@ def test_raw_op_defends_itself(be):
                            lt, w[:, 1:], 1.0, 1.0, True, False)
     rk, _, _, _ = ref.distill_terms(x[0, 1:].double(), [0, 1], [3], [-0.5])
     assert float(kl[0, 0]) == pytest.approx(float(rk[0]), rel=1e-6)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_opcheck_distill_fwd(grad, gen):
+    """torch.library.opcheck of the C++ op: schema, fake function, autograd registration
+    (and AOT dispatch without a gradient: with one, the dlogits output is the buffer the
+    backward rescales in place, which a raw call returns, as for ppo_loss_fwd)."""
+    from ppo_kernels._autograd import register_distill
+
+    register_distill("")
+    x = torch.randn(2, 3, 9, generator=gen).requires_grad_(grad)
+    te = make_teacher(6, 9, gen, sizes=[2, 0, 9, 1, 3, 4])
+    mask = torch.tensor([[True, True, False], [True, False, True]])
+    w = mask.float() / mask.sum()
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor",
+             "test_aot_dispatch_dynamic")
+    if grad:
+        utils = utils[:-1]
+    torch.library.opcheck(torch.ops.ppo_kernels.distill_fwd,
+                          (x, mask, te.offsets, te.token_ids, te.logprobs, w, 0.9, 1.0, True,
+                           grad), test_utils=utils)
