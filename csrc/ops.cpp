@@ -65,3 +65,21 @@ TORCH_LIBRARY(ppo_kernels, m) {
       "Tensor? temperatures=None) "
       "-> (Tensor logprobs, Tensor kl, Tensor rewards, Tensor advantages, Tensor returns)");
 }
+
+// Top-k distillation (ppo_kernels.distill_loss, ppo_kernels/distill.py): logits [B, Tl, V]
+// as above, mask bool [B, T]; the teacher's sets in CSR over the N = B * T positions in
+// row-major order: offsets int64 [N + 1] (non-decreasing indices into token_ids: the
+// whole CSR starts at 0 and ends at nnz, a chunk's view of it anywhere), token_ids
+// int64 [nnz] (distinct within a position, in [0, V)), teacher_logprobs [nnz] of the
+// accumulation dtype; weights [B, T] the loss_agg_mode weights. Per position kl (the forward
+// KL from the teacher's top-k distribution to the student's, plus the tail bucket when
+// tail), student_mass (sum of the student's p on the set), teacher_tail (1 - the teacher's
+// mass, 0 for a whole-vocabulary set); loss = sum_i weights_i kl_i; dlogits =
+// grad_scale * d loss / d logits (compute_grad), as ppo_loss_fwd's.
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  m.def(
+      "distill_fwd(Tensor logits, Tensor mask, Tensor offsets, Tensor token_ids, "
+      "Tensor teacher_logprobs, Tensor weights, float temperature, float grad_scale, "
+      "bool tail, bool compute_grad) -> (Tensor loss, Tensor kl, Tensor student_mass, "
+      "Tensor teacher_tail, Tensor dlogits)");
+}

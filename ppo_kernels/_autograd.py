@@ -259,3 +259,53 @@ class InplaceLoss(torch.autograd.Function):
         if grad is buf:  # handed out: the logits' storage is the caller's gradient now
             ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
         return grad, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------------ distill_fwd (top-k KD)
+
+def _fake_distill_fwd(logits, mask, offsets, token_ids, teacher_logprobs, weights,
+                      temperature, grad_scale, tail, compute_grad):
+    acc = acc_dtype(logits)
+    per_tok = [mask.new_empty(mask.shape, dtype=acc) for _ in range(3)]
+    dl = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype,
+                     device=logits.device)
+    return (mask.new_empty((), dtype=acc), *per_tok, dl)
+
+
+def _distill_autograd_for(prefix):
+    """(setup_context, backward) of prefix + distill_fwd, as _loss_autograd_for's: the
+    forward wrote dlogits pre-scaled by grad_scale (found by the schema's argument name),
+    the backward hands it out rescaled in place."""
+    qualname = prefix + "distill_fwd"
+    at_gs = _arg_index(qualname, "grad_scale")
+    n_args = len(getattr(torch.ops.ppo_kernels, qualname).default._schema.arguments)
+
+    def setup(ctx, inputs, output):
+        ctx.applied = applied_scale(inputs[at_gs], inputs[0])
+        ctx.save_for_backward(output[4].detach())  # (a detached alias: see ppo_loss_fwd)
+        ctx.set_materialize_grads(False)
+
+    def backward(ctx, grad_loss, *_):
+        first_order_only("distill_loss")
+        (dlogits,) = ctx.saved_tensors
+        return (hand_out(prefix, dlogits, grad_loss, ctx.applied),) + (None,) * (n_args - 1)
+
+    return setup, backward
+
+
+_distill_registered = set()
+
+
+def register_distill(prefix):
+    """fake + autograd of prefix + distill_fwd (once per prefix; the op must exist: the C++
+    schema of csrc/ops.cpp, or the Triton library's)."""
+    if prefix in _distill_registered:
+        return
+    if not hasattr(torch.ops.ppo_kernels, prefix + "distill_fwd"):
+        raise ValueError(f"backend: the compiled extension has no {prefix}distill_fwd op (built "
+                         f"before distill_loss existed); rebuild it or use backend='torch'")
+    lib = "ppo_kernels::" + prefix
+    torch.library.register_fake(lib + "distill_fwd", _fake_distill_fwd)
+    setup, backward = _distill_autograd_for(prefix)
+    torch.library.register_autograd(lib + "distill_fwd", backward, setup_context=setup)
+    _distill_registered.add(prefix)

@@ -527,3 +527,89 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
         adv = whiten(adv, m)
     return {"logprobs": logp, "kl": kl * m, "rewards": rewards, "advantages": adv,
             "returns": ret}
+
+
+# ---------------------------------------------------------------- top-k distillation
+
+def _csr_rows(offsets, token_ids, logprobs, n):
+    off = _as_int(offsets)
+    ids = _as_int(token_ids)
+    lt = as_f64(logprobs)
+    return [(ids[off[i]:off[i + 1]], lt[off[i]:off[i + 1]]) for i in range(n)]
+
+
+def distill_terms(logits, offsets, token_ids, teacher_logprobs, *, tail=True, temperature=1.0):
+    """Per-position top-k distillation terms of logits [N, V] (float64): (kl [N],
+    student_mass [N], teacher_tail [N], dkl_dlogits [N, V]).
+
+    kl_i = sum_{j in S_i} pT_j (log pT_j - log pS_j)
+           + [tail] (1 - PT) (log(1 - PT) - log(1 - PS)),  PT = sum_S pT, PS = sum_S pS,
+    the forward KL of the teacher's top-k distribution (plus its tail bucket) to the
+    student's (GKD, Agarwal et al. 2023, arXiv:2306.13649; the top-k form of verl's and
+    Thinking Machines' on-policy distillation). pS = softmax(logits / temperature). A set
+    holding the whole vocabulary, or one whose teacher mass reaches 1, has no tail.
+    d kl_i / d z_v = alpha pS_v + [v in S] (beta pS_v - pT_v) with z = logits / temperature:
+    tail: alpha = 1 - r, beta = r, r = (1 - PT) / (1 - PS); no tail: alpha = PT, beta = 0.
+    The student's complement 1 - PS is summed over the entries outside S (no cancellation).
+    """
+    z = as_f64(logits) / temperature
+    n, v = z.shape
+    d, log_sum, _, p = _row_stats(z)
+    kl = np.zeros(n)
+    ps_out = np.zeros(n)
+    tt_out = np.zeros(n)
+    g = np.zeros((n, v))
+    for i, (ids, lt) in enumerate(_csr_rows(offsets, token_ids, teacher_logprobs, n)):
+        lps = d[i, ids] - log_sum[i]
+        pt = np.exp(lt)
+        ps = p[i, ids]
+        outside = np.ones(v, dtype=bool)
+        outside[ids] = False
+        # relative to the row's own sum of p (1 up to rounding): exactly 1 for an empty set
+        comp = p[i, outside].sum() / p[i].sum()
+        pt_sum = pt.sum()
+        k = float(np.where(pt > 0, pt * (lt - np.where(pt > 0, lps, 0.0)), 0.0).sum())
+        whole = len(ids) == v
+        tail_t = 0.0 if whole else max(1.0 - pt_sum, 0.0)
+        alpha, beta = pt_sum, 0.0
+        if tail:
+            r = 0.0
+            if tail_t > 0:
+                log_tt = np.log1p(-pt_sum)
+                k += tail_t * (log_tt - np.log(comp))
+                r = np.exp(log_tt - np.log(comp))
+            alpha, beta = 1.0 - r, r
+        kl[i], ps_out[i], tt_out[i] = k, ps.sum(), tail_t
+        g[i] = alpha * p[i]
+        g[i, ids] = (alpha + beta) * ps - pt
+    return kl, ps_out, tt_out, g / temperature
+
+
+def distill_loss(logits, offsets, token_ids, teacher_logprobs, response_mask=None, *,
+                 tail=True, temperature=1.0, loss_agg_mode="token-mean",
+                 global_num_tokens=None, global_num_seqs=None, norm_length=None):
+    """(loss, dloss_dlogits, metrics) of pk.distill_loss, logits [B, T, V] (or [B, T + 1,
+    V]: the last position ignored, zero gradient) and the teacher's CSR over the B * T
+    positions. loss_agg_mode="none": loss is the per-token kl [B, T] (0 where masked) and
+    the gradient that of its sum."""
+    full = as_f64(logits)
+    b = full.shape[0]
+    n = len(_as_int(offsets)) - 1
+    t = n // b
+    z = full[:, :t]
+    m = _mask(response_mask, (b, t))
+    kl, ps, tt, g = distill_terms(z.reshape(b * t, -1), offsets, token_ids, teacher_logprobs,
+                                  tail=tail, temperature=temperature)
+    kl, ps, tt = (x.reshape(b, t) * m for x in (kl, ps, tt))
+    if loss_agg_mode == "none":
+        w = m
+        loss = kl
+    else:
+        w = agg_weights(m, loss_agg_mode, global_num_tokens, norm_length, global_num_seqs)
+        loss = float((w * kl).sum())
+    grad = np.zeros_like(full)
+    grad[:, :t] = g.reshape(b, t, -1) * w[..., None]
+    metrics = {"kl": _masked_mean(kl, m), "student_mass": _masked_mean(ps, m),
+               "teacher_tail_mass": _masked_mean(tt, m), "num_tokens": float(m.sum()),
+               "num_seqs": float((m.sum(1) > 0).sum())}
+    return loss, grad, metrics

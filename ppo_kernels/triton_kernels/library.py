@@ -131,6 +131,27 @@ _IMPLS = {
     "triton_score_rollout": (score_rollout, ()),
 }
 
+# top-k distillation (triton_kernels/distill.py; the C++ schema appended to csrc/ops.cpp)
+from .distill import distill_fwd as _distill_fwd  # noqa: E402
+
+SCHEMAS["triton_distill_fwd"] = (
+    "(Tensor logits, Tensor mask, Tensor offsets, Tensor token_ids, "
+    "Tensor teacher_logprobs, Tensor weights, float temperature, float grad_scale, "
+    "bool tail, bool compute_grad) -> (Tensor loss, Tensor kl, Tensor student_mass, "
+    "Tensor teacher_tail, Tensor dlogits)")
+
+
+def distill_fwd(logits: Tensor, mask: Tensor, offsets: Tensor, token_ids: Tensor,
+                teacher_logprobs: Tensor, weights: Tensor, temperature: float,
+                grad_scale: float, tail: bool, compute_grad: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _distill_fwd(logits, mask, offsets, token_ids, teacher_logprobs, weights,
+                        temperature, grad_scale, tail, compute_grad)
+
+
+_IMPLS["triton_distill_fwd"] = (distill_fwd, ())
+
+
 _registered = {}
 
 

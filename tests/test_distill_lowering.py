@@ -1,0 +1,59 @@
+"""The Triton distillation kernel (ppo_kernels/triton_kernels/distill.py) lowered for a
+GPU without one: triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)) must give
+PTX and a cubin for sm_90 (catches what the interpreter lets through), for float32,
+bfloat16 and float64 logits, with and without the tail and the gradient. The compiler
+child is that of tests/test_triton_kernels_lowering.py."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from test_triton_kernels_lowering import CHILD, ROOT, SMEM_LIMIT
+
+pytest.importorskip("triton")
+
+
+def _types(dt, acc="fp32"):
+    p = f"*{dt}"
+    a = f"*{acc}"
+    return dict(logits_ptr=p, stride_lb="i64", stride_lt="i64", mask_ptr="*i1",
+                off_ptr="*i64", ids_ptr="*i64", lt_ptr=a, w_ptr=a, kl_ptr=a, ps_ptr=a,
+                tt_ptr=a, grad_ptr=p, stride_gb="i64", stride_gt="i64", T="i64", TG="i64",
+                V="i32", inv_temp="fp64", grad_scale="fp64")
+
+
+VARIANTS = {}
+for dt, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp64", "fp64")):
+    for tail in (True, False):
+        for grad in (True, False):
+            VARIANTS[f"distill-{dt}-tail{int(tail)}-grad{int(grad)}"] = (
+                "distill", "_distill_kernel", _types(dt, acc),
+                dict(ACC=acc, TAIL=tail, COMPUTE_GRAD=grad, BLOCK_V=4096, BLOCK_K=32),
+                {"num_warps": 8}, False)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if "TRITON_PTXAS_PATH" not in env and shutil.which("ptxas") is None and \
+            os.path.exists("/usr/local/cuda/bin/ptxas"):
+        env["TRITON_PTXAS_PATH"] = "/usr/local/cuda/bin/ptxas"
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(ROOT)], input=json.dumps(VARIANTS),
+                          capture_output=True, text=True, env=env, timeout=600)
+    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@JSON@@")]
+    assert marker, f"compiler child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(marker[-1][len("@@JSON@@"):])
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_distill_kernel_lowers_to_sm90(compiled, name):
+    res = compiled[name]
+    assert "error" not in res, res.get("error")
+    assert {"ptx", "cubin"} <= set(res["keys"])
+    assert res["ptx"] > 0 and res["cubin"] > 0 and res["target"]
+    assert res["shared"] <= SMEM_LIMIT
