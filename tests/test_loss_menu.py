@@ -143,9 +143,16 @@ def test_dppo_kl_hand_case():
     # the reference's binary KL is the closed form, also at p -> 1 and p_old -> 1
     lp = np.log(np.array([0.5, 1.0 - 1e-12, 0.3, 0.999999]))
     lo = np.log(np.array([0.2, 0.5, 1.0, 0.999]))
-    masked = R.dppo_masked(lp, lo, np.ones(4), 0.0, 0.2, True)
-    # KL(Bern(0.5) || Bern(1 - 1e-12)) = 0.5 log(0.5) + 0.5 log(0.5 / 1e-12) ~ 13.1 > 0.2
-    assert masked.tolist() == [False, True, False, True]
+    # KL(Bern(0.5) || Bern(1 - 1e-12)) = 0.5 log(0.5) + 0.5 log(0.5 / 1e-12) ~ 13.1;
+    # KL(Bern(0.999) || Bern(0.999999)) = 0.999 log(0.999 / 0.999999) + 0.001 log(1000)
+    # ~ 0.00591; p_old = 1 with p < p_old: never masked for A > 0
+    kl4 = 0.999 * math.log(0.999 / 0.999999) + 0.001 * math.log(1000.0)
+    assert R.dppo_masked(lp, lo, np.ones(4), 0.0, 0.2, True).tolist() == [
+        False, True, False, False]
+    assert R.dppo_masked(lp, lo, np.ones(4), 0.0, kl4 * 0.999, True).tolist() == [
+        True, True, False, True]
+    assert R.dppo_masked(lp, lo, np.ones(4), 0.0, kl4 * 1.001, True).tolist() == [
+        True, True, False, False]
 
 
 def test_vespo_hand_case():
