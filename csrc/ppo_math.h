@@ -209,7 +209,7 @@ PPO_HD T log1m_exp(T x) {
 // divergence_type "binary_tv" / "binary_kl"): with p = e^logp, p_old = e^old_logp the
 // token's divergence D is the binary total variation |p - p_old| or the binary KL
 // KL(Bernoulli(p_old) || Bernoulli(p)) = p_old (old - logp) + (1 - p_old) (log(1 - p_old) -
-// log(1 - p)); a token is masked (M = 0) where it left the region in the direction A
+// log(1 - p)) (log-probs above 0 taken as 0); a token is masked (M = 0) where it left the region in the direction A
 // pushes: A > 0 and p > p_old and D > eps_high, or A <= 0 and p < p_old and D > eps_low.
 //   pg = -M sg(min(rho, c)) A logp,  d pg / d logp = -M min(rho, c) A
 // c = dual_clip_c (verl's / TRL's clip_ratio_c), no cap when 0. The ratio is a constant
@@ -220,10 +220,12 @@ PPO_HD PgTerm<T> pg_dppo(T logp, T old_logp, T rho, bool clamped, T adv, bool kl
   const T pn = ppo_exp(logp), po = ppo_exp(old_logp);
   T div;
   if (kl) {
-    const T q_old = T(0) - ppo_expm1(old_logp);  // 1 - p_old, keeping its digits
+    // log-probs above 0 (rounding) count as 0 here: p, p_old <= 1 keep the KL defined
+    const T lo = old_logp < T(0) ? old_logp : T(0), ln = logp < T(0) ? logp : T(0);
+    const T q_old = T(0) - ppo_expm1(lo);  // 1 - p_old, keeping its digits
     // (1 - p_old) log((1 - p_old) / (1 - p)); 0 when p_old = 1 (0 log 0 = 0)
-    const T tail = q_old == T(0) ? T(0) : q_old * (log1m_exp(old_logp) - log1m_exp(logp));
-    div = po * (old_logp - logp) + tail;
+    const T tail = q_old == T(0) ? T(0) : q_old * (log1m_exp(lo) - log1m_exp(ln));
+    div = ppo_exp(lo) * (lo - ln) + tail;
   } else {
     div = pn > po ? pn - po : po - pn;
   }

@@ -144,10 +144,11 @@ def dppo_masked(logp, old, advantages, eps_low, eps_high, kl):
     p < p_old and D > eps_low, with D = |p - p_old| (binary TV) or the Bernoulli
     KL(p_old || p) (kl=True); p = e^logp, p_old = e^old."""
     pn, po = torch.exp(logp), torch.exp(old)
-    if kl:
-        q_old = -torch.expm1(old)
-        tail = torch.where(q_old == 0, 0.0, q_old * (log1m_exp(old) - log1m_exp(logp)))
-        div = po * (old - logp) + tail
+    if kl:  # log-probs above 0 (rounding) count as 0
+        lo, ln = torch.clamp(old, max=0.0), torch.clamp(logp, max=0.0)
+        q_old = -torch.expm1(lo)
+        tail = torch.where(q_old == 0, 0.0, q_old * (log1m_exp(lo) - log1m_exp(ln)))
+        div = torch.exp(lo) * (lo - ln) + tail
     else:
         div = (pn - po).abs()
     return torch.where(advantages > 0, (pn > po) & (div > eps_high),

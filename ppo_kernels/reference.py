@@ -145,11 +145,12 @@ def dppo_masked(lp, old, a, eps_low, eps_high, kl):
     in the direction its advantage pushes: A > 0, p > p_old and D > eps_high, or A <= 0,
     p < p_old and D > eps_low; D = |p - p_old| or KL(Bernoulli(p_old) || Bernoulli(p))."""
     pn, po = np.exp(lp), np.exp(old)
-    if kl:
-        q_old = -np.expm1(old)
+    if kl:  # log-probs above 0 (rounding) count as 0: p, p_old <= 1
+        lo, ln = np.minimum(old, 0.0), np.minimum(lp, 0.0)
+        q_old = -np.expm1(lo)
         with np.errstate(invalid="ignore"):  # (1 - p_old) log(...) is 0 where p_old = 1
-            tail = np.where(q_old == 0, 0.0, q_old * (log1m_exp(old) - log1m_exp(lp)))
-        div = po * (old - lp) + tail
+            tail = np.where(q_old == 0, 0.0, q_old * (log1m_exp(lo) - log1m_exp(ln)))
+        div = np.exp(lo) * (lo - ln) + tail
     else:
         div = np.abs(pn - po)
     return np.where(a > 0, (pn > po) & (div > eps_high), (pn < po) & (div > eps_low))

@@ -375,7 +375,7 @@ def test_vespo_against_trl_gamma_weights():
                                   loss_agg_mode="token-sum", backend=backend,
                                   **{f"vespo_{k}": val for k, val in opts.items()})
             loss.backward()
-            assert float(loss) == pytest.approx(float(want), rel=1e-12, abs=1e-14)
+            assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-12, abs=1e-14)
             torch.testing.assert_close(y.grad, x.grad, rtol=1e-10, atol=1e-14)
 
 

@@ -125,7 +125,7 @@ def test_policy_loss_matches_verl(mode, agg, dtype):
     ("dppo_tv", dict(clip_ratio_low=0.2, clip_ratio_high=0.28)),
     ("dppo_tv", dict(clip_ratio=0.05, clip_ratio_c=1.5)),
     ("dppo_kl", dict(clip_ratio_low=0.05, clip_ratio_high=0.08)),
-    ("dppo_kl", dict(clip_ratio=0.01, clip_ratio_c=1.2))], ids=["tv", "tv-c", "kl", "kl-c"])
+    ("dppo_kl", dict(clip_ratio=0.002, clip_ratio_c=1.2))], ids=["tv", "tv-c", "kl", "kl-c"])
 def test_dppo_matches_verl(mode, kw, agg, dtype):
     """DPPO (Qi et al. 2026) against verl's compute_policy_loss_dppo_tv / _kl: loss, the
     three metrics (the masked fraction, ppo_kl, the capped fraction) and d loss / d
@@ -230,8 +230,7 @@ def test_gspo_warns_where_verl_clamps_the_sequence_ratio():
 
 def test_unsupported_loss_modes_raise_naming_the_key():
     old, lp, adv, mask, _ = batch(1)
-    for mode in ["clip_cov", "kl_cov", "geo_mean", "gpg", "dro", "dppo_tv", "dppo_kl",
-                 "bypass_mode", "nonsense"]:
+    for mode in ["clip_cov", "kl_cov", "geo_mean", "gpg", "dro", "bypass_mode", "nonsense"]:
         with pytest.raises(ValueError, match="actor.policy_loss.loss_mode"):
             pv.compute_policy_loss(old, lp, adv, mask, "token-mean",
                                    actor_config(loss_mode=mode))

@@ -367,3 +367,47 @@ def test_rollout_threshold_order_message():
     with pytest.raises(ValueError, match="hi > lo"):
         pk.ppo_loss(**d, rollout_logprobs=d["old_logprobs"], rollout_correction="mis",
                     rollout_is_threshold=(2.0, 0.5))
+
+
+@pytest.mark.parametrize("cap", [None, 1.3])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_areal_decoupled_ppo_is_old_plus_rollout_correction(cap, backend):
+    """AReaL's decoupled PPO (ppo_actor_loss_fn with proximal_logprobs): the clip of
+    pi_theta / pi_prox times the behaviour weight pi_prox / pi_behave, zeroed where above
+    behav_imp_weight_cap, summed over the loss mask / its count. It is ppo_loss with
+    old_logprobs = prox, rollout_logprobs = behave and rollout_correction "mis" at the cap
+    (no cap: rollout_is_weights = pi_prox / pi_behave), docs/LOSSES.md."""
+    g = torch.Generator().manual_seed(9)
+    b, t, v = 3, 6, 11
+    logits = torch.randn(b, t, v, generator=g, dtype=torch.float64)
+    tok = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.2
+    lp0 = torch.log_softmax(logits, -1).gather(-1, tok[..., None])[..., 0]
+    prox = lp0 + 0.2 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    behave = prox + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(b, t, generator=g, dtype=torch.float64)
+    eps, eps_hi, c = 0.2, 0.28, 3.0
+    # AReaL's formula, written out
+    x = logits.clone().requires_grad_(True)
+    lp = torch.log_softmax(x, -1).gather(-1, tok[..., None])[..., 0]
+    ratio = torch.where(mask, torch.exp(lp - prox), 0)
+    pg = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1 - eps, 1 + eps_hi))
+    pg = torch.min(pg, torch.sign(adv) * c * adv)  # the dual clip (c_clip)
+    w = torch.exp(prox - behave)
+    keep = mask if cap is None else (w <= cap) & mask
+    pg = pg * torch.where(keep, w, 0.0)
+    want = torch.where(mask, pg, 0).sum() / mask.sum()
+    want.backward()
+    y = logits.clone().requires_grad_(True)
+    kw = dict(clip_eps_low=eps, clip_eps_high=eps_hi, dual_clip_c=c, backend=backend)
+    if cap is None:
+        kw["rollout_is_weights"] = torch.exp(prox - behave)
+    else:
+        kw.update(rollout_logprobs=behave, rollout_correction="mis", rollout_is_threshold=cap)
+    loss, met = pk.ppo_loss(y, tok, prox, adv, mask, **kw)
+    loss.backward()
+    assert float(loss) == pytest.approx(float(want), rel=1e-12)
+    torch.testing.assert_close(y.grad, x.grad, rtol=1e-10, atol=1e-14)
+    if cap is not None:  # AReaL's behave mask is the kept fraction of the weights
+        assert float(met["rollout_masked_frac"]) == pytest.approx(
+            float((~keep & mask).sum() / mask.sum()), rel=1e-6)

@@ -154,10 +154,12 @@ def pg_dppo(logp, old_logp, rho, clamped, adv, eps_low, eps_high, dual_c,
     without HAS_DUAL). Returns (pg, d pg / d logp, rho, d rho / d logp)."""
     pn = tl.exp(logp)
     po = tl.exp(old_logp)
-    if KL:
-        q_old = 0.0 - expm1(old_logp)
-        tail = tl.where(q_old == 0.0, 0.0, q_old * (log1m_exp(old_logp) - log1m_exp(logp)))
-        div = po * (old_logp - logp) + tail
+    if KL:  # log-probs above 0 (rounding) count as 0
+        lo = tl.where(old_logp < 0.0, old_logp, 0.0)
+        ln = tl.where(logp < 0.0, logp, 0.0)
+        q_old = 0.0 - expm1(lo)
+        tail = tl.where(q_old == 0.0, 0.0, q_old * (log1m_exp(lo) - log1m_exp(ln)))
+        div = tl.exp(lo) * (lo - ln) + tail
     else:
         div = tl.where(pn > po, pn - po, po - pn)
     masked = tl.where(adv > 0.0, (pn > po) & (div > eps_high), (pn < po) & (div > eps_low))
