@@ -258,8 +258,8 @@ def test_one_line_hook(tmp_path):
 
 def test_hook_rejects_and_leaves_trainer(tmp_path):
     stock, _ = trainer_pair(tmp_path, loss_type="grpo")
-    stock.loss_type = stock.args.loss_type = "vespo"
-    with pytest.raises(ValueError, match="loss_type='vespo'"):
+    stock.loss_type = stock.args.loss_type = "not_a_loss"
+    with pytest.raises(ValueError, match="loss_type='not_a_loss'"):
         fuse_grpo_loss(stock)
     assert "_compute_loss" not in vars(stock)
 
