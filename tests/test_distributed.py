@@ -200,7 +200,10 @@ def test_world_of_one_equals_the_plain_op(group1, policy):
                     if exact:
                         assert torch.equal(a, b), (mode, what)
                     else:
-                        _close(a, b, (mode, what))
+                        # dppo's value -w A logp sums terms of size |A logp| ~ 2.5 into a
+                        # loss ~10x smaller: float32 rounding relative to the loss is larger
+                        _close(a, b, (mode, what),
+                               rel=5e-6 if policy == "dppo-tv" and what == "loss" else 5e-7)
                 for k in ref[1]:
                     assert torch.equal(got[1][k], ref[1][k]), (mode, k)
 
