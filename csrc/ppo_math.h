@@ -27,12 +27,21 @@ namespace ppo {
 enum KlEstimator : int { kK1 = 0, kK2 = 1, kK3 = 2, kAbs = 3, kK1Plus = 4, kK3Plus = 5 };
 
 // The fused kernels run the token-level policy losses; the sequence-level ones (gspo,
-// gspo-token) need every token's logp of a sequence before any gradient and never reach a
-// kernel (ppo_kernels/_two_phase.py runs them).
-enum PolicyLoss : int { kVanilla = 0, kCispo = 1, kSapo = 2, kGspo = 3, kGspoToken = 4 };
+// gspo-token, vespo) need every token's logp of a sequence before any gradient and never
+// reach a kernel (ppo_kernels/_two_phase.py runs them).
+enum PolicyLoss : int {
+  kVanilla = 0,
+  kCispo = 1,
+  kSapo = 2,
+  kDppoTv = 3,
+  kDppoKl = 4,
+  kGspo = 5,
+  kGspoToken = 6,
+  kVespo = 7
+};
 
 // Whether the fused kernels run policy loss id pl (pg_term has its case).
-PPO_HD bool kernel_policy_loss(int pl) { return pl == kVanilla || pl == kCispo || pl == kSapo; }
+PPO_HD bool kernel_policy_loss(int pl) { return pl >= kVanilla && pl <= kDppoKl; }
 
 // The slots of the ppo_loss ops' `float[] scalars` and `int[] codes` (csrc/ops.cpp), named
 // as ppo_kernels/spec.py names them (FLOAT_SLOTS, INT_SLOTS; compared by tests/test_spec.py).
@@ -76,6 +85,8 @@ PPO_HD float ppo_expm1(float x) { return expm1f(x); }
 PPO_HD double ppo_expm1(double x) { return expm1(x); }
 PPO_HD float ppo_log1p(float x) { return log1pf(x); }
 PPO_HD double ppo_log1p(double x) { return log1p(x); }
+PPO_HD float ppo_log(float x) { return logf(x); }
+PPO_HD double ppo_log(double x) { return log(x); }
 
 // e^u - 1 - u without cancellation. expm1(u) - u loses the digits of a result ~u^2/2 that
 // is far smaller than either term (12% off at |u| = 1e-6 in float32), so below a cut a
@@ -186,6 +197,45 @@ PPO_HD PgTerm<T> pg_sapo(T rho, bool clamped, T adv, const PolicyParams& p) {
   return {-(T(4) / tau) * s * adv, grad, rho, clamped ? T(0) : rho};
 }
 
+// log(1 - e^x) for x <= 0 without cancellation (Maechler 2012, "Accurately computing
+// log(1 - exp(-|a|))"): log(-expm1(x)) near 0, log1p(-e^x) below -log 2; -inf at x = 0.
+template <typename T>
+PPO_HD T log1m_exp(T x) {
+  return x > T(-0.6931471805599453) ? ppo_log(-ppo_expm1(x)) : ppo_log1p(-ppo_exp(x));
+}
+
+// DPPO (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
+// arXiv 2602.04879; verl loss_mode "dppo_tv" / "dppo_kl", TRL's experimental DPPOTrainer
+// divergence_type "binary_tv" / "binary_kl"): with p = e^logp, p_old = e^old_logp the
+// token's divergence D is the binary total variation |p - p_old| or the binary KL
+// KL(Bernoulli(p_old) || Bernoulli(p)) = p_old (old - logp) + (1 - p_old) (log(1 - p_old) -
+// log(1 - p)) (log-probs above 0 taken as 0); a token is masked (M = 0) where it left the region in the direction A
+// pushes: A > 0 and p > p_old and D > eps_high, or A <= 0 and p < p_old and D > eps_low.
+//   pg = -M sg(min(rho, c)) A logp,  d pg / d logp = -M min(rho, c) A
+// c = dual_clip_c (verl's / TRL's clip_ratio_c), no cap when 0. The ratio is a constant
+// weight (as CISPO's), so the log-ratio clamp only bounds it.
+template <typename T>
+PPO_HD PgTerm<T> pg_dppo(T logp, T old_logp, T rho, bool clamped, T adv, bool kl,
+                         const PolicyParams& p) {
+  const T pn = ppo_exp(logp), po = ppo_exp(old_logp);
+  T div;
+  if (kl) {
+    // log-probs above 0 (rounding) count as 0 here: p, p_old <= 1 keep the KL defined
+    const T lo = old_logp < T(0) ? old_logp : T(0), ln = logp < T(0) ? logp : T(0);
+    const T q_old = T(0) - ppo_expm1(lo);  // 1 - p_old, keeping its digits
+    // (1 - p_old) log((1 - p_old) / (1 - p)); 0 when p_old = 1 (0 log 0 = 0)
+    const T tail = q_old == T(0) ? T(0) : q_old * (log1m_exp(lo) - log1m_exp(ln));
+    div = ppo_exp(lo) * (lo - ln) + tail;
+  } else {
+    div = pn > po ? pn - po : po - pn;
+  }
+  const bool masked = adv > T(0) ? (pn > po && div > T(p[slot::clip_eps_high]))
+                                 : (pn < po && div > T(p[slot::clip_eps_low]));
+  const T c = T(p[slot::dual_clip_c]);
+  const T w = masked ? T(0) : (c > T(0) && rho > c ? c : rho);
+  return {-w * adv * logp, -w * adv, rho, clamped ? T(0) : rho};
+}
+
 // The policy-gradient term of one token and d pg / d logp, for the policy_loss code:
 //   d = clamp(logp - old_logp, -20, 20), rho = exp(d), then the loss's own formula.
 template <typename T>
@@ -199,6 +249,10 @@ PPO_HD PgTerm<T> pg_term(T logp, T old_logp, T adv, const PolicyParams& p) {
       return pg_cispo(logp, rho, clamped, adv, p);
     case kSapo:
       return pg_sapo(rho, clamped, adv, p);
+    case kDppoTv:
+      return pg_dppo(logp, old_logp, rho, clamped, adv, false, p);
+    case kDppoKl:
+      return pg_dppo(logp, old_logp, rho, clamped, adv, true, p);
     default:
       return pg_vanilla(rho, clamped, adv, p);
   }

@@ -94,6 +94,27 @@ def pg_terms(logp, old_logprobs, advantages, mask, spec):
         out.update(pg=-(4.0 / tau) * gate * advantages, ratio=rho,
                    clip_high=torch.zeros_like(mask), clip_low=torch.zeros_like(mask),
                    dual=torch.zeros_like(mask))
+    elif kind in ("dppo-tv", "dppo-kl"):
+        # the divergence trust region (ppo_math.h pg_dppo): the mask and the capped ratio
+        # are constants; the gradient flows through logp only
+        masked = dppo_masked(logp.detach(), old, advantages, eps_low, eps_high,
+                             kind == "dppo-kl")
+        rd = rho.detach()
+        c = spec.dual_clip_c
+        w = rd if c is None else torch.clamp(rd, max=c)
+        w = torch.where(masked, 0.0, w)
+        out.update(pg=-w * advantages * logp, ratio=rho,
+                   clip_high=masked & (advantages > 0), clip_low=masked & (advantages < 0),
+                   dual=torch.zeros_like(mask) if c is None else (rd > c) & ~masked)
+    elif kind == "vespo":
+        # VESPO (TRL loss_type="vespo"): the detached gamma weight phi(w) of the sequence
+        # ratio w = exp(clamp(sum_t clamp(logp - old), log 1e-8, 20)) weighs -A logp
+        d_seq = seq_sum(torch.where(mask, d, 0.0), spec.cp_group)
+        log_w = torch.clamp(d_seq.detach(), VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+        phi = vespo_phi(log_w, advantages, spec)
+        out.update(pg=-phi * advantages * logp, ratio=rho, clip_high=torch.zeros_like(mask),
+                   clip_low=torch.zeros_like(mask), dual=torch.zeros_like(mask),
+                   seq_ratio=torch.exp(log_w)[:, 0], vespo_phi=phi)
     else:  # gspo, gspo-token: the sequence ratio s = exp(clamp(mean_t (logp - old)))
         ls_raw = seq_mean(logp - old, mask, spec.cp_group)
         ls = torch.clamp(ls_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -107,6 +128,47 @@ def pg_terms(logp, old_logprobs, advantages, mask, spec):
         out.update(pg=pg, ratio=s, clip_high=ch, clip_low=cl, dual=dual,
                    seq_ratio=torch.exp(ls.detach())[:, 0])
     return out
+
+
+# VESPO's lower clamp of log w (TRL's get_gamma_weights: log 1e-8)
+VESPO_LOG_W_MIN = -18.420680743952367
+
+
+def log1m_exp(x):
+    """log(1 - e^x) for x <= 0 without cancellation (ppo_math.h log1m_exp; Maechler 2012)."""
+    near = x > -0.6931471805599453
+    a = torch.where(near, x, -1.0)
+    b = torch.where(near, -1.0, x)
+    return torch.where(near, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(b)))
+
+
+def dppo_masked(logp, old, advantages, eps_low, eps_high, kl):
+    """DPPO's mask (ppo_math.h pg_dppo), bool [B, T]: the token left the trust region in
+    the direction its advantage pushes: A > 0, p > p_old and D > eps_high, or A <= 0,
+    p < p_old and D > eps_low, with D = |p - p_old| (binary TV) or the Bernoulli
+    KL(p_old || p) (kl=True); p = e^logp, p_old = e^old."""
+    pn, po = torch.exp(logp), torch.exp(old)
+    if kl:  # log-probs above 0 (rounding) count as 0
+        lo, ln = torch.clamp(old, max=0.0), torch.clamp(logp, max=0.0)
+        q_old = -torch.expm1(lo)
+        tail = torch.where(q_old == 0, 0.0, q_old * (log1m_exp(lo) - log1m_exp(ln)))
+        div = torch.exp(lo) * (lo - ln) + tail
+    else:
+        div = (pn - po).abs()
+    return torch.where(advantages > 0, (pn > po) & (div > eps_high),
+                       (pn < po) & (div > eps_low))
+
+
+def vespo_phi(log_w, advantages, spec):
+    """VESPO's gamma weight phi(w) = exp(lambda + k log w - lambda w), (k, lambda) =
+    (vespo_k_pos, vespo_lambda_pos) where A >= 0, else the _neg pair (TRL
+    get_gamma_weights); phi(1) = 1, and a non-finite phi is 0, as TRL's nan_to_num."""
+    nonneg = advantages >= 0
+    k = torch.full_like(advantages, spec.vespo_k_neg).masked_fill(nonneg, spec.vespo_k_pos)
+    lam = torch.full_like(advantages, spec.vespo_lambda_neg).masked_fill(
+        nonneg, spec.vespo_lambda_pos)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 # 1/2!, 1/3!, ..., 1/12!: the Horner coefficients of expm1_minus_x (csrc/ppo_math.h)
@@ -174,10 +236,13 @@ def agg_weights(mask, loss_agg_mode, global_num_tokens=None, norm_length=None, d
 
 
 def off_policy_keep(logp, behaviour_logprobs, advantages, mask, threshold, group=None):
-    """1 / 0 [B, T]: 0 on the tokens of sequences with A < 0 whose mean of
-    (behaviour_logp - sg(logp)) exceeds the threshold (DeepSeek-V3.2; rollout_correction.py)."""
+    """1 / 0 [B, T], one decision per sequence: 0 on every token of a sequence whose mean
+    advantage over its valid tokens is negative and whose mean of (behaviour_logp - sg(logp))
+    (k1 of KL(pi_behaviour || pi)) exceeds the threshold (DeepSeek-V3.2, eq. 9; with
+    per-sequence advantages this is TRL's get_off_policy_mask; rollout_correction.py)."""
     kl = seq_mean(torch.where(mask, behaviour_logprobs - logp.detach(), 0.0), mask, group)
-    return ((advantages >= 0) | (kl <= threshold)).to(logp.dtype)
+    a_seq = seq_mean(torch.where(mask, advantages, 0.0), mask, group)
+    return ((a_seq >= 0) | (kl <= threshold)).to(logp.dtype).expand_as(logp)
 
 
 def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights,
@@ -244,6 +309,7 @@ def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, spec):
     logp, entropy = logp.detach(), entropy.detach()
     pt = pg_terms(logp, old_logprobs, advantages, mask, spec)
     d, rho = pt["log_ratio"], pt["ratio"]
+    tok_rho = torch.exp(d)
     kl = None if ref_logprobs is None else kl_terms(logp, ref_logprobs, spec.kl_estimator)
     m = mask.to(logp.dtype)
     n = m.sum().clamp(min=1.0)
@@ -262,15 +328,22 @@ def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, spec):
         "approx_kl": mean(expm1_minus_x(d)),  # (rho - 1) - log rho
         "kl_ref": mean(kl) if kl is not None else zero,
         "entropy": mean(entropy),
-        "ratio_mean": mean(rho),
-        "ratio_max": torch.where(mask, rho, 0.0).max().float() if rho.numel() else zero,
+        # the token ratio rho = exp(clamp(logp - old)) under every loss (the sequence
+        # losses report their sequence ratio as seq_ratio_mean / seq_ratio_max)
+        "ratio_mean": mean(tok_rho),
+        "ratio_max": torch.where(mask, tok_rho, 0.0).max().float() if rho.numel() else zero,
     }
     if "cispo_clip" in pt:
         out["cispo_clip_frac"] = mean(pt["cispo_clip"])
     if "seq_ratio" in pt:
         s, nonempty = pt["seq_ratio"], seq_any(mask, spec.cp_group)
-        clipped = (s > 1.0 + spec.clip_eps_high) | (s < 1.0 - spec.clip_eps_low)
-        out["seq_clip_frac"] = ((clipped & nonempty).sum() / nonempty.sum().clamp(min=1)).float()
+        n_seq = nonempty.sum().clamp(min=1)
+        if spec.policy_loss != "vespo":
+            clipped = (s > 1.0 + spec.clip_eps_high) | (s < 1.0 - spec.clip_eps_low)
+            out["seq_clip_frac"] = ((clipped & nonempty).sum() / n_seq).float()
+        out["seq_ratio_mean"] = (torch.where(nonempty, s, 0.0).sum() / n_seq).float()
+        out["seq_ratio_max"] = (torch.where(nonempty, s, 0.0).max().float() if s.numel()
+                                else zero)
     return out
 
 

@@ -15,13 +15,14 @@ import torch.distributed as dist
 from .context_parallel import check_group
 
 _SUMMED = ("num_tokens", "num_seqs")
-_MAXED = ("ratio_max", "rollout_is_max")
-_PER_SEQ = ("seq_clip_frac", "off_policy_masked_frac")
+_MAXED = ("ratio_max", "rollout_is_max", "rollout_ratio_max", "seq_ratio_max")
+_MINNED = ("rollout_ratio_min",)
+_PER_SEQ = ("seq_clip_frac", "off_policy_masked_frac", "seq_ratio_mean")
 
 
 def reduce_metrics(metrics, group=None, cp_group=None):
     """The metrics of the whole batch from every rank's ``ppo_loss`` metrics: the counts
-    summed, the maxima maxed, the means over tokens weighted by num_tokens and those over
+    summed, the maxima maxed, the minima minned, the means over tokens weighted by num_tokens and those over
     sequences by num_seqs. Two all-reduces (a sum and a max) of a few floats.
 
     Args:
@@ -53,7 +54,7 @@ def reduce_metrics(metrics, group=None, cp_group=None):
     cp = 1 if cp_group is None else dist.get_world_size(cp_group)
     n_tok = metrics["num_tokens"].float()
     n_seq = metrics["num_seqs"].float() / cp
-    keys = [k for k in metrics if k not in _MAXED]
+    keys = [k for k in metrics if k not in _MAXED + _MINNED]
     vals = []
     for k in keys:
         v = metrics[k].float()
@@ -74,8 +75,15 @@ def reduce_metrics(metrics, group=None, cp_group=None):
             w = total["num_seqs" if k in _PER_SEQ else "num_tokens"]
             out[k] = total[k] / w.clamp(min=1.0)
     maxed = [k for k in metrics if k in _MAXED]
-    if maxed:
-        m = torch.stack([metrics[k].float() for k in maxed])
+    minned = [k for k in metrics if k in _MINNED]
+    if maxed or minned:
+        # one MAX all-reduce: the minima as maxima of their negatives, a rank without
+        # valid tokens (whose minimum reads 0) as -inf so that it never wins
+        empty = n_tok <= 0
+        m = torch.stack([metrics[k].float() for k in maxed] + [
+            torch.where(empty, float("-inf"), -metrics[k].float()) for k in minned])
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        out.update(zip(maxed, m.unbind()))
+        vals = m.unbind()
+        out.update(zip(maxed, vals[:len(maxed)]))
+        out.update((k, (-v).nan_to_num(posinf=0.0)) for k, v in zip(minned, vals[len(maxed):]))
     return {**{k: out[k] for k in metrics}, **per_token}

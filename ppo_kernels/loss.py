@@ -82,7 +82,8 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
 
 def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_logprobs=None,
              *, policy_loss="vanilla", clip_eps_low=0.2, clip_eps_high=None, dual_clip_c=None,
-             sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_coef=0.0, kl_estimator="k3",
+             sapo_tau_pos=1.0, sapo_tau_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+             vespo_k_neg=3.0, vespo_lambda_neg=2.0, kl_coef=0.0, kl_estimator="k3",
              kl_bias_correction=False, entropy_coef=0.0, entropy_agg_mode=None,
              temperature=1.0, loss_agg_mode="token-mean", global_num_tokens=None,
              global_num_seqs=None, norm_length=None, rollout_is_weights=None,
@@ -112,13 +113,22 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             These, and the other per-token inputs, are data: they receive no gradient.
         response_mask: [B, T], nonzero = valid token; None = all valid.
         ref_logprobs: float [B, T] of the frozen reference policy; needed when kl_coef > 0.
-        policy_loss: "vanilla" | "cispo" | "sapo" | "gspo" | "gspo-token" (docs/LOSSES.md).
+        policy_loss: "vanilla" | "cispo" | "sapo" | "dppo-tv" | "dppo-kl" | "gspo" |
+            "gspo-token" | "vespo" (docs/LOSSES.md).
         clip_eps_low, clip_eps_high: in [0, 1); clip_eps_high=None means clip_eps_low. For
             cispo the band [1 - eps_low, 1 + eps_high] bounds a weight: eps_low in [0, 1],
             eps_high >= 0 (TRL's cap epsilon_high = 1 + clip_eps_high, clip_eps_low = 1).
+            For dppo-tv / dppo-kl the trust-region thresholds (>= 0) of the binary total
+            variation |p - p_old| / the binary KL: eps_high where A > 0 and the token's
+            probability rose, eps_low where A <= 0 and it fell (verl's clip_ratio_low /
+            clip_ratio_high, TRL's epsilon / epsilon_high).
         dual_clip_c: > 1 + clip_eps_high (the cap -c A on A < 0; TRL/Liger call it delta),
-            or None. Only for vanilla, gspo and gspo-token.
+            or None. Only for vanilla, gspo, gspo-token and, as the cap c > 0 of the detached
+            ratio min(rho, c) (verl's / TRL's clip_ratio_c), dppo-tv / dppo-kl.
         sapo_tau_pos, sapo_tau_neg: > 0, SAPO's gate temperatures for A > 0 and A <= 0.
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma weight
+            phi(w) = exp(lambda + k log w - lambda w) of the sequence ratio w, (k, lambda)
+            for A >= 0 and A < 0 (k >= 0, lambda > 0; TRL's names and defaults).
         kl_coef: >= 0 (beta). kl_estimator: "k1" | "k2" | "k3" | "abs" | "k1+" | "k3+".
         kl_bias_correction: the KL term times the policy loss's ratio (DeepSeek-V3.2; TRL's
             use_bias_correction_kl), differentiated through the ratio as TRL does.
@@ -194,8 +204,11 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         for "none"; metrics a dict of 0-d float32 tensors without gradient: num_tokens,
         num_seqs (non-empty), clip_frac, clip_frac_high, clip_frac_low, dual_clip_frac,
         approx_kl, kl_ref, entropy, ratio_mean, ratio_max (means over valid tokens, 0 if
-        none), plus cispo_clip_frac (cispo), seq_clip_frac (gspo, gspo-token), the
-        rollout_* mismatch metrics (with rollout_logprobs) and off_policy_masked_frac.
+        none; of the token ratio under every loss), plus cispo_clip_frac (cispo),
+        seq_clip_frac (gspo, gspo-token), seq_ratio_mean / seq_ratio_max (the sequence
+        ratio of gspo, gspo-token, vespo; over non-empty sequences), the rollout_*
+        mismatch metrics (with rollout_logprobs) and off_policy_masked_frac (the fraction
+        of non-empty sequences the off-policy mask drops).
 
     Raises:
         TypeError / ValueError naming the argument (see DESIGN.md, "Bad input");
@@ -400,6 +413,11 @@ def check_loss(like, vocab, tokens2, flat, options):
         if rollout is None or old is None:
             raise ValueError(f"rollout_correction: {spec.rollout_correction!r} weighs pi_old / "
                              f"pi_rollout and needs both old_logprobs and rollout_logprobs")
+        if spec.policy_loss == "vespo":
+            raise ValueError("rollout_correction: VESPO folds the train / inference ratio into "
+                             "its sequence weight (TRL); not supported here, got "
+                             f"{spec.rollout_correction!r} (pass rollout_is_weights to weigh "
+                             "the tokens instead)")
         bounds = _rc.bounds(spec.rollout_correction, spec.rollout_is_threshold)
     behaviour = None
     if spec.off_policy_mask_threshold is not None:
@@ -484,11 +502,12 @@ def loss_metrics(spec, x, logp, ent):
         with torch.no_grad():
             keep = _torch_impl.off_policy_keep(logp, x.behaviour, x.adv, x.mask,
                                                spec.off_policy_mask_threshold, spec.cp_group)
-            dropped = (keep == 0) & x.mask
+            # the mask is one decision per sequence (every token of a dropped sequence is
+            # 0), so its first column is the sequence's
             nonempty = _cp.seq_any(x.mask, spec.cp_group)
+            dropped = (keep[:, 0] == 0) if keep.shape[1] else torch.zeros_like(nonempty)
             metrics["off_policy_masked_frac"] = (
-                (_cp.seq_any(dropped, spec.cp_group) & nonempty).sum() /
-                nonempty.sum().clamp(min=1)).float()
+                (dropped & nonempty).sum() / nonempty.sum().clamp(min=1)).float()
     return metrics
 
 

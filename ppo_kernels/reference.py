@@ -148,9 +148,38 @@ def seq_mean(x, m):
     return (x * m).sum(-1, keepdims=True) / np.maximum(m.sum(-1, keepdims=True), 1.0)
 
 
+def log1m_exp(x):
+    """log(1 - e^x) for x <= 0 in float64 (Maechler 2012): log(-expm1(x)) near 0,
+    log1p(-e^x) below -log 2; -inf at 0."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(x > -np.log(2.0), np.log(-np.expm1(x)), np.log1p(-np.exp(x)))
+
+
+def dppo_masked(lp, old, a, eps_low, eps_high, kl):
+    """DPPO's mask (Qi et al. 2026, arXiv 2602.04879, eqs. 12-14; verl dppo_tv / dppo_kl,
+    TRL DPPOTrainer._compute_divergence_mask): True where the token left the trust region
+    in the direction its advantage pushes: A > 0, p > p_old and D > eps_high, or A <= 0,
+    p < p_old and D > eps_low; D = |p - p_old| or KL(Bernoulli(p_old) || Bernoulli(p))."""
+    pn, po = np.exp(lp), np.exp(old)
+    if kl:  # log-probs above 0 (rounding) count as 0: p, p_old <= 1
+        lo, ln = np.minimum(old, 0.0), np.minimum(lp, 0.0)
+        q_old = -np.expm1(lo)
+        with np.errstate(invalid="ignore"):  # (1 - p_old) log(...) is 0 where p_old = 1
+            tail = np.where(q_old == 0, 0.0, q_old * (log1m_exp(lo) - log1m_exp(ln)))
+        div = np.exp(lo) * (lo - ln) + tail
+    else:
+        div = np.abs(pn - po)
+    return np.where(a > 0, (pn > po) & (div > eps_high), (pn < po) & (div > eps_low))
+
+
+VESPO_LOG_W_MIN = np.log(1e-8)
+
+
 def pg_terms(logp, old_logprobs, advantages, clip_eps_low=0.2, clip_eps_high=None,
              dual_clip_c=None, *, policy_loss="vanilla", sapo_tau_pos=1.0, sapo_tau_neg=1.05,
-             response_mask=None):
+             response_mask=None, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+             vespo_lambda_neg=2.0):
     """Policy-gradient term per token: dict of pg, dpg (d pg / d logp of the token itself),
     ratio (the ratio the loss uses), dratio (d ratio / d logp of the token itself), the
     log-ratio d and the clip flags.
@@ -163,6 +192,12 @@ def pg_terms(logp, old_logprobs, advantages, clip_eps_low=0.2, clip_eps_high=Non
                  local (ppo_loss adds it); dpg here is d pg / d s ("dpg_ds")
     gspo-token   s_t = sg(s) exp(logp_t - sg(logp_t)): the value of s, gradient s on the own
                  token only (the GSPO paper's token form (GSPO-token); verl's "gspo")
+    dppo-tv/kl   -M sg(min(rho, c)) A logp, M = 0 where dppo_masked (Qi et al. 2026,
+                 "Rethinking the Trust Region in LLM Reinforcement Learning"; verl's
+                 dppo_tv / dppo_kl), c = dual_clip_c (None: no cap)
+    vespo        -sg(phi(w)) A logp, w = exp(clamp(sum_t clamp(logp - old), log 1e-8, 20)),
+                 phi(w) = exp(lambda + k log w - lambda w) with (k, lambda) by the sign of A
+                 (TRL loss_type="vespo", get_gamma_weights; VESPO, arXiv 2602.10693)
     """
     eh = clip_eps_low if clip_eps_high is None else clip_eps_high
     a = as_f64(advantages)
@@ -189,6 +224,28 @@ def pg_terms(logp, old_logprobs, advantages, clip_eps_low=0.2, clip_eps_high=Non
         out.update(pg=-(4.0 / tau) * gate * a, dpg=-4.0 * gate * (1.0 - gate) * dr * a,
                    ratio=rho, dratio=dr, clip_high=np.zeros_like(rho, dtype=bool),
                    clip_low=np.zeros_like(rho, dtype=bool))
+    elif policy_loss in ("dppo-tv", "dppo-kl"):
+        masked = dppo_masked(lp, as_f64(old_logprobs), a, clip_eps_low, eh,
+                             policy_loss == "dppo-kl")
+        w = rho if dual_clip_c is None else np.minimum(rho, dual_clip_c)
+        w = np.where(masked, 0.0, w)
+        out.update(pg=-w * a * lp, dpg=-w * a, ratio=rho, dratio=np.where(clamped, 0.0, rho),
+                   clip_high=masked & (a > 0), clip_low=masked & (a < 0),
+                   dual_clip=np.zeros_like(masked) if dual_clip_c is None else
+                   (rho > dual_clip_c) & ~masked)
+    elif policy_loss == "vespo":
+        m = np.ones_like(rho) if response_mask is None else as_f64(response_mask)
+        log_w = np.clip((d * m).sum(-1, keepdims=True), VESPO_LOG_W_MIN, LOG_RATIO_CLAMP)
+        nonneg = a >= 0
+        k = np.where(nonneg, vespo_k_pos, vespo_k_neg)
+        lam = np.where(nonneg, vespo_lambda_pos, vespo_lambda_neg)
+        with np.errstate(over="ignore", invalid="ignore"):
+            phi = np.exp(lam + k * log_w - lam * np.exp(log_w))
+        phi = np.where(np.isfinite(phi), phi, 0.0)
+        out.update(pg=-phi * a * lp, dpg=-phi * a, ratio=rho,
+                   dratio=np.where(clamped, 0.0, rho), clip_high=np.zeros_like(rho, dtype=bool),
+                   clip_low=np.zeros_like(rho, dtype=bool), seq_log_ratio=log_w[..., 0],
+                   vespo_phi=phi)
     elif policy_loss in SEQUENCE_POLICY_LOSSES:
         m = np.ones_like(rho) if response_mask is None else as_f64(response_mask)
         ls_raw = seq_mean(lp - as_f64(old_logprobs), m)
@@ -275,7 +332,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              rollout_is_weights=None, global_num_seqs=None, policy_loss="vanilla",
              sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_bias_correction=False,
              entropy_agg_mode=None, rollout_logprobs=None, rollout_correction=None,
-             rollout_is_threshold=2.0, off_policy_mask_threshold=None):
+             rollout_is_threshold=2.0, off_policy_mask_threshold=None, vespo_k_pos=2.0,
+             vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0):
     """Returns (loss, metrics, dlogits).
 
     loss = sum_t w_t (is_w_t pg_t + kl_coef kl_t [* r_t]) - entropy_coef sum_t w'_t H_t with
@@ -293,7 +351,9 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     old = logp if old_logprobs is None else as_f64(old_logprobs)
     g = pg_terms(logp, old, _per_token(advantages, m), clip_eps_low, clip_eps_high,
                  dual_clip_c, policy_loss=policy_loss, sapo_tau_pos=sapo_tau_pos,
-                 sapo_tau_neg=sapo_tau_neg, response_mask=m)
+                 sapo_tau_neg=sapo_tau_neg, response_mask=m, vespo_k_pos=vespo_k_pos,
+                 vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                 vespo_lambda_neg=vespo_lambda_neg)
     isw = np.ones_like(logp) if rollout_is_weights is None else _per_token(rollout_is_weights, m)
     rc_w = None
     if rollout_correction is not None:
@@ -304,8 +364,11 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     if off_policy_mask_threshold is not None and (old_logprobs is not None
                                                    or rollout_logprobs is not None):
         behaviour = old if rollout_logprobs is None else as_f64(rollout_logprobs)
+        # one decision per sequence: its mean advantage and its mean k1 of
+        # KL(pi_behaviour || pi) over the valid tokens (DeepSeek-V3.2, eq. 9)
         kl_seq = seq_mean(behaviour - logp, m)
-        keep = (_per_token(advantages, m) >= 0) | (kl_seq <= off_policy_mask_threshold)
+        a_seq = seq_mean(_per_token(advantages, m), m)
+        keep = np.broadcast_to((a_seq >= 0) | (kl_seq <= off_policy_mask_threshold), m.shape)
         isw = isw * keep
     if loss_agg_mode == "none":
         w = w_ent = m
@@ -332,7 +395,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     loss = loss_tok if loss_agg_mode == "none" else float(
         (w * (loss_tok + entropy_coef * ent * m)).sum() - entropy_coef * (w_ent * ent * m).sum())
     dlogits = token_logprobs_grad(logits, tokens, m, temperature, dlogp, -w_ent * entropy_coef)
-    rho = g["ratio"]
+    rho = np.exp(g["log_ratio"])  # the token ratio under every loss
     metrics = {
         "num_tokens": float(m.sum()),
         "num_seqs": float((m.sum(1) > 0).sum()),
@@ -346,12 +409,23 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         "ratio_mean": _masked_mean(rho, m),
         "ratio_max": float(np.max(np.where(m > 0, rho, -np.inf))) if m.sum() > 0 else 0.0,
     }
+    if policy_loss in SEQUENCE_POLICY_LOSSES:
+        nonempty = m.sum(1) > 0
+        s_seq = np.exp(g["seq_log_ratio"])
+        metrics["seq_ratio_mean"] = float(s_seq[nonempty].mean()) if nonempty.any() else 0.0
+        metrics["seq_ratio_max"] = float(s_seq[nonempty].max()) if nonempty.any() else 0.0
     if policy_loss == "cispo":
         metrics["cispo_clip_frac"] = _masked_mean(g["cispo_clip"], m)
     if rollout_logprobs is not None and old_logprobs is not None:
         ell = np.clip(old - as_f64(rollout_logprobs), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * m
         w_all = m if rc_w is None else rc_w
+        raw = np.exp(ell)  # pi_old / pi_rollout before any cap or mask
+        any_tok = m.sum() > 0
         metrics.update(
+            rollout_ratio_mean=_masked_mean(raw, m),
+            rollout_ratio_max=float(np.max(np.where(m > 0, raw, -np.inf))) if any_tok else 0.0,
+            rollout_ratio_min=float(np.min(np.where(m > 0, raw, np.inf))) if any_tok else 0.0,
+            rollout_ratio_outside_frac=_masked_mean((raw < 0.9) | (raw > 1.1), m),
             rollout_kl_k3=_masked_mean(expm1_minus_x(ell), m),
             rollout_chi2=_masked_mean(np.exp(2 * ell), m) - (1.0 if m.sum() > 0 else 0.0),
             rollout_is_mean=_masked_mean(w_all, m),
@@ -362,7 +436,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         dropped = ((~keep) & (m > 0)).any(1)
         metrics["off_policy_masked_frac"] = (float((dropped & nonempty).sum() / nonempty.sum())
                                              if nonempty.any() else 0.0)
-    if policy_loss in SEQUENCE_POLICY_LOSSES:
+    if policy_loss in ("gspo", "gspo-token"):
         nonempty = m.sum(1) > 0
         eh = clip_eps_low if clip_eps_high is None else clip_eps_high
         s = np.exp(g["seq_log_ratio"])

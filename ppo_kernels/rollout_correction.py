@@ -74,7 +74,8 @@ def weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi, group=None):
 
 @torch.no_grad()
 def metrics(old_logprobs, rollout_logprobs, mask, w):
-    """The mismatch metrics: k3 estimate of KL(pi_rollout || pi_old) from the rollout's
+    """The mismatch metrics: the raw ratio pi_old / pi_rollout's mean, max, min and the
+    fraction of valid tokens outside [0.9, 1.1] (before any cap or mask), k3 estimate of KL(pi_rollout || pi_old) from the rollout's
     samples, token chi-square E[ratio^2] - 1, the weights' mean and max and the fraction of
     valid tokens they drop (w = 0); means over valid tokens."""
     m = mask.to(w.dtype)
@@ -86,10 +87,81 @@ def metrics(old_logprobs, rollout_logprobs, mask, w):
         return (torch.where(mask, x, 0.0).sum() / n).float()
 
     zero = torch.zeros((), dtype=torch.float32, device=w.device)
+    raw = torch.exp(l_tok)  # pi_old / pi_rollout before any cap or mask
+    any_tok = w.numel() > 0
     return {
+        # the raw mismatch (TRL's is_ratio mean / min / max, NeMo-RL's token_mult_prob_error
+        # family): before rollout_correction's cap or mask; outside_frac: the tokens whose
+        # ratio leaves [0.9, 1.1]
+        "rollout_ratio_mean": mean(raw),
+        "rollout_ratio_max": torch.where(mask, raw, 0.0).max().float() if any_tok else zero,
+        "rollout_ratio_min": (torch.where(mask, raw, float("inf")).min().nan_to_num(
+            posinf=0.0).float() if any_tok else zero),
+        "rollout_ratio_outside_frac": mean(((raw < 0.9) | (raw > 1.1)).to(w.dtype)),
         "rollout_kl_k3": mean(expm1_minus_x(l_tok)),
         "rollout_chi2": mean(torch.exp(2.0 * l_tok)) - mask.any().float(),
         "rollout_is_mean": mean(w),
         "rollout_is_max": torch.where(mask, w, 0.0).max().float() if w.numel() else zero,
         "rollout_masked_frac": mean((w == 0).to(w.dtype)),
     }
+
+
+@torch.no_grad()
+def m2po_mask(old_logprobs, rollout_logprobs, response_mask=None, *, m2_threshold):
+    """M2PO's second-moment mask (Zheng et al. 2025, "Prosperity before Collapse: How Far
+    Can Off-Policy RL Reach with Stale Data on LLMs?"; AReaL's actor.m2_threshold): with
+    m2_t = (rollout_logp_t - old_logp_t)^2 over the valid tokens of the whole batch, the
+    tokens of the largest m2 are dropped, largest first, until the mean m2 of the rest is
+    below m2_threshold (AReaL: at least one token is kept). Ties are dropped in the
+    tokens' row-major order (a stable sort; AReaL's sort leaves that order unspecified).
+
+    A mask of the data, not of the current policy: pass the result as ppo_loss's
+    response_mask (AReaL replaces its loss mask with it, so dropped tokens also leave the
+    token-mean denominator). One batch's decision: call it on the batch whose mean AReaL
+    takes (its micro-batch), not per sequence.
+
+    Args:
+        old_logprobs: float [B, T], the proximal policy's log-probs (AReaL's prox_logp).
+        rollout_logprobs: float [B, T], the behaviour policy's (the inference engine's).
+        response_mask: [B, T], nonzero = valid; None = all valid.
+        m2_threshold: > 0.
+
+    Returns:
+        bool [B, T]: the response mask with the dropped tokens False.
+
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    ck.tensor("old_logprobs", old_logprobs, floating=True)
+    if old_logprobs.dim() != 2:
+        raise ValueError(f"old_logprobs: expected [B, T], got shape "
+                         f"{list(old_logprobs.shape)}")
+    ck.tensor("rollout_logprobs", rollout_logprobs, floating=True)
+    if rollout_logprobs.shape != old_logprobs.shape:
+        raise ValueError(f"rollout_logprobs: expected shape {list(old_logprobs.shape)} like "
+                         f"old_logprobs, got {list(rollout_logprobs.shape)}")
+    if rollout_logprobs.device != old_logprobs.device:
+        raise ValueError(f"rollout_logprobs: expected device {old_logprobs.device}, got "
+                         f"{rollout_logprobs.device}")
+    thr = ck.number("m2_threshold", m2_threshold, lo=0.0, lo_open=True)
+    mask = ck.response_mask(response_mask, old_logprobs, False, like_name="old_logprobs")
+    delta = torch.where(mask, rollout_logprobs.double() - old_logprobs.double(), 0.0)
+    m2 = (delta * delta).reshape(-1)
+    valid = mask.reshape(-1)
+    n = int(valid.sum())
+    if n == 0:
+        return mask.clone()
+    idx = torch.nonzero(valid).reshape(-1)
+    vals = m2[idx]
+    order = torch.sort(vals, descending=True, stable=True).indices
+    sorted_m2 = vals[order]
+    # the mean of every suffix sorted_m2[i:]; drop the first i where it is below threshold
+    suffix_mean = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(
+        n, 0, -1, dtype=sorted_m2.dtype, device=sorted_m2.device)
+    below = torch.nonzero(suffix_mean < thr).reshape(-1)
+    k = int(below[0]) if below.numel() else n - 1
+    keep = torch.ones(n, dtype=torch.bool, device=m2.device)
+    keep[order[:k]] = False
+    out = torch.zeros_like(valid)
+    out[idx] = keep
+    return out.reshape(mask.shape)

@@ -26,8 +26,12 @@ from . import _checks as ck
 # id = index: ppo::PolicyLoss (csrc/ppo_math.h), PG_* (triton_kernels/_math.py). The fused
 # kernels run the token-level losses; the sequence-level ones need every token's logp of a
 # sequence before any gradient (the two-phase path, ppo_kernels/_two_phase.py).
-POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token")
-SEQUENCE_POLICY_LOSSES = ("gspo", "gspo-token")
+POLICY_LOSSES = ("vanilla", "cispo", "sapo", "dppo-tv", "dppo-kl", "gspo", "gspo-token",
+                 "vespo")
+SEQUENCE_POLICY_LOSSES = ("gspo", "gspo-token", "vespo")
+# DPPO's divergence trust region (docs/LOSSES.md): clip_eps_low / clip_eps_high are the
+# thresholds of the binary TV / binary KL, dual_clip_c the cap of the detached ratio
+DPPO_POLICY_LOSSES = ("dppo-tv", "dppo-kl")
 KERNEL_POLICY_LOSSES = tuple(x for x in POLICY_LOSSES if x not in SEQUENCE_POLICY_LOSSES)
 # id = index: ppo::KlEstimator, KL_* (triton_kernels/_math.py). "k1+" / "k3+": verl's
 # straight-through estimators (the value of k1 / k3, the gradient of k2).
@@ -61,6 +65,10 @@ class LossSpec:
     dual_clip_c: Optional[float] = None
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_bias_correction: bool = False
@@ -92,22 +100,38 @@ class LossSpec:
             eps_low = ck.number("clip_eps_low", o["clip_eps_low"], lo=0.0, hi=1.0)
             eps_high = eps_low if o["clip_eps_high"] is None else ck.number(
                 "clip_eps_high", o["clip_eps_high"], lo=0.0)
+        elif o["policy_loss"] in DPPO_POLICY_LOSSES:
+            # thresholds of a divergence (a probability difference, a Bernoulli KL), >= 0
+            eps_low = ck.number("clip_eps_low", o["clip_eps_low"], lo=0.0)
+            eps_high = eps_low if o["clip_eps_high"] is None else ck.number(
+                "clip_eps_high", o["clip_eps_high"], lo=0.0)
         else:
             eps_low = ck.number("clip_eps_low", o["clip_eps_low"], lo=0.0, hi=1.0, hi_open=True)
             eps_high = eps_low if o["clip_eps_high"] is None else ck.number(
                 "clip_eps_high", o["clip_eps_high"], lo=0.0, hi=1.0, hi_open=True)
         dual = o["dual_clip_c"]
         if dual is not None:
-            if o["policy_loss"] in ("cispo", "sapo"):
+            if o["policy_loss"] in ("cispo", "sapo", "vespo"):
                 raise ValueError(f"dual_clip_c: the dual clip caps PPO's clipped surrogate; "
                                  f"policy_loss={o['policy_loss']!r} has none (got {dual!r})")
-            # a cap at or below 1 + eps_high would cut into the clip band itself: the loss
-            # silently became something else (TRL / Liger's delta is this cap)
-            dual = ck.number("dual_clip_c", dual, lo=1.0 + eps_high, lo_open=True)
+            if o["policy_loss"] in DPPO_POLICY_LOSSES:
+                # DPPO: the cap of the detached ratio (verl's / TRL's clip_ratio_c)
+                dual = ck.number("dual_clip_c", dual, lo=0.0, lo_open=True)
+            else:
+                # a cap at or below 1 + eps_high would cut into the clip band itself: the
+                # loss silently became something else (TRL / Liger's delta is this cap)
+                dual = ck.number("dual_clip_c", dual, lo=1.0 + eps_high, lo_open=True)
         checked = dict(
             clip_eps_low=eps_low, clip_eps_high=eps_high, dual_clip_c=dual,
             sapo_tau_pos=ck.positive_in("sapo_tau_pos", o["sapo_tau_pos"], dtype),
-            sapo_tau_neg=ck.positive_in("sapo_tau_neg", o["sapo_tau_neg"], dtype))
+            sapo_tau_neg=ck.positive_in("sapo_tau_neg", o["sapo_tau_neg"], dtype),
+            # VESPO's gamma weight w^k e^(lambda (1 - w)) (TRL's vespo_k_* / vespo_lambda_*)
+            vespo_k_pos=ck.number("vespo_k_pos", o["vespo_k_pos"], lo=0.0),
+            vespo_k_neg=ck.number("vespo_k_neg", o["vespo_k_neg"], lo=0.0),
+            vespo_lambda_pos=ck.number("vespo_lambda_pos", o["vespo_lambda_pos"], lo=0.0,
+                                       lo_open=True),
+            vespo_lambda_neg=ck.number("vespo_lambda_neg", o["vespo_lambda_neg"], lo=0.0,
+                                       lo_open=True))
         if o["rollout_correction"] is not None:
             ck.choice("rollout_correction", o["rollout_correction"], ROLLOUT_CORRECTIONS)
         if o["off_policy_mask_threshold"] is not None:

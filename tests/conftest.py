@@ -113,8 +113,12 @@ BACKENDS = backend_params()
 BACKENDS_NO_INTERP = backend_params(interp=False)
 BACKENDS_CPU = backend_params(cuda=False)  # cpu, torch, triton (interpreter): CPU tensors only
 KERNELS_CPU = [p for p in BACKENDS_CPU if p.values[0].name != "torch"]  # the compiled kernels
-POLICY_LOSSES = ["vanilla", "cispo", "sapo", "gspo", "gspo-token"]
-TOKEN_LOSSES = ["vanilla", "cispo", "sapo"]  # the fused kernels' (token-level) policy losses
+POLICY_LOSSES = ["vanilla", "cispo", "sapo", "dppo-tv", "dppo-kl", "gspo", "gspo-token",
+                 "vespo"]
+# the fused kernels' (token-level) policy losses
+TOKEN_LOSSES = ["vanilla", "cispo", "sapo", "dppo-tv", "dppo-kl"]
+# the losses without a dual clip / ratio cap (dual_clip_c must be None)
+NO_DUAL_CLIP = ("cispo", "sapo", "vespo")
 
 
 @pytest.fixture(params=BACKENDS)

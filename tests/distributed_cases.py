@@ -36,6 +36,8 @@ POLICIES = [
     ("gspo-token", dict(entropy_coef=0.02)),
     ("vanilla", dict(rollout_correction="tis-seq", rollout_is_threshold=(0.5, 2.0))),
     ("vanilla", dict(off_policy_mask_threshold=0.01)),
+    ("dppo-tv", dict(clip_eps_low=0.005, clip_eps_high=0.01, dual_clip_c=1.5)),
+    ("vespo", dict(kl_coef=0.05, off_policy_mask_threshold=0.01)),
 ]
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
              "seq-mean-token-sum-norm"]
@@ -256,7 +258,9 @@ def dp_checks(rank, world, group=None, tp=None, out=None, tag="dp"):
     tpk = {} if tp is None else dict(tp_group=tp[0], vocab_start=v0)
     n_tok = x["mask"].sum().float()
     nonempty = x["mask"].any(1).sum().float()
-    cases = [(pl, kw, agg) for pl, kw in POLICIES[:6] for agg in AGG_MODES] if tp is None \
+    # (DP: the first six and the rollout-correction case, whose metrics include the raw
+    # ratio's minimum, the one metric reduced by a minimum)
+    cases = [(pl, kw, agg) for pl, kw in POLICIES[:7] for agg in AGG_MODES] if tp is None \
         else [(pl, kw, AGG_MODES[i % 5]) for i, (pl, kw) in enumerate(POLICIES)]
     for pl, kw, agg in cases:
         kwargs = loss_kwargs(x, pl, kw)

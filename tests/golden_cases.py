@@ -86,6 +86,21 @@ def _loss_cases():
     for rc in ("tis", "tis-seq", "mis", "mis-seq", "geo-seq"):
         cases.append((f"rc/{rc}", dict(_in="rollout", rollout_correction=rc,
                                        rollout_is_threshold=1.5 if rc != "geo-seq" else 1.2)))
+    # (appended last: the [::4] subsets of the other dtypes keep their old cases)
+    cases += [
+        ("dppo-tv/token-mean", dict(policy_loss="dppo-tv", clip_eps_low=0.01,
+                                    clip_eps_high=0.02, kl_coef=0.1, entropy_coef=0.01)),
+        ("dppo-tv/cap", dict(policy_loss="dppo-tv", clip_eps_low=0.01, dual_clip_c=1.2,
+                             loss_agg_mode="seq-mean-token-mean")),
+        ("dppo-kl/token-mean", dict(policy_loss="dppo-kl", clip_eps_low=0.005,
+                                    clip_eps_high=0.01, kl_coef=0.1, kl_bias_correction=True)),
+        ("dppo-kl/none", dict(policy_loss="dppo-kl", clip_eps_low=0.005, dual_clip_c=1.3,
+                              loss_agg_mode="none")),
+        ("vespo/token-mean", dict(policy_loss="vespo", kl_coef=0.1, entropy_coef=0.01)),
+        ("vespo/seq_adv", dict(_in="seq_adv", policy_loss="vespo", vespo_k_pos=1.0,
+                               vespo_lambda_neg=4.0, loss_agg_mode="seq-mean-token-mean")),
+        ("off_policy/seq_adv", dict(_in="rollout_seq_adv", off_policy_mask_threshold=0.01)),
+    ]
     return cases
 
 
@@ -109,10 +124,10 @@ def _loss_call(inp, kw):
     kw = dict(kw)
     which = kw.pop("_in", None)
     old = None if which == "no_old" else inp["old"]
-    adv = inp["seq_adv"] if which == "seq_adv" else inp["adv"]
+    adv = inp["seq_adv"] if which in ("seq_adv", "rollout_seq_adv") else inp["adv"]
     if which == "isw":
         kw["rollout_is_weights"] = inp["isw"]
-    if which == "rollout":
+    if which in ("rollout", "rollout_seq_adv"):
         kw["rollout_logprobs"] = inp["rollout"]
     return old, adv, kw
 

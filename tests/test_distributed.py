@@ -165,7 +165,8 @@ def _batch3(seed=3, B=3, T=5):
     return lg, tok, mask, old, roll, torch.randn(B, generator=g)
 
 
-@pytest.mark.parametrize("policy", ["vanilla", "cispo", "sapo", "gspo", "gspo-token"])
+@pytest.mark.parametrize("policy", ["vanilla", "cispo", "sapo", "gspo", "gspo-token",
+                                    "dppo-tv", "vespo"])
 def test_world_of_one_equals_the_plain_op(group1, policy):
     """A 1-process group: cp_group gives the plain op bit for bit; tp_group too where it
     runs the same path (the sequence-level losses, "none", token_logprobs), and within a
@@ -175,6 +176,10 @@ def test_world_of_one_equals_the_plain_op(group1, policy):
                 rollout_correction="tis-seq", rollout_is_threshold=(0.5, 2.0))
     if policy == "cispo":
         opts.update(clip_eps_low=1.0, clip_eps_high=4.0)
+    if policy == "dppo-tv":
+        opts.update(clip_eps_low=0.005, clip_eps_high=0.01)
+    if policy == "vespo":  # (VESPO refuses a rollout correction: TRL folds it)
+        opts.update(rollout_correction=None)
     for mode in ("token-mean", "seq-mean-token-mean", "none"):
         for be in ("cpu", "torch"):
             def plain(x, **kw):
@@ -196,7 +201,10 @@ def test_world_of_one_equals_the_plain_op(group1, policy):
                     if exact:
                         assert torch.equal(a, b), (mode, what)
                     else:
-                        _close(a, b, (mode, what))
+                        # dppo's value -w A logp sums terms of size |A logp| ~ 2.5 into a
+                        # loss ~10x smaller: float32 rounding relative to the loss is larger
+                        _close(a, b, (mode, what),
+                               rel=5e-6 if policy == "dppo-tv" and what == "loss" else 5e-7)
                 for k in ref[1]:
                     assert torch.equal(got[1][k], ref[1][k]), (mode, k)
 

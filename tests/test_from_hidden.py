@@ -15,7 +15,8 @@ from ppo_kernels import reference as ref
 
 from conftest import triton_interpreter
 
-POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token")
+POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token", "dppo-tv", "dppo-kl",
+                 "vespo")
 
 
 def make(B=3, T=5, H=6, V=13, *, dtype=torch.float32, seed=0, extra_pos=False, bias=False,

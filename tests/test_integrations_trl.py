@@ -174,6 +174,10 @@ CASES = {
     "cispo": (dict(loss_type="cispo", epsilon_high=1.2), {}, None),
     "sapo": (dict(loss_type="sapo", sapo_temperature_pos=0.9, sapo_temperature_neg=1.3), {},
              None),
+    "vespo": (dict(loss_type="vespo"), {}, None),
+    "vespo-params-kl": (dict(loss_type="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5,
+                             vespo_k_neg=4.0, vespo_lambda_neg=5.0, beta=0.1), {}, None),
+    "vespo-on-policy-2d": (dict(loss_type="vespo"), dict(old=False, adv_2d=True), None),
     "gspo": (dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=0.05,
                   epsilon_high=0.08), {}, None),
     "gspo-dapo-kl": (dict(loss_type="dapo", importance_sampling_level="sequence",
@@ -216,7 +220,9 @@ def test_compute_loss_parity(tmp_path, name):
     assert torch.isfinite(loss) and "entropy" in metrics
     if cfg.get("beta"):
         assert "kl" in metrics
-    if cfg["loss_type"] not in ("cispo", "sapo"):
+    if cfg["loss_type"] == "vespo":
+        assert "vespo/phi_seq_mean" in metrics
+    elif cfg["loss_type"] not in ("cispo", "sapo"):
         assert "clip_ratio/region_mean" in metrics
 
 
@@ -252,8 +258,8 @@ def test_one_line_hook(tmp_path):
 
 def test_hook_rejects_and_leaves_trainer(tmp_path):
     stock, _ = trainer_pair(tmp_path, loss_type="grpo")
-    stock.loss_type = stock.args.loss_type = "vespo"
-    with pytest.raises(ValueError, match="loss_type='vespo'"):
+    stock.loss_type = stock.args.loss_type = "not_a_loss"
+    with pytest.raises(ValueError, match="loss_type='not_a_loss'"):
         fuse_grpo_loss(stock)
     assert "_compute_loss" not in vars(stock)
 
@@ -302,7 +308,6 @@ def test_from_trl_config_mapping(tmp_path):
 
 
 UNSUPPORTED = {
-    "vespo": (dict(loss_type="vespo"), "loss_type='vespo'"),
     "cispo-sequence": (dict(loss_type="cispo", epsilon_high=5.0,
                             importance_sampling_level="sequence"),
                        "importance_sampling_level='sequence'"),
@@ -322,9 +327,82 @@ def test_unsupported_options_raise(tmp_path, name):
     with pytest.raises(ValueError, match=match.replace("(", r"\(")):
         FusedGRPOTrainer(model=tiny_model(), reward_funcs=reward_len, args=config(tmp_path, **cfg),
                          train_dataset=DATA, processing_class=tokenizer())
-    if name != "vespo":  # the stock trainer accepts them: they are ours to reject
+    if True:  # the stock trainer accepts them: they are ours to reject
         GRPOTrainer(model=tiny_model(), reward_funcs=reward_len, args=config(tmp_path, **cfg),
                     train_dataset=DATA, processing_class=tokenizer())
+
+
+def test_vespo_mapping_and_vllm_refusal(tmp_path):
+    """loss_type="vespo" maps to policy_loss="vespo" with TRL's k / lambda (TRL clamps the
+    lambdas at 1e-4); TRL's VESPO folds the vLLM importance ratios into its sequence
+    weight, which the op does not: that combination is refused by name."""
+    kw = from_trl_config(config(tmp_path, loss_type="vespo", vespo_k_pos=1.5,
+                                vespo_lambda_neg=0.0))
+    assert (kw["policy_loss"], kw["vespo_k_pos"], kw["vespo_lambda_neg"],
+            kw["loss_agg_mode"]) == ("vespo", 1.5, 1e-4, "token-mean")
+    cfg = config(tmp_path, loss_type="vespo")
+    cfg.use_vllm, cfg.vllm_importance_sampling_correction = True, True
+    with pytest.raises(ValueError, match="vllm_importance_sampling_correction"):
+        from_trl_config(cfg)
+
+
+def test_vespo_against_trl_gamma_weights():
+    """The op's vespo against TRL's own GRPOTrainer.get_gamma_weights on the same inputs
+    (per-sequence and per-token advantages, padding, log-ratios beyond the clamps): the
+    per-token loss -phi A logp (TRL's _compute_loss) and its gradient in the logits."""
+    g = torch.Generator().manual_seed(3)
+    b, t, v = 4, 6, 11
+    logits = torch.randn(b, t, v, generator=g, dtype=torch.float64) * 2
+    tok = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.2
+    mask[2] = False
+    lp0 = torch.log_softmax(logits, -1).gather(-1, tok[..., None])[..., 0]
+    old = lp0 + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    old[3, 1] -= 30.0  # beyond the +-20 token clamp and the log 1e-8 sequence clamp
+    for adv in (torch.randn(b, 1, generator=g, dtype=torch.float64),
+                torch.randn(b, t, generator=g, dtype=torch.float64)):
+        opts = dict(k_pos=1.5, lambda_pos=2.5, k_neg=2.0, lambda_neg=1.0)
+        x = logits.clone().requires_grad_(True)
+        lp = torch.log_softmax(x, -1).gather(-1, tok[..., None])[..., 0]
+        phi = GRPOTrainer.get_gamma_weights(adv, lp.detach() - old, mask.double(), None,
+                                            **opts)
+        per_tok = -phi * adv * lp
+        want = (per_tok * mask).sum()
+        want.backward()
+        for backend in ("cpu", "torch"):
+            y = logits.clone().requires_grad_(True)
+            loss, _ = pk.ppo_loss(y, tok, old, adv, mask, policy_loss="vespo",
+                                  loss_agg_mode="token-sum", backend=backend,
+                                  **{f"vespo_{k}": val for k, val in opts.items()})
+            loss.backward()
+            assert float(loss.detach()) == pytest.approx(float(want.detach()), rel=1e-12, abs=1e-14)
+            torch.testing.assert_close(y.grad, x.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_off_policy_mask_against_trl_per_sequence_advantages():
+    """With per-sequence advantages the op's off-policy mask is TRL's get_off_policy_mask
+    (DeepSeek-V3.2); with per-token advantages TRL decides per token, the op per sequence
+    by the mean advantage (docs/LOSSES.md)."""
+    g = torch.Generator().manual_seed(4)
+    b, t, v = 6, 5, 9
+    logits = torch.randn(b, t, v, generator=g, dtype=torch.float64)
+    tok = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.2
+    lp = torch.log_softmax(logits, -1).gather(-1, tok[..., None])[..., 0]
+    old = lp + 0.2 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    samp = old + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(b, 1, generator=g, dtype=torch.float64)
+    keep = GRPOTrainer.get_off_policy_mask(adv, lp, samp, mask.double(), 0.05)
+    ratio = torch.exp(lp - old)
+    per_tok = -torch.min(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv) * keep
+    want = (per_tok * mask).sum()
+    loss, met = pk.ppo_loss(logits, tok, old, adv, mask, rollout_logprobs=samp,
+                            off_policy_mask_threshold=0.05, loss_agg_mode="token-sum",
+                            backend="cpu")
+    assert float(loss) == pytest.approx(float(want), rel=1e-12)
+    nonempty = mask.any(-1)
+    assert float(met["off_policy_masked_frac"]) == pytest.approx(
+        float(((keep[:, 0] == 0) & nonempty).sum() / nonempty.sum()), rel=1e-6)
 
 
 def test_moe_aux_loss_raises(tmp_path):

@@ -184,7 +184,7 @@ def test_base_calls_are_valid():
         fn(**base())
 
 
-@pytest.mark.parametrize("policy_loss", ["cispo", "sapo"])
+@pytest.mark.parametrize("policy_loss", ["cispo", "sapo", "vespo"])
 def test_dual_clip_only_with_a_clipped_surrogate(policy_loss):
     """dual_clip_c with cispo or sapo (no clipped surrogate to cap) is a ValueError naming
     dual_clip_c."""
@@ -342,6 +342,21 @@ BAD_ARGS = [
     ("clip_eps_high", dict(policy_loss="gspo", clip_eps_high=1.0)),
     ("dual_clip_c", dict(policy_loss="sapo", dual_clip_c=3.0)),
     ("dual_clip_c", dict(policy_loss="gspo", dual_clip_c=1.1)),
+    # DPPO: divergence thresholds >= 0, the ratio cap > 0
+    ("clip_eps_low", dict(policy_loss="dppo-tv", clip_eps_low=-0.1)),
+    ("clip_eps_high", dict(policy_loss="dppo-kl", clip_eps_high=float("nan"))),
+    ("clip_eps_high", dict(policy_loss="dppo-tv", clip_eps_high="0.2")),
+    ("dual_clip_c", dict(policy_loss="dppo-tv", dual_clip_c=0.0)),
+    ("dual_clip_c", dict(policy_loss="dppo-kl", dual_clip_c=float("inf"))),
+    # VESPO: k >= 0, lambda > 0, no dual clip, no rollout correction (TRL folds it)
+    ("vespo_k_pos", dict(policy_loss="vespo", vespo_k_pos=-1.0)),
+    ("vespo_k_neg", dict(policy_loss="vespo", vespo_k_neg="3")),
+    ("vespo_lambda_pos", dict(policy_loss="vespo", vespo_lambda_pos=0.0)),
+    ("vespo_lambda_neg", dict(policy_loss="vespo", vespo_lambda_neg=float("nan"))),
+    ("vespo_lambda_neg", dict(policy_loss="vespo", vespo_lambda_neg=True)),
+    ("dual_clip_c", dict(policy_loss="vespo", dual_clip_c=3.0)),
+    ("rollout_correction", dict(policy_loss="vespo", rollout_correction="tis",
+                                rollout_logprobs=ROLL)),
 ]
 
 

@@ -19,7 +19,7 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as R
 
-from conftest import (BACKENDS, BACKENDS_CPU, POLICY_LOSSES, TOKEN_LOSSES, TOL,
+from conftest import (BACKENDS, BACKENDS_CPU, NO_DUAL_CLIP, POLICY_LOSSES, TOKEN_LOSSES, TOL,
                       assert_grad_close, assert_metrics, compare_with_reference, make_inputs,
                       one_token_rows, seeded_inputs, to_np)
 
@@ -94,6 +94,93 @@ def test_sapo_hand_case():
         np.testing.assert_allclose(dlogp, -adv[0], rtol=1e-10)
 
 
+def test_dppo_tv_hand_case():
+    """DPPO binary TV (Qi et al. 2026, eqs. 11-13; verl dppo_tv): p = 0.5, p_old = 0.2, so
+    |p - p_old| = 0.3 and the ratio 2.5. A = +1 pushes p further up, beyond eps_high =
+    0.2: masked (loss 0, no gradient). A = -1 pushes p down, back towards p_old: kept,
+    loss -A rho logp = 2.5 log 0.5, d / d logp = 2.5; the cap dual_clip_c = 2 (verl's
+    clip_ratio_c) makes the weight 2. eps_high = 0.35 keeps the A = +1 token too."""
+    x, tok = one_token_rows([math.log(0.5)])
+    old = np.array([[math.log(0.2)]])
+    for backend in ("cpu", "torch"):
+        for adv, kw, e_loss, e_dlogp, masked in (
+                (1.0, {}, 0.0, 0.0, 1.0),
+                (-1.0, {}, 2.5 * math.log(0.5), 2.5, 0.0),
+                (-1.0, dict(dual_clip_c=2.0), 2.0 * math.log(0.5), 2.0, 0.0),
+                (1.0, dict(clip_eps_high=0.35), -2.5 * math.log(0.5), -2.5, 0.0)):
+            xg = torch.tensor(x).requires_grad_(True)
+            loss, met = pk.ppo_loss(xg, torch.tensor(tok), torch.tensor(old),
+                                    torch.tensor([[adv]]), policy_loss="dppo-tv",
+                                    backend=backend, **kw)
+            assert float(loss.detach()) == pytest.approx(e_loss, rel=1e-12, abs=1e-15)
+            assert float(met["clip_frac"]) == masked
+            assert float(met["clip_frac_high"]) == masked
+            loss.backward()
+            # d loss / d logit_tok = dlogp (1 - p) for the two-entry row
+            assert float(xg.grad[0, 0, 0]) / 0.5 == pytest.approx(e_dlogp, rel=1e-10,
+                                                                  abs=1e-15)
+
+
+def test_dppo_kl_hand_case():
+    """DPPO binary KL: KL(Bern(0.2) || Bern(0.5)) = 0.2 log(0.2 / 0.5) + 0.8 log(0.8 /
+    0.5) = 0.19274; eps_high 0.05 (TRL's binary_kl default scale) masks the A > 0 token,
+    0.2 keeps it; a token whose probability fell (p < p_old) with A > 0 is never masked,
+    however far it moved (p = 0.01, p_old = 0.9)."""
+    kl = 0.2 * math.log(0.2 / 0.5) + 0.8 * math.log(0.8 / 0.5)
+    assert kl == pytest.approx(0.19274, abs=1e-5)
+    x, tok = one_token_rows([math.log(0.5), math.log(0.01)])
+    old = np.array([[math.log(0.2), math.log(0.9)]])
+    for backend in ("cpu", "torch"):
+        for eps, e_masked in ((0.05, 0.5), (0.2, 0.0)):
+            loss, met = pk.ppo_loss(torch.tensor(x), torch.tensor(tok), torch.tensor(old),
+                                    torch.ones(1, 2, dtype=torch.float64),
+                                    policy_loss="dppo-kl", clip_eps_low=eps,
+                                    clip_eps_high=eps, loss_agg_mode="token-sum",
+                                    backend=backend)
+            assert float(met["clip_frac_high"]) == e_masked
+            kept = (0.0 if e_masked else -2.5 * math.log(0.5)) - (0.01 / 0.9) * math.log(0.01)
+            assert float(loss) == pytest.approx(kept, rel=1e-12)
+    # the reference's binary KL is the closed form, also at p -> 1 and p_old -> 1
+    lp = np.log(np.array([0.5, 1.0 - 1e-12, 0.3, 0.999999]))
+    lo = np.log(np.array([0.2, 0.5, 1.0, 0.999]))
+    # KL(Bern(0.5) || Bern(1 - 1e-12)) = 0.5 log(0.5) + 0.5 log(0.5 / 1e-12) ~ 13.1;
+    # KL(Bern(0.999) || Bern(0.999999)) = 0.999 log(0.999 / 0.999999) + 0.001 log(1000)
+    # ~ 0.00591; p_old = 1 with p < p_old: never masked for A > 0
+    kl4 = 0.999 * math.log(0.999 / 0.999999) + 0.001 * math.log(1000.0)
+    assert R.dppo_masked(lp, lo, np.ones(4), 0.0, 0.2, True).tolist() == [
+        False, True, False, False]
+    assert R.dppo_masked(lp, lo, np.ones(4), 0.0, kl4 * 0.999, True).tolist() == [
+        True, True, False, True]
+    assert R.dppo_masked(lp, lo, np.ones(4), 0.0, kl4 * 1.001, True).tolist() == [
+        True, True, False, False]
+
+
+def test_vespo_hand_case():
+    """VESPO (TRL get_gamma_weights): w = exp(sum_t (logp - old)); two tokens with
+    log-ratios 0.1 and 0.3: w = e^0.4; A = 1: phi = e^(3 + 2 * 0.4 - 3 e^0.4) (k_pos 2,
+    lambda_pos 3); the loss -phi A logp per token, d / d logp = -phi A (phi a constant).
+    On-policy w = 1 and phi(1) = 1: the plain policy gradient -A logp."""
+    x, tok = one_token_rows([-0.4, -1.1])
+    lp, _ = R.token_logprobs(x, tok)
+    old = lp - np.array([[0.1, 0.3]])
+    phi = math.exp(3 + 2 * 0.4 - 3 * math.exp(0.4))
+    for backend in ("cpu", "torch"):
+        xg = torch.tensor(x).requires_grad_(True)
+        loss, met = pk.ppo_loss(xg, torch.tensor(tok), torch.tensor(old),
+                                torch.ones(1, 2, dtype=torch.float64), policy_loss="vespo",
+                                loss_agg_mode="token-sum", backend=backend)
+        assert float(loss.detach()) == pytest.approx(-phi * (-0.4 - 1.1), rel=1e-12)
+        assert float(met["seq_ratio_mean"]) == pytest.approx(math.exp(0.4), rel=1e-6)
+        assert float(met["ratio_max"]) == pytest.approx(math.exp(0.3), rel=1e-6)
+        loss.backward()
+        dlogp = xg.grad[0, :, 0].numpy() / (1 - np.exp(lp[0]))
+        np.testing.assert_allclose(dlogp, -phi, rtol=1e-10)
+        loss, _ = pk.ppo_loss(torch.tensor(x), torch.tensor(tok), None,
+                              -torch.ones(1, 2, dtype=torch.float64), policy_loss="vespo",
+                              loss_agg_mode="token-sum", backend=backend)
+        assert float(loss) == pytest.approx(-0.4 - 1.1, rel=1e-12)
+
+
 def test_kl_bias_correction_on_policy_gradient():
     """TRL's use_bias_correction_kl multiplies k3 by rho (not detached): on-policy
     (rho = 1) its gradient is k3 + dk3 = delta = logp - ref_logp."""
@@ -131,6 +218,17 @@ OPTION_CASES = [
     dict(policy_loss="gspo-token", dual_clip_c=2.0, loss_agg_mode="token-sum",
          entropy_coef=0.01, entropy_agg_mode="token-mean"),
     dict(policy_loss="gspo-token", kl_coef=0.05, kl_estimator="k3", old=None),
+    # DPPO: thresholds small enough that the random batch has masked tokens both ways
+    dict(policy_loss="dppo-tv", clip_eps_low=0.004, clip_eps_high=0.006, kl_coef=0.1,
+         kl_bias_correction=True, entropy_coef=0.01),
+    dict(policy_loss="dppo-tv", dual_clip_c=1.2, clip_eps_low=0.002, old=None,
+         loss_agg_mode="seq-mean-token-mean"),
+    dict(policy_loss="dppo-kl", clip_eps_low=2e-4, clip_eps_high=5e-4, dual_clip_c=1.3,
+         isw=True, kl_estimator="k3+", kl_coef=0.1),
+    dict(policy_loss="dppo-kl", clip_eps_low=0.05, seq_adv=True, loss_agg_mode="token-sum"),
+    dict(policy_loss="vespo", kl_coef=0.1, kl_bias_correction=True, entropy_coef=0.01),
+    dict(policy_loss="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
+         vespo_lambda_neg=5.0, seq_adv=True, loss_agg_mode="seq-mean-token-mean", isw=True),
     dict(policy_loss="vanilla", loss_agg_mode="seq-mean-token-mean", global_num_seqs=7,
          global_num_tokens=40.0),
     dict(policy_loss="vanilla", loss_agg_mode="token-mean", global_num_tokens="tensor",
@@ -174,7 +272,7 @@ def test_backend_matches_reference(be, case, gen):
 
 
 @pytest.mark.parametrize("be", BACKENDS)
-@pytest.mark.parametrize("policy_loss", ["vanilla", "cispo", "sapo", "gspo", "gspo-token"])
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 def test_on_policy_equals_old_logprobs_as_data(be, policy_loss, gen):
     """old_logprobs=None is rho = exp(logp - sg(logp)): the same loss and gradient as
     passing the current logp, detached, as old_logprobs (computed in the kernel: no extra
@@ -196,7 +294,7 @@ def test_on_policy_equals_old_logprobs_as_data(be, policy_loss, gen):
     assert_grad_close(grads[0], grads[1].double().cpu().numpy(), 1e-6)
 
 
-@pytest.mark.parametrize("policy_loss", ["vanilla", "cispo", "sapo", "gspo", "gspo-token"])
+@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 @pytest.mark.parametrize("opts", [dict(kl_estimator="k3", kl_bias_correction=True),
                                   dict(kl_estimator="k1+", entropy_agg_mode="token-mean")],
                          ids=["k3-bias", "k1plus-entropy-agg"])
@@ -210,7 +308,8 @@ def test_gradcheck_float64(policy_loss, opts, gen):
                            policy_loss=policy_loss, kl_coef=0.2, entropy_coef=0.05,
                            loss_agg_mode="seq-mean-token-mean", backend="cpu", **opts)[0]
 
-    if policy_loss in ("cispo", "gspo-token") or opts["kl_estimator"] == "k1+":
+    if policy_loss in ("cispo", "gspo-token", "dppo-tv", "dppo-kl", "vespo") or \
+            opts["kl_estimator"] == "k1+":
         # stop-gradient losses: their gradient is not the value's derivative; compare with
         # the eager composite's autograd (explicit detach) instead
         f(x).backward()
@@ -276,7 +375,7 @@ def test_every_loss_with_every_option_at_once(be, policy_loss, agg):
               kl_bias_correction=True, entropy_coef=0.03,
               entropy_agg_mode=None if agg == "none" else "token-mean",
               rollout_is_weights=inp["isw"][:, :1], sapo_tau_pos=2.0, sapo_tau_neg=0.5,
-              dual_clip_c=3.0 if policy_loss not in ("cispo", "sapo") else None)
+              dual_clip_c=3.0 if policy_loss not in NO_DUAL_CLIP else None)
     compare_with_reference(be, inp["full"][:, :4], inp["tokens"], inp["old"], inp["adv"][:, :1],
                            inp["mask"], inp["ref"], **kw)
 
@@ -325,8 +424,9 @@ def test_degenerate_shapes(be, policy_loss, shape):
                            inp["mask"], inp["ref"], policy_loss=policy_loss, kl_coef=0.1,
                            kl_bias_correction=True, entropy_coef=0.01, entropy_agg_mode="token-sum",
                            loss_agg_mode="seq-mean-token-mean", rollout_logprobs=inp["old"] + 0.2,
-                           rollout_correction="tis", off_policy_mask_threshold=0.1,
-                           global_num_seqs=torch.tensor(5))
+                           # (VESPO refuses a rollout correction: TRL folds it into phi)
+                           rollout_correction=None if policy_loss == "vespo" else "tis",
+                           off_policy_mask_threshold=0.1, global_num_seqs=torch.tensor(5))
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
@@ -354,7 +454,7 @@ def test_huge_log_ratios(be, policy_loss, est):
     compare_with_reference(be, inp["full"][:, :4], inp["tokens"], old, inp["adv"], inp["mask"], old,
                            policy_loss=policy_loss, kl_coef=0.1, kl_estimator=est,
                            kl_bias_correction=True,
-                           dual_clip_c=None if policy_loss in ("cispo", "sapo") else 3.0)
+                           dual_clip_c=None if policy_loss in NO_DUAL_CLIP else 3.0)
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)

@@ -32,7 +32,7 @@ EXAMPLES = int(os.environ.get("PPO_HYPOTHESIS_EXAMPLES", 60))
 SETTINGS = settings(max_examples=max(4, EXAMPLES // 2), deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
-POLICIES = ["vanilla", "cispo", "sapo", "gspo", "gspo-token"]
+POLICIES = ["vanilla", "cispo", "sapo", "gspo", "gspo-token", "dppo-tv", "dppo-kl"]
 AGG = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
        "seq-mean-token-sum-norm", "none"]
 RC = ["tis", "tis-seq", "mis", "mis-seq", "geo-seq"]
@@ -285,8 +285,20 @@ def _opts(policy, mode, **kw):
         o.update(clip_eps_low=1.0, clip_eps_high=4.0)
     if policy in ("gspo", "gspo-token"):  # a band the sequence ratios fall on both sides of
         o.update(clip_eps_low=0.1, clip_eps_high=0.15)
+    if policy in ("dppo-tv", "dppo-kl"):  # thresholds the batch's tokens cross both ways
+        o.update(clip_eps_low=0.002, clip_eps_high=0.004)
     o.update(kw)
     return o
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "none"])
+@pytest.mark.parametrize("be", BACKENDS_FAST)
+def test_loss_vespo_packed_matches_padded(be, mode):
+    """VESPO's sequence weight over packed sequences (empty and length-1 ones included):
+    the packed layout gives the padded one's loss, metrics and gradient (VESPO takes no
+    rollout correction, so it is not in POLICIES' rollout-correction tests)."""
+    b = Batch(EDGE_LENS["mixed"], 23, seed=zlib.crc32(f"vespo/{mode}".encode()) % 1000)
+    check_loss(b, "flat", be.name, _opts("vespo", mode, kl_coef=0.0), TOL32, nonzero=True)
 
 
 @pytest.mark.parametrize("mode", AGG)

@@ -30,12 +30,12 @@ def problems(draw):
                                     "interior"]))
     neginf = draw(st.booleans()) and V > 1
     policy_loss = draw(st.sampled_from(["vanilla", "vanilla", "cispo", "sapo", "gspo",
-                                        "gspo-token"]))
+                                        "gspo-token", "dppo-tv", "dppo-kl", "vespo"]))
     opts = dict(
         policy_loss=policy_loss,
         clip_eps_low=draw(st.sampled_from([0.0, 0.1, 0.2, 0.3])),
         clip_eps_high=draw(st.sampled_from([None, 0.28, 0.5])),
-        dual_clip_c=(None if policy_loss in ("cispo", "sapo")
+        dual_clip_c=(None if policy_loss in ("cispo", "sapo", "vespo")
                      else draw(st.sampled_from([None, 1.6, 3.0]))),
         kl_coef=draw(st.sampled_from([0.0, 0.05, 0.5])),
         kl_estimator=draw(st.sampled_from(["k1", "k2", "k3", "abs", "k1+", "k3+"])),
@@ -49,7 +49,7 @@ def problems(draw):
         opts.update(sapo_tau_pos=draw(st.sampled_from([1.0, 2.0])),
                     sapo_tau_neg=draw(st.sampled_from([1.05, 0.5])))
     rc = draw(st.sampled_from([None, None, "tis", "mis", "tis-seq", "mis-seq", "geo-seq"]))
-    if rc is not None:
+    if rc is not None and policy_loss != "vespo":  # (vespo refuses a rollout correction)
         opts.update(rollout_correction=rc,
                     rollout_is_threshold=draw(st.sampled_from([2.0, 1.1, (0.7, 1.4)])))
     if draw(st.booleans()):
@@ -123,7 +123,7 @@ def test_masking_a_token_removes_its_contribution(problem, data):
     losses: a sequence loss's ratio moves with its other tokens)."""
     B, T, V, seed, padding, neginf, opts, use_isw, scale = problem
     opts = dict(opts, loss_agg_mode="seq-mean-token-sum", entropy_agg_mode=None)
-    if opts["policy_loss"] in ("gspo", "gspo-token"):
+    if opts["policy_loss"] in ("gspo", "gspo-token", "vespo"):
         opts["policy_loss"] = "vanilla"
     # the sequence-level weights and the off-policy mask read the other tokens too
     if opts.get("rollout_correction", "tis") not in ("tis", "mis"):

@@ -347,3 +347,37 @@ def test_reference_gspo_token_gradient_holds_the_sequence_ratio_constant():
 
     num = fd_grad(f, x)
     assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()
+
+
+@pytest.mark.parametrize("policy_loss", ["dppo-tv", "dppo-kl"])
+def test_reference_dppo_gradient_holds_mask_and_weight_constant(policy_loss):
+    """DPPO: -M sg(min(rho, c)) A logp with the mask M and the capped ratio constants; the
+    gradient is the finite difference of -sum w_t M0_t min(rho0_t, c) A_t logp_t with M0,
+    rho0 frozen at the current logits (thresholds small enough that M0 has zeros)."""
+    x, tok, m, old, refl, adv, _ = _small_problem(5)
+    eps = (0.01, 0.02) if policy_loss == "dppo-tv" else (0.002, 0.004)
+    kw = dict(policy_loss=policy_loss, clip_eps_low=eps[0], clip_eps_high=eps[1],
+              dual_clip_c=1.2)
+    _, _, g = ref.ppo_loss(x, tok, old, adv, m, **kw)
+    lp0, _ = ref.token_logprobs(x, tok, m)
+    masked = ref.dppo_masked(lp0, old, adv, eps[0], eps[1], policy_loss == "dppo-kl")
+    assert (masked & (m > 0)).any() and (~masked & (m > 0)).any()
+    w0 = np.where(masked, 0.0, np.minimum(np.exp(np.clip(lp0 - old, -20, 20)), 1.2))
+    w = ref.agg_weights(m, "token-mean")
+    num = fd_grad(lambda z: float((w * -w0 * adv * ref.token_logprobs(z, tok, m)[0]).sum()), x)
+    assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()
+
+
+def test_reference_vespo_gradient_holds_phi_constant():
+    """VESPO: -sg(phi(w)) A logp; the gradient is the finite difference of
+    -sum w_t phi0_t A_t logp_t with phi0 frozen (TRL's get_gamma_weights is no_grad)."""
+    x, tok, m, old, refl, adv, _ = _small_problem(6)
+    kw = dict(policy_loss="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.0)
+    _, _, g = ref.ppo_loss(x, tok, old, adv, m, **kw)
+    lp0, _ = ref.token_logprobs(x, tok, m)
+    phi0 = ref.pg_terms(lp0, old, adv, policy_loss="vespo", response_mask=m,
+                        vespo_k_pos=1.5, vespo_lambda_pos=2.0)["vespo_phi"]
+    w = ref.agg_weights(m, "token-mean")
+    num = fd_grad(lambda z: float((w * -phi0 * adv * ref.token_logprobs(z, tok, m)[0]).sum()),
+                  x)
+    assert np.abs(num - g).max() <= 1e-6 * np.abs(g).max()

@@ -17,6 +17,10 @@ from ppo_kernels import reference as R
 from conftest import (BACKENDS, BACKENDS_CPU, POLICY_LOSSES, assert_grad_close, base_ppo,
                       compare_with_reference, make_inputs, one_token_rows, seeded_inputs, to_np)
 
+# VESPO folds the train / inference ratio into its own sequence weight (TRL): it refuses
+# rollout_correction (test_vespo_refuses_rollout_correction)
+RC_LOSSES = [p for p in POLICY_LOSSES if p != "vespo"]
+
 
 ROLLOUT_CASES = [("tis", 2.0, None), ("tis-seq", (0.5, 1.5), None), ("mis", (0.8, 1.25), None),
                  ("mis-seq", 3.0, None), ("geo-seq", 1.05, None), (None, 2.0, 0.02),
@@ -50,6 +54,12 @@ def test_rollout_correction_matches_reference(be, mode, threshold, off_policy, g
         (R.expm1_minus_x(ell) * m).sum() / m.sum(), rel=1e-5)
     assert float(met["rollout_chi2"]) == pytest.approx(
         (np.exp(2 * ell) * m).sum() / m.sum() - 1, rel=1e-4, abs=1e-6)
+    # every metric the reference has, the new raw-ratio ones included, agrees
+    for k in ("rollout_ratio_mean", "rollout_ratio_max", "rollout_ratio_min",
+              "rollout_ratio_outside_frac", "off_policy_masked_frac", "rollout_is_max",
+              "rollout_masked_frac"):
+        if k in e_met:
+            assert float(met[k]) == pytest.approx(e_met[k], rel=2e-5, abs=2e-6), k
 
 
 def test_truncated_is_hand_case():
@@ -87,6 +97,157 @@ def test_off_policy_mask_hand_case():
     assert float(met["off_policy_masked_frac"]) == 0.5
 
 
+def test_off_policy_mask_decides_per_sequence():
+    """Per-token advantages of mixed sign: the mask is one decision per sequence (its mean
+    advantage < 0 and its mean KL > threshold, DeepSeek-V3.2 eq. 9), so a dropped sequence
+    loses every token, its positive ones included, and off_policy_masked_frac counts
+    exactly the sequences whose policy term is gone. Sequence 0: A = (+1, -3), mean -1,
+    dropped; sequence 1: A = (-1, +3), mean +1, kept whole (its negative token too)."""
+    x, tok = one_token_rows([-0.5, -0.5])
+    x = np.repeat(x, 2, axis=0)
+    tok = np.zeros((2, 2), dtype=np.int64)
+    lp, _ = R.token_logprobs(x, tok)
+    roll = lp + 0.3
+    adv = np.array([[1.0, -3.0], [-1.0, 3.0]])
+    kw = dict(rollout_logprobs=torch.tensor(roll), off_policy_mask_threshold=0.2,
+              loss_agg_mode="token-sum")
+    e_loss, e_met, _ = R.ppo_loss(x, tok, lp, adv, rollout_logprobs=roll,
+                                  off_policy_mask_threshold=0.2, loss_agg_mode="token-sum")
+    assert e_loss == pytest.approx(-2.0, rel=1e-12)  # only sequence 1: -(-1 + 3)
+    assert e_met["off_policy_masked_frac"] == 0.5
+    for backend in ("cpu", "torch"):
+        xg = torch.tensor(x).requires_grad_(True)
+        loss, met = pk.ppo_loss(xg, torch.tensor(tok), torch.tensor(lp), torch.tensor(adv),
+                                backend=backend, **kw)
+        assert float(loss.detach()) == pytest.approx(-2.0, rel=1e-12)
+        assert float(met["off_policy_masked_frac"]) == 0.5
+        loss.backward()
+        # the dropped sequence has no policy gradient on any of its tokens
+        assert torch.all(xg.grad[0] == 0) and torch.all(xg.grad[1, :, 0] != 0)
+        # the per-token loss agrees with the metric: sequence 0 is all zeros
+        per_tok, _ = pk.ppo_loss(torch.tensor(x), torch.tensor(tok), torch.tensor(lp),
+                                 torch.tensor(adv), backend=backend,
+                                 **dict(kw, loss_agg_mode="none"))
+        assert torch.all(per_tok[0] == 0) and torch.all(per_tok[1] != 0)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss", ["vanilla", "dppo-tv", "gspo", "vespo"])
+def test_off_policy_mask_mixed_signs_every_backend(be, policy_loss):
+    """Random per-token advantages (mixed signs within sequences) with the off-policy mask
+    and no rollout log-probs (old_logprobs stand in): every backend agrees with the
+    reference, the masked fraction included."""
+    inp = seeded_inputs(4, 5, 13, 31, ratio_spread=0.6)
+    compare_with_reference(be, inp["full"][:, :5], inp["tokens"], inp["old"], inp["adv"],
+                           inp["mask"], inp["ref"], policy_loss=policy_loss,
+                           off_policy_mask_threshold=0.0, kl_coef=0.1,
+                           clip_eps_low=0.01 if policy_loss == "dppo-tv" else 0.2)
+
+
+def test_raw_ratio_metrics_hand_case():
+    """rollout_ratio_* are of pi_old / pi_rollout before any cap or mask: ratios e^1, 1,
+    e^-0.05, e^-1 (one more, e^3, on a masked position) with tis at C = 2: the mean
+    (e + 1 + e^-0.05 + e^-1) / 4, max e, min e^-1, outside [0.9, 1.1]: 2 of 4; the
+    truncated rollout_is_max is 2."""
+    x, tok = one_token_rows([-0.5, -0.6, -0.7, -0.8, -0.9])
+    lp, _ = R.token_logprobs(x, tok)
+    old = torch.tensor(lp)
+    roll = old - torch.tensor([[1.0, 0.0, -0.05, -1.0, 3.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)
+    r = np.exp([1.0, 0.0, -0.05, -1.0])
+    for backend in ("cpu", "torch"):
+        _, met = pk.ppo_loss(torch.tensor(x), torch.tensor(tok), old, torch.ones(1, 5),
+                             mask, rollout_logprobs=roll, rollout_correction="tis",
+                             rollout_is_threshold=2.0, backend=backend)
+        assert float(met["rollout_ratio_mean"]) == pytest.approx(r.mean(), rel=1e-6)
+        assert float(met["rollout_ratio_max"]) == pytest.approx(math.e, rel=1e-6)
+        assert float(met["rollout_ratio_min"]) == pytest.approx(math.exp(-1), rel=1e-6)
+        assert float(met["rollout_ratio_outside_frac"]) == 0.5
+        assert float(met["rollout_is_max"]) == 2.0
+    # no valid token: every metric 0, none NaN / inf
+    _, met = pk.ppo_loss(torch.tensor(x), torch.tensor(tok), old, torch.ones(1, 5),
+                         torch.zeros(1, 5, dtype=torch.bool), rollout_logprobs=roll,
+                         backend="cpu")
+    assert all(float(met[k]) == 0.0 for k in ("rollout_ratio_mean", "rollout_ratio_max",
+                                              "rollout_ratio_min",
+                                              "rollout_ratio_outside_frac"))
+
+
+def test_vespo_refuses_rollout_correction():
+    d = base_ppo()
+    with pytest.raises(ValueError, match="rollout_correction"):
+        pk.ppo_loss(**d, policy_loss="vespo", rollout_logprobs=d["old_logprobs"] - 0.1,
+                    rollout_correction="tis")
+    # the raw mismatch metrics stay available (no correction asked for)
+    _, met = pk.ppo_loss(**d, policy_loss="vespo", rollout_logprobs=d["old_logprobs"] - 0.1)
+    assert float(met["rollout_ratio_mean"]) == pytest.approx(math.exp(0.1), rel=1e-6)
+
+
+def _m2po_areal(old, roll, mask, thr):
+    """AReaL's _apply_m2po_masking, written out on Python lists (sorted descending, drop
+    the k largest where k is the first suffix whose mean is below the threshold, else all
+    but one)."""
+    vals = [((r - o) ** 2, i) for i, (o, r, m) in enumerate(zip(old, roll, mask)) if m]
+    vals.sort(key=lambda t: -t[0])
+    n = len(vals)
+    k = n - 1
+    for i in range(n):
+        rest = [v for v, _ in vals[i:]]
+        if sum(rest) / len(rest) < thr:
+            k = i
+            break
+    keep = [bool(m) for m in mask]
+    for _, i in vals[:k]:
+        keep[i] = False
+    return keep
+
+
+def test_m2po_mask_hand_case_and_areal_rule():
+    """M2PO (AReaL m2_threshold): m2 = (0.1, 0.5, 1.0, 0.2)^2 = (0.01, 0.25, 1, 0.04),
+    mean 0.325; threshold 0.09: drop 1 (rest mean 0.1, not below), then 0.25 (rest 0.025
+    < 0.09): two dropped. A tiny threshold keeps exactly one token (AReaL's rule)."""
+    from ppo_kernels import rollout_correction as rc
+
+    old = torch.zeros(1, 4, dtype=torch.float64)
+    roll = torch.tensor([[0.1, -0.5, 1.0, 0.2]], dtype=torch.float64)
+    got = rc.m2po_mask(old, roll, m2_threshold=0.09)
+    assert got.tolist() == [[True, False, False, True]]
+    assert rc.m2po_mask(old, roll, m2_threshold=1e-9).sum() == 1
+    assert rc.m2po_mask(old, roll, m2_threshold=10.0).all()
+    # random batches with padding against the rule written out
+    g = torch.Generator().manual_seed(5)
+    for thr in (0.01, 0.05, 0.3):
+        o = -torch.rand(3, 7, generator=g, dtype=torch.float64)
+        r = o + 0.3 * torch.randn(3, 7, generator=g, dtype=torch.float64)
+        m = torch.rand(3, 7, generator=g) > 0.2
+        got = rc.m2po_mask(o, r, m, m2_threshold=thr)
+        exp = _m2po_areal(o.flatten().tolist(), r.flatten().tolist(), m.flatten().tolist(),
+                          thr)
+        assert got.flatten().tolist() == exp
+        assert not (got & ~m).any()
+    assert not rc.m2po_mask(old, roll, torch.zeros(1, 4, dtype=torch.bool),
+                            m2_threshold=0.1).any()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(m2_threshold=0.0), "m2_threshold"),
+    (dict(m2_threshold="0.1"), "m2_threshold"),
+    (dict(old_logprobs=torch.zeros(2, 3).long()), "old_logprobs"),
+    (dict(old_logprobs=torch.zeros(6)), "old_logprobs"),
+    (dict(rollout_logprobs=torch.zeros(2, 4)), "rollout_logprobs"),
+    (dict(rollout_logprobs=[[0.0] * 3] * 2), "rollout_logprobs"),
+    (dict(response_mask=torch.ones(3, 2)), "response_mask"),
+])
+def test_m2po_mask_bad_inputs(kw, match):
+    from ppo_kernels import rollout_correction as rc
+
+    args = dict(old_logprobs=torch.zeros(2, 3), rollout_logprobs=torch.zeros(2, 3),
+                response_mask=None, m2_threshold=0.1)
+    args.update(kw)
+    with pytest.raises((ValueError, TypeError), match=match):
+        rc.m2po_mask(args.pop("old_logprobs"), args.pop("rollout_logprobs"), **args)
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(rollout_correction="tis"), "rollout_correction"),
     (dict(rollout_correction="is", rollout_logprobs=True), "rollout_correction"),
@@ -113,7 +274,7 @@ def test_rollout_correction_bad_inputs(kw, match):
 # (CPU tensors: cpu, torch and the Triton interpreter)
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
-@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("policy_loss", RC_LOSSES)
 def test_flat_logits_with_rollout_correction(be, policy_loss):
     """[N, V] logits: one sequence; rollout_logprobs [N] with tis-seq and the off-policy
     mask."""
@@ -137,7 +298,7 @@ def test_flat_logits_with_rollout_correction(be, policy_loss):
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
-@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("policy_loss", RC_LOSSES)
 @pytest.mark.parametrize("mode,threshold", [("geo-seq", 1.5), ("mis", (0.7, 1.4))])
 def test_raw_t_plus_one_logits_with_rollout_correction(be, policy_loss, mode, threshold):
     """[B, T + 1, V] logits (the last position gets a zero gradient)."""
@@ -153,7 +314,7 @@ def test_raw_t_plus_one_logits_with_rollout_correction(be, policy_loss, mode, th
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
-@pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
+@pytest.mark.parametrize("policy_loss", RC_LOSSES)
 @pytest.mark.parametrize("mode", ["tis", "tis-seq", "mis", "mis-seq", "geo-seq"])
 def test_nan_rollout_logprobs_on_masked_positions(be, policy_loss, mode):
     """NaN rollout_logprobs on masked positions reach neither the loss, the metrics nor
@@ -206,3 +367,47 @@ def test_rollout_threshold_order_message():
     with pytest.raises(ValueError, match="hi > lo"):
         pk.ppo_loss(**d, rollout_logprobs=d["old_logprobs"], rollout_correction="mis",
                     rollout_is_threshold=(2.0, 0.5))
+
+
+@pytest.mark.parametrize("cap", [None, 1.3])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_areal_decoupled_ppo_is_old_plus_rollout_correction(cap, backend):
+    """AReaL's decoupled PPO (ppo_actor_loss_fn with proximal_logprobs): the clip of
+    pi_theta / pi_prox times the behaviour weight pi_prox / pi_behave, zeroed where above
+    behav_imp_weight_cap, summed over the loss mask / its count. It is ppo_loss with
+    old_logprobs = prox, rollout_logprobs = behave and rollout_correction "mis" at the cap
+    (no cap: rollout_is_weights = pi_prox / pi_behave), docs/LOSSES.md."""
+    g = torch.Generator().manual_seed(9)
+    b, t, v = 3, 6, 11
+    logits = torch.randn(b, t, v, generator=g, dtype=torch.float64)
+    tok = torch.randint(0, v, (b, t), generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.2
+    lp0 = torch.log_softmax(logits, -1).gather(-1, tok[..., None])[..., 0]
+    prox = lp0 + 0.2 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    behave = prox + 0.3 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(b, t, generator=g, dtype=torch.float64)
+    eps, eps_hi, c = 0.2, 0.28, 3.0
+    # AReaL's formula, written out
+    x = logits.clone().requires_grad_(True)
+    lp = torch.log_softmax(x, -1).gather(-1, tok[..., None])[..., 0]
+    ratio = torch.where(mask, torch.exp(lp - prox), 0)
+    pg = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1 - eps, 1 + eps_hi))
+    pg = torch.min(pg, torch.sign(adv) * c * adv)  # the dual clip (c_clip)
+    w = torch.exp(prox - behave)
+    keep = mask if cap is None else (w <= cap) & mask
+    pg = pg * torch.where(keep, w, 0.0)
+    want = torch.where(mask, pg, 0).sum() / mask.sum()
+    want.backward()
+    y = logits.clone().requires_grad_(True)
+    kw = dict(clip_eps_low=eps, clip_eps_high=eps_hi, dual_clip_c=c, backend=backend)
+    if cap is None:
+        kw["rollout_is_weights"] = torch.exp(prox - behave)
+    else:
+        kw.update(rollout_logprobs=behave, rollout_correction="mis", rollout_is_threshold=cap)
+    loss, met = pk.ppo_loss(y, tok, prox, adv, mask, **kw)
+    loss.backward()
+    assert float(loss) == pytest.approx(float(want), rel=1e-12)
+    torch.testing.assert_close(y.grad, x.grad, rtol=1e-10, atol=1e-14)
+    if cap is not None:  # AReaL's behave mask is the kept fraction of the weights
+        assert float(met["rollout_masked_frac"]) == pytest.approx(
+            float((~keep & mask).sum() / mask.sum()), rel=1e-6)

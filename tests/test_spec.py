@@ -31,9 +31,11 @@ def test_cpp_slots_mirror_spec():
 
 def test_cpp_enums_mirror_spec():
     assert len(_cpp_enum("KlEstimator")) == len(spec.KL_ESTIMATORS)
-    assert _cpp_enum("PolicyLoss") == ["kVanilla", "kCispo", "kSapo", "kGspo", "kGspoToken"]
-    assert spec.POLICY_LOSSES == ("vanilla", "cispo", "sapo", "gspo", "gspo-token")
-    assert spec.KERNEL_POLICY_LOSSES == ("vanilla", "cispo", "sapo")
+    assert _cpp_enum("PolicyLoss") == ["kVanilla", "kCispo", "kSapo", "kDppoTv", "kDppoKl",
+                                       "kGspo", "kGspoToken", "kVespo"]
+    assert spec.POLICY_LOSSES == ("vanilla", "cispo", "sapo", "dppo-tv", "dppo-kl", "gspo",
+                                  "gspo-token", "vespo")
+    assert spec.KERNEL_POLICY_LOSSES == ("vanilla", "cispo", "sapo", "dppo-tv", "dppo-kl")
 
 
 def test_triton_constants_mirror_spec():
@@ -43,7 +45,7 @@ def test_triton_constants_mirror_spec():
         assert getattr(tmath, "I_" + name.upper()).value == i, name
     kl = ["KL_K1", "KL_K2", "KL_K3", "KL_ABS", "KL_K1_PLUS", "KL_K3_PLUS"]
     assert [getattr(tmath, n).value for n in kl] == list(range(len(spec.KL_ESTIMATORS)))
-    pg = ["PG_VANILLA", "PG_CISPO", "PG_SAPO"]
+    pg = ["PG_VANILLA", "PG_CISPO", "PG_SAPO", "PG_DPPO_TV", "PG_DPPO_KL"]
     assert [getattr(tmath, n).value for n in pg] == [
         spec.POLICY_LOSSES.index(x) for x in spec.KERNEL_POLICY_LOSSES]
 

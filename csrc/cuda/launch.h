@@ -91,7 +91,7 @@ inline void check_kl_estimator(int64_t kl_estimator) {
 }
 
 // policy_loss: the integer code of ppo_kernels/_checks.py (ppo::PolicyLoss); the sequence
-// losses (gspo, gspo-token) never reach the fused kernels.
+// losses (gspo, gspo-token, vespo) never reach the fused kernels.
 // A per-token [B, T] tensor of the accumulation dtype on the logits' device, made
 // contiguous (a gradient can arrive expanded, stride 0; this copy is [B, T], not [N, V]).
 inline at::Tensor per_token(const at::Tensor& x, const char* name, at::ScalarType acc,

@@ -10,8 +10,9 @@
 // any other grad_output one in-place pass (scale_grad.cu), never an [N, V] allocation.
 // A second tiny launch reduces loss = sum(w * loss_tok) in a fixed order (deterministic).
 // The loss menu is all in the per-token epilogue (token_epilogue.cuh ->
-// ppo::token_loss): policy_loss vanilla / cispo / sapo, kl_estimator k1..k3+, the KL bias
-// correction, on-policy (old_logprobs None: old = logp) and entropy_weights (the gradient's
+// ppo::token_loss): policy_loss vanilla / cispo / sapo / dppo-tv / dppo-kl, kl_estimator
+// k1..k3+, the KL bias correction, on-policy (old_logprobs None: old = logp) and
+// entropy_weights (the gradient's
 // d loss / d H = -entropy_weights * entropy_coef; the loss output stays sum(w * loss_tok),
 // the Python layer corrects its entropy part when entropy_agg_mode differs).
 #include <ATen/Dispatch.h>

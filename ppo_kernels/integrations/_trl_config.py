@@ -9,14 +9,15 @@ from __future__ import annotations
 import torch
 
 CLIP_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-SUPPORTED_LOSS_TYPES = CLIP_LOSSES + ("cispo", "sapo")
+SUPPORTED_LOSS_TYPES = CLIP_LOSSES + ("cispo", "sapo", "vespo")
 
 # loss_type -> the op's loss_agg_mode (the per-micro-batch normaliser of TRL's loss)
 AGG_MODE = {"grpo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean",
             "bnpo": "token-mean", "dapo": "token-mean", "cispo": "token-mean",
+            "vespo": "token-mean",
             "dr_grpo": "seq-mean-token-sum-norm", "luspo": "seq-mean-token-sum"}
 # the loss types whose TRL loss is divided by the gradient-accumulation steps (the others,
-# dapo and cispo, divide by the generation batch's token count instead)
+# dapo, cispo and vespo, divide by the generation batch's token count instead)
 DIVIDED_BY_GA = ("grpo", "sapo", "bnpo", "dr_grpo", "luspo")
 
 
@@ -30,15 +31,18 @@ def check_trl_config(args):
     exactly (docs/TRL.md, "Unsupported options"). Returns None."""
     lt = args.loss_type
     if lt not in SUPPORTED_LOSS_TYPES:
-        why = ("VESPO's gamma weight phi(w) depends on the current policy's sequence ratio, "
-               "which the op has no formula for" if lt == "vespo" else
-               f"supported loss types are {', '.join(SUPPORTED_LOSS_TYPES)}")
-        raise _unsupported("loss_type", lt, why)
+        raise _unsupported("loss_type", lt, f"supported loss types are "
+                                            f"{', '.join(SUPPORTED_LOSS_TYPES)}")
     level = args.importance_sampling_level
     if level not in ("token", "sequence"):
         raise _unsupported("importance_sampling_level", level, "TRL knows 'token' and "
                            "'sequence' only")
-    if level == "sequence" and lt in ("cispo", "sapo"):
+    if lt == "vespo" and getattr(args, "use_vllm", False) and getattr(
+            args, "vllm_importance_sampling_correction", False):
+        raise _unsupported("vllm_importance_sampling_correction", True, "TRL's VESPO folds "
+                           "the vLLM importance ratios into its sequence weight; the op's "
+                           "vespo does not (it would multiply them into the tokens' terms)")
+    if level == "sequence" and lt in ("cispo", "sapo", "vespo"):
         raise _unsupported("importance_sampling_level", level, f"loss_type={lt!r} at the "
                            f"sequence level has no op formula (the op's sequence-level "
                            f"loss, gspo, is the clipped surrogate of grpo/bnpo/dr_grpo/"
@@ -128,6 +132,11 @@ def from_trl_config(args, model_config=None):
                   dual_clip_c=None if args.delta is None else float(args.delta))
     elif lt == "cispo":  # TRL's weight min(r, C) = clip(r, 1 - 1, 1 + (C - 1))
         kw.update(policy_loss="cispo", clip_eps_low=1.0, clip_eps_high=float(eps_high) - 1.0)
+    elif lt == "vespo":  # TRL clamps the lambdas at 1e-4 from below; the op needs > 0
+        kw.update(policy_loss="vespo", vespo_k_pos=float(args.vespo_k_pos),
+                  vespo_lambda_pos=max(float(args.vespo_lambda_pos), 1e-4),
+                  vespo_k_neg=float(args.vespo_k_neg),
+                  vespo_lambda_neg=max(float(args.vespo_lambda_neg), 1e-4))
     else:
         kw.update(policy_loss="sapo", sapo_tau_pos=float(args.sapo_temperature_pos),
                   sapo_tau_neg=float(args.sapo_temperature_neg))
@@ -149,7 +158,8 @@ def trl_batch_kwargs(args, mask, *, num_items_in_batch=None, grad_accum_steps=1,
     Args:
         args: the GRPOConfig. mask: [B, T] the loss mask (completion_mask * tool_mask).
         num_items_in_batch: 0-d tensor or number, TRL's inputs["num_items_in_batch"]
-            (valid tokens of the whole generation batch, all processes); dapo / cispo only.
+            (valid tokens of the whole generation batch, all processes); dapo / cispo /
+            vespo only.
         grad_accum_steps: TRL's current_gradient_accumulation_steps (1 in eval).
         num_processes: accelerator.num_processes. training: False in evaluation.
         entropy_coef: the coefficient applied this step (adaptive entropy), default
@@ -163,7 +173,7 @@ def trl_batch_kwargs(args, mask, *, num_items_in_batch=None, grad_accum_steps=1,
         divisor = ga
         if lt != "bnpo":  # TRL's .mean() over the rows counts empty completions
             kw["global_num_seqs"] = mask.shape[0]
-    else:  # dapo, cispo: sum over the micro-batch / (the generation batch's tokens, rescaled)
+    else:  # dapo, cispo, vespo: sum over the micro-batch / (the generation batch's tokens, rescaled)
         if num_items_in_batch is None:
             raise ValueError(f"num_items_in_batch: loss_type={lt!r} needs TRL's "
                              f"num_items_in_batch (the generation batch's token count)")

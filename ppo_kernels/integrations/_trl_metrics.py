@@ -20,7 +20,8 @@ def importance_weights(lp, old, mask, level):
 
 
 def log_loss_metrics(trainer, mode, lp, ent, old, adv, mask, ref):
-    """Append kl, entropy and clip_ratio/* or cispo_clip_ratio to trainer._metrics[mode], as
+    """Append kl, entropy and clip_ratio/*, cispo_clip_ratio or vespo/phi_seq_mean to
+    trainer._metrics[mode], as
     TRL's _compute_loss does (global over processes through trainer.accelerator).
 
     lp, ent: [B, T] current log-probs / entropies (detached); old: [B, T] or None
@@ -62,3 +63,10 @@ def log_loss_metrics(trainer, mode, lp, ent, old, adv, mask, ref):
     elif lt == "cispo":
         clipped = ((coef_1 > trainer.epsilon_high) & (adv > 0)).to(lp.dtype)
         log["cispo_clip_ratio"].append(global_mean(clipped))
+    elif lt == "vespo":  # TRL's own gamma weights (its vLLM IS folding is refused)
+        a = trainer.args
+        phi = trainer.get_gamma_weights(
+            advantages=adv, log_ratio_per_token=lp - (lp if old is None else old), mask=m,
+            importance_sampling_ratio=None, k_pos=a.vespo_k_pos, lambda_pos=a.vespo_lambda_pos,
+            k_neg=a.vespo_k_neg, lambda_neg=a.vespo_lambda_neg)
+        log["vespo/phi_seq_mean"].append(global_mean(phi))

@@ -12,11 +12,12 @@ from ..spec import LOSS_AGG_MODES, LossSpec
 
 # verl loss_mode -> ppo_kernels policy_loss (verl's "gspo" is the paper's GSPO-token form)
 VERL_LOSS_MODES = {"vanilla": "vanilla", "gspo": "gspo-token", "cispo": "cispo",
-                   "sapo": "sapo"}
+                   "sapo": "sapo", "dppo_tv": "dppo-tv", "dppo_kl": "dppo-kl"}
 # the names registered in verl's POLICY_LOSS_REGISTRY -> the verl loss mode each computes
 REGISTERED_LOSS_MODES = {"ppo_kernels": "vanilla", "ppo_kernels_vanilla": "vanilla",
                          "ppo_kernels_gspo": "gspo", "ppo_kernels_cispo": "cispo",
-                         "ppo_kernels_sapo": "sapo"}
+                         "ppo_kernels_sapo": "sapo", "ppo_kernels_dppo_tv": "dppo_tv",
+                         "ppo_kernels_dppo_kl": "dppo_kl"}
 # verl loss modes (and options) with no exact counterpart in the op, and why
 _UNSUPPORTED_LOSS_MODES = {
     "clip_cov": "a randomised subset of tokens loses its gradient (randperm)",
@@ -24,8 +25,6 @@ _UNSUPPORTED_LOSS_MODES = {
     "geo_mean": "GMPO's sequence-level geometric mean of sign-clipped ratios",
     "gpg": "-A * lp with no ratio",
     "dro": "a quadratic (lp - old)^2 penalty",
-    "dppo_tv": "a detached probability-difference trust mask",
-    "dppo_kl": "a detached binary-KL trust mask",
     "bypass_mode": "verl's bypass mode (old = rollout log-probs, in-loss IS / RS)",
 }
 # verl kl_loss_type -> kl_estimator (verl/trainer/ppo/core_algos.py::kl_penalty)
@@ -90,7 +89,7 @@ def _verl_error(exc, kw):
 
 
 def _loss_mode(actor, loss_mode=None):
-    """The verl loss mode ("vanilla", "gspo", "cispo", "sapo") that actor's
+    """The verl loss mode ("vanilla", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl") that actor's
     policy_loss.loss_mode (or loss_mode) asks for; ValueError for any other."""
     mode = loss_mode if loss_mode is not None else _get(_get(actor, "policy_loss"),
                                                         "loss_mode", "vanilla")
@@ -122,6 +121,10 @@ def _policy_kwargs(actor, loss_mode=None):
         if not c > 1.0:  # verl asserts it too
             raise ValueError(f"actor.clip_ratio_c = {c!r}: verl requires clip_ratio_c > 1")
         kw["dual_clip_c"] = c
+    if verl_mode in ("dppo_tv", "dppo_kl"):
+        # verl's DPPO: clip_ratio_low / clip_ratio_high are the divergence thresholds and
+        # clip_ratio_c caps the detached ratio (compute_policy_loss_dppo_tv / _kl)
+        kw["dual_clip_c"] = _float(_VERL_KEY["dual_clip_c"], _get(actor, "clip_ratio_c", 20.0))
     if verl_mode == "sapo":
         kw["sapo_tau_pos"] = _float(_VERL_KEY["sapo_tau_pos"], _get(actor, "tau_pos", 1.0))
         kw["sapo_tau_neg"] = _float(_VERL_KEY["sapo_tau_neg"], _get(actor, "tau_neg", 1.05))

@@ -79,7 +79,10 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
       ``compute_policy_loss_gspo``);
     * cispo: ``-sg(clip(r, 1 - low, 1 + high)) A lp`` (MiniMax-M1; verl two-sided clip);
     * sapo: ``-(4 / tau) sigmoid(tau (r - 1)) A``, ``tau = tau_pos`` if ``A > 0`` else
-      ``tau_neg``, always aggregated "seq-mean-token-mean" as verl does.
+      ``tau_neg``, always aggregated "seq-mean-token-mean" as verl does;
+    * dppo_tv / dppo_kl: ``-M sg(min(r, clip_ratio_c)) A lp`` with DPPO's binary-TV /
+      binary-KL trust mask M, thresholds clip_ratio_low / clip_ratio_high (Qi et al. 2026;
+      verl ``compute_policy_loss_dppo_tv`` / ``_kl``).
 
     Each token's term is multiplied by ``rollout_is_weights`` and aggregated by verl's
     ``agg_loss`` rule with ``config.global_batch_info`` (``dp_size``, ``batch_num_tokens``,
@@ -175,6 +178,13 @@ def _pg_metrics(lp, spec, s, verl_mode):
                           f"gradient), ppo_kernels only at 20", RuntimeWarning, stacklevel=3)
     else:
         neg_kl = -pt["log_ratio"]
+    if verl_mode in ("dppo_tv", "dppo_kl"):
+        # verl: the masked fraction (every advantage, zeros included) and the fraction of
+        # kept tokens whose ratio the cap truncated
+        masked = _torch_impl.dppo_masked(lp, old, s.adv, spec.clip_eps_low, spec.clip_eps_high,
+                                         verl_mode == "dppo_kl")
+        return {"actor/pg_clipfrac": mean(masked), "actor/ppo_kl": mean(neg_kl),
+                "actor/pg_clipfrac_lower": mean(pt["dual"])}
     if verl_mode in ("vanilla", "gspo"):
         clipfrac = mean(pt["clip_high"] | pt["clip_low"])
     elif verl_mode == "cispo":

@@ -5,7 +5,7 @@ tie-breaking, same guards), so the three backends compute one function; the floa
 is ppo_kernels/reference.py. Sources: clipped surrogate, Schulman et al. 2017, eq. 7; dual
 clip, Ye et al. 2020, eq. 5; KL estimators k1/k2/k3, Schulman 2020 "Approximating KL
 Divergence"; CISPO, MiniMax-M1 technical report (MiniMax 2025), the CISPO objective; SAPO (TRL loss_type="sapo",
-verl loss_mode="sapo").
+verl loss_mode="sapo"); DPPO, Qi et al. 2026, arXiv 2602.04879 (verl dppo_tv / dppo_kl).
 
 The helpers are scalar-agnostic: they work on 0-d values (one token per program) and on
 blocks alike. ``ACC`` is the accumulation dtype, ``tl.float32`` or ``tl.float64``.
@@ -36,6 +36,8 @@ KL_K3_PLUS = tl.constexpr(5)  # value of k3, gradient of k2
 PG_VANILLA = tl.constexpr(0)  # the token-level policy losses of the fused kernel
 PG_CISPO = tl.constexpr(1)
 PG_SAPO = tl.constexpr(2)
+PG_DPPO_TV = tl.constexpr(3)
+PG_DPPO_KL = tl.constexpr(4)
 # The slots of the ops' `float[] scalars` (ppo_kernels/spec.py FLOAT_SLOTS, csrc/ppo_math.h
 # ppo::slot::Float; compared by tests/test_spec.py): the kernels take the list as a tuple FS
 # and read FS[F_...].
@@ -132,13 +134,50 @@ def pg_sapo(rho, clamped, adv, tau_pos, tau_neg):
 
 
 @triton.jit
+def log1m_exp(x):
+    """ppo_math.h log1m_exp: log(1 - e^x) for x <= 0 (Maechler 2012): log(-expm1(x)) near
+    0, log1p(-e^x) below -log 2; -inf at x = 0."""
+    near = x > -0.6931471805599453
+    # each branch's argument kept finite in the lane the other branch takes
+    a = tl.where(near, x, -1.0)
+    b = tl.where(near, -1.0, x)
+    return tl.where(near, tl.log(0.0 - expm1(a)), log1p(0.0 - tl.exp(b)))
+
+
+@triton.jit
+def pg_dppo(logp, old_logp, rho, clamped, adv, eps_low, eps_high, dual_c,
+            HAS_DUAL: tl.constexpr, KL: tl.constexpr):
+    """ppo_math.h pg_dppo (DPPO, Qi et al. 2026, arXiv 2602.04879; verl dppo_tv / dppo_kl):
+    the binary TV |p - p_old| (KL: the Bernoulli KL(p_old || p)) as the trust region; the
+    token is masked where A > 0, p > p_old and D > eps_high, or A <= 0, p < p_old and
+    D > eps_low. pg = -M sg(min(rho, c)) A logp, d pg / d logp = -M min(rho, c) A (no cap
+    without HAS_DUAL). Returns (pg, d pg / d logp, rho, d rho / d logp)."""
+    pn = tl.exp(logp)
+    po = tl.exp(old_logp)
+    if KL:  # log-probs above 0 (rounding) count as 0
+        lo = tl.where(old_logp < 0.0, old_logp, 0.0)
+        ln = tl.where(logp < 0.0, logp, 0.0)
+        q_old = 0.0 - expm1(lo)
+        tail = tl.where(q_old == 0.0, 0.0, q_old * (log1m_exp(lo) - log1m_exp(ln)))
+        div = tl.exp(lo) * (lo - ln) + tail
+    else:
+        div = tl.where(pn > po, pn - po, po - pn)
+    masked = tl.where(adv > 0.0, (pn > po) & (div > eps_high), (pn < po) & (div > eps_low))
+    w = rho
+    if HAS_DUAL:
+        w = tl.where(rho > dual_c, dual_c, rho)
+    w = tl.where(masked, 0.0, w)
+    return -w * adv * logp, -w * adv, rho, tl.where(clamped, 0.0, rho)
+
+
+@triton.jit
 def pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, tau_pos, tau_neg,
             HAS_DUAL: tl.constexpr, POLICY_LOSS: tl.constexpr):
     """Policy-gradient term of one token: (pg, d pg / d logp, rho, d rho / d logp).
     ppo_math.h pg_term.
 
     d = clamp(logp - old_logp, -20, 20), rho = exp(d), then the formula of POLICY_LOSS
-    (PG_VANILLA, PG_CISPO, PG_SAPO); d rho / d logp is rho, or 0 where the log-ratio was
+    (PG_VANILLA, PG_CISPO, PG_SAPO, PG_DPPO_TV, PG_DPPO_KL); d rho / d logp is rho, or 0 where the log-ratio was
     clamped. All inputs are of the accumulation dtype.
     """
     d_raw = logp - old_logp
@@ -148,6 +187,12 @@ def pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, tau_pos, tau_neg,
         pg, grad, rho, dratio = pg_cispo(logp, rho, clamped, adv, eps_low, eps_high)
     elif POLICY_LOSS == PG_SAPO:
         pg, grad, rho, dratio = pg_sapo(rho, clamped, adv, tau_pos, tau_neg)
+    elif POLICY_LOSS == PG_DPPO_TV:
+        pg, grad, rho, dratio = pg_dppo(logp, old_logp, rho, clamped, adv, eps_low, eps_high,
+                                        dual_c, HAS_DUAL, False)
+    elif POLICY_LOSS == PG_DPPO_KL:
+        pg, grad, rho, dratio = pg_dppo(logp, old_logp, rho, clamped, adv, eps_low, eps_high,
+                                        dual_c, HAS_DUAL, True)
     else:
         pg, grad, rho, dratio = pg_vanilla(rho, clamped, adv, eps_low, eps_high, dual_c,
                                            HAS_DUAL)
