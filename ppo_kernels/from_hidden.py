@@ -33,6 +33,7 @@ from ._autograd import applied_scale, first_order_only, hand_out
 from ._backends import get_backend
 from ._two_phase import middle_grad
 from .advantages import packed_rollout_inputs, rollout_from_logprobs, rollout_inputs
+from .lm_head import is_head_module, through_head
 from .loss import (check_loss, composite_padded, loss_metrics, per_token_loss, two_phase,
                    weigh_loss)
 from .rank_agreement import agreed_sizes, checks_together, groups
@@ -450,11 +451,21 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
 
     hidden: [B, T, H], [B, T + 1, H] (the last position is ignored, zero gradient) or
     [N, H]; lm_head_weight [V, H] and lm_head_bias [V] of hidden's dtype and device.
+    lm_head_weight may also be the head module (a torch.nn.Linear, FSDP2- or ZeRO-3-wrapped
+    alike; lm_head_bias None: its own bias is used): the op then runs as the module's
+    forward, inside the framework's hooks (ppo_kernels/lm_head.py, docs/DISTRIBUTED.md).
     Returns logprobs [B, T] (or [N]), or (logprobs, entropy); backend "torch" materialises
     the logits (the reference composite). tp_group / vocab_start: the head's rows split over
     ranks ([V_r, H] here; docs/DISTRIBUTED.md): the whole vocabulary's results on every
     rank, d hidden summed over the group, this shard's dW / db.
     """
+    if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
+        return through_head(lm_head_weight, hidden, lm_head_bias, lambda h, w, b:
+                            token_logprobs_from_hidden(
+                                h, w, tokens, response_mask, lm_head_bias=b,
+                                logit_softcap=logit_softcap, temperature=temperature,
+                                return_entropy=return_entropy, chunk_size=chunk_size,
+                                tp_group=tp_group, vocab_start=vocab_start, backend=backend))
     def checks():  # no collective: the ranks of tp_group decide validity together
         h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
                                         vocab_start)
@@ -504,6 +515,10 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
             float32, bfloat16, float16 or float64.
         lm_head_weight: [V, H], hidden's dtype and device (a frozen head, a LoRA-wrapped
             or embedding-tied weight: any tensor; a gradient only where it requires one).
+            Or the head module itself (torch.nn.Linear; FSDP2's fully_shard or ZeRO-3
+            wrapped alike, lm_head_bias None): the op runs as its forward, so the
+            framework's hooks gather the weight and reduce its gradient
+            (ppo_kernels/lm_head.py, docs/DISTRIBUTED.md); another module is a TypeError.
         lm_head_bias: [V] or None.
         logit_softcap: None or cap > 0: logits z = cap * tanh(x / cap) (Gemma 2).
         chunk_size: rows of [B, T] per chunk, >= 1; None: about 256 MiB of logits (in
@@ -530,6 +545,13 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         lm_head_bias (those that require it). All of it is computed in the forward; the
         backward only rescales it by grad_output (no pass when grad_output == grad_scale).
     """
+    if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
+        return through_head(lm_head_weight, hidden, lm_head_bias, lambda h, w, b:
+                            ppo_loss_from_hidden(
+                                h, w, tokens, old_logprobs, advantages, response_mask,
+                                ref_logprobs, lm_head_bias=b, logit_softcap=logit_softcap,
+                                chunk_size=chunk_size, tp_group=tp_group,
+                                vocab_start=vocab_start, cp_group=cp_group, **loss_options))
     options = dict(loss_options, old_logprobs=old_logprobs, advantages=advantages,
                    response_mask=response_mask, ref_logprobs=ref_logprobs, cp_group=cp_group)
     def checks(options):  # no collective: the ranks of tp_group / cp_group decide together
@@ -603,6 +625,16 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
         Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each, 0 where
         masked.
     """
+    if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
+        return through_head(lm_head_weight, hidden, lm_head_bias, lambda h, w, b:
+                            score_rollout_from_hidden(
+                                h, w, tokens, ref_logprobs, values, scores, response_mask,
+                                lm_head_bias=b, logit_softcap=logit_softcap,
+                                chunk_size=chunk_size, kl_coef=kl_coef,
+                                kl_estimator=kl_estimator, gamma=gamma, lam=lam,
+                                temperature=temperature, whiten=whiten, cu_seqlens=cu_seqlens,
+                                max_seqlen=max_seqlen, tp_group=tp_group,
+                                vocab_start=vocab_start, backend=backend))
     hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
                                                               lm_head_bias, tp_group,
                                                               vocab_start)
