@@ -428,3 +428,35 @@ def test_subclass_overrides_are_refused(tmp_path):
     tr._ppo_kernels_setup()  # the control: no error
     tr.current_gradient_accumulation_steps = GA
     assert torch.isfinite(tr._compute_loss(tr.model, batch(tr)))
+
+
+def test_trains_under_accelerate_ddp(tmp_path):
+    """2 processes, accelerate's DDP on CPU (gloo; tests/trl_ddp_cases.py): with gradient
+    checkpointing off, transformers sets find_unused_parameters=True, where a head used
+    after the model's forward fails ("Expected to mark a variable ready only once"); the
+    fused loss runs inside the model's forward, so both settings train, and the logs and
+    parameters after 2 SGD steps equal stock TRL's on every rank."""
+    from conftest import run_ranks
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_ddp_cases.py")
+    ranks = run_ranks(script, tmp_path, timeout=480)
+    for rank, res in enumerate(ranks):
+        for gc in (False, True):
+            case = res[f"gc={gc}"]
+            for name in ("stock", "fused"):
+                assert isinstance(case[name], dict), f"rank {rank} gc={gc} {name}: " \
+                                                     f"{case[name]}"
+            stock, fused = case["stock"], case["fused"]
+            assert fused["ddp"] and fused["processes"] == 2
+            assert fused["find_unused"] == (not gc)  # transformers' choice, both exercised
+            assert len(stock["logs"]) == len(fused["logs"]) == 3  # 2 steps + the summary
+            for es, ef in zip(stock["logs"], fused["logs"]):
+                assert sorted(es) == sorted(ef)
+                for k in es:
+                    if isinstance(es[k], float) and math.isnan(es[k]):
+                        assert math.isnan(ef[k]), k
+                    else:
+                        assert ef[k] == pytest.approx(es[k], rel=1e-4, abs=1e-6), (gc, k)
+            torch.testing.assert_close(torch.tensor(fused["params"]),
+                                       torch.tensor(stock["params"]), rtol=1e-4, atol=1e-6)
+    # DDP keeps the ranks' parameters equal
+    assert ranks[0]["gc=False"]["fused"]["params"] == ranks[1]["gc=False"]["fused"]["params"]
