@@ -32,7 +32,8 @@ from ._checks import acc_dtype
 from ._autograd import applied_scale, first_order_only, hand_out
 from ._backends import get_backend
 from ._two_phase import middle_grad
-from .advantages import packed_rollout_inputs, rollout_from_logprobs, rollout_inputs
+from .advantages import (packed_rollout_inputs, rollout_from_logprobs, rollout_inputs,
+                         rollout_sizes)
 from .lm_head import is_head_module, through_head
 from .loss import (check_loss, composite_padded, loss_metrics, per_token_loss, two_phase,
                    weigh_loss)
@@ -635,27 +636,36 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
                                 temperature=temperature, whiten=whiten, cu_seqlens=cu_seqlens,
                                 max_seqlen=max_seqlen, tp_group=tp_group,
                                 vocab_start=vocab_start, backend=backend))
-    hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
-                                                              lm_head_bias, tp_group,
-                                                              vocab_start)
-    hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
-    packing = None
-    if cu_seqlens is not None:
-        opts = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma, lam=lam,
-                    whiten=whiten)
-        packing, mask, ref, vals, kl_coef, gamma, lam = packed_rollout_inputs(
-            tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens,
-            max_seqlen, opts)
-        mask_k = packing.unpad(mask)
-    else:
+    def checks():  # no collective: the ranks of tp_group decide validity together,
+        # the packing's checks included
+        h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
+                                        vocab_start)
+        hidden3, tokens2, flat = _hidden_and_tokens(h, w, bias, tokens)
+        if cu_seqlens is not None:
+            opts = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma, lam=lam,
+                        whiten=whiten)
+            checked = packed_rollout_inputs(tokens2, tokens, ref_logprobs, values, scores,
+                                            response_mask, cu_seqlens, max_seqlen, opts)
+            return w, bias, shard, hidden3, tokens2, checked
         packed.check_max_seqlen(max_seqlen)
         if flat:
             raise ValueError(f"hidden: score_rollout_from_hidden needs [B, T, H] or "
                              f"[B, T + 1, H] (or cu_seqlens for the packed [total, H]), got "
-                             f"{list(hidden.shape)}")
-        mask, ref, vals, kl_coef, gamma, lam = rollout_inputs(
-            tokens2, response_mask, ref_logprobs, values, scores, kl_coef, kl_estimator,
-            gamma, lam, whiten)
+                             f"{list(h.shape)}")
+        checked = rollout_inputs(tokens2, response_mask, ref_logprobs, values, scores,
+                                 kl_coef, kl_estimator, gamma, lam, whiten)
+        return w, bias, shard, hidden3, tokens2, checked
+
+    lm_head_weight, lm_head_bias, shard, hidden3, tokens2, checked = checks_together(
+        groups(tp_group=tp_group), checks,
+        lambda r: {"tp_group": rollout_sizes(r[4], r[5][0] if cu_seqlens is not None
+                                             else None)})
+    packing = None
+    if cu_seqlens is not None:
+        packing, mask, ref, vals, kl_coef, gamma, lam = checked
+        mask_k = packing.unpad(mask)
+    else:
+        mask, ref, vals, kl_coef, gamma, lam = checked
         mask_k = mask
     with torch.no_grad():
         logp = token_logprobs_from_hidden(
