@@ -47,7 +47,8 @@ from ..from_hidden import token_logprobs_from_hidden
 from ..loss import prepare_loss
 from ..spec import LOSS_AGG_MODES
 from ._verl_config import (_SEQ_MODES, GSPO_LOG_RATIO_MAX, REGISTERED_LOSS_MODES,
-                           VERL_LOSS_MODES, _get, _policy_kwargs, from_verl_config)
+                           VERL_LOSS_MODES, _get, _policy_kwargs, from_verl_config,
+                           verl_batch_kwargs)
 
 try:
     from verl.trainer.ppo import core_algos as _core_algos
@@ -60,7 +61,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without verl
 __all__ = ["REGISTERED_LOSS_MODES", "VERL_LOSS_MODES", "compute_policy_loss",
            "from_verl_config", "FusedLinearForPPO", "fused_logprobs_and_entropy",
            "linear_cross_entropy", "register_policy_losses", "install_fused_hook",
-           "uninstall_fused_hook", "fused_hook_installed"]
+           "uninstall_fused_hook", "fused_hook_installed", "configure_fused_hook",
+           "fused_hook_chunk_size", "verl_batch_kwargs"]
 
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
                         loss_agg_mode="token-mean", config=None, rollout_is_weights=None, *,
@@ -252,6 +254,8 @@ class FusedLinearForPPO(torch.nn.Module):
         if impl_backend not in ("torch", "liger"):
             raise ValueError(f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose "
                              f"'torch' or 'liger'.")
+        if chunk_size is None:  # verl constructs it without one: the configured value
+            chunk_size = fused_hook_chunk_size()
         self.chunk_size, self.impl_backend, self.backend = chunk_size, impl_backend, backend
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
@@ -261,6 +265,74 @@ class FusedLinearForPPO(torch.nn.Module):
 
 _ORIGINALS = {}
 _TP_WARNED = []
+_HOOK_OPTIONS = {}  # chunk_size: set by configure_fused_hook or verl's model config
+CHUNK_SIZE_ENV = "PPO_KERNELS_VERL_CHUNK_SIZE"
+
+
+def _chunk(value, key):
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: expected a positive int (rows per chunk) or null, got "
+                         f"{value!r}") from None
+    if isinstance(value, bool) or n < 1 or n != float(value):
+        raise ValueError(f"{key}: expected a positive int (rows per chunk) or null, got "
+                         f"{value!r}")
+    return n
+
+
+def configure_fused_hook(chunk_size=None):
+    """Rows per chunk of the fused hook (FusedLinearForPPO and linear_cross_entropy, which
+    verl constructs / calls without one): an int >= 1, or None for the default (about
+    256 MiB of logits per chunk). verl's config sets it with
+    ``actor_rollout_ref.model.fused_kernel_options.chunk_size=N`` (read when verl builds
+    its model config, in every process), the environment with
+    ``PPO_KERNELS_VERL_CHUNK_SIZE=N``; a call here overrides both. ValueError naming the
+    key for anything else."""
+    _HOOK_OPTIONS["chunk_size"] = _chunk(chunk_size, "chunk_size")
+
+
+def fused_hook_chunk_size():
+    """The chunk_size the fused hook uses now (None: the op's default)."""
+    if "chunk_size" in _HOOK_OPTIONS:
+        return _HOOK_OPTIONS["chunk_size"]
+    return _chunk(os.environ.get(CHUNK_SIZE_ENV) or None, CHUNK_SIZE_ENV)
+
+
+def _read_model_config(cfg):
+    """fused_kernel_options.chunk_size of a verl HFModelConfig, when it has one."""
+    opts = getattr(cfg, "fused_kernel_options", None)
+    if opts is not None and _get(opts, "chunk_size", None) is not None:
+        configure_fused_hook(_chunk(_get(opts, "chunk_size"),
+                                    "actor_rollout_ref.model.fused_kernel_options.chunk_size"))
+
+
+def _follow_model_configs():
+    """verl imports this module (model.external_lib) from HFModelConfig.__post_init__: read
+    the chunk size of that config (the caller's frame) and of every later one."""
+    try:
+        from verl.workers.config import model as _model_cfg
+    except ImportError:  # pragma: no cover - verl without its worker configs
+        return
+    cls = _model_cfg.HFModelConfig
+    if not getattr(cls.__post_init__, "_ppo_kernels", False):
+        original = cls.__post_init__
+
+        def __post_init__(self):
+            original(self)
+            _read_model_config(self)
+        __post_init__._ppo_kernels = True
+        cls.__post_init__ = __post_init__
+    import sys
+    frame = sys._getframe()
+    while frame is not None:  # the config whose __post_init__ is importing us
+        me = frame.f_locals.get("self")
+        if frame.f_code.co_name == "__post_init__" and isinstance(me, cls):
+            _read_model_config(me)
+            break
+        frame = frame.f_back
 
 
 def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
@@ -287,7 +359,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
                          f"got {reduction!r}")
     logp, ent = token_logprobs_from_hidden(hidden.reshape(-1, hidden.shape[-1]), weight,
                                            labels.reshape(-1).long(),
-                                           temperature=float(temperature), return_entropy=True)
+                                           temperature=float(temperature), return_entropy=True,
+                                           chunk_size=fused_hook_chunk_size())
     return logp.to(torch.float32), ent.to(torch.float32)
 
 
@@ -325,6 +398,44 @@ def fused_hook_installed():
         lce.linear_cross_entropy is linear_cross_entropy
 
 
+def _guard_monkey_patch():
+    """verl 0.9.1's ``apply_monkey_patch`` (the path that installs the fused forward, and
+    with it the fused hook) patches ``state_dict`` of TRL's value-head model whenever TRL
+    is installed, importing ``trl.experimental.ppo`` or ``trl`` 's
+    AutoModelForCausalLMWithValueHead; TRL 1.16 has neither, so the call raises
+    ImportError. Where the class does not exist there is nothing to patch: verl is told
+    TRL is absent for that step only (its is_trl_available name in the monkey_patch
+    module), the rest of apply_monkey_patch runs as written."""
+    try:
+        import verl.models.transformers.monkey_patch as mp
+    except Exception:  # pragma: no cover - verl without its transformers patches
+        return
+    if getattr(mp.is_trl_available, "_ppo_kernels", False):
+        return
+    import importlib.util
+    with warnings.catch_warnings():  # (trl.experimental warns on import)
+        warnings.simplefilter("ignore")
+        try:
+            if importlib.util.find_spec("trl") is None:
+                return  # verl's is_trl_available is False already
+            from trl.experimental.ppo import AutoModelForCausalLMWithValueHead  # noqa: F401
+            return
+        except ImportError:
+            pass
+        try:
+            from trl import AutoModelForCausalLMWithValueHead  # noqa: F401,F811
+            return
+        except ImportError:
+            pass
+
+    def is_trl_available():
+        return False
+    is_trl_available._ppo_kernels = True
+    mp.is_trl_available = is_trl_available
+
+
 register_policy_losses()
 if os.environ.get("PPO_KERNELS_VERL_FUSED_HOOK", "1") != "0":
     install_fused_hook()
+_follow_model_configs()
+_guard_monkey_patch()
