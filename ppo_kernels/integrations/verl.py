@@ -36,6 +36,7 @@ naming the key for every option the op cannot express.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -131,7 +132,6 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
         dp_size = int(dp_size)
     n_tok, n_seq = info.get("batch_num_tokens"), info.get("global_batch_size")
     lsf = info.get("loss_scale_factor")  # verl's ppo_loss copies config.loss_scale_factor
-    mask = ck.response_mask(response_mask, log_prob, False, like_name="log_prob")
     extra = {}
     if agg == "token-mean":
         if n_tok is None and dp_size > 1:
@@ -141,50 +141,59 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
         if n_seq is None:
             if dp_size > 1:
                 raise ValueError("global_batch_size is required when dp_size > 1")
-            n_seq = mask.any(-1).sum().clamp(min=1)  # verl: the non-empty sequences
+            if agg != "seq-mean-token-mean":  # (the op's own count there is verl's)
+                ck.tensor("response_mask", response_mask)
+                # verl: the non-empty sequences (the op's default would be B)
+                n_seq = (response_mask != 0).any(-1).sum().clamp(min=1) \
+                    if response_mask.dim() == 2 else None
         extra["global_num_seqs"] = n_seq
         if agg == "seq-mean-token-sum-norm" and lsf is not None:
             extra["norm_length"] = lsf
-    tokens = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+    tokens = torch.zeros(log_prob.shape, dtype=torch.long, device=log_prob.device)
     spec, s = prepare_loss(log_prob, 1, tokens, False, dict(
-        response_mask=mask, old_logprobs=old_log_prob, advantages=advantages,
+        response_mask=response_mask, old_logprobs=old_log_prob, advantages=advantages,
         loss_agg_mode=agg, rollout_is_weights=rollout_is_weights, backend="torch", **kw,
-        **extra))
+        **extra), )
     lp = log_prob.to(s.acc)
-    pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, spec)
+    pt = _torch_impl.pg_terms(lp, s.old, s.adv, s.mask, spec)  # once: loss and metrics
+    pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, spec,
+                                      terms=pt)
     weights = s.weights if dp_size == 1 else s.weights * dp_size
     pg_loss = _torch_impl.aggregate(pol, None, s.mask, weights, None, spec)
-    return pg_loss, _pg_metrics(lp.detach(), spec, s, verl_mode)
+    return pg_loss, _pg_metrics(lp.detach(), spec, s, verl_mode, pt)
 
 
 @torch.no_grad()
-def _pg_metrics(lp, spec, s, verl_mode):
+def _pg_metrics(lp, spec, s, verl_mode, pt):
     """verl's three policy-loss metrics (core_algos.py, compute_policy_loss_<mode>) from
-    ppo_kernels' per-token terms."""
-    pt = _torch_impl.pg_terms(lp, s.old, s.adv, s.mask, spec)
-    old = lp if s.old is None else s.old
-    n = s.mask.sum().clamp(min=1)
-
-    def mean(x):
-        return float(torch.where(s.mask, x.to(lp.dtype), 0.0).sum() / n)
-
+    ppo_kernels' per-token terms pt (pg_terms of the loss), read to the host at once."""
+    m = s.mask
     if verl_mode == "gspo":
+        old = lp if s.old is None else s.old
         neg_kl = old - lp  # verl's GSPO metric does not clamp
-        ls = _torch_impl.seq_mean(lp - old, s.mask)
-        if bool((ls > GSPO_LOG_RATIO_MAX).any()):
-            warnings.warn(f"ppo_kernels gspo: a sequence's mean log-ratio exceeds "
-                          f"{GSPO_LOG_RATIO_MAX:g}; verl clamps it there (value e^10, no "
-                          f"gradient), ppo_kernels only at 20", RuntimeWarning, stacklevel=3)
+        # the sequence ratio exp(clamp(mean log-ratio, +-20)): above e^10 where verl clamps
+        big = (pt["seq_ratio"] > math.exp(GSPO_LOG_RATIO_MAX)).any()
     else:
-        neg_kl = -pt["log_ratio"]
+        neg_kl, big = -pt["log_ratio"], None
+    parts = [m.sum(), torch.where(m, neg_kl, 0.0).sum()]
     if verl_mode in ("vanilla", "gspo"):
-        clipfrac = mean(pt["clip_high"] | pt["clip_low"])
+        parts.append(((pt["clip_high"] | pt["clip_low"]) & m).sum())
     elif verl_mode == "cispo":
-        clipfrac = mean(pt["cispo_clip"])
-    else:
-        clipfrac = 0.0
-    return {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": mean(neg_kl),
-            "actor/pg_clipfrac_lower": mean(pt["dual"]) if verl_mode == "vanilla" else 0.0}
+        parts.append((pt["cispo_clip"] & m).sum())
+    if verl_mode == "vanilla":
+        parts.append((pt["dual"] & m).sum())
+    if big is not None:
+        parts.append(big)
+    vals = torch.stack([p.to(lp.dtype) for p in parts]).tolist()  # one host read
+    n = max(vals[0], 1.0)
+    if verl_mode == "gspo" and vals[-1]:
+        warnings.warn(f"ppo_kernels gspo: a sequence's mean log-ratio exceeds "
+                      f"{GSPO_LOG_RATIO_MAX:g}; verl clamps it there (value e^10, no "
+                      f"gradient), ppo_kernels only at 20", RuntimeWarning, stacklevel=3)
+    clipfrac = vals[2] / n if verl_mode in ("vanilla", "gspo", "cispo") else 0.0
+    lower = vals[3] / n if verl_mode == "vanilla" else 0.0
+    return {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": vals[1] / n,
+            "actor/pg_clipfrac_lower": lower}
 
 
 def _registered(name, verl_mode):
