@@ -724,3 +724,37 @@ def test_apply_monkey_patch_runs_here(tmp_path):
                        timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "OK" in r.stdout
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_registered_loss_nan_reaches_the_gradient_only_where_it_is(mode):
+    """A NaN log-prob on a valid token makes the loss NaN and that token's gradient NaN
+    (token_losses' guard, taken when the aggregated loss is NaN), the others finite; a
+    NaN on a masked token changes nothing."""
+    cfg = actor_config(loss_mode=mode)
+    fn = ca.get_policy_loss_fn(f"ppo_kernels_{mode}")
+    old, lp, adv, mask, _ = batch(11)
+    valid = mask.nonzero()[0].tolist()
+    masked = (~mask).nonzero()[0].tolist()
+    clean = run(fn, old, lp, adv, mask, "token-mean", cfg, None)
+    bad = lp.clone()
+    bad[tuple(masked)] = float("nan")
+    same = run(fn, old, bad, adv, mask, "token-mean", cfg, None)
+    torch.testing.assert_close(same[0], clean[0], rtol=0, atol=0)
+    # every other token's gradient is unchanged (the masked NaN token's own: 0 for vanilla
+    # and sapo; gspo-token's exp(lp - sg(lp) + ...) and cispo's sg(w) * lp give it 0 * NaN
+    # in the eager composite's backward, as pk.ppo_loss(backend="torch") does)
+    keep = torch.ones_like(mask)
+    keep[tuple(masked)] = False
+    torch.testing.assert_close(same[2][keep], clean[2][keep], rtol=0, atol=0)
+    if mode in ("vanilla", "sapo"):
+        assert same[2][tuple(masked)] == 0
+    bad = lp.clone()
+    bad[tuple(valid)] = float("nan")
+    loss, _, grad = run(fn, old, bad, adv, mask, "token-mean", cfg, None)
+    assert torch.isnan(loss)
+    assert torch.isnan(grad[tuple(valid)])
+    if mode != "gspo":  # (gspo's sequence ratio spreads the NaN over its sequence)
+        others = torch.ones_like(mask)
+        others[tuple(valid)] = False
+        assert torch.isfinite(grad[others]).all()

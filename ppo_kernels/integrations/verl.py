@@ -156,17 +156,26 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
         **extra), )
     lp = log_prob.to(s.acc)
     pt = _torch_impl.pg_terms(lp, s.old, s.adv, s.mask, spec)  # once: loss and metrics
-    pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, spec,
-                                      terms=pt)
     weights = s.weights if dp_size == 1 else s.weights * dp_size
+    # token_losses without a KL or an off-policy mask is is_w * pg plus its NaN guard (a
+    # NaN loss on a valid token must reach the gradient), which adds exactly 0 where no
+    # valid token's loss is NaN: aggregate first, and take token_losses' own path only
+    # when the aggregated loss is NaN (read with the metrics: no extra host read)
+    pol = pt["pg"] if s.isw is None else pt["pg"] * s.isw
     pg_loss = _torch_impl.aggregate(pol, None, s.mask, weights, None, spec)
-    return pg_loss, _pg_metrics(lp.detach(), spec, s, verl_mode, pt)
+    metrics, nan = _pg_metrics(lp.detach(), spec, s, verl_mode, pt, pg_loss)
+    if nan:
+        pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, spec,
+                                          terms=pt)
+        pg_loss = _torch_impl.aggregate(pol, None, s.mask, weights, None, spec)
+    return pg_loss, metrics
 
 
 @torch.no_grad()
-def _pg_metrics(lp, spec, s, verl_mode, pt):
-    """verl's three policy-loss metrics (core_algos.py, compute_policy_loss_<mode>) from
-    ppo_kernels' per-token terms pt (pg_terms of the loss), read to the host at once."""
+def _pg_metrics(lp, spec, s, verl_mode, pt, loss):
+    """(verl's three policy-loss metrics (core_algos.py, compute_policy_loss_<mode>) from
+    ppo_kernels' per-token terms pt (pg_terms of the loss), whether loss is NaN), read to
+    the host at once."""
     m = s.mask
     if verl_mode == "gspo":
         old = lp if s.old is None else s.old
@@ -175,7 +184,7 @@ def _pg_metrics(lp, spec, s, verl_mode, pt):
         big = (pt["seq_ratio"] > math.exp(GSPO_LOG_RATIO_MAX)).any()
     else:
         neg_kl, big = -pt["log_ratio"], None
-    parts = [m.sum(), torch.where(m, neg_kl, 0.0).sum()]
+    parts = [m.sum(), torch.where(m, neg_kl, 0.0).sum(), torch.isnan(loss.detach())]
     if verl_mode in ("vanilla", "gspo"):
         parts.append(((pt["clip_high"] | pt["clip_low"]) & m).sum())
     elif verl_mode == "cispo":
@@ -190,10 +199,10 @@ def _pg_metrics(lp, spec, s, verl_mode, pt):
         warnings.warn(f"ppo_kernels gspo: a sequence's mean log-ratio exceeds "
                       f"{GSPO_LOG_RATIO_MAX:g}; verl clamps it there (value e^10, no "
                       f"gradient), ppo_kernels only at 20", RuntimeWarning, stacklevel=3)
-    clipfrac = vals[2] / n if verl_mode in ("vanilla", "gspo", "cispo") else 0.0
-    lower = vals[3] / n if verl_mode == "vanilla" else 0.0
+    clipfrac = vals[3] / n if verl_mode in ("vanilla", "gspo", "cispo") else 0.0
+    lower = vals[4] / n if verl_mode == "vanilla" else 0.0
     return {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": vals[1] / n,
-            "actor/pg_clipfrac_lower": lower}
+            "actor/pg_clipfrac_lower": lower}, bool(vals[2])
 
 
 def _registered(name, verl_mode):
