@@ -12,6 +12,7 @@ from ._extension import build_info, empty_cache
 from .advantages import Rollout, gae, kl_penalized_rewards, score_rollout, whiten
 from .from_hidden import (ppo_loss_from_hidden, score_rollout_from_hidden,
                           token_logprobs_from_hidden)
+from .lm_head import forward_redirect
 from .loss import ppo_loss, token_logprobs, value_loss
 from .spec import LossSpec
 from .distill import SparseLogprobs, distill_loss
@@ -21,6 +22,6 @@ from . import distributed  # noqa: E402  (pk.distributed.reduce_metrics)
 __all__ = ["token_logprobs", "ppo_loss", "value_loss", "ppo_loss_from_hidden",
            "token_logprobs_from_hidden", "score_rollout_from_hidden", "gae",
            "kl_penalized_rewards", "whiten", "score_rollout", "Rollout", "LossSpec",
-           "build_info", "empty_cache", "SparseLogprobs", "distill_loss",
+           "forward_redirect", "build_info", "empty_cache", "SparseLogprobs", "distill_loss",
            "distill_loss_from_hidden"]
 __version__ = "0.1.0"

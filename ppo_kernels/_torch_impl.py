@@ -246,12 +246,13 @@ def off_policy_keep(logp, behaviour_logprobs, advantages, mask, threshold, group
 
 
 def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights,
-                 mask, spec, behaviour=None):
+                 mask, spec, behaviour=None, terms=None):
     """(policy part is_w * pg + kl_coef * kl [* ratio], entropy part H) per token; the
     per-token loss is the first minus entropy_coef times the second. spec: the LossSpec;
     behaviour: the log-probs the off-policy mask compares with (spec.off_policy_mask_threshold;
-    None: no mask)."""
-    pt = pg_terms(logp, old_logprobs, advantages, mask, spec)
+    None: no mask). terms: pg_terms(logp, old_logprobs, advantages, mask, spec) when the
+    caller has it already (its metrics read the same terms)."""
+    pt = pg_terms(logp, old_logprobs, advantages, mask, spec) if terms is None else terms
     loss = pt["pg"]
     if rollout_is_weights is not None:
         loss = loss * rollout_is_weights

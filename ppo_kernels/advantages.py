@@ -341,8 +341,15 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     def checks():  # no collective: the ranks of tp_group decide validity together
         local, shard = vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
         logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
-        if cu_seqlens is not None:
-            return logits3, tokens2, shard, None
+        if cu_seqlens is not None:  # the packing's checks are part of the agreed validity
+            checked = packed_rollout_inputs(tokens2, tokens, ref_logprobs, values, scores,
+                                            response_mask, cu_seqlens, max_seqlen, opts)
+            be = get_backend(backend, logits3.device)
+            vp.require_kernels(be, shard)
+            packing, mask = checked[0], checked[1]
+            temp = ck.temperature(packed.packed_temperature(packing, temperature), logits3,
+                                  tokens2, False, packing.unpad(mask))
+            return logits3, tokens2, shard, (checked, temp, be)
         packed.check_max_seqlen(max_seqlen)
         if flat:
             raise ValueError(f"logits: score_rollout needs [B, T, V] or [B, T + 1, V] (or "
@@ -356,14 +363,13 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
         temp = ck.temperature(temperature, logits3, tokens2, False, checked[0])
         return logits3, tokens2, shard, (*checked, temp, be)
 
+    opts = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma, lam=lam,
+                whiten=whiten, value_lam=value_lam, lam_alpha=lam_alpha)
     logits3, tokens2, shard, checked = checks_together(
-        groups(tp_group=tp_group), checks, lambda r: {"tp_group": tuple(r[1].shape)})
-    if checked is None:
-        return _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores,
-                             response_mask, shard, cu_seqlens, max_seqlen,
-                             dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma,
-                                  lam=lam, whiten=whiten, value_lam=value_lam,
-                                  lam_alpha=lam_alpha), temperature, backend)
+        groups(tp_group=tp_group), checks, lambda r: {"tp_group": rollout_sizes(
+            r[1], r[3][0][0] if cu_seqlens is not None else None)})
+    if cu_seqlens is not None:
+        return _score_packed(logits3, tokens2, tokens, scores, shard, opts, *checked, backend)
     mask, ref, vals, kl_coef, gamma, lams, temperature, be = checked
     if shard is not None:
         with torch.no_grad():
@@ -407,18 +413,19 @@ def packed_rollout_inputs(tokens2, tokens, ref_logprobs, values, scores, respons
     return packing, mask, ref, vals, kl_coef, gamma, lams
 
 
-def _score_packed(logits3, tokens2, tokens, ref_logprobs, values, scores, response_mask,
-                  shard, cu_seqlens, max_seqlen, opts, temperature, backend):
-    """score_rollout of packed sequences: the log-probs on the packed rows, the [B, T]
-    steps on the padded copy, the outputs packed again."""
-    packing, mask, ref, vals, kl_coef, gamma, lams = packed_rollout_inputs(
-        tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens, max_seqlen,
-        opts)
-    be = get_backend(backend, logits3.device)
-    vp.require_kernels(be, shard)
+def rollout_sizes(tokens2, packing=None):
+    """What the ranks of tp_group agree on in score_rollout(_from_hidden): [B, T] of the
+    tokens, and with cu_seqlens the number of packed sequences as well."""
+    return tuple(tokens2.shape) + (() if packing is None else (packing.num_seqs,))
+
+
+def _score_packed(logits3, tokens2, tokens, scores, shard, opts, checked, temperature, be,
+                  backend):
+    """score_rollout of packed sequences (checked: packed_rollout_inputs' result, agreed
+    over tp_group): the log-probs on the packed rows, the [B, T] steps on the padded copy,
+    the outputs packed again."""
+    packing, mask, ref, vals, kl_coef, gamma, lams = checked
     mask_k = packing.unpad(mask)
-    temperature = ck.temperature(packed.packed_temperature(packing, temperature), logits3,
-                                 tokens2, False, mask_k)
     with torch.no_grad():
         if shard is not None:
             logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask_k, temperature,

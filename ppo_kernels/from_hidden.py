@@ -32,13 +32,27 @@ from ._checks import acc_dtype, split_temperature
 from ._autograd import applied_scale, first_order_only, hand_out
 from ._backends import get_backend
 from ._two_phase import middle_grad
-from .advantages import packed_rollout_inputs, rollout_from_logprobs, rollout_inputs
+from .advantages import (packed_rollout_inputs, rollout_from_logprobs, rollout_inputs,
+                         rollout_sizes)
+from .lm_head import is_head_module, through_head
 from .loss import (check_loss, composite_padded, loss_metrics, per_token_loss, two_phase,
                    weigh_loss)
 from .rank_agreement import agreed_sizes, checks_together, groups
 from .vocab_parallel import all_reduce_sum_, logits_grad, require_kernels, shard_of
 
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
+
+
+def _as_head_forward(fn, call):
+    """fn(**call) run as the head module's forward (lm_head.through_head, forward
+    redirection): call is fn's own arguments (its locals() on entry, lm_head_weight the
+    module), every one passed on; the weight and bias are those the module holds inside its
+    forward."""
+    call = dict(call)
+    extra = call.pop("loss_options", {})
+    return through_head(call["lm_head_weight"], call["hidden"], call["lm_head_bias"],
+                        lambda h, w, b: fn(**{**call, **extra, "hidden": h,
+                                              "lm_head_weight": w, "lm_head_bias": b}))
 
 
 # ------------------------------------------------------------------ argument checks
@@ -532,6 +546,9 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
 
     hidden: [B, T, H], [B, T + 1, H] (the last position is ignored, zero gradient) or
     [N, H]; lm_head_weight [V, H] and lm_head_bias [V] of hidden's dtype and device.
+    lm_head_weight may also be the head module (a torch.nn.Linear, FSDP2- or ZeRO-3-wrapped
+    alike; lm_head_bias None: its own bias is used): the op then runs as the module's
+    forward, inside the framework's hooks (ppo_kernels/lm_head.py, docs/DISTRIBUTED.md).
     Returns logprobs [B, T] (or [N]), or (logprobs, entropy); backend "torch" materialises
     the logits (the reference composite). tp_group / vocab_start: the head's rows split over
     ranks ([V_r, H] here; docs/DISTRIBUTED.md): the whole vocabulary's results on every
@@ -545,6 +562,8 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     Errors: a TypeError / ValueError naming the argument (temperature as in
     pk.token_logprobs; logits_dtype other than None / torch.float32).
     """
+    if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
+        return _as_head_forward(token_logprobs_from_hidden, locals())
     def checks():  # no collective: the ranks of tp_group decide validity together
         h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
                                         vocab_start)
@@ -595,6 +614,10 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
             float32, bfloat16, float16 or float64.
         lm_head_weight: [V, H], hidden's dtype and device (a frozen head, a LoRA-wrapped
             or embedding-tied weight: any tensor; a gradient only where it requires one).
+            Or the head module itself (torch.nn.Linear; FSDP2's fully_shard or ZeRO-3
+            wrapped alike, lm_head_bias None): the op runs as its forward, so the
+            framework's hooks gather the weight and reduce its gradient
+            (ppo_kernels/lm_head.py, docs/DISTRIBUTED.md); another module is a TypeError.
         lm_head_bias: [V] or None.
         logit_softcap: None or cap > 0: logits z = cap * tanh(x / cap) (Gemma 2).
         chunk_size: rows of [B, T] per chunk, >= 1; None: about 256 MiB of logits (in
@@ -624,6 +647,8 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         lm_head_bias (those that require it). All of it is computed in the forward; the
         backward only rescales it by grad_output (no pass when grad_output == grad_scale).
     """
+    if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
+        return _as_head_forward(ppo_loss_from_hidden, locals())
     options = dict(loss_options, old_logprobs=old_logprobs, advantages=advantages,
                    response_mask=response_mask, ref_logprobs=ref_logprobs, cp_group=cp_group)
     def checks(options):  # no collective: the ranks of tp_group / cp_group decide together
@@ -702,28 +727,42 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
         Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each, 0 where
         masked.
     """
-    hidden, lm_head_weight, lm_head_bias, shard = _head_shard(hidden, lm_head_weight,
-                                                              lm_head_bias, tp_group,
-                                                              vocab_start)
-    hidden3, tokens2, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
-    packing = None
-    if cu_seqlens is not None:
-        opts = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma, lam=lam,
-                    whiten=whiten, value_lam=value_lam, lam_alpha=lam_alpha)
-        packing, mask, ref, vals, kl_coef, gamma, lams = packed_rollout_inputs(
-            tokens2, tokens, ref_logprobs, values, scores, response_mask, cu_seqlens,
-            max_seqlen, opts)
-        mask_k = packing.unpad(mask)
-        temperature = packed.packed_temperature(packing, temperature)
-    else:
+    if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
+        return _as_head_forward(score_rollout_from_hidden, locals())
+    opts = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma, lam=lam,
+                whiten=whiten, value_lam=value_lam, lam_alpha=lam_alpha)
+
+    def checks():  # no collective: the ranks of tp_group decide validity together,
+        # the packing's checks included
+        h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
+                                        vocab_start)
+        hidden3, tokens2, flat = _hidden_and_tokens(h, w, bias, tokens)
+        if cu_seqlens is not None:
+            checked = packed_rollout_inputs(tokens2, tokens, ref_logprobs, values, scores,
+                                            response_mask, cu_seqlens, max_seqlen, opts)
+            return w, bias, shard, hidden3, tokens2, checked
         packed.check_max_seqlen(max_seqlen)
         if flat:
             raise ValueError(f"hidden: score_rollout_from_hidden needs [B, T, H] or "
                              f"[B, T + 1, H] (or cu_seqlens for the packed [total, H]), got "
-                             f"{list(hidden.shape)}")
-        mask, ref, vals, kl_coef, gamma, lams = rollout_inputs(
-            tokens2, response_mask, ref_logprobs, values, scores, kl_coef, kl_estimator,
-            gamma, lam, whiten, value_lam, lam_alpha)
+                             f"{list(h.shape)}")
+        checked = rollout_inputs(tokens2, response_mask, ref_logprobs, values, scores,
+                                 kl_coef, kl_estimator, gamma, lam, whiten, value_lam,
+                                 lam_alpha)
+        return w, bias, shard, hidden3, tokens2, checked
+
+    lm_head_weight, lm_head_bias, shard, hidden3, tokens2, checked = checks_together(
+        groups(tp_group=tp_group), checks,
+        lambda r: {"tp_group": rollout_sizes(r[4], r[5][0] if cu_seqlens is not None
+                                             else None)})
+    packing = None
+    if cu_seqlens is not None:
+        packing, mask, ref, vals, kl_coef, gamma, lams = checked
+        mask_k = packing.unpad(mask)
+        temperature = packed.packed_temperature(packing, temperature)
+    else:
+        mask, ref, vals, kl_coef, gamma, lams = checked
+        mask_k = mask
         mask_k = mask
     with torch.no_grad():
         logp = token_logprobs_from_hidden(

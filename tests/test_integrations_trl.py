@@ -506,3 +506,75 @@ def test_subclass_overrides_are_refused(tmp_path):
     tr._ppo_kernels_setup()  # the control: no error
     tr.current_gradient_accumulation_steps = GA
     assert torch.isfinite(tr._compute_loss(tr.model, batch(tr)))
+
+
+def test_trains_under_accelerate_ddp(tmp_path):
+    """2 processes, accelerate's DDP on CPU (gloo; tests/trl_ddp_cases.py): with gradient
+    checkpointing off, transformers sets find_unused_parameters=True, where a head used
+    after the model's forward fails ("Expected to mark a variable ready only once"); the
+    fused loss runs inside the model's forward, so both settings train, and the logs and
+    parameters after 2 SGD steps equal stock TRL's on every rank."""
+    from conftest import run_ranks
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_ddp_cases.py")
+    ranks = run_ranks(script, tmp_path, timeout=480)
+    for rank, res in enumerate(ranks):
+        for gc in (False, True):
+            case = res[f"gc={gc}"]
+            for name in ("stock", "fused"):
+                assert isinstance(case[name], dict), f"rank {rank} gc={gc} {name}: " \
+                                                     f"{case[name]}"
+            stock, fused = case["stock"], case["fused"]
+            assert fused["ddp"] and fused["processes"] == 2
+            assert fused["find_unused"] == (not gc)  # transformers' choice, both exercised
+            assert len(stock["logs"]) == len(fused["logs"]) == 3  # 2 steps + the summary
+            for es, ef in zip(stock["logs"], fused["logs"]):
+                assert sorted(es) == sorted(ef)
+                for k in es:
+                    if isinstance(es[k], float) and math.isnan(es[k]):
+                        assert math.isnan(ef[k]), k
+                    else:
+                        assert ef[k] == pytest.approx(es[k], rel=1e-4, abs=1e-6), (gc, k)
+            torch.testing.assert_close(torch.tensor(fused["params"]),
+                                       torch.tensor(stock["params"]), rtol=1e-4, atol=1e-6)
+    # DDP keeps the ranks' parameters equal
+    assert ranks[0]["gc=False"]["fused"]["params"] == ranks[1]["gc=False"]["fused"]["params"]
+
+
+@pytest.mark.parametrize("head_dtype", ["float32", "autocast"])
+def test_head_dtype_under_bf16_autocast(tmp_path, monkeypatch, head_dtype):
+    """GRPOConfig(bf16=True): the fused head runs in float32 by default (as with
+    cast_lm_head_to_fp32=True), in autocast's bfloat16 with head_dtype="autocast"; the
+    loss stays within bf16 rounding of stock TRL's."""
+    import ppo_kernels.integrations.trl as pk_trl
+    seen = []
+    real = pk_trl.ppo_loss_from_hidden
+
+    def spy(hidden, w, *a, **k):
+        seen.append((hidden.dtype, w.dtype, torch.is_autocast_enabled("cpu")))
+        return real(hidden, w, *a, **k)
+    monkeypatch.setattr(pk_trl, "ppo_loss_from_hidden", spy)
+    path = saved_model(tmp_path)
+    args = config(tmp_path, bf16=True, loss_type="dapo")
+    stock = GRPOTrainer(model=path, reward_funcs=reward_len, args=args, train_dataset=DATA,
+                        processing_class=tokenizer())
+    fused = FusedGRPOTrainer(model=path, reward_funcs=reward_len, args=args,
+                             train_dataset=DATA, processing_class=tokenizer(),
+                             head_dtype=head_dtype)
+    for tr in (stock, fused):
+        tr.current_gradient_accumulation_steps = GA
+    inputs = batch(stock)
+    ls, _, _ = run_loss(stock, inputs)
+    lf, _, _ = run_loss(fused, inputs)
+    want = torch.float32 if head_dtype == "float32" else torch.bfloat16
+    assert seen == [(want, want, False)]  # the op itself runs outside autocast
+    torch.testing.assert_close(lf.float(), ls.float(), rtol=2e-2, atol=2e-3)
+
+
+def test_head_dtype_rejects(tmp_path):
+    path = saved_model(tmp_path)
+    for kw, args in ((dict(head_dtype="bf16"), config(tmp_path)),
+                     (dict(head_dtype="autocast"), config(tmp_path,
+                                                          cast_lm_head_to_fp32=True))):
+        with pytest.raises(ValueError, match="head_dtype"):
+            FusedGRPOTrainer(model=path, reward_funcs=reward_len, args=args,
+                             train_dataset=DATA, processing_class=tokenizer(), **kw)

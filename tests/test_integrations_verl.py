@@ -660,3 +660,153 @@ def test_gae_matches_verl_compute_gae_advantage_return(seed, gamma, lam):
     a1, ret1 = pk.gae(r, v, m, gamma=gamma, lam=lam, value_lam=1.0, backend="cpu")
     torch.testing.assert_close(ret1[m], vr1[m], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(pk.whiten(a1, m)[m], va[m], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-sum", "seq-mean-token-mean",
+                                 "seq-mean-token-sum-norm", "token-mean"])
+def test_from_verl_config_carries_the_counts(agg):
+    """from_verl_config(cfg, response_mask=mask) adds verl's counts: with an empty response
+    in the batch, seq-mean-token-sum divides by the non-empty sequences as verl does (the
+    op's own default, B, would give 5/6 of verl's loss here)."""
+    cfg = actor_config(loss_mode="vanilla", loss_agg_mode=agg)
+    logits, tokens, old, adv, mask, ref, _ = actor_inputs(3, b=6)
+    assert not bool(mask[-1].any()) and bool(mask[:-1].any(1).all())
+    x = logits.clone().requires_grad_()
+    theirs = verl_actor_loss(cfg, x, tokens, old, adv, mask, None, None)
+    theirs.backward()
+    op = pv.from_verl_config(cfg, response_mask=mask)
+    assert ("global_num_tokens" if agg == "token-mean" else "global_num_seqs") in op
+    y = logits.clone().requires_grad_()
+    ours, _ = pk.ppo_loss(y, tokens, old, adv, mask, **op)
+    ours.backward()
+    torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(y.grad, x.grad, rtol=1e-5, atol=1e-6 * x.grad.abs().max())
+    if agg == "seq-mean-token-sum":  # the trap the counts remove
+        op.pop("global_num_seqs")
+        plain, _ = pk.ppo_loss(logits, tokens, old, adv, mask, **op)
+        assert float(plain.detach() / theirs.detach()) == pytest.approx(5 / 6, rel=1e-5)
+
+
+def test_verl_batch_kwargs_dp_and_errors():
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    info = {"dp_size": 4, "batch_num_tokens": 40, "global_batch_size": 8}
+    assert pv.verl_batch_kwargs(mask, "token-mean", info) == {"global_num_tokens": 10.0}
+    assert pv.verl_batch_kwargs(mask, "seq-mean-token-mean", info) == {"global_num_seqs": 2.0}
+    assert int(pv.verl_batch_kwargs(mask, "seq-mean-token-sum")["global_num_seqs"]) == 1
+    for mode, key in (("token-mean", "batch_num_tokens"),
+                      ("seq-mean-token-sum", "global_batch_size"), ("token-sum", "dp_size")):
+        with pytest.raises(ValueError, match=key):
+            pv.verl_batch_kwargs(mask, mode, {"dp_size": 2})
+    with pytest.raises(ValueError, match="global_batch_info"):
+        pv.from_verl_config(actor_config(), global_batch_info=info)
+
+
+def test_fused_hook_chunk_size_from_config(monkeypatch):
+    """The fused hook's rows per chunk: configure_fused_hook, verl's model config
+    (fused_kernel_options.chunk_size, read after HFModelConfig.__post_init__) or
+    PPO_KERNELS_VERL_CHUNK_SIZE; verl constructs FusedLinearForPPO without one."""
+    from types import SimpleNamespace
+
+    from verl.workers.config.model import HFModelConfig
+    import ppo_kernels.integrations.verl as mod
+    monkeypatch.setattr(mod, "_HOOK_OPTIONS", {})
+    monkeypatch.setenv(pv.CHUNK_SIZE_ENV, "9")
+    assert verl_tf.FusedLinearForPPO().chunk_size == 9
+    assert HFModelConfig.__post_init__._ppo_kernels  # later configs are read too
+    mod._read_model_config(SimpleNamespace(fused_kernel_options={"chunk_size": 5,
+                                                                 "impl_backend": "torch"}))
+    assert verl_tf.FusedLinearForPPO().chunk_size == 5  # the config wins over the env
+    mod._read_model_config(SimpleNamespace(fused_kernel_options={"impl_backend": "torch"}))
+    assert pv.fused_hook_chunk_size() == 5  # no key: unchanged
+    pv.configure_fused_hook(3)
+    seen = []
+    real = mod.token_logprobs_from_hidden
+
+    def spy(*a, **k):
+        seen.append(k["chunk_size"])
+        return real(*a, **k)
+    monkeypatch.setattr(mod, "token_logprobs_from_hidden", spy)
+    h, w = torch.randn(2, 7, 4), torch.randn(11, 4)
+    ids = torch.randint(0, 11, (2, 7))
+    verl_tf.FusedLinearForPPO()(h, w, ids, 1.0)
+    pv.linear_cross_entropy(h, w, ids)
+    assert seen == [3, 3]
+    for bad in (0, 2.5, "x", True):
+        with pytest.raises(ValueError, match="chunk_size"):
+            mod._read_model_config(SimpleNamespace(fused_kernel_options={"chunk_size": bad}))
+    pv.configure_fused_hook(None)
+    assert verl_tf.FusedLinearForPPO().chunk_size is None
+
+
+_MONKEY_PATCH_SCRIPT = r"""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+import ppo_kernels.integrations.verl as pv
+from verl.models.transformers.monkey_patch import apply_monkey_patch
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+model = LlamaForCausalLM(cfg).float()
+ids = torch.randint(0, 50, (2, 9))
+with torch.no_grad():
+    logits = model(input_ids=ids).logits
+apply_monkey_patch(model, use_remove_padding=False, use_fused_kernels=True,
+                   fused_kernels_backend="torch")
+assert pv.fused_hook_installed()
+out = model(input_ids=ids, return_dict=True, temperature=0.7)
+want = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.roll(ids, -1, -1)[..., None])[..., 0]
+err = float((out.log_probs - want).abs().max())
+assert err < 1e-5, err
+print("OK", err)
+"""
+
+
+def test_apply_monkey_patch_runs_here(tmp_path):
+    """verl's apply_monkey_patch (the documented path to the fused forward) patches TRL's
+    value-head class whenever TRL is installed; TRL 1.16 has none, so without the module's
+    guard it raises ImportError. With it the patched Llama forward runs the fused hook.
+    (A subprocess: the patch replaces LlamaForCausalLM.forward for the whole process.)"""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "patch.py"
+    script.write_text(_MONKEY_PATCH_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "OK" in r.stdout
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_registered_loss_nan_reaches_the_gradient_only_where_it_is(mode):
+    """A NaN log-prob on a valid token makes the loss NaN and that token's gradient NaN
+    (token_losses' guard, taken when the aggregated loss is NaN), the others finite; a
+    NaN on a masked token changes nothing."""
+    cfg = actor_config(loss_mode=mode)
+    fn = ca.get_policy_loss_fn(f"ppo_kernels_{mode}")
+    old, lp, adv, mask, _ = batch(11)
+    valid = mask.nonzero()[0].tolist()
+    masked = (~mask).nonzero()[0].tolist()
+    clean = run(fn, old, lp, adv, mask, "token-mean", cfg, None)
+    bad = lp.clone()
+    bad[tuple(masked)] = float("nan")
+    same = run(fn, old, bad, adv, mask, "token-mean", cfg, None)
+    torch.testing.assert_close(same[0], clean[0], rtol=0, atol=0)
+    # every other token's gradient is unchanged (the masked NaN token's own: 0 for vanilla
+    # and sapo; gspo-token's exp(lp - sg(lp) + ...) and cispo's sg(w) * lp give it 0 * NaN
+    # in the eager composite's backward, as pk.ppo_loss(backend="torch") does)
+    keep = torch.ones_like(mask)
+    keep[tuple(masked)] = False
+    torch.testing.assert_close(same[2][keep], clean[2][keep], rtol=0, atol=0)
+    if mode in ("vanilla", "sapo"):
+        assert same[2][tuple(masked)] == 0
+    bad = lp.clone()
+    bad[tuple(valid)] = float("nan")
+    loss, _, grad = run(fn, old, bad, adv, mask, "token-mean", cfg, None)
+    assert torch.isnan(loss)
+    assert torch.isnan(grad[tuple(valid)])
+    if mode != "gspo":  # (gspo's sequence ratio spreads the NaN over its sequence)
+        others = torch.ones_like(mask)
+        others[tuple(valid)] = False
+        assert torch.isfinite(grad[others]).all()

@@ -75,6 +75,42 @@ def worker(rank, port, out):
     case("tp/score_rollout_scores", lambda: pk.score_rollout(
         loc, tok, old, adv, torch.zeros(B + 1 if one else B), mask, kl_coef=0.1,
         tp_group=tp, vocab_start=v0))
+    # packed score_rollout: the packing's checks are part of the agreed validity
+    ptok, pref, pval = tok.reshape(1, -1), old.reshape(1, -1), adv.reshape(1, -1)
+    ploc, pfull, phid = loc.reshape(1, B * T, -1), full.reshape(1, B * T, -1), \
+        hidden.reshape(1, B * T, -1)
+    cu2, cu3 = torch.tensor([0, 3, B * T]), torch.tensor([0, 3, 5, B * T])
+    cu_bad = torch.tensor([0, 5, 3, B * T]) if one else cu3
+    def packed_healthy():
+        for lg, w in ((pfull, None), (phid, weight)):
+            a = (pk.score_rollout(lg, ptok, pref, pval, torch.ones(2), None, kl_coef=0.1,
+                                  cu_seqlens=cu2) if w is None else
+                 pk.score_rollout_from_hidden(lg, w, ptok, pref, pval, torch.ones(2), None,
+                                              kl_coef=0.1, cu_seqlens=cu2))
+            b = (pk.score_rollout(ploc, ptok, pref, pval, torch.ones(2), None, kl_coef=0.1,
+                                  cu_seqlens=cu2, tp_group=tp, vocab_start=v0)
+                 if w is None else
+                 pk.score_rollout_from_hidden(lg, wloc, ptok, pref, pval, torch.ones(2),
+                                              None, kl_coef=0.1, cu_seqlens=cu2,
+                                              tp_group=tp, vocab_start=v0))
+            for x, y in zip(a, b):
+                assert torch.allclose(x, y, rtol=1e-5, atol=1e-6)
+    case("tp/packed_healthy", packed_healthy)
+    case("tp/score_rollout_packed_cu_seqlens", lambda: pk.score_rollout(
+        ploc, ptok, pref, pval, torch.ones(3), None, kl_coef=0.1, cu_seqlens=cu_bad,
+        tp_group=tp, vocab_start=v0))
+    case("tp/score_rollout_packed_scores", lambda: pk.score_rollout(
+        ploc, ptok, pref, pval, torch.ones(3 if one else 2), None, kl_coef=0.1,
+        cu_seqlens=cu2, tp_group=tp, vocab_start=v0))
+    case("tp/score_rollout_packed_num_seqs", lambda: pk.score_rollout(
+        ploc, ptok, pref, pval, torch.ones(3 if one else 2), None, kl_coef=0.1,
+        cu_seqlens=cu3 if one else cu2, tp_group=tp, vocab_start=v0))
+    case("tp/score_rollout_from_hidden_packed_cu_seqlens", lambda: pk.score_rollout_from_hidden(
+        phid, wloc, ptok, pref, pval, torch.ones(3), None, kl_coef=0.1, cu_seqlens=cu_bad,
+        tp_group=tp, vocab_start=v0))
+    case("tp/score_rollout_from_hidden_scores", lambda: pk.score_rollout_from_hidden(
+        hidden, wloc, tok, old, adv, torch.zeros(B + 1 if one else B), mask, kl_coef=0.1,
+        tp_group=tp, vocab_start=v0))
     # context parallel: each rank holds half of every sequence
     t0, t1 = (0, 2) if rank == 0 else (2, 4)
     def cp_call(**over):
@@ -138,6 +174,11 @@ FAULTS = {  # case -> the argument the message names
     "tp/from_hidden_shape": "lm_head_weight",
     "tp/token_logprobs_from_hidden_shape": "lm_head_weight",
     "tp/score_rollout_scores": "scores",
+    "tp/score_rollout_packed_cu_seqlens": "cu_seqlens",
+    "tp/score_rollout_packed_scores": "scores",
+    "tp/score_rollout_packed_num_seqs": "tokens",
+    "tp/score_rollout_from_hidden_packed_cu_seqlens": "cu_seqlens",
+    "tp/score_rollout_from_hidden_scores": "scores",
     "cp/token_range": "tokens",
     "cp/batch_sizes": "tokens",
     "cp/cu_seqlens": "cu_seqlens",
@@ -145,7 +186,8 @@ FAULTS = {  # case -> the argument the message names
 }
 
 
-@pytest.mark.parametrize("case", ["tp/healthy", "cp/healthy", "dtensor/head_with_tp_group"])
+@pytest.mark.parametrize("case", ["tp/healthy", "cp/healthy", "dtensor/head_with_tp_group",
+                                  "tp/packed_healthy"])
 def test_healthy_calls_run(ranks, case):
     for rank in range(2):
         assert ranks[rank][case][0] == "ok", f"rank {rank}: {ranks[rank][case][0]}"
@@ -162,5 +204,6 @@ def test_a_fault_on_one_rank_is_an_error_on_every_rank(ranks, case):
     # the healthy rank says which rank's inputs were bad (a fault of both, such as a size
     # the ranks disagree on or the DTensor head, is each rank's own)
     if case not in ("tp/batch_sizes", "cp/batch_sizes", "tp/token_differs",
+                    "tp/score_rollout_packed_num_seqs",
                     "dtensor/head_without_tp_group"):
         assert "rank 1" in ranks[0][case][0], ranks[0][case][0]

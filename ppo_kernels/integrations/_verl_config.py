@@ -198,7 +198,55 @@ def _split_config(config):
     return actor, rc, temperature
 
 
-def from_verl_config(config, *, rollout_correction=None):
+def verl_batch_kwargs(response_mask, loss_agg_mode, global_batch_info=None):
+    """The per-step counts of verl's ``agg_loss`` (verl/trainer/ppo/core_algos.py) as the
+    op's keywords, so that the op's loss is verl's for the same micro-batch.
+
+    Args:
+        response_mask: [B, T] bool / 0-1, the micro-batch's loss mask.
+        loss_agg_mode: the op's loss_agg_mode (from_verl_config's).
+        global_batch_info: verl's ``config.global_batch_info`` (``dp_size``,
+            ``batch_num_tokens``, ``global_batch_size``) or None (one process).
+
+    Returns:
+        dict: token-mean: ``global_num_tokens = batch_num_tokens / dp_size`` (default: the
+        micro-batch's valid tokens); seq-mean modes: ``global_num_seqs =
+        global_batch_size / dp_size`` (default: the micro-batch's **non-empty** sequences,
+        as verl counts them: the op's own default for seq-mean-token-sum(-norm) is B);
+        token-sum: nothing. Tensors stay tensors (no host read).
+
+    Raises:
+        ValueError as verl: dp_size > 1 without batch_num_tokens (token-mean) or
+        global_batch_size (seq-mean modes); token-sum with dp_size > 1 (verl multiplies the
+        sum by dp_size, a factor the op does not apply).
+    """
+    info = global_batch_info or {}
+    dp = _get(info, "dp_size", 1) or 1
+    dp = int(dp) if not isinstance(dp, (int, float)) else dp
+    if loss_agg_mode == "token-mean":
+        n = _get(info, "batch_num_tokens", None)
+        if n is None:
+            if dp > 1:
+                raise ValueError("global_batch_info.batch_num_tokens: required when dp_size > 1 "
+                                 "(as in verl)")
+            n = response_mask.sum()
+        return {"global_num_tokens": n / dp if dp != 1 else n}
+    if loss_agg_mode in _SEQ_MODES:
+        n = _get(info, "global_batch_size", None)
+        if n is None:
+            if dp > 1:
+                raise ValueError("global_batch_info.global_batch_size: required when dp_size "
+                                 "> 1 (as in verl)")
+            n = response_mask.bool().any(-1).sum()  # verl: the non-empty sequences
+        return {"global_num_seqs": n / dp if dp != 1 else n}
+    if loss_agg_mode == "token-sum" and dp > 1:
+        raise ValueError(f"global_batch_info.dp_size = {dp}: verl's token-sum multiplies the "
+                         f"sum by dp_size, which the op does not express")
+    return {}
+
+
+def from_verl_config(config, *, rollout_correction=None, response_mask=None,
+                     global_batch_info=None):
     """The keyword arguments of ``pk.ppo_loss`` / ``pk.ppo_loss_from_hidden`` that compute
     verl 0.9's actor loss (``verl/workers/utils/losses.py::ppo_loss``: the policy loss of
     ``policy_loss.loss_mode``, minus ``entropy_coeff`` times the aggregated entropy, plus
@@ -212,6 +260,10 @@ def from_verl_config(config, *, rollout_correction=None):
         rollout_correction: verl's ``algorithm.rollout_correction`` section, when config is
             only the actor's (decoupled mode; its IS weights of pi_old / pi_rollout are then
             computed by the op from ``rollout_logprobs``).
+        response_mask, global_batch_info: the micro-batch's mask (and verl's
+            ``global_batch_info``): adds verl_batch_kwargs' counts (global_num_tokens /
+            global_num_seqs as verl's agg_loss computes them; without them the op's
+            seq-mean-token-sum divides by B, verl by the non-empty sequences).
 
     Returns:
         dict with ``policy_loss``, ``clip_eps_low``, ``clip_eps_high``, ``dual_clip_c``
@@ -276,6 +328,14 @@ def from_verl_config(config, *, rollout_correction=None):
     kw.update(_rollout_correction_kwargs(rc))
     if temperature is not None:
         kw["temperature"] = _float("actor_rollout_ref.rollout.temperature", temperature)
+    if response_mask is not None:
+        kw.update(verl_batch_kwargs(response_mask, kw["loss_agg_mode"], global_batch_info))
+        if kw.get("entropy_agg_mode") in _SEQ_MODES and "global_num_seqs" not in kw:
+            kw.update(verl_batch_kwargs(response_mask, kw["entropy_agg_mode"],
+                                        global_batch_info))
+    elif global_batch_info is not None:
+        raise ValueError("global_batch_info: pass response_mask with it (the counts are "
+                         "per micro-batch)")
     return kw
 
 

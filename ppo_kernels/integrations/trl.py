@@ -27,6 +27,7 @@ from accelerate.utils import is_peft_model
 from trl import GRPOTrainer
 
 from ..from_hidden import ppo_loss_from_hidden, token_logprobs_from_hidden
+from ..lm_head import forward_redirect
 from ..loss import ppo_loss
 from ._trl_config import (check_trl_config, from_trl_config, head_transform,
                           trl_batch_kwargs)
@@ -47,10 +48,16 @@ def _policy(trainer):
     return model.get_base_model() if is_peft_model(model) else model
 
 
+HEAD_DTYPES = ("float32", "autocast")
+
+
 def _add_hidden_forward(model):
     """Let ``model(..., ppo_kernels_last_hidden_state=True)`` return the backbone's last hidden
-    state [B, L, H] (no LM head); any other call goes to the forward it had (TRL's fused
-    one). Going through model(...) keeps DDP / FSDP wrappers in the loop."""
+    state [B, L, H] (no LM head), and ``model(..., ppo_kernels_last_hidden_state=fn)`` return
+    fn(last hidden state): the fused loss then runs inside the model's forward, where DDP
+    sees every parameter it uses (find_unused_parameters=True included) and FSDP2 holds the
+    root unit's parameters whole. Any other call goes to the forward it had (TRL's fused
+    one). Going through model(...) keeps DDP / FSDP / DeepSpeed wrappers in the loop."""
     if getattr(model, "_ppo_kernels_hidden_forward", False):
         return
     previous = model.forward
@@ -60,7 +67,9 @@ def _add_hidden_forward(model):
         if not ppo_kernels_last_hidden_state:
             return previous(*args, **kwargs)
         kwargs["use_cache"] = False
-        return self.base_model(*args, **kwargs).last_hidden_state
+        last = self.base_model(*args, **kwargs).last_hidden_state
+        return ppo_kernels_last_hidden_state(last) if callable(
+            ppo_kernels_last_hidden_state) else last
 
     model.forward = types.MethodType(forward, model)
     model._ppo_kernels_hidden_forward = True
@@ -132,29 +141,50 @@ class FusedGRPOLossMixin:
     before GRPOTrainer (or your subclass of it) in the bases and call
     ``self._ppo_kernels_setup()`` after GRPOTrainer.__init__ (FusedGRPOTrainer does)."""
 
-    def _ppo_kernels_setup(self, patched=False):
+    def _ppo_kernels_setup(self, patched=False, head_dtype="float32"):
+        if head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head_dtype: expected one of {HEAD_DTYPES}, got {head_dtype!r}")
+        if head_dtype == "autocast" and self.args.cast_lm_head_to_fp32:
+            raise ValueError("head_dtype: 'autocast' contradicts GRPOConfig's "
+                             "cast_lm_head_to_fp32=True (the head in float32); drop one")
         self._pk_kwargs = check_trainer(self, patched)
         self._pk_scale = head_transform(getattr(self.model, "config", None))[1]
+        self._pk_head_dtype = head_dtype
         _add_hidden_forward(_policy(self))
 
-    def _pk_head(self, hidden, lm=None):
-        """(hidden, W, b) in one dtype on W's device: TRL's cast_lm_head_to_fp32 runs the
-        head in float32; otherwise (autocast) the head takes hidden's dtype; a logit scale
-        multiplies hidden (and b) instead of the logits. lm: the causal LM whose head it is
-        (default: the policy)."""
+    def _pk_head_dtype_for(self, hidden, w):
+        """The dtype the fused head runs in (docs/TRL.md, "Precision of the head"):
+        head_dtype="float32" (the default, as cast_lm_head_to_fp32=True): float32;
+        "autocast": torch.autocast's dtype for a linear where autocast is on (bfloat16
+        under GRPOConfig's bf16=True, stock TRL's own head precision), else that of the
+        weight and hidden states (the wider of the two)."""
+        if self._pk_head_dtype == "float32" or self.args.cast_lm_head_to_fp32:
+            return torch.float32
+        dev = w.device.type
+        if torch.is_autocast_enabled(dev):
+            return torch.get_autocast_dtype(dev)
+        return torch.promote_types(hidden.dtype, w.dtype)
+
+    def _pk_head(self, hidden, fn, lm=None):
+        """fn(hidden, W, b) run as the LM head's forward (ppo_kernels.forward_redirect):
+        inside the head's hooks, FSDP2 / ZeRO-3 hold its weight whole and reduce its
+        gradient. hidden, W and b are in one dtype (_pk_head_dtype_for) on W's device; a
+        logit scale multiplies hidden (and b) instead of the logits. lm: the causal LM
+        whose head it is (default: the policy)."""
         head = (_policy(self) if lm is None else lm).get_output_embeddings()
-        w, b = head.weight, head.bias
-        hidden = hidden.to(w.device)
-        if self.args.cast_lm_head_to_fp32:
-            hidden, w = hidden.float(), w.float()
-            b = None if b is None else b.float()
-        elif w.dtype != hidden.dtype:
-            w = w.to(hidden.dtype)
-            b = None if b is None else b.to(hidden.dtype)
-        if self._pk_scale != 1.0:
-            hidden = hidden * self._pk_scale
-            b = None if b is None else b * self._pk_scale
-        return hidden, w, b
+
+        def run(h):
+            w, b = head.weight, head.bias
+            h = h.to(w.device)
+            dt = self._pk_head_dtype_for(h, w)
+            h, w = h.to(dt), w.to(dt)
+            b = None if b is None else b.to(dt)
+            if self._pk_scale != 1.0:
+                h = h * self._pk_scale
+                b = None if b is None else b * self._pk_scale
+            with torch.autocast(w.device.type, enabled=False):
+                return fn(h, w, b)
+        return forward_redirect(head, run, hidden)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
                                            logits_to_keep, batch_size=None,
@@ -178,14 +208,19 @@ class FusedGRPOLossMixin:
         logps, ents = [], []
         for r0 in range(0, input_ids.size(0), step):
             rows = slice(r0, r0 + step)
+
+            def head_fn(h, w, b, rows=rows):
+                return token_logprobs_from_hidden(
+                    h, w, input_ids[rows, -logits_to_keep:], lm_head_bias=b,
+                    logit_softcap=cap, temperature=self.temperature, return_entropy=True,
+                    chunk_size=chunk)
+
+            def from_last(last, head_fn=head_fn):  # inside the model's forward
+                return self._pk_head(last[:, -logits_to_keep - 1:-1], head_fn, lm)
             with self.accelerator.autocast():
-                last = model(input_ids=input_ids[rows], attention_mask=attention_mask[rows],
-                             **{_HIDDEN_FLAG: True}, **{k: v[rows] for k, v in extra.items()})
-            hidden, w, b = self._pk_head(last[:, -logits_to_keep - 1:-1], lm)
-            lp, ent = token_logprobs_from_hidden(
-                hidden, w, input_ids[rows, -logits_to_keep:], lm_head_bias=b,
-                logit_softcap=cap, temperature=self.temperature, return_entropy=True,
-                chunk_size=chunk)
+                lp, ent = model(input_ids=input_ids[rows],
+                                attention_mask=attention_mask[rows], **{_HIDDEN_FLAG: from_last},
+                                **{k: v[rows] for k, v in extra.items()})
             logps.append(lp)
             ents.append(ent)
         return torch.cat(logps), torch.cat(ents) if compute_entropy else None, None
@@ -198,38 +233,13 @@ class FusedGRPOLossMixin:
         t = c_ids.size(1)
         mask = c_mask if "tool_mask" not in inputs else c_mask * inputs["tool_mask"]
         extra = {k: inputs[k] for k in _MODEL_INPUTS if inputs.get(k) is not None}
-        with self.accelerator.autocast():
-            last = model(input_ids=torch.cat([inputs["prompt_ids"], c_ids], 1),
-                         attention_mask=torch.cat([inputs["prompt_mask"], c_mask], 1),
-                         **{_HIDDEN_FLAG: True}, **extra)
-        hidden, w, b = self._pk_head(last[:, -t - 1:-1])
         kw = dict(self._pk_kwargs)
         cap = kw.pop("logit_softcap", None)
         adv = inputs["advantages"]
         adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
         old = inputs.get("old_per_token_logps")
         samp = inputs.get("sampling_per_token_logps", old)
-        lp = ent = None
-        if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
-            # options that read the current per-token values before the loss: one more
-            # pass without a gradient (otherwise the loss hands them back, no extra pass)
-            with torch.no_grad():
-                lp, ent = token_logprobs_from_hidden(
-                    hidden.detach(), w.detach(), c_ids, mask,
-                    lm_head_bias=None if b is None else b.detach(), logit_softcap=cap,
-                    temperature=self.temperature, return_entropy=True)
         ref = inputs.get("ref_per_token_logps") if self.beta != 0.0 else None
-        isw = None
-        if self.top_entropy_quantile < 1.0:
-            isw = self.get_high_entropy_mask(ent, mask, 1 - self.top_entropy_quantile).to(
-                lp.dtype)
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            r = inputs["importance_sampling_ratio"]
-            isw = r if isw is None else isw * r
-        rollout = None
-        if self.off_policy_mask_threshold is not None:
-            samp = lp if samp is None else samp
-            rollout = torch.where(torch.isnan(samp), lp, samp)  # TRL: NaN gives KL 0
         bonus = self._entropy_bonus_enabled
         coef = self.entropy_coef
         if bonus and self.use_adaptive_entropy:
@@ -240,12 +250,43 @@ class FusedGRPOLossMixin:
             grad_accum_steps=ga, num_processes=self.accelerator.num_processes,
             training=training, entropy_coef=kw["entropy_coef"])
         kw.update(bkw)
-        loss, metrics = ppo_loss_from_hidden(hidden, w, c_ids, old, adv, mask, ref,
-                                             lm_head_bias=b, logit_softcap=cap,
-                                             rollout_is_weights=isw, rollout_logprobs=rollout,
-                                             return_per_token=True, **kw)
-        if lp is None:  # TRL's metrics need the per-token values the loss used
-            lp, ent = metrics["per_token_logprobs"], metrics["per_token_entropy"]
+
+        def head_fn(hidden, w, b):  # the LM head's forward, inside the model's
+            lp = ent = None
+            if self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None:
+                # options that read the current per-token values before the loss: one more
+                # pass without a gradient (otherwise the loss hands them back, no extra pass)
+                with torch.no_grad():
+                    lp, ent = token_logprobs_from_hidden(
+                        hidden.detach(), w.detach(), c_ids, mask,
+                        lm_head_bias=None if b is None else b.detach(), logit_softcap=cap,
+                        temperature=self.temperature, return_entropy=True)
+            isw = None
+            if self.top_entropy_quantile < 1.0:
+                isw = self.get_high_entropy_mask(ent, mask, 1 - self.top_entropy_quantile).to(
+                    lp.dtype)
+            if self.use_vllm and self.vllm_importance_sampling_correction:
+                r = inputs["importance_sampling_ratio"]
+                isw = r if isw is None else isw * r
+            rollout = None
+            if self.off_policy_mask_threshold is not None:
+                rollout = lp if samp is None else samp
+                rollout = torch.where(torch.isnan(rollout), lp, rollout)  # TRL: NaN: KL 0
+            loss, metrics = ppo_loss_from_hidden(hidden, w, c_ids, old, adv, mask, ref,
+                                                 lm_head_bias=b, logit_softcap=cap,
+                                                 rollout_is_weights=isw,
+                                                 rollout_logprobs=rollout,
+                                                 return_per_token=True, **kw)
+            if lp is None:  # TRL's metrics need the per-token values the loss used
+                lp, ent = metrics["per_token_logprobs"], metrics["per_token_entropy"]
+            return loss, lp, ent
+
+        def from_last(last):  # inside the model's forward: DDP sees the head used
+            return self._pk_head(last[:, -t - 1:-1], head_fn)
+        with self.accelerator.autocast():
+            loss, lp, ent = model(input_ids=torch.cat([inputs["prompt_ids"], c_ids], 1),
+                                  attention_mask=torch.cat([inputs["prompt_mask"], c_mask], 1),
+                                  **{_HIDDEN_FLAG: from_last}, **extra)
         if bonus:
             self._pk_entropy_bookkeeping(mode, loss, divisor, ga, coef, ent, mask)
         log_loss_metrics(self, mode, lp, ent, None if old is None else
@@ -282,32 +323,39 @@ class FusedGRPOLossMixin:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
 
 
-_FUSED_METHODS = ("_ppo_kernels_setup", "_pk_head", "_pk_entropy_bookkeeping",
+_FUSED_METHODS = ("_ppo_kernels_setup", "_pk_head", "_pk_head_dtype_for",
+                  "_pk_entropy_bookkeeping",
                   "_get_per_token_logps_and_entropies", "_compute_loss")
 
 
 class FusedGRPOTrainer(FusedGRPOLossMixin, GRPOTrainer):
     """trl.GRPOTrainer with the loss computed by ppo_kernels.ppo_loss_from_hidden: the same
-    constructor, the same training run (docs/TRL.md). Raises ValueError, before the model
-    is set up, for a GRPOConfig option the op cannot express."""
+    constructor, the same training run (docs/TRL.md), plus ``head_dtype``: "float32"
+    (the default: the fused head runs in float32, as with cast_lm_head_to_fp32=True, also
+    under bf16 autocast) or "autocast" (the head in autocast's dtype, bfloat16 under
+    bf16=True, as stock TRL's lm_head). Raises ValueError, before the model is set up, for
+    a GRPOConfig option the op cannot express."""
 
-    def __init__(self, model, reward_funcs, args=None, *rest, **kwargs):
+    def __init__(self, model, reward_funcs, args=None, *rest, head_dtype="float32", **kwargs):
         if args is not None:
             check_trl_config(args)  # fail before TRL loads anything
+        if head_dtype not in HEAD_DTYPES:
+            raise ValueError(f"head_dtype: expected one of {HEAD_DTYPES}, got {head_dtype!r}")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        self._ppo_kernels_setup()
+        self._ppo_kernels_setup(head_dtype=head_dtype)
 
 
-def fuse_grpo_loss(trainer):
+def fuse_grpo_loss(trainer, head_dtype="float32"):
     """The one-line hook: make a built GRPOTrainer (or subclass) compute its loss with
-    ppo_loss_from_hidden. Returns the trainer. Raises ValueError for an unsupported
-    option (check_trl_config), leaving the trainer as it was."""
+    ppo_loss_from_hidden. head_dtype: as FusedGRPOTrainer's. Returns the trainer. Raises
+    ValueError for an unsupported option (check_trl_config), leaving the trainer as it
+    was."""
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"trainer: expected a trl.GRPOTrainer, got {type(trainer).__name__}")
     for name in _FUSED_METHODS:
         setattr(trainer, name, types.MethodType(getattr(FusedGRPOLossMixin, name), trainer))
     try:
-        trainer._ppo_kernels_setup(patched=True)
+        trainer._ppo_kernels_setup(patched=True, head_dtype=head_dtype)
     except Exception:
         for name in _FUSED_METHODS:
             delattr(trainer, name)

@@ -36,6 +36,7 @@ naming the key for every option the op cannot express.
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -47,7 +48,8 @@ from ..from_hidden import token_logprobs_from_hidden
 from ..loss import prepare_loss
 from ..spec import LOSS_AGG_MODES
 from ._verl_config import (_SEQ_MODES, GSPO_LOG_RATIO_MAX, REGISTERED_LOSS_MODES,
-                           VERL_LOSS_MODES, _get, _policy_kwargs, from_verl_config)
+                           VERL_LOSS_MODES, _get, _policy_kwargs, from_verl_config,
+                           verl_batch_kwargs)
 
 try:
     from verl.trainer.ppo import core_algos as _core_algos
@@ -60,7 +62,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without verl
 __all__ = ["REGISTERED_LOSS_MODES", "VERL_LOSS_MODES", "compute_policy_loss",
            "from_verl_config", "FusedLinearForPPO", "fused_logprobs_and_entropy",
            "linear_cross_entropy", "register_policy_losses", "install_fused_hook",
-           "uninstall_fused_hook", "fused_hook_installed"]
+           "uninstall_fused_hook", "fused_hook_installed", "configure_fused_hook",
+           "fused_hook_chunk_size", "verl_batch_kwargs"]
 
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
                         loss_agg_mode="token-mean", config=None, rollout_is_weights=None, *,
@@ -132,7 +135,6 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
         dp_size = int(dp_size)
     n_tok, n_seq = info.get("batch_num_tokens"), info.get("global_batch_size")
     lsf = info.get("loss_scale_factor")  # verl's ppo_loss copies config.loss_scale_factor
-    mask = ck.response_mask(response_mask, log_prob, False, like_name="log_prob")
     extra = {}
     if agg == "token-mean":
         if n_tok is None and dp_size > 1:
@@ -142,57 +144,76 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
         if n_seq is None:
             if dp_size > 1:
                 raise ValueError("global_batch_size is required when dp_size > 1")
-            n_seq = mask.any(-1).sum().clamp(min=1)  # verl: the non-empty sequences
+            if agg != "seq-mean-token-mean":  # (the op's own count there is verl's)
+                ck.tensor("response_mask", response_mask)
+                # verl: the non-empty sequences (the op's default would be B)
+                n_seq = (response_mask != 0).any(-1).sum().clamp(min=1) \
+                    if response_mask.dim() == 2 else None
         extra["global_num_seqs"] = n_seq
         if agg == "seq-mean-token-sum-norm" and lsf is not None:
             extra["norm_length"] = lsf
-    tokens = torch.zeros(mask.shape, dtype=torch.long, device=mask.device)
+    tokens = torch.zeros(log_prob.shape, dtype=torch.long, device=log_prob.device)
     spec, s = prepare_loss(log_prob, 1, tokens, False, dict(
-        response_mask=mask, old_logprobs=old_log_prob, advantages=advantages,
+        response_mask=response_mask, old_logprobs=old_log_prob, advantages=advantages,
         loss_agg_mode=agg, rollout_is_weights=rollout_is_weights, backend="torch", **kw,
-        **extra))
+        **extra), )
     lp = log_prob.to(s.acc)
-    pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, spec)
+    pt = _torch_impl.pg_terms(lp, s.old, s.adv, s.mask, spec)  # once: loss and metrics
     weights = s.weights if dp_size == 1 else s.weights * dp_size
+    # token_losses without a KL or an off-policy mask is is_w * pg plus its NaN guard (a
+    # NaN loss on a valid token must reach the gradient), which adds exactly 0 where no
+    # valid token's loss is NaN: aggregate first, and take token_losses' own path only
+    # when the aggregated loss is NaN (read with the metrics: no extra host read)
+    pol = pt["pg"] if s.isw is None else pt["pg"] * s.isw
     pg_loss = _torch_impl.aggregate(pol, None, s.mask, weights, None, spec)
-    return pg_loss, _pg_metrics(lp.detach(), spec, s, verl_mode)
+    metrics, nan = _pg_metrics(lp.detach(), spec, s, verl_mode, pt, pg_loss)
+    if nan:
+        pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, spec,
+                                          terms=pt)
+        pg_loss = _torch_impl.aggregate(pol, None, s.mask, weights, None, spec)
+    return pg_loss, metrics
 
 
 @torch.no_grad()
-def _pg_metrics(lp, spec, s, verl_mode):
-    """verl's three policy-loss metrics (core_algos.py, compute_policy_loss_<mode>) from
-    ppo_kernels' per-token terms."""
-    pt = _torch_impl.pg_terms(lp, s.old, s.adv, s.mask, spec)
-    old = lp if s.old is None else s.old
-    n = s.mask.sum().clamp(min=1)
-
-    def mean(x):
-        return float(torch.where(s.mask, x.to(lp.dtype), 0.0).sum() / n)
-
+def _pg_metrics(lp, spec, s, verl_mode, pt, loss):
+    """(verl's three policy-loss metrics (core_algos.py, compute_policy_loss_<mode>) from
+    ppo_kernels' per-token terms pt (pg_terms of the loss), whether loss is NaN), read to
+    the host at once."""
+    m = s.mask
     if verl_mode == "gspo":
+        old = lp if s.old is None else s.old
         neg_kl = old - lp  # verl's GSPO metric does not clamp
-        ls = _torch_impl.seq_mean(lp - old, s.mask)
-        if bool((ls > GSPO_LOG_RATIO_MAX).any()):
-            warnings.warn(f"ppo_kernels gspo: a sequence's mean log-ratio exceeds "
-                          f"{GSPO_LOG_RATIO_MAX:g}; verl clamps it there (value e^10, no "
-                          f"gradient), ppo_kernels only at 20", RuntimeWarning, stacklevel=3)
+        # the sequence ratio exp(clamp(mean log-ratio, +-20)): above e^10 where verl clamps
+        big = (pt["seq_ratio"] > math.exp(GSPO_LOG_RATIO_MAX)).any()
     else:
-        neg_kl = -pt["log_ratio"]
-    if verl_mode in ("dppo_tv", "dppo_kl"):
+        neg_kl, big = -pt["log_ratio"], None
+    parts = [m.sum(), torch.where(m, neg_kl, 0.0).sum(), torch.isnan(loss.detach())]
+    dppo = verl_mode in ("dppo_tv", "dppo_kl")
+    if verl_mode in ("vanilla", "gspo"):
+        parts.append(((pt["clip_high"] | pt["clip_low"]) & m).sum())
+    elif verl_mode == "cispo":
+        parts.append((pt["cispo_clip"] & m).sum())
+    elif dppo:
         # verl: the masked fraction (every advantage, zeros included) and the fraction of
         # kept tokens whose ratio the cap truncated
+        old = lp if s.old is None else s.old
         masked = _torch_impl.dppo_masked(lp, old, s.adv, spec.clip_eps_low, spec.clip_eps_high,
                                          verl_mode == "dppo_kl")
-        return {"actor/pg_clipfrac": mean(masked), "actor/ppo_kl": mean(neg_kl),
-                "actor/pg_clipfrac_lower": mean(pt["dual"])}
-    if verl_mode in ("vanilla", "gspo"):
-        clipfrac = mean(pt["clip_high"] | pt["clip_low"])
-    elif verl_mode == "cispo":
-        clipfrac = mean(pt["cispo_clip"])
-    else:
-        clipfrac = 0.0
-    return {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": mean(neg_kl),
-            "actor/pg_clipfrac_lower": mean(pt["dual"]) if verl_mode == "vanilla" else 0.0}
+        parts.append((masked & m).sum())
+    if verl_mode == "vanilla" or dppo:
+        parts.append((pt["dual"] & m).sum())
+    if big is not None:
+        parts.append(big)
+    vals = torch.stack([p.to(lp.dtype) for p in parts]).tolist()  # one host read
+    n = max(vals[0], 1.0)
+    if verl_mode == "gspo" and vals[-1]:
+        warnings.warn(f"ppo_kernels gspo: a sequence's mean log-ratio exceeds "
+                      f"{GSPO_LOG_RATIO_MAX:g}; verl clamps it there (value e^10, no "
+                      f"gradient), ppo_kernels only at 20", RuntimeWarning, stacklevel=3)
+    clipfrac = vals[3] / n if verl_mode in ("vanilla", "gspo", "cispo") or dppo else 0.0
+    lower = vals[4] / n if verl_mode == "vanilla" or dppo else 0.0
+    return {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": vals[1] / n,
+            "actor/pg_clipfrac_lower": lower}, bool(vals[2])
 
 
 def _registered(name, verl_mode):
@@ -262,6 +283,8 @@ class FusedLinearForPPO(torch.nn.Module):
         if impl_backend not in ("torch", "liger"):
             raise ValueError(f"Unsupported FusedLinearForPPO backend: {impl_backend}. Choose "
                              f"'torch' or 'liger'.")
+        if chunk_size is None:  # verl constructs it without one: the configured value
+            chunk_size = fused_hook_chunk_size()
         self.chunk_size, self.impl_backend, self.backend = chunk_size, impl_backend, backend
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):
@@ -271,6 +294,74 @@ class FusedLinearForPPO(torch.nn.Module):
 
 _ORIGINALS = {}
 _TP_WARNED = []
+_HOOK_OPTIONS = {}  # chunk_size: set by configure_fused_hook or verl's model config
+CHUNK_SIZE_ENV = "PPO_KERNELS_VERL_CHUNK_SIZE"
+
+
+def _chunk(value, key):
+    if value is None:
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: expected a positive int (rows per chunk) or null, got "
+                         f"{value!r}") from None
+    if isinstance(value, bool) or n < 1 or n != float(value):
+        raise ValueError(f"{key}: expected a positive int (rows per chunk) or null, got "
+                         f"{value!r}")
+    return n
+
+
+def configure_fused_hook(chunk_size=None):
+    """Rows per chunk of the fused hook (FusedLinearForPPO and linear_cross_entropy, which
+    verl constructs / calls without one): an int >= 1, or None for the default (about
+    256 MiB of logits per chunk). verl's config sets it with
+    ``actor_rollout_ref.model.fused_kernel_options.chunk_size=N`` (read when verl builds
+    its model config, in every process), the environment with
+    ``PPO_KERNELS_VERL_CHUNK_SIZE=N``; a call here overrides both. ValueError naming the
+    key for anything else."""
+    _HOOK_OPTIONS["chunk_size"] = _chunk(chunk_size, "chunk_size")
+
+
+def fused_hook_chunk_size():
+    """The chunk_size the fused hook uses now (None: the op's default)."""
+    if "chunk_size" in _HOOK_OPTIONS:
+        return _HOOK_OPTIONS["chunk_size"]
+    return _chunk(os.environ.get(CHUNK_SIZE_ENV) or None, CHUNK_SIZE_ENV)
+
+
+def _read_model_config(cfg):
+    """fused_kernel_options.chunk_size of a verl HFModelConfig, when it has one."""
+    opts = getattr(cfg, "fused_kernel_options", None)
+    if opts is not None and _get(opts, "chunk_size", None) is not None:
+        configure_fused_hook(_chunk(_get(opts, "chunk_size"),
+                                    "actor_rollout_ref.model.fused_kernel_options.chunk_size"))
+
+
+def _follow_model_configs():
+    """verl imports this module (model.external_lib) from HFModelConfig.__post_init__: read
+    the chunk size of that config (the caller's frame) and of every later one."""
+    try:
+        from verl.workers.config import model as _model_cfg
+    except ImportError:  # pragma: no cover - verl without its worker configs
+        return
+    cls = _model_cfg.HFModelConfig
+    if not getattr(cls.__post_init__, "_ppo_kernels", False):
+        original = cls.__post_init__
+
+        def __post_init__(self):
+            original(self)
+            _read_model_config(self)
+        __post_init__._ppo_kernels = True
+        cls.__post_init__ = __post_init__
+    import sys
+    frame = sys._getframe()
+    while frame is not None:  # the config whose __post_init__ is importing us
+        me = frame.f_locals.get("self")
+        if frame.f_code.co_name == "__post_init__" and isinstance(me, cls):
+            _read_model_config(me)
+            break
+        frame = frame.f_back
 
 
 def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
@@ -297,7 +388,8 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
                          f"got {reduction!r}")
     logp, ent = token_logprobs_from_hidden(hidden.reshape(-1, hidden.shape[-1]), weight,
                                            labels.reshape(-1).long(),
-                                           temperature=float(temperature), return_entropy=True)
+                                           temperature=float(temperature), return_entropy=True,
+                                           chunk_size=fused_hook_chunk_size())
     return logp.to(torch.float32), ent.to(torch.float32)
 
 
@@ -335,6 +427,44 @@ def fused_hook_installed():
         lce.linear_cross_entropy is linear_cross_entropy
 
 
+def _guard_monkey_patch():
+    """verl 0.9.1's ``apply_monkey_patch`` (the path that installs the fused forward, and
+    with it the fused hook) patches ``state_dict`` of TRL's value-head model whenever TRL
+    is installed, importing ``trl.experimental.ppo`` or ``trl`` 's
+    AutoModelForCausalLMWithValueHead; TRL 1.16 has neither, so the call raises
+    ImportError. Where the class does not exist there is nothing to patch: verl is told
+    TRL is absent for that step only (its is_trl_available name in the monkey_patch
+    module), the rest of apply_monkey_patch runs as written."""
+    try:
+        import verl.models.transformers.monkey_patch as mp
+    except Exception:  # pragma: no cover - verl without its transformers patches
+        return
+    if getattr(mp.is_trl_available, "_ppo_kernels", False):
+        return
+    import importlib.util
+    with warnings.catch_warnings():  # (trl.experimental warns on import)
+        warnings.simplefilter("ignore")
+        try:
+            if importlib.util.find_spec("trl") is None:
+                return  # verl's is_trl_available is False already
+            from trl.experimental.ppo import AutoModelForCausalLMWithValueHead  # noqa: F401
+            return
+        except ImportError:
+            pass
+        try:
+            from trl import AutoModelForCausalLMWithValueHead  # noqa: F401,F811
+            return
+        except ImportError:
+            pass
+
+    def is_trl_available():
+        return False
+    is_trl_available._ppo_kernels = True
+    mp.is_trl_available = is_trl_available
+
+
 register_policy_losses()
 if os.environ.get("PPO_KERNELS_VERL_FUSED_HOOK", "1") != "0":
     install_fused_hook()
+_follow_model_configs()
+_guard_monkey_patch()
