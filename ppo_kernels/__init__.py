@@ -13,11 +13,12 @@ from .advantages import Rollout, gae, kl_penalized_rewards, score_rollout, white
 from .from_hidden import (ppo_loss_from_hidden, score_rollout_from_hidden,
                           token_logprobs_from_hidden)
 from .loss import ppo_loss, token_logprobs, value_loss
+from .sampling import SamplingMask
 from .spec import LossSpec
 from . import distributed  # noqa: E402  (pk.distributed.reduce_metrics)
 
 __all__ = ["token_logprobs", "ppo_loss", "value_loss", "ppo_loss_from_hidden",
            "token_logprobs_from_hidden", "score_rollout_from_hidden", "gae",
            "kl_penalized_rewards", "whiten", "score_rollout", "Rollout", "LossSpec",
-           "build_info", "empty_cache"]
+           "build_info", "empty_cache", "SamplingMask"]
 __version__ = "0.1.0"
