@@ -12,13 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-from conftest import CPU, TORCH, assert_close_np, assert_grad_close
+from conftest import BACKENDS_CPU, CPU, TORCH, assert_close_np, assert_grad_close
 from ppo_kernels import reference as ref
 from ppo_kernels.sampling import SamplingMask
 
 pk_SamplingMask = getattr(pk, "SamplingMask", SamplingMask)
 
-REPLAY_BACKENDS = [pytest.param(CPU, id="cpu"), pytest.param(TORCH, id="torch")]
+# cpu, torch and triton (the interpreter, small shapes: V <= 300, B * T <= 16)
+REPLAY_BACKENDS = BACKENDS_CPU
 
 
 # ------------------------------------------------------------------ helpers
@@ -92,9 +93,12 @@ def kernel_kept(be, logits, tokens, mask, temperature, **params):
     from ppo_kernels import sampling as sm
     rp = sm.check_replay(None, params.get("top_k"), params.get("top_p"), params.get("min_p"),
                          tokens, logits.shape[2])
-    if be.name == "cpu":
-        thr = torch.ops.ppo_kernels.sampling_threshold(logits, mask, temperature, rp.top_k,
-                                                       rp.top_p, rp.min_p)
+    if be.name in ("cpu", "triton"):
+        from ppo_kernels._backends import get_backend
+        get_backend(be.name, logits.device)  # (loads the Triton ops)
+        op = getattr(torch.ops.ppo_kernels, ("triton_" if be.name == "triton" else "") +
+                     "sampling_threshold")
+        thr = op(logits, mask, temperature, rp.top_k, rp.top_p, rp.min_p)
         kept = logits[:, :tokens.shape[1]].double() >= thr.unsqueeze(-1)
     else:
         thr = sm.threshold_torch(logits, mask, temperature, rp)
