@@ -416,3 +416,17 @@ def vp_replay_logprobs(be, logits3, tokens, mask, temperature, rp, shard):
 
 def vp_replay_passes(logits, spec, x, prefix, need_grad, shard):
     return vp_replay_logprobs(None, logits, None, None, None, None, shard)
+
+
+def chunk_replay(rp, r0, r1):
+    """The Replay of rows r0:r1 of the flat [N] rows, as a [1, r1 - r0] layout (the CSR ids
+    rebased: a host read of two offsets on a device)."""
+    c = r1 - r0
+    if rp.given:
+        o0, o1 = int(rp.offsets[r0]), int(rp.offsets[r1])
+        return Replay(ids=rp.ids[o0:o1], offsets=(rp.offsets[r0:r1 + 1] - o0).contiguous())
+
+    def rows(v):
+        return None if v is None else v.reshape(-1)[r0:r1].view(1, c).contiguous()
+
+    return Replay(top_k=rows(rp.top_k), top_p=rows(rp.top_p), min_p=rows(rp.min_p))

@@ -440,3 +440,107 @@ def test_metrics_absent_without_a_kept_set():
     logits, tokens, mask = inputs(2, 3, 10, gen)
     _, m = pk.ppo_loss(logits, tokens, None, torch.ones(2, 3, dtype=torch.float64), mask)
     assert "kept_mass" not in m
+
+
+# ------------------------------------------------------------------ from hidden states
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
+def test_from_hidden_matches_the_logits_path(be, given_mask):
+    """token_logprobs_from_hidden / ppo_loss_from_hidden / score_rollout_from_hidden with a
+    kept set equal the logits ops on hidden @ W^T (chunks of 4 rows, a soft cap)."""
+    gen = torch.Generator().manual_seed(13)
+    B, T, H, V = 2, 5, 6, 19
+    hidden = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 0] = False
+    if given_mask:
+        sm, _ = random_csr(B, T, V, gen, kmax=7, tokens=tokens, drop_token_frac=0.2)
+        kw = dict(sampling_mask=sm)
+    else:
+        kw = dict(top_k=9, top_p=0.8, min_p=0.01)
+    cap = 5.0
+    adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ref_lp = torch.randn(B, T, generator=gen, dtype=torch.float64) - 2
+    vals = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    scores = torch.randn(B, generator=gen, dtype=torch.float64)
+
+    def grads(f):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = f(h, w)
+        out.backward()
+        return out.detach(), h.grad, w.grad
+
+    def logits_of(h, w):
+        return cap * torch.tanh(h @ w.t() / cap)
+
+    opts = dict(kl_coef=0.1, entropy_coef=0.01, entropy_over="kept", temperature=0.8)
+    got = grads(lambda h, w: pk.ppo_loss_from_hidden(
+        h, w, tokens, None, adv, mask, ref_lp, logit_softcap=cap, chunk_size=4,
+        backend=be.name, **opts, **kw)[0])
+    want = grads(lambda h, w: pk.ppo_loss(logits_of(h, w), tokens, None, adv, mask, ref_lp,
+                                          backend="torch", **opts, **kw)[0])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    got = grads(lambda h, w: sum(x.sum() for x in pk.token_logprobs_from_hidden(
+        h, w, tokens, mask, logit_softcap=cap, chunk_size=3, return_full=True,
+        return_entropy=True, backend=be.name, **kw)))
+    want = grads(lambda h, w: sum(x.sum() for x in pk.token_logprobs(
+        logits_of(h, w), tokens, mask, return_full=True, return_entropy=True,
+        backend="torch", **kw)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    r1 = pk.score_rollout_from_hidden(hidden, weight, tokens, ref_lp, vals, scores, mask,
+                                      logit_softcap=cap, chunk_size=4, kl_coef=0.05,
+                                      backend=be.name, **kw)
+    r2 = pk.score_rollout(logits_of(hidden, weight), tokens, ref_lp, vals, scores, mask,
+                          kl_coef=0.05, backend="torch", **kw)
+    for a, b in zip(r1, r2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
+def test_packed_sequences(be, given_mask):
+    """cu_seqlens: the CSR rows are the packed positions, per-sequence parameters [S]; GSPO's
+    sequence ratio over the kept-set log-probs equals the reference on the padded batch."""
+    gen = torch.Generator().manual_seed(14)
+    lens, V = [3, 2, 4], 13
+    total, S, L = sum(lens), len(lens), max(lens)
+    logits = torch.randn(1, total, V, generator=gen, dtype=torch.float64) * 2
+    tokens = torch.randint(0, V, (1, total), generator=gen)
+    cu = torch.tensor([0, 3, 5, 9])
+    adv = torch.randn(S, generator=gen, dtype=torch.float64)
+    if given_mask:
+        sm, dense = random_csr(1, total, V, gen, kmax=6, tokens=tokens, drop_token_frac=0.3)
+        kw = dict(sampling_mask=sm)
+    else:
+        top_p = torch.tensor([0.6, 0.9, 0.75], dtype=torch.float64)
+        kw = dict(top_p=top_p, top_k=7)
+    # the padded batch the reference sees
+    pl = torch.zeros(S, L, V, dtype=torch.float64)
+    pt = torch.zeros(S, L, dtype=torch.long)
+    pm = torch.zeros(S, L, dtype=torch.bool)
+    pk_dense = torch.zeros(S, L, V, dtype=torch.bool)
+    for s_, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        pl[s_, :b - a], pt[s_, :b - a], pm[s_, :b - a] = logits[0, a:b], tokens[0, a:b], True
+        if given_mask:
+            pk_dense[s_, :b - a] = dense[0, a:b]
+    if given_mask:
+        kept, _ = ref.with_token(pk_dense.numpy(), pt, pm)
+    else:
+        kept, _ = ref.with_token(ref.sampling_kept(pl, pt, pm, 1.0, top_p=top_p, top_k=7), pt,
+                                 pm)
+    old_p = torch.as_tensor(ref.kept_logprobs(pl, pt, pm, 1.0, kept)[0]) + 0.05
+    old = torch.cat([old_p[s_, :n] for s_, n in enumerate(lens)]).view(1, total)
+    x = logits.clone().requires_grad_(True)
+    loss, _ = pk.ppo_loss(x, tokens, old, adv, cu_seqlens=cu, policy_loss="gspo",
+                          loss_agg_mode="seq-mean-token-mean", backend=be.name, **kw)
+    loss.backward()
+    e_loss, _, e_grad = ref.ppo_loss(pl, pt, old_p, adv, pm, policy_loss="gspo",
+                                     loss_agg_mode="seq-mean-token-mean", kept=kept)
+    assert_close_np(loss, e_loss, rtol=1e-11, atol=1e-12)
+    g = torch.cat([torch.as_tensor(e_grad)[s_, :n] for s_, n in enumerate(lens)])
+    assert_grad_close(x.grad[0], g.numpy(), 1e-10)
