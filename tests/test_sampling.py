@@ -544,3 +544,19 @@ def test_packed_sequences(be, given_mask):
     assert_close_np(loss, e_loss, rtol=1e-11, atol=1e-12)
     g = torch.cat([torch.as_tensor(e_grad)[s_, :n] for s_, n in enumerate(lens)])
     assert_grad_close(x.grad[0], g.numpy(), 1e-10)
+
+
+def test_example_shows_the_bias_and_its_disappearance():
+    """examples/sampling_replay.py (the README's example), at a small size."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "examples" / "sampling_replay.py"
+    spec = importlib.util.spec_from_file_location("sampling_replay_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    results, m_plain, m_replay = mod.main(B=2, T=16, V=512, top_k=32, top_p=0.8)
+    assert results["no replay"] > 0.5
+    assert results["replay, given mask"] == 0.0
+    assert results["replay, top_k/top_p"] == 0.0
+    assert abs(float(m_replay["ratio_mean"]) - 1.0) < 1e-5 < 1.0 - float(m_plain["ratio_mean"])
+    assert float(m_replay["mask_missing_token_frac"]) == 0.0
