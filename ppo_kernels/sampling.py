@@ -408,14 +408,207 @@ class _NoCtx:
         pass
 
 
+class _VpKept(NamedTuple):
+    """A vocabulary shard's kept-set statistics, merged over tp_group (vp_stats)."""
+
+    logp: Any       # logp_kept [B, T], the whole vocabulary's kept set
+    entropy: Any    # H_kept
+    kept_max: Any   # the kept set's raw max over every shard
+    log_sum: Any    # log sum_K exp((x - kept_max) / T), as log1p of the non-top mass
+    size: Any       # int64
+    missing: Any
+    e_row: Any      # this shard's kept entries: flat row, local column, logit (acc)
+    e_col: Any
+    e_x: Any
+
+
+def _vp_partials(logits3, tokens, mask, temperature, rp, shard):
+    """This shard's part of the kept sets (CSR): the entries with ids in [start, start +
+    V_r), plus the token on its owner where the set lacks it (every rank sees the whole
+    CSR, so every rank knows which sets lack their token); per row (max, log1p(non-top
+    mass), entropy, the token's shifted logit on its owner, count) as [B, T, 5]."""
+    b, t = tokens.shape
+    n, v_r, dev = b * t, logits3.shape[2], tokens.device
+    acc = ck.acc_dtype(logits3)
+    inf = math.inf
+    tok, msk = tokens.reshape(-1), mask.reshape(-1)
+    row = torch.repeat_interleave(torch.arange(n, device=dev), rp.offsets[1:] - rp.offsets[:-1],
+                                  output_size=rp.ids.shape[0])
+    found = torch.zeros(n, dtype=torch.long, device=dev).index_add_(
+        0, row, (rp.ids == tok[row]).long()) > 0
+    missing = msk & ~found
+    local_tok = tok - shard.start
+    own = (local_tok >= 0) & (local_tok < v_r)
+    sel = (rp.ids >= shard.start) & (rp.ids < shard.start + v_r) & msk[row]
+    add = (missing & own).nonzero()[:, 0]
+    e_row = torch.cat([row[sel], add])
+    e_col = torch.cat([rp.ids[sel] - shard.start, local_tok[add]])
+    e_x = logits3[e_row // t, e_row % t, e_col].to(acc)
+    top = torch.full((n,), -inf, dtype=acc, device=dev).scatter_reduce(
+        0, e_row, e_x, "amax", include_self=True)
+    d = (e_x - top[e_row]) / temperature
+    e = torch.exp(d)
+    at_top = d == 0
+
+    def seg(v):
+        return torch.zeros(n, dtype=acc, device=dev).index_add_(0, e_row, v)
+
+    ties = seg(at_top.to(acc))
+    rest = seg(torch.where(at_top, 0.0, e)) + (ties - 1.0).clamp(min=0.0)
+    size = seg(torch.ones_like(e_x))
+    has = size > 0
+    l_r = torch.log1p(rest)
+    h_r = torch.where(has, l_r - seg(e * d) / (1.0 + rest), 0.0)
+    safe_tok = torch.where(own, local_tok, 0)
+    x_tok = logits3[:, :t].reshape(n, v_r).gather(1, safe_tok[:, None])[:, 0].to(acc)
+    d_tok = torch.where(own & msk, (x_tok - top) / temperature, -inf)
+    # the given ids this shard holds, per row: over the group they must add up to the row's
+    # set (an id outside the whole vocabulary lies in no shard)
+    held = torch.zeros(n, dtype=acc, device=dev).index_add_(0, row, (
+        (rp.ids >= shard.start) & (rp.ids < shard.start + v_r)).to(acc))
+    extra = torch.stack([torch.where(has, top, -inf), torch.where(has, l_r, 0.0), h_r, d_tok,
+                         size, held], -1).view(b, t, 6)
+    return extra, missing.view(b, t), e_row, e_col, e_x
+
+
+def _vp_merge_kept(ext, mask, temperature):
+    """The whole kept set's (logp_kept, H_kept, kept max, log_sum, size) from every rank's
+    partials ext [tp, B, T, 5] (as VocabShard.merge does for the full row)."""
+    km, kl, kh, kd, ksz, held = ext.unbind(-1)
+    big = km.max(0).values
+    big = torch.where(mask, big, 0.0)
+    live = km > -math.inf
+    a = torch.where(live, (km - big) / temperature, -math.inf)
+    top = torch.zeros_like(km, dtype=torch.bool).scatter_(0, km.argmax(0, keepdim=True), True)
+    rest = torch.where(top, torch.expm1(kl), torch.where(live, torch.exp(a + kl), 0.0)).sum(0)
+    ls = torch.log1p(rest)
+    log_w = torch.where(live, a + kl - ls, -math.inf)
+    w = torch.exp(log_w)
+    ent = (w * kh).sum(0) - torch.where(w > 0, w * log_w, 0.0).sum(0)
+    logp = torch.where(live, kd + a, -math.inf).max(0).values - ls
+    return (torch.where(mask, logp, 0.0), torch.where(mask, ent, 0.0), big,
+            torch.where(mask, ls, 0.0), torch.where(mask, ksz.sum(0), 0.0).long())
+
+
+def vp_stats(prefix, logits3, tokens, mask, temperature, rp, shard):
+    """The full statistics and the kept set's of a vocabulary shard, merged with ONE
+    all-gather (the kept partials ride along the full statistics). Given kept sets only:
+    re-derived sets over a split vocabulary need a global selection (not implemented).
+    Returns (logp, H, row max, log_sum, local tokens, own, _VpKept)."""
+    if not rp.given:
+        raise NotImplementedError("top_k / top_p / min_p with tp_group: re-deriving the kept "
+                                  "sets over a split vocabulary is not implemented; pass the "
+                                  "engine's sampling_mask")
+    require_ops(prefix)
+    local, own = shard.local_tokens(tokens)
+    fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
+    lp, ent, mx, ls = fwd(logits3, local, mask, temperature, True)
+    extra, missing, e_row, e_col, e_x = _vp_partials(logits3, tokens, mask, temperature, rp,
+                                                     shard)
+    logp, ent, big, ls_all, ext = shard.merge(lp, ent, mx, ls, own, mask, temperature, tokens,
+                                              extra=extra)
+    lens = (rp.offsets[1:] - rp.offsets[:-1]).view(tokens.shape).to(ext.dtype)
+    bad = ext[..., 5].sum(0) != lens
+    msg = ("sampling_mask.token_ids: with tp_group every id must lie in one rank's shard of "
+           "the vocabulary [0, sum of the local V)")
+    if ext.device.type == "cpu":
+        if bool(bad.any()):
+            raise ValueError(msg)
+    else:
+        torch._assert_async(~bad.any(), msg)
+    lp_k, ent_k, kmax, kls, size = _vp_merge_kept(ext, mask, temperature)
+    return logp, ent, big, ls_all, local, own, _VpKept(lp_k, ent_k, kmax, kls, size, missing,
+                                                       e_row, e_col, e_x)
+
+
+def vp_kept_grad_(dz, g_kept, g_ent, tokens, mask, kept, temperature, shard):
+    """dz [B, Tl, V_r] += the kept part of the gradient on this shard's kept entries."""
+    b, t = tokens.shape
+    r, c, x = kept.e_row, kept.e_col, kept.e_x
+    lp = (x - kept.kept_max.reshape(-1)[r]) / temperature - kept.log_sum.reshape(-1)[r]
+    p = torch.exp(lp)
+    g = g_kept.reshape(-1)[r]
+    is_tok = (tokens.reshape(-1)[r] - shard.start) == c
+    val = torch.where(is_tok, -g * torch.expm1(lp), -g * p)
+    if g_ent is not None:
+        h = kept.entropy.reshape(-1)[r]
+        val = val - torch.where(p > 0, g_ent.reshape(-1)[r] * p * (lp + h), 0.0)
+    val = val / temperature
+    bb, tt = r // t, r % t
+    dz.index_put_((bb, tt, c), (dz[bb, tt, c].to(val.dtype) + val).to(dz.dtype))
+    return dz
+
+
+class _VpReplayLogprobs(torch.autograd.Function):
+    """(logp_kept, H_kept, logp, H, kept_mass, kept_size, missing) of a vocabulary shard,
+    the same on every rank; the backward writes this shard's dlogits (no collective)."""
+
+    @staticmethod
+    def forward(ctx, logits3, tokens, mask, temperature, rp, shard, prefix):
+        logp, ent, big, ls, local, own, kept = vp_stats(prefix, logits3, tokens, mask,
+                                                        temperature, rp, shard)
+        mass = kept_mass(kept.kept_max / temperature + kept.log_sum, big, ls, temperature,
+                         mask)
+        ctx.save_for_backward(logits3, tokens, local, own, mask, big, ls, ent)
+        ctx.kept, ctx.temperature, ctx.shard, ctx.prefix = kept, temperature, shard, prefix
+        ctx.mark_non_differentiable(mass, kept.size, kept.missing)
+        return kept.logp, kept.entropy, logp, ent, mass, kept.size, kept.missing
+
+    @staticmethod
+    def backward(ctx, g_kept, g_ent_kept, g_lp, g_ent, *_):
+        from ._autograd import first_order_only
+        from .vocab_parallel import logits_grad
+        first_order_only("token_logprobs (a split vocabulary)")
+        logits3, tokens, local, own, mask, big, ls, ent = ctx.saved_tensors
+        acc = big.dtype
+
+        def z(g):
+            return torch.zeros_like(big) if g is None else g.to(acc).contiguous()
+
+        dz = logits_grad(ctx.prefix, z(g_lp), None if g_ent is None else z(g_ent), logits3,
+                         local, mask, big, ls, ent, ctx.temperature, ctx.shard, own)
+        if g_kept is not None or g_ent_kept is not None:
+            vp_kept_grad_(dz, z(g_kept), None if g_ent_kept is None else z(g_ent_kept),
+                          tokens, mask, ctx.kept, ctx.temperature, ctx.shard)
+        return dz, None, None, None, None, None, None
+
+
 def vp_replay_logprobs(be, logits3, tokens, mask, temperature, rp, shard):
-    """A vocabulary split over ranks with a kept set: not built yet (docs/SAMPLING.md)."""
-    raise NotImplementedError("sampling replay with a vocabulary split over ranks (tp_group) "
-                              "is not implemented yet")
+    """replay_logprobs over a vocabulary split over tp_group (tokens global)."""
+    if torch.is_grad_enabled() and logits3.requires_grad:
+        return _VpReplayLogprobs.apply(logits3, tokens, mask, temperature, rp, shard, be.prefix)
+    with torch.no_grad():
+        return _VpReplayLogprobs.forward(_NoCtx(), logits3, tokens, mask, temperature, rp,
+                                         shard, be.prefix)
 
 
 def vp_replay_passes(logits, spec, x, prefix, need_grad, shard):
-    return vp_replay_logprobs(None, logits, None, None, None, None, shard)
+    """_two_phase's three steps with a kept set over a split vocabulary (the kept partials
+    ride along the one all-gather of the statistics)."""
+    from ._two_phase import middle_grad
+    from .vocab_parallel import logits_grad
+    tok, msk, temp = x.kernel(x.tokens), x.kernel(x.mask), spec.temperature
+    logp, ent, big, ls, local, own, kept = vp_stats(prefix, logits, tok, msk, temp, x.replay,
+                                                    shard)
+    kl_kept, ent_kept = spec.kl_logprobs == "kept", spec.entropy_over == "kept"
+    ent_sel = kept.entropy if ent_kept else ent
+    out = middle_grad(x.padded(kept.logp), x.padded(ent_sel), spec, x,
+                      None if kl_kept else x.padded(logp))
+    dlk, dent, loss, pol = out[:4]
+    gs = spec.effective_grad_scale(logits.dtype)
+    dlogits = None
+    if need_grad:
+        g_full = torch.zeros_like(logp) if kl_kept else x.kernel(out[4] * gs).contiguous()
+        g_ent = x.kernel(dent * gs).contiguous() if spec.entropy_coef != 0.0 else None
+        dlogits = logits_grad(prefix, g_full, None if ent_kept else g_ent, logits, local, msk,
+                              big, ls, ent, temp, shard, own)
+        vp_kept_grad_(dlogits, x.kernel(dlk * gs).contiguous(), g_ent if ent_kept else None,
+                      tok, msk, kept, temp, shard)
+    ent_p = x.padded(ent_sel)
+    loss_tok = torch.where(x.mask, pol - spec.entropy_coef * ent_p, 0.0)
+    mass = kept_mass(kept.kept_max / temp + kept.log_sum, big, ls, temp, msk)
+    aux = (x.padded(logp), x.padded(mass), x.padded(kept.size), x.padded(kept.missing))
+    return loss.detach(), loss_tok, x.padded(kept.logp), ent_p, dlogits, gs, aux
 
 
 def chunk_replay(rp, r0, r1):

@@ -560,3 +560,31 @@ def test_example_shows_the_bias_and_its_disappearance():
     assert results["replay, top_k/top_p"] == 0.0
     assert abs(float(m_replay["ratio_mean"]) - 1.0) < 1e-5 < 1.0 - float(m_plain["ratio_mean"])
     assert float(m_replay["mask_missing_token_frac"]) == 0.0
+
+
+# ------------------------------------------------------------------ tensor parallel
+
+def test_tensor_parallel_vocabulary_two_ranks(tmp_path):
+    """tests/replay_rank_cases.py on 2 gloo processes: a given SamplingMask over a
+    vocabulary split [0, 6) / [6, 13) (sets lacking their token included) gives the
+    unsharded op's loss, metrics and gradient (ppo_loss: vanilla, gspo with the KL and the
+    entropy over the kept set, the full entropy; token_logprobs with return_full and the
+    kept entropy); an id outside the whole vocabulary is a ValueError on every rank."""
+    import pathlib
+
+    from conftest import run_ranks
+    script = pathlib.Path(__file__).parent / "replay_rank_cases.py"
+    ranks = run_ranks(script, tmp_path, n=2)
+    for res in ranks:
+        for k, v in res.items():
+            if k == "out_of_range":
+                assert v.startswith("raised sampling_mask.token_ids"), v
+            else:
+                assert v <= 1e-12, (k, v)
+
+
+def test_tensor_parallel_rederived_is_not_implemented():
+    from ppo_kernels import sampling as sm
+    from ppo_kernels.sampling import Replay
+    with pytest.raises(NotImplementedError, match="tp_group"):
+        sm.vp_stats("", None, None, None, 1.0, Replay(top_p=torch.ones(1, 1)), None)
