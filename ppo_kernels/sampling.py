@@ -295,10 +295,7 @@ def require_ops(prefix):
 
 def kernel_stats(prefix, logits3, tokens, mask, temperature, rp):
     """One pass (two for re-derived sets: the threshold pre-pass) of the kept-set kernels."""
-    require_ops(prefix)
-    if prefix == "" and logits3.device.type != "cpu":
-        raise NotImplementedError("backend: sampling replay has no CUDA kernels yet; use "
-                                  "backend='torch' on CUDA tensors")
+    require_ops(prefix)  # (the CUDA kernels, csrc/cuda/sampling.cu, are unrun)
     ops = torch.ops.ppo_kernels
     thr = None
     if not rp.given:
