@@ -588,3 +588,32 @@ def test_tensor_parallel_rederived_is_not_implemented():
     from ppo_kernels.sampling import Replay
     with pytest.raises(NotImplementedError, match="tp_group"):
         sm.vp_stats("", None, None, None, 1.0, Replay(top_p=torch.ones(1, 1)), None)
+
+
+# ------------------------------------------------------------------ the raw ops
+
+@pytest.mark.parametrize("prefix", ["", "triton_"], ids=["cpu", "triton"])
+def test_opcheck_kept_ops(prefix):
+    """torch.library.opcheck of the kept-set ops: schema, fake (meta) functions and their
+    agreement with the kernels (CSR and threshold sets)."""
+    from ppo_kernels._backends import get_backend
+    get_backend("cpu" if not prefix else "triton", torch.device("cpu"))
+    ops = torch.ops.ppo_kernels
+    gen = torch.Generator().manual_seed(15)
+    B, T, V = 2, 3, 9
+    logits, tokens, mask = inputs(B, T, V, gen, dtype=torch.float32)
+    sm, _ = random_csr(B, T, V, gen, kmax=4, tokens=tokens, drop_token_frac=0.5)
+    top_p = torch.full((B, T), 0.7, dtype=torch.float64)
+    top_k = torch.full((B, T), 5, dtype=torch.long)
+    thr_op = getattr(ops, prefix + "sampling_threshold")
+    fwd = getattr(ops, prefix + "kept_logprobs_fwd")
+    bwd = getattr(ops, prefix + "kept_logprobs_bwd_")
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(thr_op, (logits, mask, 1.0, top_k, top_p, None), test_utils=tests)
+    thr = thr_op(logits, mask, 1.0, top_k, top_p, None)
+    for kept in ((sm.token_ids, sm.offsets, None), (None, None, thr)):
+        torch.library.opcheck(fwd, (logits, tokens, mask, 0.8, *kept), test_utils=tests)
+        lp, ent, kmax, kls, _, _ = fwd(logits, tokens, mask, 0.8, *kept)
+        g = torch.randn(B, T, generator=gen)
+        torch.library.opcheck(bwd, (g, g, logits, tokens, mask, kmax, kls, ent, 0.8, *kept,
+                                    torch.zeros_like(logits)), test_utils=tests)
