@@ -4,7 +4,8 @@ tests/test_sampling.py on 2 gloo processes (CPU):
     python tests/replay_rank_cases.py RANK PORT OUT_DIR
 
 Each rank writes OUT_DIR/rank<r>.json: {case: max relative error against the unsharded op,
-or "raised <message>"}. The vocabulary [0, 13) is split [0, 6) / [6, 13).
+or "raised <message>"}. Tensor parallel: the vocabulary [0, 13) is split [0, 6) / [6, 13);
+context parallel ("cp/..."): the positions [0, 2) / [2, 4) of every sequence.
 """
 
 import datetime
@@ -83,6 +84,31 @@ def worker(rank, port, out):
         res["out_of_range"] = "no error"
     except ValueError as e:
         res["out_of_range"] = f"raised {e}"
+    # context parallel: each rank holds positions [2 r, 2 r + 2) of every sequence, and the
+    # CSR rows of those positions; the ranks' losses add up to the whole batch's
+    t0, t1 = 2 * rank, 2 * rank + 2
+    rows = [b * T + t for b in range(B) for t in range(t0, t1)]
+    cids = torch.cat([sm.token_ids[sm.offsets[i]:sm.offsets[i + 1]] for i in rows])
+    coffs = torch.tensor([0] + [int(sm.offsets[i + 1] - sm.offsets[i]) for i in rows]).cumsum(0)
+    for case, kw in (("cp/gspo", dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean",
+                                      kl_coef=0.1)),
+                     ("cp/vanilla", dict(entropy_coef=0.01, entropy_over="kept"))):
+        x = lg.clone().requires_grad_(True)
+        loss, _ = pk.ppo_loss(x, tok, old, adv, mask, ref, sampling_mask=sm, backend="cpu",
+                              **kw)
+        loss.backward()
+        xc = lg[:, t0:t1].clone().requires_grad_(True)
+        loss_c, _ = pk.ppo_loss(xc, tok[:, t0:t1], old[:, t0:t1], adv[:, t0:t1],
+                                mask[:, t0:t1], ref[:, t0:t1],
+                                sampling_mask=pk.SamplingMask(cids, coffs),
+                                cp_group=dist.group.WORLD, backend="cpu", **kw)
+        loss_c.backward()
+        total = loss_c.detach().clone()
+        dist.all_reduce(total)
+        res[f"{case}/loss"] = rel(total, loss.detach())
+        res[f"{case}/grad"] = rel(xc.grad, x.grad[:, t0:t1])
+        # (a rank's own loss is its part only: the reductions did run over the group)
+        res[f"{case}/own_part"] = "partial" if float(abs(loss_c - total)) > 0 else "whole"
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()

@@ -569,7 +569,10 @@ def test_tensor_parallel_vocabulary_two_ranks(tmp_path):
     vocabulary split [0, 6) / [6, 13) (sets lacking their token included) gives the
     unsharded op's loss, metrics and gradient (ppo_loss: vanilla, gspo with the KL and the
     entropy over the kept set, the full entropy; token_logprobs with return_full and the
-    kept entropy); an id outside the whole vocabulary is a ValueError on every rank."""
+    kept entropy); an id outside the whole vocabulary is a ValueError on every rank. And
+    context parallel (cp_group, each rank half of every sequence with its CSR rows): the
+    ranks' losses add up to the whole loss (gspo's sequence ratio over the kept log-probs
+    of both halves), each rank's gradient is its slice of the whole gradient."""
     import pathlib
 
     from conftest import run_ranks
@@ -579,6 +582,8 @@ def test_tensor_parallel_vocabulary_two_ranks(tmp_path):
         for k, v in res.items():
             if k == "out_of_range":
                 assert v.startswith("raised sampling_mask.token_ids"), v
+            elif k.endswith("own_part"):
+                assert v == "partial", (k, v)
             else:
                 assert v <= 1e-12, (k, v)
 
