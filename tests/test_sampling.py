@@ -318,10 +318,18 @@ def test_hypothesis_rederived_matches_reference(V, T, seed, top_k, top_p, min_p,
         kw = dict(top_k=1)
     kept = ref.sampling_kept(logits, tokens, mask, temperature, **kw)
     kept, _ = ref.with_token(kept, tokens, mask)
-    want = ref.kept_logprobs(logits, tokens, mask, temperature, kept)[0]
+    want, want_h = ref.kept_logprobs(logits, tokens, mask, temperature, kept)
+    g = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    gh = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    want_g = ref.kept_logprobs_grad(logits, tokens, mask, temperature, kept, g, gh)
     for be in ("cpu", "torch"):
-        lp = pk.token_logprobs(logits, tokens, mask, temperature=temperature, backend=be, **kw)
+        x = logits.clone().requires_grad_(True)
+        lp, h = pk.token_logprobs(x, tokens, mask, temperature=temperature, backend=be,
+                                  return_entropy=True, entropy_over="kept", **kw)
         assert_close_np(lp, want, rtol=1e-10, atol=1e-10, what=be)
+        assert_close_np(h, want_h, rtol=1e-10, atol=1e-10, what=be)
+        (g * lp + gh * h).sum().backward()
+        assert_grad_close(x.grad, want_g, 1e-10)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
