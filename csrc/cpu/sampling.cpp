@@ -103,7 +103,8 @@ KeptSet kept_set(const std::optional<at::Tensor>& ids, const std::optional<at::T
 // min-p keeps exp(z_j - z_max) >= min_p; top-k keeps x_j >= the k-th largest x (ties kept);
 // top-p, over the survivors S of both, keeps j iff the mass of S strictly above x_j is
 // < top_p * mass(S) (the top group always). Returns the smallest kept value, or -inf when
-// nothing is cut.
+// nothing is cut. Top-k: a size-k min-heap over the row for k <= V / 8 (one comparison for
+// most entries), std::nth_element beyond.
 template <typename scalar_t>
 double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double p,
                      double min_p, std::vector<double>& w) {
@@ -122,10 +123,28 @@ double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double
     t = smallest;
   }
   if (k > 0 && k < V) {
-    w.resize(V);
-    for (int64_t j = 0; j < V; ++j) w[j] = static_cast<double>(x[j]);
-    std::nth_element(w.begin(), w.begin() + (k - 1), w.end(), std::greater<double>());
-    t = std::max(t, w[k - 1]);
+    if (k <= V / 8) {
+      // the k largest in a min-heap: after it fills, most entries cost one comparison
+      w.clear();
+      w.reserve(k);
+      for (int64_t j = 0; j < V; ++j) {
+        const double v = static_cast<double>(x[j]);
+        if (static_cast<int64_t>(w.size()) < k) {
+          w.push_back(v);
+          std::push_heap(w.begin(), w.end(), std::greater<double>());
+        } else if (v > w.front()) {
+          std::pop_heap(w.begin(), w.end(), std::greater<double>());
+          w.back() = v;
+          std::push_heap(w.begin(), w.end(), std::greater<double>());
+        }
+      }
+      t = std::max(t, w.front());
+    } else {
+      w.resize(V);
+      for (int64_t j = 0; j < V; ++j) w[j] = static_cast<double>(x[j]);
+      std::nth_element(w.begin(), w.begin() + (k - 1), w.end(), std::greater<double>());
+      t = std::max(t, w[k - 1]);
+    }
   }
   if (p < 1.0) {
     w.clear();
