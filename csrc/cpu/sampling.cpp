@@ -97,6 +97,14 @@ KeptSet kept_set(const std::optional<at::Tensor>& ids, const std::optional<at::T
   return s;
 }
 
+// Rows per task: a CSR row is k entries (tiny: one thread takes many rows, no wake-up of
+// the pool for a few thousand reads), a threshold row a sweep of V.
+int64_t kept_grain(const KeptSet& s, int64_t N) {
+  if (!s.csr || N == 0) return 1;
+  const int64_t mean_k = 1 + s.offsets[N] / N;
+  return std::max<int64_t>(1, 16384 / mean_k);
+}
+
 // ------------------------------------------------------------------ sampling_threshold
 
 // The per-row value threshold of vLLM v1's sampler on z = x / temperature (docs/SAMPLING.md):
@@ -277,7 +285,7 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens_in, const a
     int64_t* sz = size.data_ptr<int64_t>();
     bool* miss = missing.data_ptr<bool>();
     const double inv = 1.0 / temperature;
-    at::parallel_for(0, r.B * r.T, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         if (!m[i]) {
           lp[i] = en[i] = mx[i] = ls[i] = T(0);
@@ -360,7 +368,7 @@ void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
     const T* H = has_ge ? entropy.data_ptr<T>() : nullptr;
     const T *mx = kept_max.data_ptr<T>(), *ls = kept_log_sum.data_ptr<T>();
     const double inv = 1.0 / temperature;
-    at::parallel_for(0, r.B * r.T, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const double g = gl[i], gh = ge ? static_cast<double>(ge[i]) : 0.0;
         if (!m[i] || (g == 0.0 && gh == 0.0)) continue;
