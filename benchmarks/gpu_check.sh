@@ -111,6 +111,10 @@ run_stage "batch invariance" 60 invariance.log \
 run_stage "64-bit rows" 60 bigrows.log \
     "$PY" tests/gpu/big_rows_64bit.py --budget-s 50
 run_stage "ops vs reference" 60 smoke.log "$PY" tests/gpu/ops_vs_reference.py
+# sampling replay (docs/SAMPLING.md) on the Triton kernels, CUDA tensors: its cost over the
+# plain op (unrun so far)
+TAIL_LINES=12 run_stage "replay bench" 45 replay.log \
+    "$PY" benchmarks/replay_bench.py --quick --device cuda --backend triton
 
 if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   run_stage "memcheck" 60 memcheck.log compute-sanitizer --tool memcheck --leak-check no \

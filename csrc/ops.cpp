@@ -27,6 +27,15 @@
 //   temperatures[i] taken in double and rounded once, as the scalar's) and the scalar is
 //   ignored; masked rows are not read. The Python layer expands a per-sequence [B]
 //   temperature to [B, T] and fills masked positions with 1.
+// Sampling replay (docs/SAMPLING.md): a row's kept set is given either as CSR kept_ids
+//   (int64 [nnz], global vocabulary ids, unique per row) + kept_offsets (int64 [B * T + 1],
+//   rows in row-major order) or as threshold (float64 [B, T], raw logit units: the kept set
+//   is {j : logits_j >= threshold}, -inf keeps every entry); exactly one of the two. The
+//   sampled token is always kept (missing: it was added). sampling_threshold: vLLM v1's
+//   min-p, top-k, top-p set of each row as that threshold (top_k int64 [B, T], V or more
+//   = off; top_p float64 [B, T], 1 = off; min_p float64 [B, T], 0 = off). kept_max /
+//   kept_log_sum: row_max / log_sum over the kept set; kept_logprobs_bwd_ adds its
+//   gradient into dlogits (contiguous, the logits' shape and dtype).
 #include <torch/library.h>
 
 TORCH_LIBRARY(ppo_kernels, m) {
@@ -54,6 +63,19 @@ TORCH_LIBRARY(ppo_kernels, m) {
   // grad := grad * (grad_output / applied) and applied := grad_output, decided on the
   // device (no host read): nothing is written when the ratio is 1.
   m.def("scale_grad_(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()");
+  m.def(
+      "sampling_threshold(Tensor logits, Tensor mask, float temperature, Tensor? top_k, "
+      "Tensor? top_p, Tensor? min_p) -> Tensor");
+  m.def(
+      "kept_logprobs_fwd(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
+      "Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold) -> (Tensor logprobs, "
+      "Tensor entropy, Tensor kept_max, Tensor kept_log_sum, Tensor kept_size, "
+      "Tensor missing)");
+  m.def(
+      "kept_logprobs_bwd_(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
+      "Tensor tokens, Tensor mask, Tensor kept_max, Tensor kept_log_sum, Tensor entropy, "
+      "float temperature, Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, "
+      "Tensor(a!) dlogits) -> ()");
   m.def(
       "gae(Tensor rewards, Tensor values, Tensor mask, Tensor? bootstrap_values, "
       "float gamma, float lam, Tensor? lam_per_seq=None, float? value_lam=None) "

@@ -49,6 +49,22 @@ def _fake_scale_grad_(grad, grad_output, applied):
     return None
 
 
+def _fake_sampling_threshold(logits, mask, temperature, top_k, top_p, min_p):
+    return mask.new_empty(mask.shape, dtype=torch.float64)
+
+
+def _fake_kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets,
+                            threshold):
+    acc = acc_dtype(logits)
+    return (*[tokens.new_empty(tokens.shape, dtype=acc) for _ in range(4)],
+            tokens.new_empty(tokens.shape, dtype=torch.int64),
+            tokens.new_empty(tokens.shape, dtype=torch.bool))
+
+
+def _fake_kept_logprobs_bwd_(*args):
+    return None
+
+
 def _fake_gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,
               value_lam=None):
     return torch.empty_like(rewards), torch.empty_like(rewards)
@@ -207,6 +223,12 @@ def register(prefix):
              "ppo_loss_fwd_inplace": _fake_ppo_loss_fwd_inplace,
              "scale_grad_": _fake_scale_grad_,
              "gae": _fake_gae, "score_rollout": _fake_score_rollout}
+    # sampling replay's ops (ppo_kernels/sampling.py), where this backend has them
+    for name, fn in (("sampling_threshold", _fake_sampling_threshold),
+                     ("kept_logprobs_fwd", _fake_kept_logprobs_fwd),
+                     ("kept_logprobs_bwd_", _fake_kept_logprobs_bwd_)):
+        if hasattr(torch.ops.ppo_kernels, prefix + name):
+            fakes[name] = fn
     for name, fn in fakes.items():
         torch.library.register_fake(lib + name, fn)
     torch.library.register_autograd(lib + "token_logprobs_fwd", _lp_backward_for(prefix),

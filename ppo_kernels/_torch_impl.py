@@ -246,12 +246,14 @@ def off_policy_keep(logp, behaviour_logprobs, advantages, mask, threshold, group
 
 
 def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights,
-                 mask, spec, behaviour=None, terms=None):
+                 mask, spec, behaviour=None, terms=None, logp_kl=None):
     """(policy part is_w * pg + kl_coef * kl [* ratio], entropy part H) per token; the
     per-token loss is the first minus entropy_coef times the second. spec: the LossSpec;
     behaviour: the log-probs the off-policy mask compares with (spec.off_policy_mask_threshold;
     None: no mask). terms: pg_terms(logp, old_logprobs, advantages, mask, spec) when the
-    caller has it already (its metrics read the same terms)."""
+    caller has it already (its metrics read the same terms). logp is the ratio's log-prob;
+    logp_kl the KL's (sampling replay: logp over the kept set, logp_kl over the full
+    vocabulary unless kl_logprobs="kept"; None: logp)."""
     pt = pg_terms(logp, old_logprobs, advantages, mask, spec) if terms is None else terms
     loss = pt["pg"]
     if rollout_is_weights is not None:
@@ -260,7 +262,7 @@ def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_
         loss = loss * off_policy_keep(logp, behaviour, advantages, mask,
                                       spec.off_policy_mask_threshold, spec.cp_group)
     if ref_logprobs is not None:
-        kl = kl_terms(logp, ref_logprobs, spec.kl_estimator)
+        kl = kl_terms(logp if logp_kl is None else logp_kl, ref_logprobs, spec.kl_estimator)
         if spec.kl_bias_correction:
             kl = kl * pt["ratio"]
         loss = loss + spec.kl_coef * kl
@@ -273,10 +275,10 @@ def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_
 
 
 def token_loss(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights, spec,
-               mask, behaviour=None):
+               mask, behaviour=None, logp_kl=None):
     """Per-token loss is_w * pg + kl_coef * kl - entropy_coef * H (DESIGN.md)."""
     pol, ent = token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs,
-                            rollout_is_weights, mask, spec, behaviour)
+                            rollout_is_weights, mask, spec, behaviour, logp_kl)
     return pol - spec.entropy_coef * ent if spec.entropy_coef != 0.0 else pol
 
 
@@ -303,15 +305,16 @@ def ppo_loss(logits, tokens, mask, old_logprobs, advantages, weights, ref_logpro
 
 
 @torch.no_grad()
-def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, spec):
+def metrics(logp, entropy, old_logprobs, advantages, ref_logprobs, mask, spec, logp_kl=None):
     """The metrics dict of ppo_loss (DESIGN.md): means over valid tokens, 0 if none, and the
     counts num_tokens / num_seqs that make means combine exactly across micro-batches and
-    ranks."""
+    ranks. logp_kl: the KL's log-probs where they are not logp (sampling replay)."""
     logp, entropy = logp.detach(), entropy.detach()
     pt = pg_terms(logp, old_logprobs, advantages, mask, spec)
     d, rho = pt["log_ratio"], pt["ratio"]
     tok_rho = torch.exp(d)
-    kl = None if ref_logprobs is None else kl_terms(logp, ref_logprobs, spec.kl_estimator)
+    kl = None if ref_logprobs is None else kl_terms(
+        logp if logp_kl is None else logp_kl.detach(), ref_logprobs, spec.kl_estimator)
     m = mask.to(logp.dtype)
     n = m.sum().clamp(min=1.0)
 

@@ -21,37 +21,75 @@ from __future__ import annotations
 
 import torch
 
-from . import _torch_impl
+from . import _torch_impl, sampling
 from ._autograd import applied_scale, first_order_only, hand_out
 from ._checks import split_temperature
 from .vocab_parallel import logits_grad, shard_stats
 
 
-def middle(logp, ent, spec, x):
+def middle(logp, ent, spec, x, logp_kl=None):
     """The aggregated loss as a function of the per-token logp and H ([B, T], the layout of
-    the LossInputs x), and the per-token policy part."""
+    the LossInputs x), and the per-token policy part. logp_kl: the KL's log-probs where
+    they are not logp (sampling replay: logp is then over the kept set)."""
     pol, _ = _torch_impl.token_losses(logp, ent, x.old, x.adv, x.ref, x.isw, x.mask, spec,
-                                      x.behaviour)
+                                      x.behaviour, logp_kl)
     return _torch_impl.aggregate(pol, ent, x.mask, x.weights, x.w_ent, spec), pol
 
 
-def middle_grad(logp, ent, spec, x):
-    """(d loss / d logp, d loss / d H, loss, pol): the middle and its gradient in logp and H
-    ([B, T] tensors: cheap next to [N, V]). Eagerly by autograd on detached leaves, which
-    also runs under saved-tensor hooks (activation offloading, non-reentrant checkpoints),
-    where torch.func cannot; traced (torch.compile) by torch.func, which Dynamo captures
-    whole."""
+def middle_grad(logp, ent, spec, x, logp_kl=None):
+    """(d loss / d logp, d loss / d H, loss, pol[, d loss / d logp_kl]): the middle and its
+    gradient in logp and H ([B, T] tensors: cheap next to [N, V]); the last only for a
+    logp_kl. Eagerly by autograd on detached leaves, which also runs under saved-tensor
+    hooks (activation offloading, non-reentrant checkpoints), where torch.func cannot;
+    traced (torch.compile) by torch.func, which Dynamo captures whole."""
+    if logp_kl is not None:
+        leaves = (logp, ent, logp_kl)
+        f = lambda lp, h, lk: middle(lp, h, spec, x, lk)  # noqa: E731
+    else:
+        leaves = (logp, ent)
+        f = lambda lp, h: middle(lp, h, spec, x)  # noqa: E731
     if torch.compiler.is_compiling():
-        (dlogp, dent), (loss, pol) = torch.func.grad_and_value(
-            lambda lp, h: middle(lp, h, spec, x), argnums=(0, 1), has_aux=True)(logp, ent)
-        return dlogp, dent, loss, pol
+        grads, (loss, pol) = torch.func.grad_and_value(
+            f, argnums=tuple(range(len(leaves))), has_aux=True)(*leaves)
+        return (*grads[:2], loss, pol, *grads[2:])
     with torch.enable_grad():
-        lp, h = logp.detach().requires_grad_(True), ent.detach().requires_grad_(True)
-        loss, pol = middle(lp, h, spec, x)
-        dlogp, dent = torch.autograd.grad(loss, (lp, h), allow_unused=True)
-    dlogp = torch.zeros_like(lp) if dlogp is None else dlogp
-    dent = torch.zeros_like(h) if dent is None else dent
-    return dlogp, dent, loss.detach(), pol.detach()
+        ls = [v.detach().requires_grad_(True) for v in leaves]
+        loss, pol = f(*ls)
+        grads = torch.autograd.grad(loss, ls, allow_unused=True)
+    grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, ls)]
+    return (grads[0], grads[1], loss.detach(), pol.detach(), *grads[2:])
+
+
+def _replay_passes(logits, spec, x, prefix, need_grad):
+    """The three steps with a kept set (sampling replay, ppo_kernels/sampling.py): the
+    statistics pass gives the full logp and H, the kept-set kernels logp_kept and H_kept
+    (plus the threshold pre-pass for re-derived sets); the middle takes logp_kept as the
+    ratio's log-prob and the full or kept logp / H for the KL / entropy (spec.kl_logprobs,
+    spec.entropy_over); the gradient pass writes the full part with token_logprobs_bwd and
+    adds the kept-set softmax part in place (kept_logprobs_bwd_)."""
+    fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
+    tok, msk, rp, temp = x.kernel(x.tokens), x.kernel(x.mask), x.replay, spec.temperature
+    logp, ent, row_max, log_sum = fwd(logits, tok, msk, temp, True)
+    ks = sampling.kernel_stats(prefix, logits, tok, msk, temp, rp)
+    kl_kept, ent_kept = spec.kl_logprobs == "kept", spec.entropy_over == "kept"
+    ent_sel = ks.entropy if ent_kept else ent
+    out = middle_grad(x.padded(ks.logp), x.padded(ent_sel), spec, x,
+                      None if kl_kept else x.padded(logp))
+    dlk, dent, loss, pol = out[:4]
+    gs = spec.effective_grad_scale(logits.dtype)
+    dlogits = None
+    if need_grad:
+        g_full = torch.zeros_like(logp) if kl_kept else x.kernel(out[4] * gs).contiguous()
+        g_ent = x.kernel(dent * gs).contiguous() if spec.entropy_coef != 0.0 else None
+        dlogits = logits_grad(prefix, g_full, None if ent_kept else g_ent, logits, tok, msk,
+                              row_max, log_sum, ent, temp)
+        sampling.kernel_grad_(prefix, dlogits, x.kernel(dlk * gs).contiguous(),
+                              g_ent if ent_kept else None, logits, tok, msk, ks, temp, rp)
+    ent_p = x.padded(ent_sel)
+    loss_tok = torch.where(x.mask, pol - spec.entropy_coef * ent_p, 0.0)
+    mass = sampling.kept_mass(ks.lse(temp), row_max, log_sum, temp, msk)
+    aux = (x.padded(logp), x.padded(mass), x.padded(ks.kept_size), x.padded(ks.missing))
+    return loss.detach(), loss_tok, x.padded(ks.logp), ent_p, dlogits, gs, aux
 
 
 def _passes(logits, spec, x, prefix, need_grad, shard=None):
@@ -64,6 +102,10 @@ def _passes(logits, spec, x, prefix, need_grad, shard=None):
     tok, msk = x.kernel(x.tokens), x.kernel(x.mask)
     temp = x.kernel_temperature(spec)  # a number, or per row (the kernels' layout)
     own = None
+    if x.replay is not None:
+        if shard is not None:
+            return sampling.vp_replay_passes(logits, spec, x, prefix, need_grad, shard)
+        return _replay_passes(logits, spec, x, prefix, need_grad)
     if shard is not None:  # (tok becomes the shard-local ids)
         logp, ent, row_max, log_sum, tok, own = shard_stats(logits, tok, msk, temp, shard,
                                                              prefix)
@@ -80,18 +122,19 @@ def _passes(logits, spec, x, prefix, need_grad, shard=None):
                               temp, shard, own)
     ent_p = x.padded(ent)
     loss_tok = torch.where(x.mask, pol - spec.entropy_coef * ent_p, 0.0)
-    return loss.detach(), loss_tok, x.padded(logp), ent_p, dlogits, gs
+    return loss.detach(), loss_tok, x.padded(logp), ent_p, dlogits, gs, ()
 
 
 class TwoPhaseLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, spec, x, prefix, shard):
-        loss, loss_tok, logp, ent, dlogits, gs = _passes(logits, spec, x, prefix, True, shard)
+        loss, loss_tok, logp, ent, dlogits, gs, aux = _passes(logits, spec, x, prefix, True,
+                                                              shard)
         ctx.prefix = prefix
         ctx.applied = applied_scale(gs, logits)
         ctx.save_for_backward(dlogits)
-        ctx.mark_non_differentiable(loss_tok, logp, ent)
-        return loss, loss_tok, logp, ent
+        ctx.mark_non_differentiable(loss_tok, logp, ent, *aux)
+        return loss, loss_tok, logp, ent, *aux
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
@@ -102,8 +145,12 @@ class TwoPhaseLoss(torch.autograd.Function):
 
 def ppo_loss(prefix, logits, spec, x, shard=None):
     """(loss, loss_tok, logp, ent) of the two-phase path on a kernel backend (loss.two_phase
-    says when); logp, ent and loss_tok in the layout of the LossInputs x."""
+    says when); logp, ent and loss_tok in the layout of the LossInputs x. With a kept set
+    (x.replay) four more [B, T] tensors follow: the full logp, the kept mass, the kept set's
+    size and whether the set lacked the sampled token; logp is then logp_kept and ent the
+    entropy spec.entropy_over names."""
     if not (torch.is_grad_enabled() and logits.requires_grad):
         with torch.no_grad():
-            return _passes(logits, spec, x, prefix, False, shard)[:4]
+            out = _passes(logits, spec, x, prefix, False, shard)
+            return (*out[:4], *out[6])
     return TwoPhaseLoss.apply(logits, spec, x, prefix, shard)

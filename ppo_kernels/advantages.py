@@ -10,6 +10,7 @@ import torch.distributed as dist
 from . import _checks as ck
 from . import _torch_impl
 from . import packed
+from . import sampling as _sampling
 from . import vocab_parallel as vp
 from .context_parallel import check_group
 from .rank_agreement import checks_together, groups
@@ -307,7 +308,8 @@ def rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator, 
 def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *, kl_coef,
                   kl_estimator="k1", gamma=1.0, lam=0.95, value_lam=None, lam_alpha=None,
                   temperature=1.0, whiten=True, cu_seqlens=None, max_seqlen=None,
-                  tp_group=None, vocab_start=None, backend="auto"):
+                  tp_group=None, vocab_start=None, backend="auto", sampling_mask=None,
+                  top_k=None, top_p=None, min_p=None, kl_logprobs="full"):
     """The rollout side in one pass over the logits: logprobs of the sampled tokens, per-token
     KL to the reference, KL-penalised rewards (score on the last valid token), GAE
     advantages and returns, then (optionally) whitened advantages.
@@ -331,6 +333,10 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
             [total, V], the per-token inputs [1, total] or [total], scores [S]; the outputs
             come back in the packed layout.
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
+        sampling_mask, top_k, top_p, min_p: sampling replay (pk.token_logprobs,
+            docs/SAMPLING.md): out.logprobs are then logp_kept, the old_logprobs that the
+            update's replayed ratio compares with; the KL to ref_logprobs uses the full
+            log-probs unless kl_logprobs="kept".
 
     Returns:
         Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each.
@@ -368,9 +374,28 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     logits3, tokens2, shard, checked = checks_together(
         groups(tp_group=tp_group), checks, lambda r: {"tp_group": rollout_sizes(
             r[1], r[3][0][0] if cu_seqlens is not None else None)})
+    replay = dict(sampling_mask=sampling_mask, top_k=top_k, top_p=top_p, min_p=min_p,
+                  kl_logprobs=ck.choice("kl_logprobs", kl_logprobs, _sampling.KL_LOGPROBS))
     if cu_seqlens is not None:
-        return _score_packed(logits3, tokens2, tokens, scores, shard, opts, *checked, backend)
+        return _score_packed(logits3, tokens2, tokens, scores, shard, opts, *checked, backend,
+                             replay)
     mask, ref, vals, kl_coef, gamma, lams, temperature, be = checked
+    rp = _sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
+                                None if shard is not None else logits3.shape[2])
+    if rp is not None:
+        _sampling.require_number_temperature(temperature)
+        with torch.no_grad():
+            if shard is None:
+                tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
+                out = _sampling.replay_logprobs(be, logits3.detach(), tokens2, mask,
+                                                temperature, rp)
+            else:
+                out = _sampling.vp_replay_logprobs(be, logits3.detach(), tokens2, mask,
+                                                   temperature, rp, shard)
+        lp_k, lp = out[0], out[2]
+        r = rollout_from_logprobs(lp_k if kl_logprobs == "kept" else lp, ref, vals, scores,
+                                  mask, kl_coef, kl_estimator, gamma, lams, whiten, backend)
+        return r._replace(logprobs=lp_k.float())
     if shard is not None:
         with torch.no_grad():
             logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask, temperature,
@@ -420,12 +445,32 @@ def rollout_sizes(tokens2, packing=None):
 
 
 def _score_packed(logits3, tokens2, tokens, scores, shard, opts, checked, temperature, be,
-                  backend):
+                  backend, replay=None):
     """score_rollout of packed sequences (checked: packed_rollout_inputs' result, agreed
     over tp_group): the log-probs on the packed rows, the [B, T] steps on the padded copy,
-    the outputs packed again."""
+    the outputs packed again (replay: the sampling replay options, or None)."""
     packing, mask, ref, vals, kl_coef, gamma, lams = checked
     mask_k = packing.unpad(mask)
+    replay = replay or {}
+    rp = _sampling.check_replay(replay.get("sampling_mask"), replay.get("top_k"),
+                                replay.get("top_p"), replay.get("min_p"), tokens2,
+                                None if shard is not None else logits3.shape[2], packing)
+    if rp is not None:
+        _sampling.require_number_temperature(temperature)
+        with torch.no_grad():
+            if shard is None:
+                tok = ck.token_range(tokens2, mask_k, logits3.shape[2])
+                out = _sampling.replay_logprobs(be, logits3.detach(), tok, mask_k, temperature,
+                                                rp)
+            else:
+                out = _sampling.vp_replay_logprobs(be, logits3.detach(), tokens2, mask_k,
+                                                   temperature, rp, shard)
+        lp_k, lp = packing.pad(out[0]), packing.pad(out[2])
+        r = rollout_from_logprobs(lp_k if replay["kl_logprobs"] == "kept" else lp, ref, vals,
+                                  scores, mask, kl_coef, opts["kl_estimator"], gamma, lams,
+                                  opts["whiten"], backend)
+        r = r._replace(logprobs=lp_k.float())
+        return Rollout(*(packed.unpadded(packing, x, tokens) for x in r))
     with torch.no_grad():
         if shard is not None:
             logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask_k, temperature,

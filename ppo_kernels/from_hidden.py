@@ -27,7 +27,8 @@ from typing import Any, Optional
 import torch
 
 from . import _checks as ck
-from . import packed
+from . import _torch_impl, packed
+from . import sampling
 from ._checks import acc_dtype, split_temperature
 from ._autograd import applied_scale, first_order_only, hand_out
 from ._backends import get_backend
@@ -513,6 +514,118 @@ class _LogprobsFromHidden(torch.autograd.Function):
         return dh, dw, db, None
 
 
+class _ReplayFromHidden(torch.autograd.Function):
+    """Sampling replay from hidden states (docs/SAMPLING.md): per chunk of rows the logits,
+    the full statistics (token_logprobs_fwd) and the kept set's (sampling.kernel_stats);
+    returns (logp_kept, H_kept, logp, H, kept_mass, kept_size, missing) [B, T], the first
+    four differentiable. The backward recomputes each chunk's logits: dz is the full part
+    (token_logprobs_bwd) plus the kept-set part added in place (kept_logprobs_bwd_)."""
+
+    @staticmethod
+    def forward(ctx, hidden3, weight, bias, s, rp):
+        fwd = getattr(torch.ops.ppo_kernels, s.prefix + "token_logprobs_fwd")
+        h2 = _flat_hidden(hidden3, s)
+        dev = hidden3.device
+        names = ("logp", "ent", "row_max", "log_sum", "lp_k", "ent_k", "kmax", "kls")
+        st = {k: torch.empty(s.n, dtype=s.acc, device=dev) for k in names}
+        size = torch.empty(s.n, dtype=torch.int64, device=dev)
+        missing = torch.empty(s.n, dtype=torch.bool, device=dev)
+        thr = None if rp.given else torch.empty(s.n, dtype=torch.float64, device=dev)
+        head = head_for_logits(weight, s.logits_dtype)
+        for r0 in range(0, s.n, s.chunk):
+            r1 = min(s.n, r0 + s.chunk)
+            c = r1 - r0
+            z = _chunk_logits(s, _hidden_rows(h2, s, r0, r1), head, bias).view(1, c, -1)
+            tok, msk = _rows(s.tokens, s, r0, r1), _rows(s.mask, s, r0, r1)
+            full = fwd(z, tok, msk, s.temperature, True)
+            ks = sampling.kernel_stats(s.prefix, z, tok, msk, s.temperature,
+                                       sampling.chunk_replay(rp, r0, r1))
+            del z
+            for k, v in zip(names, (*full, ks.logp, ks.entropy, ks.kept_max,
+                                    ks.kept_log_sum)):
+                st[k][r0:r1] = v.view(c)
+            size[r0:r1], missing[r0:r1] = ks.kept_size.view(c), ks.missing.view(c)
+            if thr is not None:
+                thr[r0:r1] = ks.threshold.view(c)
+        mask = s.mask.reshape(s.n)
+        mass = sampling.kept_mass(st["kmax"] / s.temperature + st["kls"], st["row_max"],
+                                  st["log_sum"], s.temperature, mask)
+        ctx.s, ctx.rp = s, rp
+        ctx.save_for_backward(hidden3, weight, bias, *(st[k] for k in names[1:4]),
+                              *(st[k] for k in names[5:]),
+                              thr if thr is not None else torch.empty(0, device=dev))
+        out = [st["lp_k"], st["ent_k"], st["logp"], st["ent"], mass, size, missing]
+        out = [v.view(s.b, s.t) for v in out]
+        ctx.mark_non_differentiable(*out[4:])
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, g_lpk, g_entk, g_lp, g_ent, *_):
+        first_order_only("token_logprobs_from_hidden")
+        s, rp = ctx.s, ctx.rp
+        hidden3, weight, bias, ent, row_max, log_sum, ent_k, kmax, kls, thr = \
+            ctx.saved_tensors
+        need = tuple(ctx.needs_input_grad[:3])
+        g = _Grads(s, hidden3, weight, bias, need)
+
+        def flat(x):
+            return None if x is None else x.to(s.acc).reshape(s.n)
+
+        g_lpk, g_entk, g_lp, g_ent = (flat(x) for x in (g_lpk, g_entk, g_lp, g_ent))
+        if g.any:
+            h2 = _flat_hidden(hidden3, s)
+            zero = torch.zeros(s.n, dtype=s.acc, device=hidden3.device)
+            bwd = getattr(torch.ops.ppo_kernels, s.prefix + "token_logprobs_bwd")
+            head = head_for_logits(weight, s.logits_dtype)
+            for r0 in range(0, s.n, s.chunk):
+                r1 = min(s.n, r0 + s.chunk)
+                c = r1 - r0
+                hc = _hidden_rows(h2, s, r0, r1)
+                z = _chunk_logits(s, hc, head, bias)
+                z3 = z.view(1, c, -1)
+                tok, msk = _rows(s.tokens, s, r0, r1), _rows(s.mask, s, r0, r1)
+
+                def part(x, default=None):
+                    x = default if x is None else x
+                    return None if x is None else x[r0:r1].view(1, c).contiguous()
+
+                dz = bwd(part(g_lp, zero), part(g_ent), z3, tok, msk, part(row_max),
+                         part(log_sum), part(ent), s.temperature)
+                if g_lpk is not None or g_entk is not None:
+                    ks = sampling.KeptStats(None, part(ent_k), part(kmax), part(kls), None,
+                                            None, None if rp.given else part(thr))
+                    sampling.kernel_grad_(s.prefix, dz, part(g_lpk, zero), part(g_entk), z3,
+                                          tok, msk, ks, s.temperature,
+                                          sampling.chunk_replay(rp, r0, r1))
+                dz = dz.view(c, -1)
+                if s.cap is not None:
+                    dz.mul_(_softcap_factor_(z, s.cap))
+                del z
+                g.add(r0, r1, dz, hc, weight)
+                del dz
+        dh, dw, db = g.finish(s, hidden3, weight, bias)
+        return dh, dw, db, None, None
+
+
+def replay_from_hidden(be, hidden3, weight, bias, tokens, mask, temperature, rp, cap, chunk,
+                       logits_dtype=None):
+    """(logp_kept, H_kept, logp, H, kept_mass, kept_size, missing) [B, T] of the logits
+    hidden @ weight^T (+ bias), soft-capped (in logits_dtype, None: hidden's); the first
+    four differentiable. Kernel backends: chunks of rows, never the [N, V] logits; "torch":
+    the materialised logits."""
+    sampling.require_number_temperature(temperature)
+    if not be.is_kernel:
+        logits = materialised_logits(hidden3, weight, bias, cap, mask, logits_dtype)
+        return sampling.replay_logprobs(be, logits, tokens, mask, temperature, rp)
+    s = _Chunks(prefix=be.prefix, cap=cap, chunk=chunk, temperature=temperature,
+                tokens=tokens, mask=mask, acc=acc_dtype(hidden3), logits_dtype=logits_dtype)
+    args = (hidden3, weight, bias)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args):
+        return _ReplayFromHidden.apply(*args, s, rp)
+    with torch.no_grad():
+        return _ReplayFromHidden.apply(*args, s, rp)
+
+
 # ------------------------------------------------------------------ the torch reference
 
 def materialised_logits(hidden3, weight, bias, cap, mask, logits_dtype=None):
@@ -538,7 +651,9 @@ def _squeeze(x, flat):
 def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=None, *,
                                lm_head_bias=None, logit_softcap=None, temperature=1.0,
                                return_entropy=False, chunk_size=None, tp_group=None,
-                               vocab_start=None, backend="auto", logits_dtype=None):
+                               vocab_start=None, backend="auto", logits_dtype=None,
+                               sampling_mask=None, top_k=None, top_p=None, min_p=None,
+                               return_full=False, entropy_over="full"):
     """pk.token_logprobs of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     to cap * tanh(x / cap) with logit_softcap, without storing them: chunks of chunk_size
     rows (None: about 256 MiB of logits per chunk); the backward recomputes each chunk's
@@ -561,6 +676,8 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     their dtype (docs/FROM_HIDDEN.md, "float32 logits"); float64 hidden states take None.
     Errors: a TypeError / ValueError naming the argument (temperature as in
     pk.token_logprobs; logits_dtype other than None / torch.float32).
+    sampling_mask, top_k, top_p, min_p, return_full, entropy_over: sampling replay, as in
+    pk.token_logprobs (docs/SAMPLING.md; not with tp_group).
     """
     if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
         return _as_head_forward(token_logprobs_from_hidden, locals())
@@ -577,11 +694,31 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
         require_kernels(be, shard)
         if shard is None:
             tokens2 = ck.token_range(tokens2, mask, w.shape[0])
-        return w, bias, shard, hidden3, tokens2, flat, mask, t, cap, chunk, be, ldt
+        rp = sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
+                                   None if shard is not None else w.shape[0])
+        ck.flag("return_full", return_full)
+        ck.choice("entropy_over", entropy_over, sampling.ENTROPY_OVER)
+        if rp is None and return_full:
+            raise ValueError("return_full: only with a kept set (sampling_mask, top_k, top_p "
+                             "or min_p)")
+        if rp is not None and shard is not None:
+            raise NotImplementedError("sampling replay with tp_group is not implemented yet")
+        if rp is not None:
+            sampling.require_number_temperature(t)
+        return w, bias, shard, hidden3, tokens2, flat, mask, t, cap, chunk, be, ldt, rp
 
     (lm_head_weight, lm_head_bias, shard, hidden3, tokens2, flat, mask, temperature, cap, chunk,
-     be, ldt) = checks_together(groups(tp_group=tp_group), checks,
-                                lambda r: {"tp_group": tuple(r[4].shape)})
+     be, ldt, rp) = checks_together(groups(tp_group=tp_group), checks,
+                                    lambda r: {"tp_group": tuple(r[4].shape)})
+    if rp is not None:
+        lp_k, ent_k, logp, ent, _, _, _ = replay_from_hidden(
+            be, hidden3, lm_head_weight, lm_head_bias, tokens2, mask, temperature, rp, cap,
+            chunk, ldt)
+        ent = ent_k if entropy_over == "kept" else ent
+        out = (lp_k, logp) if return_full else (lp_k,)
+        out = out + (ent,) if return_entropy else out
+        out = tuple(_squeeze(v, flat) for v in out)
+        return out if len(out) > 1 else out[0]
     if not be.is_kernel:
         logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, cap, mask, ldt)
         logp, ent = be.token_logprobs(logits, tokens2, mask, temperature, return_entropy)
@@ -668,6 +805,24 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
     x = weigh_loss(spec, x, pending)
     k = x.kernel  # the packed layout again, with cu_seqlens
     diff = (hidden3, lm_head_weight, lm_head_bias)
+    if x.replay is not None:
+        if shard is not None:
+            raise NotImplementedError("sampling replay with tp_group is not implemented yet")
+        # (the kept-set statistics chunk by chunk; the [B, T] loss by autograd on them, the
+        # backward recomputing each chunk's logits)
+        out = replay_from_hidden(x.be, hidden3, lm_head_weight, lm_head_bias, k(x.tokens),
+                                 k(x.mask), spec.temperature, x.replay, cap, chunk)
+        lp_k, ent_k, logp, ent, mass, size, missing = (x.padded(v) for v in out)
+        ent_sel = ent_k if spec.entropy_over == "kept" else ent
+        lp_kl = None if spec.kl_logprobs == "kept" else logp
+        if x.weights is None:
+            loss = per_token_loss(spec, x, lp_k, ent_sel, lp_kl)
+        else:
+            pol, _ = _torch_impl.token_losses(lp_k, ent_sel, x.old, x.adv, x.ref, x.isw,
+                                              x.mask, spec, x.behaviour, lp_kl)
+            loss = _torch_impl.aggregate(pol, ent_sel, x.mask, x.weights, x.w_ent, spec)
+        return loss, loss_metrics(spec, x, lp_k.detach(), ent_sel.detach(),
+                                  (logp.detach(), mass, size, missing))
     if x.weights is None:
         logp, ent = token_logprobs_from_hidden(
             hidden3, lm_head_weight, k(x.tokens), k(x.mask), lm_head_bias=lm_head_bias,
@@ -706,7 +861,9 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
                               chunk_size=None, kl_coef, kl_estimator="k1", gamma=1.0,
                               lam=0.95, value_lam=None, lam_alpha=None, temperature=1.0,
                               whiten=True, cu_seqlens=None, max_seqlen=None, tp_group=None,
-                              vocab_start=None, backend="auto", logits_dtype=None):
+                              vocab_start=None, backend="auto", logits_dtype=None,
+                              sampling_mask=None, top_k=None, top_p=None, min_p=None,
+                              kl_logprobs="full"):
     """pk.score_rollout of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     with logit_softcap, without storing them (docs/FROM_HIDDEN.md): the log-probs come from
     token_logprobs_from_hidden (chunks of chunk_size rows, no gradient), then the same
@@ -763,18 +920,42 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
     else:
         mask, ref, vals, kl_coef, gamma, lams = checked
         mask_k = mask
-        mask_k = mask
+    ck.choice("kl_logprobs", kl_logprobs, sampling.KL_LOGPROBS)
+    rp = sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
+                               None if shard is not None else lm_head_weight.shape[0], packing)
+    lp_k = None
     with torch.no_grad():
-        logp = token_logprobs_from_hidden(
-            hidden3.detach(), lm_head_weight.detach(), tokens2, mask_k,
-            lm_head_bias=None if lm_head_bias is None else lm_head_bias.detach(),
-            logit_softcap=logit_softcap, temperature=temperature, chunk_size=chunk_size,
-            tp_group=None if shard is None else shard.group,
-            vocab_start=None if shard is None else shard.start, backend=backend,
-            logits_dtype=logits_dtype)
-    if packing is None:
-        return rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator,
-                                     gamma, lams, whiten, backend)
-    r = rollout_from_logprobs(packing.pad(logp), ref, vals, scores, mask, kl_coef, kl_estimator,
+        kw = dict(lm_head_bias=None if lm_head_bias is None else lm_head_bias.detach(),
+                  logit_softcap=logit_softcap, temperature=temperature, chunk_size=chunk_size,
+                  tp_group=None if shard is None else shard.group,
+                  vocab_start=None if shard is None else shard.start, backend=backend,
+                  logits_dtype=logits_dtype)
+        if rp is None:
+            logp = token_logprobs_from_hidden(hidden3.detach(), lm_head_weight.detach(),
+                                              tokens2, mask_k, **kw)
+        else:
+            # (the packed layout's CSR rows and per-sequence parameters, already checked)
+            lp_k, logp = _replay_no_grad(hidden3, lm_head_weight, tokens2, mask_k, rp, kw)
+            if kl_logprobs == "kept":
+                logp = lp_k
+    pad = (lambda v: v) if packing is None else packing.pad
+    r = rollout_from_logprobs(pad(logp), ref, vals, scores, mask, kl_coef, kl_estimator,
                               gamma, lams, whiten, backend)
+    if lp_k is not None:
+        r = r._replace(logprobs=pad(lp_k).float())
+    if packing is None:
+        return r
     return type(r)(*(packed.unpadded(packing, x, tokens) for x in r))
+
+
+def _replay_no_grad(hidden3, weight, tokens2, mask, rp, kw):
+    """(logp_kept, logp) for kept sets already checked (score_rollout_from_hidden)."""
+    h, w, bias, _ = _head_shard(hidden3.detach(), weight.detach(), kw["lm_head_bias"], None,
+                                None)
+    cap, chunk = _head_options(h, w, kw["logit_softcap"], kw["chunk_size"])
+    be = get_backend(kw["backend"], h.device)
+    sampling.require_number_temperature(kw["temperature"])
+    out = replay_from_hidden(be, h, w, bias, tokens2, mask,
+                             ck.temperature(kw["temperature"], h), rp, cap, chunk,
+                             kw["logits_dtype"])
+    return out[0], out[2]

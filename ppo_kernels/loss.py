@@ -8,6 +8,7 @@ import torch
 
 from . import _checks as ck
 from . import _torch_impl, _two_phase, packed
+from . import sampling as _sampling
 from . import context_parallel as _cp
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
@@ -17,7 +18,9 @@ from .spec import LOSS_AGG_MODES, LossSpec
 
 
 def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
-                   return_entropy=False, tp_group=None, vocab_start=None, backend="auto"):
+                   return_entropy=False, tp_group=None, vocab_start=None, backend="auto",
+                   sampling_mask=None, top_k=None, top_p=None, min_p=None, return_full=False,
+                   entropy_over="full"):
     """Log-probabilities of the sampled tokens (and the policy entropy), from logits.
 
     logp_t = z[t, tokens_t] - logsumexp_v z[t, v] with z = logits / temperature;
@@ -45,9 +48,22 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
             even split; pass it for uneven splits).
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch" (a split vocabulary: the
             kernel backends only).
+        sampling_mask: sampling replay (docs/SAMPLING.md): a pk.SamplingMask(token_ids,
+            offsets), the inference engine's kept set of every position (CSR over the B * T
+            positions in row-major order, global ids; vLLM's --return-sampling-mask). The
+            log-probs are then renormalised over the kept set (vLLM's processed_logprobs);
+            the sampled token is always kept (added where the set lacks it).
+        top_k, top_p, min_p: the kept sets re-derived from the sampling parameters with
+            vLLM v1's sampler rules, applied to logits / temperature (a number, or one value
+            per sequence [B]; top_k >= 1, top_p in (0, 1], min_p in [0, 1)); not with
+            sampling_mask.
+        return_full: with a kept set, also return the full-vocabulary log-probs.
+        entropy_over: "full" | "kept": the distribution whose entropy return_entropy gives.
 
     Returns:
         logprobs [B, T] (nats), or (logprobs, entropy); float32 (float64 for float64 logits).
+        With a kept set, logprobs are logp_kept = z_y - logsumexp over the kept set, and
+        return_full=True gives (logp_kept, logp_full) or (logp_kept, logp_full, entropy).
 
     Raises:
         TypeError / ValueError naming the argument for wrong types, shapes, devices,
@@ -64,10 +80,32 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
         ck.flag("return_entropy", return_entropy)
         be = get_backend(backend, logits3.device)
         _vp.require_kernels(be, shard)
-        return logits3, shard, tokens2, flat, mask, t, be
+        rp = _sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
+                                    None if shard is not None else logits3.shape[2])
+        ck.flag("return_full", return_full)
+        ck.choice("entropy_over", entropy_over, _sampling.ENTROPY_OVER)
+        if rp is None and return_full:
+            raise ValueError("return_full: only with a kept set (sampling_mask, top_k, top_p "
+                             "or min_p)")
+        if rp is not None:
+            _sampling.require_number_temperature(t)
+        return logits3, shard, tokens2, flat, mask, t, be, rp
 
-    logits3, shard, tokens2, flat, mask, temperature, be = checks_together(
+    logits3, shard, tokens2, flat, mask, temperature, be, rp = checks_together(
         groups(tp_group=tp_group), checks, lambda r: {"tp_group": tuple(r[2].shape)})
+    if rp is not None:
+        if shard is not None:
+            lp_k, ent_k, logp, ent, _, _, _ = _sampling.vp_replay_logprobs(
+                be, logits3, tokens2, mask, temperature, rp, shard)
+        else:
+            tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
+            lp_k, ent_k, logp, ent, _, _, _ = _sampling.replay_logprobs(
+                be, logits3, tokens2, mask, temperature, rp)
+        ent = ent_k if entropy_over == "kept" else ent
+        out = (lp_k, logp) if return_full else (lp_k,)
+        out = out + (ent,) if return_entropy else out
+        out = tuple(v[0] for v in out) if flat else out
+        return out if len(out) > 1 else out[0]
     if shard is not None:
         logp, ent = _vp.token_logprobs(be, logits3, tokens2, mask, temperature, shard)
         ent = ent if return_entropy else None
@@ -90,7 +128,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              rollout_logprobs=None, rollout_correction=None, rollout_is_threshold=2.0,
              off_policy_mask_threshold=None, grad_scale=1.0, inplace_backward=False,
              cu_seqlens=None, max_seqlen=None, tp_group=None, vocab_start=None,
-             cp_group=None, return_per_token=False, backend="auto"):
+             cp_group=None, return_per_token=False, backend="auto", sampling_mask=None,
+             top_k=None, top_p=None, min_p=None, kl_logprobs="full", entropy_over="full"):
     """Fused PPO / GRPO policy loss straight from the logits, and its metrics.
 
     Per token (DESIGN.md): rho = exp(clamp(logp - old_logp, -20, 20)); the policy term of
@@ -198,6 +237,17 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             "per_token_logprobs" and "per_token_entropy" (a trainer's own per-sequence
             metrics need them; no extra pass).
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
+        sampling_mask, top_k, top_p, min_p: sampling replay, as in token_logprobs
+            (docs/SAMPLING.md): the kept set of every token, given (pk.SamplingMask) or
+            re-derived (vLLM v1's sampler rules). The policy ratio (every policy loss, GSPO's
+            sequence ratio, the off-policy mask) then uses logp_kept, the log-prob over the
+            kept set, as old_logprobs / rollout_logprobs from vLLM's processed_logprobs do;
+            the loss runs the two-phase path. With cu_seqlens the CSR rows are the packed
+            positions and per-sequence parameters are [S].
+        kl_logprobs: "full" | "kept": the log-probs of the KL to ref_logprobs (with a kept
+            set; default the full vocabulary's).
+        entropy_over: "full" | "kept": the distribution of the entropy term and metric
+            (with a kept set).
 
     Returns:
         (loss, metrics): loss a 0-d float32 tensor (float64 for float64 logits) or [B, T]
@@ -208,7 +258,9 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         seq_clip_frac (gspo, gspo-token), seq_ratio_mean / seq_ratio_max (the sequence
         ratio of gspo, gspo-token, vespo; over non-empty sequences), the rollout_*
         mismatch metrics (with rollout_logprobs) and off_policy_masked_frac (the fraction
-        of non-empty sequences the off-policy mask drops).
+        of non-empty sequences the off-policy mask drops); with a kept set kept_mass (the
+        mean of exp(lse_kept - lse_full)), kept_size_mean and mask_missing_token_frac (the
+        tokens whose given set lacked them).
 
     Raises:
         TypeError / ValueError naming the argument (see DESIGN.md, "Bad input");
@@ -236,17 +288,49 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         groups(tp_group=tp_group, cp_group=cp_group), checks, lambda r: agreed_sizes(r[3]),
         options)
     x = weigh_loss(spec, x, pending)
+    if x.replay is not None:
+        loss, logp, ent, aux = _replay_loss_of_logits(spec, x, logits3, shard)
+        return loss, loss_metrics(spec, x, logp, ent, aux)
     loss, logp, ent = _loss_of_logits(spec, x, logits3, shard)
     return loss, loss_metrics(spec, x, logp, ent)
+
+
+def _replay_loss_of_logits(spec, x, logits3, shard):
+    """(loss, logp_kept, H, aux) with a kept set (x.replay): the kernel backends' two-phase
+    path (the fused single pass has no kept set), or autograd through the kept-set
+    log-probs (the eager composite, and loss_agg_mode="none"). H is the entropy
+    spec.entropy_over names; aux: (full logp, kept mass, kept size, missing), [B, T]."""
+    k = x.kernel
+    if x.weights is not None and x.be.is_kernel:
+        loss, _, logp, ent, *aux = _two_phase.ppo_loss(x.be.prefix, logits3, spec, x, shard)
+        return loss, logp, ent, tuple(aux)
+    if shard is not None:
+        out = _sampling.vp_replay_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
+                                           spec.temperature, x.replay, shard)
+    else:
+        out = _sampling.replay_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
+                                        spec.temperature, x.replay)
+    lp_k, ent_k, logp, ent, mass, size, missing = (x.padded(v) for v in out)
+    ent_sel = ent_k if spec.entropy_over == "kept" else ent
+    lp_kl = None if spec.kl_logprobs == "kept" else logp
+    if x.weights is None:
+        loss = per_token_loss(spec, x, lp_k, ent_sel, lp_kl)
+    else:
+        pol, _ = _torch_impl.token_losses(lp_k, ent_sel, x.old, x.adv, x.ref, x.isw, x.mask,
+                                          spec, x.behaviour, lp_kl)
+        loss = _torch_impl.aggregate(pol, ent_sel, x.mask, x.weights, x.w_ent, spec)
+    return loss, lp_k.detach(), ent_sel.detach(), (logp.detach(), mass, size, missing)
 
 
 def two_phase(spec, x, shard):
     """Whether the loss takes the two-phase path (statistics pass, [B, T] middle, gradient
     pass; _two_phase.py) rather than the fused single pass: the per-token terms need every
     logp of their sequence first (GSPO's ratio, the off-policy mask's mean), or the row
-    statistics must be merged over a split vocabulary first. The one place this is decided,
-    for the logits and the hidden-state paths alike."""
-    return spec.sequence_loss or x.behaviour is not None or shard is not None
+    statistics must be merged over a split vocabulary first, or a kept set needs its own
+    statistics (sampling replay). The one place this is decided, for the logits and the
+    hidden-state paths alike."""
+    return (spec.sequence_loss or x.behaviour is not None or shard is not None
+            or x.replay is not None)
 
 
 def _loss_of_logits(spec, x, logits3, shard):
@@ -309,6 +393,7 @@ class LossInputs(NamedTuple):
     packing: Any  # packed.Packing (cu_seqlens: the tensors above are padded) or None
     # the per-row temperature [B, T] (1 on masked positions), or None: spec.temperature
     temperature: Any = None
+    replay: Any = None  # sampling.Replay (the kept sets, in the kernels' layout) or None
 
     def kernel_temperature(self, spec):
         """The temperature as the backends take it: spec.temperature, or the per-row tensor
@@ -328,7 +413,8 @@ class LossInputs(NamedTuple):
 
 _TENSOR_OPTIONS = ("old_logprobs", "advantages", "response_mask", "ref_logprobs",
                    "global_num_tokens", "global_num_seqs", "rollout_is_weights",
-                   "rollout_logprobs", "cu_seqlens", "max_seqlen", "backend")
+                   "rollout_logprobs", "cu_seqlens", "max_seqlen", "backend",
+                   "sampling_mask", "top_k", "top_p", "min_p")
 # (temperature is a LossSpec number, or a tensor that check_loss takes apart like the
 # per-token inputs)
 # the arguments ppo_loss reads itself (the logits' path, the split vocabulary)
@@ -367,6 +453,7 @@ def check_loss(like, vocab, tokens2, flat, options):
     rollout_logprobs = t["rollout_logprobs"]
     packing = None
     norm_length = spec.norm_length
+    tokens_k = tokens2  # the kernels' layout (packed with cu_seqlens)
     if t["cu_seqlens"] is not None:
         if tokens2.shape[0] != 1:
             raise ValueError(f"tokens: with cu_seqlens expected the packed layout [1, total] "
@@ -434,10 +521,14 @@ def check_loss(like, vocab, tokens2, flat, options):
     be = get_backend(t["backend"], like.device)
     if vocab is not None:
         tokens2 = ck.token_range(tokens2, mask, vocab)
+    replay = _sampling.check_replay(t["sampling_mask"], t["top_k"], t["top_p"], t["min_p"],
+                                    tokens_k, vocab, packing)
+    if replay is not None and temperature is not None:
+        _sampling.require_number_temperature(temperature)
     x = LossInputs(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref, isw=isw,
                    rollout=rollout, rc_w=None, behaviour=behaviour, weights=None, w_ent=None,
                    be=be, flat=out_flat if packing is not None else flat, packing=packing,
-                   temperature=temperature)
+                   temperature=temperature, replay=replay)
     return spec, x, dict(bounds=bounds, global_num_tokens=global_num_tokens,
                          global_num_seqs=global_num_seqs, norm_length=norm_length)
 
@@ -479,23 +570,34 @@ def prepare_loss(like, vocab, tokens2, flat, options):
     return spec, weigh_loss(spec, x, pending)
 
 
-def per_token_loss(spec, x, logp, ent):
+def per_token_loss(spec, x, logp, ent, logp_kl=None):
     """loss_agg_mode="none": the per-token loss [B, T] (or [N]) from differentiable logp,
-    H, 0 where masked."""
+    H, 0 where masked (logp_kl: the KL's log-probs where they are not logp)."""
     loss = torch.where(x.mask, _torch_impl.token_loss(logp, ent, x.old, x.adv, x.ref, x.isw,
-                                                      spec, x.mask, x.behaviour), 0.0)
+                                                      spec, x.mask, x.behaviour, logp_kl),
+                       0.0)
     loss = x.kernel(loss)  # (the packed layout again, with cu_seqlens)
     return loss[0] if x.flat else loss
 
 
-def loss_metrics(spec, x, logp, ent):
-    """ppo_loss's metrics dict from the per-token logp and entropy (DESIGN.md, Metrics)."""
-    metrics = _torch_impl.metrics(logp, ent, x.old, x.adv, x.ref, x.mask, spec)
+def loss_metrics(spec, x, logp, ent, aux=None):
+    """ppo_loss's metrics dict from the per-token logp and entropy (DESIGN.md, Metrics).
+    aux: with a kept set (sampling replay), (full logp, kept mass, kept size, missing)
+    [B, T]; logp is then logp_kept."""
+    logp_kl = None
+    if aux is not None and spec.kl_logprobs != "kept":
+        logp_kl = aux[0]
+    metrics = _torch_impl.metrics(logp, ent, x.old, x.adv, x.ref, x.mask, spec, logp_kl)
+    if aux is not None:
+        metrics.update(_sampling.replay_metrics(aux[1], aux[2], aux[3], x.mask))
     if x.rollout is not None and x.old is not None:
         metrics.update(_rc.metrics(x.old, x.rollout, x.mask, torch.ones_like(x.old)
                                    if x.rc_w is None else x.rc_w))
     if spec.return_per_token:
-        for name, v in (("per_token_logprobs", logp), ("per_token_entropy", ent)):
+        per_tok = [("per_token_logprobs", logp), ("per_token_entropy", ent)]
+        if aux is not None:
+            per_tok.append(("per_token_logprobs_full", aux[0]))
+        for name, v in per_tok:
             v = x.kernel(torch.where(x.mask, v.detach(), 0.0))
             metrics[name] = v[0] if x.flat else v
     if x.behaviour is not None:

@@ -124,6 +124,112 @@ def token_logprobs_grad(logits, tokens, response_mask, temperature, grad_logprob
     return out
 
 
+# ---------------------------------------------------------------- sampling replay
+
+def kept_from_csr(token_ids, offsets, shape):
+    """bool [B, T, V]: the CSR kept sets (docs/SAMPLING.md) as a dense mask."""
+    b, t, v = shape
+    ids, offs = _as_int(token_ids), _as_int(offsets)
+    kept = np.zeros((b * t, v), dtype=bool)
+    for i in range(b * t):
+        kept[i, ids[offs[i]:offs[i + 1]]] = True
+    return kept.reshape(b, t, v)
+
+
+def _per_row_param(x, b, t, default):
+    if x is None:
+        return np.full((b, t), default, dtype=np.float64)
+    x = as_f64(x)
+    if x.ndim == 0:
+        return np.full((b, t), float(x))
+    return np.broadcast_to(x.reshape(b, 1), (b, t)).astype(np.float64)
+
+
+def sampling_kept(logits, tokens, response_mask=None, temperature=1.0, *, top_k=None,
+                  top_p=None, min_p=None):
+    """bool [B, T, V]: the re-derived kept set of every row, vLLM v1's sampler as value
+    thresholds on z = logits / temperature (docs/SAMPLING.md), one row at a time:
+
+      min-p  keep p_j >= min_p * p_max (exp(z_j - z_max) >= min_p);
+      top-k  keep z_j >= the k-th largest z (ties with it kept);
+      top-p  over the survivors S of both: keep j iff sum_{i in S, z_i > z_j} p_i is
+             < top_p * sum_{i in S} p_i (the top group is always kept).
+    top_k / top_p / min_p: a number or one value per sequence [B]; None = off."""
+    z, tokens = _align(logits, tokens)
+    b, t, v = z.shape
+    m = _mask(response_mask, tokens.shape)
+    k = _per_row_param(top_k, b, t, v)
+    p = _per_row_param(top_p, b, t, 1.0)
+    mp = _per_row_param(min_p, b, t, 0.0)
+    kept = np.zeros(z.shape, dtype=bool)
+    for i in range(b):
+        for j in range(t):
+            if m[i, j] == 0:
+                continue
+            x = z[i, j]
+            d = (x - x.max()) / temperature
+            keep = np.ones(v, dtype=bool)
+            if mp[i, j] > 0:
+                keep &= np.exp(d) >= mp[i, j]
+            kk = int(min(k[i, j], v))
+            if kk < v:
+                keep &= x >= np.sort(x)[::-1][kk - 1]
+            if p[i, j] < 1:
+                e = np.where(keep, np.exp(d), 0.0)
+                above = np.array([e[x > xv].sum() for xv in x])
+                keep &= above < p[i, j] * e.sum()
+            kept[i, j] = keep
+    return kept
+
+
+def with_token(kept, tokens, response_mask=None):
+    """(kept with the sampled token of every valid row added, missing bool [B, T])."""
+    tokens = _as_int(tokens)
+    m = _mask(response_mask, tokens.shape) > 0
+    kept = np.array(kept, dtype=bool)
+    safe = np.where(m, tokens, 0)[..., None]
+    missing = ~np.take_along_axis(kept, safe, -1)[..., 0] & m
+    np.put_along_axis(kept, safe, True, -1)
+    return kept & m[..., None], missing
+
+
+def _kept_logits(logits, kept):
+    full = as_f64(logits).copy()
+    t = kept.shape[1]
+    full[:, :t] = np.where(kept, full[:, :t], -np.inf)
+    full[:, :t] = np.where(kept.any(-1, keepdims=True), full[:, :t], 0.0)  # masked rows
+    return full
+
+
+def kept_logprobs(logits, tokens, response_mask, temperature, kept):
+    """(logp_kept, entropy_kept) [B, T]: the log-softmax over the kept set (kept: bool
+    [B, T, V] with the sampled tokens in it, with_token), 0 where masked."""
+    return token_logprobs(_kept_logits(logits, kept), tokens, response_mask, temperature)
+
+
+def kept_logprobs_grad(logits, tokens, response_mask, temperature, kept, grad_logprobs,
+                       grad_entropy=None):
+    """d/dlogits of sum(g * logp_kept + g_H * H_kept): the softmax gradient of the kept set
+    (1[v = y] - p_kept_v on the kept entries, 0 elsewhere)."""
+    return token_logprobs_grad(_kept_logits(logits, kept), tokens, response_mask, temperature,
+                               grad_logprobs, grad_entropy)
+
+
+def kept_metrics(logits, tokens, response_mask, temperature, kept, missing=None):
+    """kept_mass (mean over valid tokens of exp(lse_kept - lse_full)), kept_size_mean and
+    mask_missing_token_frac (missing: with_token's; None counts nothing missing)."""
+    z, tokens = _align(logits, tokens)
+    m = _mask(response_mask, tokens.shape)
+    zs = z / temperature
+    lse_full = np.log(np.exp(zs - zs.max(-1, keepdims=True)).sum(-1)) + zs.max(-1)
+    zk = np.where(kept, zs, -np.inf)
+    mk = np.where(np.isfinite(zk.max(-1)), zk.max(-1), 0.0)
+    lse_kept = np.log(np.exp(zk - mk[..., None]).sum(-1)) + mk
+    return {"kept_mass": _masked_mean(np.exp(lse_kept - lse_full), m),
+            "kept_size_mean": _masked_mean(kept.sum(-1), m),
+            "mask_missing_token_frac": 0.0 if missing is None else _masked_mean(missing, m)}
+
+
 # ---------------------------------------------------------------- per-token PPO terms
 
 def _clip_surrogate(r, a, eps_low, eps_high, dual_clip_c):
@@ -333,8 +439,14 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              sapo_tau_pos=1.0, sapo_tau_neg=1.05, kl_bias_correction=False,
              entropy_agg_mode=None, rollout_logprobs=None, rollout_correction=None,
              rollout_is_threshold=2.0, off_policy_mask_threshold=None, vespo_k_pos=2.0,
-             vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0):
+             vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, kept=None,
+             kl_logprobs="full", entropy_over="full"):
     """Returns (loss, metrics, dlogits).
+
+    kept (sampling replay, docs/SAMPLING.md): bool [B, T, V], the kept sets with the sampled
+    tokens in them (with_token); the ratio (every policy loss, GSPO's sequence ratio, the
+    off-policy mask) then uses logp_kept, the KL logp_kept for kl_logprobs="kept" (else the
+    full logp), the entropy H_kept for entropy_over="kept" (else the full H).
 
     loss = sum_t w_t (is_w_t pg_t + kl_coef kl_t [* r_t]) - entropy_coef sum_t w'_t H_t with
     w from loss_agg_mode and w' from entropy_agg_mode (default: loss_agg_mode), r the ratio
@@ -347,7 +459,13 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     """
     tokens = _as_int(tokens)
     m = _mask(response_mask, tokens.shape)
-    logp, ent = token_logprobs(logits, tokens, m, temperature)
+    logp_full, ent_full = token_logprobs(logits, tokens, m, temperature)
+    if kept is None:
+        logp, ent, logp_kl = logp_full, ent_full, logp_full
+    else:  # the ratio over the kept set; the KL and the entropy as asked
+        logp, ent_kept = kept_logprobs(logits, tokens, m, temperature, kept)
+        logp_kl = logp if kl_logprobs == "kept" else logp_full
+        ent = ent_kept if entropy_over == "kept" else ent_full
     old = logp if old_logprobs is None else as_f64(old_logprobs)
     g = pg_terms(logp, old, _per_token(advantages, m), clip_eps_low, clip_eps_high,
                  dual_clip_c, policy_loss=policy_loss, sapo_tau_pos=sapo_tau_pos,
@@ -379,12 +497,13 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     r = g["ratio"]
     kl, dkl = np.zeros_like(logp), np.zeros_like(logp)
     if ref_logprobs is not None:
-        kl, dkl = kl_terms(logp, ref_logprobs, kl_estimator)
+        kl, dkl = kl_terms(logp_kl, ref_logprobs, kl_estimator)
     kl_tok = kl * r if kl_bias_correction else kl
     loss_tok = (isw * g["pg"] + kl_coef * kl_tok - entropy_coef * ent) * m
-    # d (sum_t w_t loss_t) / d logp_u: the token's own terms ...
-    dlogp = w * (isw * g["dpg"] + kl_coef * (dkl * r + kl * g["dratio"] if kl_bias_correction
-                                             else dkl))
+    # d (sum_t w_t loss_t) / d logp_u (the ratio's log-prob) and d / d logp_kl_u: the
+    # token's own terms ...
+    dlogp = w * (isw * g["dpg"] + (kl_coef * kl * g["dratio"] if kl_bias_correction else 0.0))
+    dlogp_kl = w * kl_coef * (dkl * r if kl_bias_correction else dkl)
     if policy_loss == "gspo":
         # ... plus the sequence ratio's: d s_i / d logp_u = s_i m_u / L_i for every valid
         # token u of sequence i (0 where the sequence's log-ratio was clamped)
@@ -394,7 +513,16 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         dlogp = dlogp + m * coef * g["ds"] / np.maximum(m.sum(-1, keepdims=True), 1.0)
     loss = loss_tok if loss_agg_mode == "none" else float(
         (w * (loss_tok + entropy_coef * ent * m)).sum() - entropy_coef * (w_ent * ent * m).sum())
-    dlogits = token_logprobs_grad(logits, tokens, m, temperature, dlogp, -w_ent * entropy_coef)
+    dent = -w_ent * entropy_coef
+    if kept is None:
+        dlogits = token_logprobs_grad(logits, tokens, m, temperature, dlogp + dlogp_kl, dent)
+    else:
+        kl_kept, ent_kept_ = kl_logprobs == "kept", entropy_over == "kept"
+        dlogits = token_logprobs_grad(
+            logits, tokens, m, temperature, 0.0 * dlogp if kl_kept else dlogp_kl,
+            None if ent_kept_ else dent) + kept_logprobs_grad(
+            logits, tokens, m, temperature, kept, dlogp + dlogp_kl if kl_kept else dlogp,
+            dent if ent_kept_ else None)
     rho = np.exp(g["log_ratio"])  # the token ratio under every loss
     metrics = {
         "num_tokens": float(m.sum()),
@@ -416,6 +544,8 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         metrics["seq_ratio_max"] = float(s_seq[nonempty].max()) if nonempty.any() else 0.0
     if policy_loss == "cispo":
         metrics["cispo_clip_frac"] = _masked_mean(g["cispo_clip"], m)
+    if kept is not None:
+        metrics.update(kept_metrics(logits, tokens, m, temperature, kept))
     if rollout_logprobs is not None and old_logprobs is not None:
         ell = np.clip(old - as_f64(rollout_logprobs), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * m
         w_all = m if rc_w is None else rc_w

@@ -84,6 +84,11 @@ class LossSpec:
     inplace_backward: bool = False
     return_per_token: bool = False
     cp_group: Any = None
+    # sampling replay (docs/SAMPLING.md): the log-probs of the KL to the reference and the
+    # distribution of the entropy, "full" (the whole vocabulary) or "kept" (the kept set);
+    # read only when a kept set is given (sampling_mask, top_k / top_p / min_p)
+    kl_logprobs: str = "full"
+    entropy_over: str = "full"
 
     @classmethod
     def build(cls, dtype=torch.float32, **options):
@@ -151,6 +156,8 @@ class LossSpec:
                                                lo_open=True)
         ck.flag("inplace_backward", o["inplace_backward"])
         ck.flag("return_per_token", o["return_per_token"])
+        ck.choice("kl_logprobs", o["kl_logprobs"], ("full", "kept"))
+        ck.choice("entropy_over", o["entropy_over"], ("full", "kept"))
         # (one constructor call from a plain dict: torch.compile traces it)
         return cls(**{**o, **checked})
 

@@ -48,13 +48,17 @@ class VocabShard:
         own = (local >= 0) & (local < self.v_local)
         return torch.where(own, local, 0), own
 
-    def merge(self, logp_r, ent_r, row_max, log_sum, own, mask, temperature, tokens=None):
+    def merge(self, logp_r, ent_r, row_max, log_sum, own, mask, temperature, tokens=None,
+              extra=None):
         """The whole row's (logp, H or None, row max, log_sum) [B, T] from this shard's
         kernel outputs; one all-gather, which also carries every rank's (vocab_start, V_r)
         so that shards that overlap or leave a gap are caught, and every rank's mask and
         (global) token ids, which must be the same on every rank. Those, and valid rows
         whose token no shard holds, are a ValueError on CPU tensors (on every rank alike:
-        each sees the same gathered numbers), an asynchronous device assertion elsewhere."""
+        each sees the same gathered numbers), an asynchronous device assertion elsewhere.
+        extra: [B, T, k] more per-row numbers of this rank carried by the same all-gather
+        (sampling replay's kept-set partials, ppo_kernels/sampling.py); then every rank's
+        [tp, B, T, k] comes back as a fifth result."""
         has_ent = ent_r is not None and ent_r.numel() > 0
         # a row whose whole shard is -inf (banned) holds no mass here: the kernel's log_sum
         # and entropy of it are NaN, and must not reach the merge
@@ -68,11 +72,15 @@ class VocabShard:
             # the id (-1 where masked), for the check that every rank has the same ones
             torch.where(mask, (tokens if tokens is not None else zero).to(row_max.dtype),
                         -1.0)], dim=-1).reshape(-1, 6)
-        layout = part.new_tensor([[self.start, self.v_local, 0.0, 0.0, 0.0, 0.0]])
-        parts = all_gather(torch.cat([part, layout]), self.group)  # [tp, N + 1, 6]
+        k = 0 if extra is None else extra.shape[-1]
+        if k:
+            part = torch.cat([part, extra.to(part.dtype).reshape(-1, k)], dim=1)
+        layout = part.new_zeros((1, 6 + k))
+        layout[0, 0], layout[0, 1] = self.start, self.v_local
+        parts = all_gather(torch.cat([part, layout]), self.group)  # [tp, N + 1, 6 + k]
         _check_layout(parts[:, -1, 0], parts[:, -1, 1])
-        mx, ls, h, d, owners, ids = parts[:, :-1].reshape((self.size,) + tuple(mask.shape) +
-                                                          (6,)).unbind(-1)
+        rows = parts[:, :-1].reshape((self.size,) + tuple(mask.shape) + (6 + k,))
+        mx, ls, h, d, owners, ids = rows[..., :6].unbind(-1)
         if tokens is not None:
             _check_same_tokens(ids)
         big = mx.max(0).values
@@ -90,6 +98,8 @@ class VocabShard:
             ent = (w * h).sum(0) - torch.where(w > 0, w * log_w, 0.0).sum(0)
             ent = torch.where(mask, ent, 0.0)
         _check_owners(owners.sum(0), mask, self.start, self.v_local)
+        if k:
+            return torch.where(mask, logp, 0.0), ent, big, ls_all, rows[..., 6:]
         return torch.where(mask, logp, 0.0), ent, big, ls_all
 
     def fix_placeholder_(self, dz, logits, own, mask, dlogp, dent, row_max, log_sum, ent,

@@ -50,7 +50,9 @@ def test_schemas_match_ops_cpp():
         cpp[name.strip()] = "(" + rest
     assert set(cpp) == {"token_logprobs_fwd", "token_logprobs_bwd", "ppo_loss_fwd",
                         "ppo_loss_fwd_inplace", "scale_grad_", "gae", "score_rollout",
-                        "distill_fwd"}
+                        "distill_fwd",
+                        # sampling replay (docs/SAMPLING.md)
+                        "sampling_threshold", "kept_logprobs_fwd", "kept_logprobs_bwd_"}
     def norm(s):
         """Whitespace-normalised; output names dropped (some torch versions ignore the
         schema given to triton_op and infer it from the annotations, which name no

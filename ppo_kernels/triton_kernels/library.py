@@ -24,6 +24,9 @@ from .logprobs import token_logprobs_fwd as _token_logprobs_fwd
 from .ppo_loss import ppo_loss_fwd as _ppo_loss_fwd
 from .ppo_loss import ppo_loss_fwd_inplace as _ppo_loss_fwd_inplace
 from .ppo_loss import scale_grad_ as _scale_grad_
+from .sampling import kept_logprobs_bwd_ as _kept_logprobs_bwd_
+from .sampling import kept_logprobs_fwd as _kept_logprobs_fwd
+from .sampling import sampling_threshold as _sampling_threshold
 
 NAMESPACE = "ppo_kernels"
 
@@ -61,6 +64,19 @@ SCHEMAS = {
         "float lam, float temperature, Tensor? lam_per_seq=None, float? value_lam=None, "
         "Tensor? temperatures=None) "
         "-> (Tensor logprobs, Tensor kl, Tensor rewards, Tensor advantages, Tensor returns)",
+    "triton_sampling_threshold":
+        "(Tensor logits, Tensor mask, float temperature, Tensor? top_k, "
+        "Tensor? top_p, Tensor? min_p) -> Tensor",
+    "triton_kept_logprobs_fwd":
+        "(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
+        "Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold) -> (Tensor logprobs, "
+        "Tensor entropy, Tensor kept_max, Tensor kept_log_sum, Tensor kept_size, "
+        "Tensor missing)",
+    "triton_kept_logprobs_bwd_":
+        "(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
+        "Tensor tokens, Tensor mask, Tensor kept_max, Tensor kept_log_sum, Tensor entropy, "
+        "float temperature, Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, "
+        "Tensor(a!) dlogits) -> ()",
 }
 
 
@@ -121,6 +137,30 @@ def score_rollout(logits: Tensor, tokens: Tensor, mask: Tensor, ref_logprobs: Te
                           temperatures=temperatures)
 
 
+def sampling_threshold(logits: Tensor, mask: Tensor, temperature: float,
+                       top_k: Optional[Tensor], top_p: Optional[Tensor],
+                       min_p: Optional[Tensor]) -> Tensor:
+    return _sampling_threshold(logits, mask, temperature, top_k, top_p, min_p)
+
+
+def kept_logprobs_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, temperature: float,
+                      kept_ids: Optional[Tensor], kept_offsets: Optional[Tensor],
+                      threshold: Optional[Tensor]
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets,
+                              threshold)
+
+
+def kept_logprobs_bwd_(grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits: Tensor,
+                       tokens: Tensor, mask: Tensor, kept_max: Tensor, kept_log_sum: Tensor,
+                       entropy: Tensor, temperature: float, kept_ids: Optional[Tensor],
+                       kept_offsets: Optional[Tensor], threshold: Optional[Tensor],
+                       dlogits: Tensor) -> None:
+    _kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max,
+                        kept_log_sum, entropy, temperature, kept_ids, kept_offsets, threshold,
+                        dlogits)
+
+
 _IMPLS = {
     "triton_token_logprobs_fwd": (token_logprobs_fwd, ()),
     "triton_token_logprobs_bwd": (token_logprobs_bwd, ()),
@@ -129,6 +169,9 @@ _IMPLS = {
     "triton_scale_grad_": (scale_grad_, ("grad", "applied")),
     "triton_gae": (gae, ()),
     "triton_score_rollout": (score_rollout, ()),
+    "triton_sampling_threshold": (sampling_threshold, ()),
+    "triton_kept_logprobs_fwd": (kept_logprobs_fwd, ()),
+    "triton_kept_logprobs_bwd_": (kept_logprobs_bwd_, ("dlogits",)),
 }
 
 # top-k distillation (triton_kernels/distill.py; the C++ schema appended to csrc/ops.cpp)

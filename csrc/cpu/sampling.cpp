@@ -1,0 +1,402 @@
+// Sampling replay on the CPU (docs/SAMPLING.md): the kept set of an inference engine's
+// truncated sampling distribution, and the log-probs / entropy / gradient over it.
+//
+// A row's kept set K is either given (CSR: kept_ids[kept_offsets[i] .. kept_offsets[i+1]),
+// global vocabulary ids, unique) or a value threshold on the row's raw logits (K = {j :
+// x_j >= threshold_i}; sampling_threshold computes it from vLLM v1's top-k / top-p / min-p
+// rules). The sampled token is always in K (added when the set lacks it: `missing`).
+//
+// kept_logprobs_fwd: logp_kept = z_y - log sum_{j in K} exp(z_j), z = x / temperature, and
+// the entropy of the kept-set softmax, with the statistics the backward needs (kept_max,
+// kept_log_sum: the convention of token_logprobs_fwd's row_max / log_sum, over K).
+// kept_logprobs_bwd_: dlogits += d/dx of sum(g * logp_kept + g_H * H_kept), only on K.
+// Scalar loops (one row per task); the sums are taken in double.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace ppo_cpu {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// The kept set of row i, walked by `each(j)` (the sampled token once, even when absent).
+struct KeptSet {
+  bool csr = false;                 // CSR ids (else a threshold)
+  const int64_t* ids = nullptr;     // (nullptr for nnz = 0)
+  const int64_t* offsets = nullptr;
+  const double* thr = nullptr;      // per-row threshold (raw logit units), or nullptr
+  int64_t V = 0;
+
+  template <typename scalar_t, typename F>
+  bool each(const scalar_t* x, int64_t i, int64_t y, F&& f) const {
+    bool found = false;
+    if (csr) {
+      for (int64_t k = offsets[i]; k < offsets[i + 1]; ++k) {
+        const int64_t j = ids[k];
+        found |= (j == y);
+        f(j);
+      }
+    } else {
+      const double t = thr[i];
+      for (int64_t j = 0; j < V; ++j) {
+        if (static_cast<double>(x[j]) >= t) {
+          found |= (j == y);
+          f(j);
+        }
+      }
+    }
+    if (!found) f(y);
+    return !found;
+  }
+};
+
+KeptSet kept_set(const std::optional<at::Tensor>& ids, const std::optional<at::Tensor>& offs,
+                 const std::optional<at::Tensor>& thr, int64_t N, int64_t V,
+                 at::Tensor& ids_c, at::Tensor& offs_c, at::Tensor& thr_c) {
+  KeptSet s;
+  s.V = V;
+  TORCH_CHECK(ids.has_value() == offs.has_value(),
+              "kept_ids / kept_offsets: give both or neither");
+  TORCH_CHECK(ids.has_value() != thr.has_value(),
+              "sampling mask: give exactly one of (kept_ids, kept_offsets) and threshold");
+  if (ids.has_value()) {
+    ids_c = ids->contiguous();
+    offs_c = offs->contiguous();
+    TORCH_CHECK(ids_c.scalar_type() == at::kLong && ids_c.dim() == 1,
+                "kept_ids: expected int64 [nnz]");
+    TORCH_CHECK(offs_c.scalar_type() == at::kLong && offs_c.dim() == 1 &&
+                    offs_c.size(0) == N + 1,
+                "kept_offsets: expected int64 [N + 1] with N = ", N, ", got ", offs_c.sizes());
+    s.csr = true;
+    s.ids = ids_c.data_ptr<int64_t>();
+    s.offsets = offs_c.data_ptr<int64_t>();
+    TORCH_CHECK(s.offsets[0] == 0 && s.offsets[N] == ids_c.size(0),
+                "kept_offsets: must start at 0 and end at nnz = ", ids_c.size(0));
+    for (int64_t i = 0; i < N; ++i)
+      TORCH_CHECK(s.offsets[i] <= s.offsets[i + 1], "kept_offsets: not non-decreasing at ", i);
+    for (int64_t k = 0; k < ids_c.size(0); ++k)
+      TORCH_CHECK(s.ids[k] >= 0 && s.ids[k] < V, "kept_ids: id ", s.ids[k], " out of [0, ", V,
+                  ")");
+  } else {
+    thr_c = thr->contiguous();
+    TORCH_CHECK(thr_c.scalar_type() == at::kDouble && thr_c.numel() == N,
+                "threshold: expected float64 [B, T]");
+    s.thr = thr_c.data_ptr<double>();
+  }
+  return s;
+}
+
+// Rows per task: a CSR row is k entries (tiny: one thread takes many rows, no wake-up of
+// the pool for a few thousand reads), a threshold row a sweep of V.
+int64_t kept_grain(const KeptSet& s, int64_t N) {
+  if (!s.csr || N == 0) return 1;
+  const int64_t mean_k = 1 + s.offsets[N] / N;
+  return std::max<int64_t>(1, 16384 / mean_k);
+}
+
+// ------------------------------------------------------------------ sampling_threshold
+
+// The per-row value threshold of vLLM v1's sampler on z = x / temperature (docs/SAMPLING.md):
+// min-p keeps exp(z_j - z_max) >= min_p; top-k keeps x_j >= the k-th largest x (ties kept);
+// top-p, over the survivors S of both, keeps j iff the mass of S strictly above x_j is
+// < top_p * mass(S) (the top group always). Returns the smallest kept value, or -inf when
+// nothing is cut. Top-k: a size-k min-heap over the row for k <= V / 8 (one comparison for
+// most entries), std::nth_element beyond.
+template <typename scalar_t>
+double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double p,
+                     double min_p, std::vector<double>& w) {
+  double mx = -kInf;
+  for (int64_t j = 0; j < V; ++j) mx = std::max(mx, static_cast<double>(x[j]));
+  if (!std::isfinite(mx)) return -kInf;
+  double t = -kInf;
+  auto d = [&](double v) { return (v - mx) * inv; };
+  if (min_p > 0.0) {
+    const double lo = std::log(min_p);
+    double smallest = mx;
+    for (int64_t j = 0; j < V; ++j) {
+      const double v = static_cast<double>(x[j]);
+      if (d(v) >= lo && v < smallest) smallest = v;
+    }
+    t = smallest;
+  }
+  if (k > 0 && k < V) {
+    if (k <= V / 8) {
+      // the k largest in a min-heap: after it fills, most entries cost one comparison
+      w.clear();
+      w.reserve(k);
+      for (int64_t j = 0; j < V; ++j) {
+        const double v = static_cast<double>(x[j]);
+        if (static_cast<int64_t>(w.size()) < k) {
+          w.push_back(v);
+          std::push_heap(w.begin(), w.end(), std::greater<double>());
+        } else if (v > w.front()) {
+          std::pop_heap(w.begin(), w.end(), std::greater<double>());
+          w.back() = v;
+          std::push_heap(w.begin(), w.end(), std::greater<double>());
+        }
+      }
+      t = std::max(t, w.front());
+    } else {
+      w.resize(V);
+      for (int64_t j = 0; j < V; ++j) w[j] = static_cast<double>(x[j]);
+      std::nth_element(w.begin(), w.begin() + (k - 1), w.end(), std::greater<double>());
+      t = std::max(t, w[k - 1]);
+    }
+  }
+  if (p < 1.0) {
+    w.clear();
+    double z = 0.0;
+    for (int64_t j = 0; j < V; ++j) {
+      const double v = static_cast<double>(x[j]);
+      if (v >= t) {
+        w.push_back(v);
+        z += std::exp(d(v));
+      }
+    }
+    const double target = p * z;
+    const int64_t n = static_cast<int64_t>(w.size());
+    int64_t m = std::min<int64_t>(n, 64);
+    for (;;) {
+      std::partial_sort(w.begin(), w.begin() + m, w.end(), std::greater<double>());
+      double above = 0.0, last = w[0];
+      int64_t i = 0;
+      bool done = false, grow = false;
+      while (i < n) {
+        const double v = w[i];
+        if (above >= target) {  // this group and everything below it are cut
+          done = true;
+          break;
+        }
+        // the group of entries equal to v (it must be whole within the sorted prefix)
+        int64_t e = i;
+        double g = 0.0;
+        while (e < m && w[e] == v) g += std::exp(d(w[e++]));
+        if (e == m && m < n) {
+          grow = true;
+          break;
+        }
+        above += g;
+        last = v;
+        i = e;
+      }
+      if (grow) {
+        m = std::min<int64_t>(n, m * 4);
+        continue;
+      }
+      (void)done;
+      t = std::max(t, last);
+      break;
+    }
+  }
+  return t;
+}
+
+at::Tensor sampling_threshold(const at::Tensor& logits, const at::Tensor& mask_in,
+                              double temperature, const std::optional<at::Tensor>& top_k,
+                              const std::optional<at::Tensor>& top_p,
+                              const std::optional<at::Tensor>& min_p) {
+  const at::Tensor mask = mask_in.contiguous();
+  TORCH_CHECK(logits.dim() == 3 && logits.stride(2) == 1, "logits: expected [B, Tl, V]");
+  TORCH_CHECK(mask.dim() == 2 && mask.scalar_type() == at::kBool, "mask: expected bool [B, T]");
+  check_temperature(temperature);
+  const int64_t B = logits.size(0), T = mask.size(1), V = logits.size(2), N = B * T;
+  TORCH_CHECK(mask.size(0) == B && T <= logits.size(1), "mask: does not match logits");
+  at::Tensor k_c, p_c, mp_c;
+  const int64_t* K = nullptr;
+  const double *P = nullptr, *MP = nullptr;
+  if (top_k.has_value()) {
+    k_c = top_k->contiguous();
+    TORCH_CHECK(k_c.scalar_type() == at::kLong && k_c.numel() == N, "top_k: expected int64 [B, T]");
+    K = k_c.data_ptr<int64_t>();
+  }
+  if (top_p.has_value()) {
+    p_c = top_p->contiguous();
+    TORCH_CHECK(p_c.scalar_type() == at::kDouble && p_c.numel() == N,
+                "top_p: expected float64 [B, T]");
+    P = p_c.data_ptr<double>();
+  }
+  if (min_p.has_value()) {
+    mp_c = min_p->contiguous();
+    TORCH_CHECK(mp_c.scalar_type() == at::kDouble && mp_c.numel() == N,
+                "min_p: expected float64 [B, T]");
+    MP = mp_c.data_ptr<double>();
+  }
+  const bool* m = mask.data_ptr<bool>();
+  at::Tensor out = at::empty({B, T}, logits.options().dtype(at::kDouble));
+  double* o = out.data_ptr<double>();
+  const int64_t sB = logits.stride(0), sT = logits.stride(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
+                                  "sampling_threshold", [&] {
+    const scalar_t* L = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      std::vector<double> w;
+      for (int64_t i = begin; i < end; ++i) {
+        if (!m[i]) {
+          o[i] = -kInf;
+          continue;
+        }
+        const scalar_t* x = L + (i / T) * sB + (i % T) * sT;
+        o[i] = row_threshold(x, V, 1.0 / temperature, K ? K[i] : 0, P ? P[i] : 1.0,
+                             MP ? MP[i] : 0.0, w);
+      }
+    });
+  });
+  return out;
+}
+
+// ------------------------------------------------------------------ kept log-probs
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
+                  double temperature, const std::optional<at::Tensor>& kept_ids,
+                  const std::optional<at::Tensor>& kept_offsets,
+                  const std::optional<at::Tensor>& threshold) {
+  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
+  const Rows r(logits, tokens, mask);
+  check_temperature(temperature);
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const bool* m = mask.data_ptr<bool>();
+  r.check_tokens(tok, m);
+  at::Tensor ids_c, offs_c, thr_c;
+  const KeptSet ks = kept_set(kept_ids, kept_offsets, threshold, r.B * r.T, r.V, ids_c, offs_c,
+                              thr_c);
+  const auto opts = logits.options().dtype(acc_type(logits));
+  at::Tensor logp = at::empty({r.B, r.T}, opts), ent = at::empty({r.B, r.T}, opts);
+  at::Tensor kmax = at::empty({r.B, r.T}, opts), kls = at::empty({r.B, r.T}, opts);
+  at::Tensor size = at::empty({r.B, r.T}, opts.dtype(at::kLong));
+  at::Tensor missing = at::empty({r.B, r.T}, opts.dtype(at::kBool));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
+                                  "kept_logprobs_fwd", [&] {
+    using T = acc_of<scalar_t>;
+    const scalar_t* L = logits.data_ptr<scalar_t>();
+    T *lp = logp.data_ptr<T>(), *en = ent.data_ptr<T>(), *mx = kmax.data_ptr<T>(),
+      *ls = kls.data_ptr<T>();
+    int64_t* sz = size.data_ptr<int64_t>();
+    bool* miss = missing.data_ptr<bool>();
+    const double inv = 1.0 / temperature;
+    at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (!m[i]) {
+          lp[i] = en[i] = mx[i] = ls[i] = T(0);
+          sz[i] = 0;
+          miss[i] = false;
+          continue;
+        }
+        const scalar_t* x = L + r.offset(i);
+        const int64_t y = tok[i];
+        double top = -kInf;
+        int64_t top_j = -1, n = 0;
+        miss[i] = ks.each(x, i, y, [&](int64_t j) {
+          const double v = static_cast<double>(x[j]);
+          if (top_j < 0 || v > top || std::isnan(v)) top = v, top_j = j;
+          ++n;
+        });
+        sz[i] = n;
+        // the top entry's exp(0) = 1 is kept apart: log_sum = log1p(rest) (row_kernels.h)
+        double rest = 0.0, sd = 0.0;
+        bool skipped = false;
+        ks.each(x, i, y, [&](int64_t j) {
+          const double dj = (static_cast<double>(x[j]) - top) * inv;
+          const double e = std::exp(dj);
+          if (j == top_j && !skipped) {
+            skipped = true;
+          } else {
+            rest += e;
+          }
+          if (e > 0) sd += e * dj;
+        });
+        const double log_sum = std::log1p(rest);
+        const double dy = (static_cast<double>(x[y]) - top) * inv;
+        lp[i] = static_cast<T>(dy - log_sum);
+        en[i] = static_cast<T>(log_sum - sd / (1.0 + rest));
+        mx[i] = static_cast<T>(top);
+        ls[i] = static_cast<T>(log_sum);
+      }
+    });
+  });
+  return {logp, ent, kmax, kls, size, missing};
+}
+
+// dlogits += d/dlogits of sum(grad_logprobs * logp_kept + grad_entropy * H_kept), on the
+// kept entries of each valid row (dlogits: logits' shape and dtype, contiguous).
+void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
+                        const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
+                        const at::Tensor& tokens_in, const at::Tensor& mask_in,
+                        const at::Tensor& kept_max, const at::Tensor& kept_log_sum,
+                        const at::Tensor& entropy, double temperature,
+                        const std::optional<at::Tensor>& kept_ids,
+                        const std::optional<at::Tensor>& kept_offsets,
+                        const std::optional<at::Tensor>& threshold, at::Tensor& dlogits) {
+  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
+  const Rows r(logits, tokens, mask);
+  check_temperature(temperature);
+  const at::ScalarType acc = acc_type(logits);
+  check_per_token(grad_logprobs, "grad_logprobs", tokens, acc);
+  check_per_token(kept_max, "kept_max", tokens, acc);
+  check_per_token(kept_log_sum, "kept_log_sum", tokens, acc);
+  const bool has_ge = grad_entropy.has_value();
+  if (has_ge) {
+    check_per_token(*grad_entropy, "grad_entropy", tokens, acc);
+    check_per_token(entropy, "entropy", tokens, acc);
+  }
+  TORCH_CHECK(dlogits.sizes() == logits.sizes() && dlogits.scalar_type() == logits.scalar_type()
+                  && dlogits.is_contiguous(),
+              "dlogits: expected a contiguous tensor of the logits' shape and dtype");
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  const bool* m = mask.data_ptr<bool>();
+  at::Tensor ids_c, offs_c, thr_c;
+  const KeptSet ks = kept_set(kept_ids, kept_offsets, threshold, r.B * r.T, r.V, ids_c, offs_c,
+                              thr_c);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
+                                  "kept_logprobs_bwd_", [&] {
+    using T = acc_of<scalar_t>;
+    const scalar_t* L = logits.data_ptr<scalar_t>();
+    scalar_t* O = dlogits.data_ptr<scalar_t>();
+    const T* gl = grad_logprobs.data_ptr<T>();
+    const T* ge = has_ge ? grad_entropy->data_ptr<T>() : nullptr;
+    const T* H = has_ge ? entropy.data_ptr<T>() : nullptr;
+    const T *mx = kept_max.data_ptr<T>(), *ls = kept_log_sum.data_ptr<T>();
+    const double inv = 1.0 / temperature;
+    at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const double g = gl[i], gh = ge ? static_cast<double>(ge[i]) : 0.0;
+        if (!m[i] || (g == 0.0 && gh == 0.0)) continue;
+        const scalar_t* x = L + r.offset(i);
+        scalar_t* o = O + ((i / r.T) * r.Tl + (i % r.T)) * r.V;
+        const int64_t y = tok[i];
+        const double top = mx[i], log_sum = ls[i], h = H ? static_cast<double>(H[i]) : 0.0;
+        ks.each(x, i, y, [&](int64_t j) {
+          const double lpj = (static_cast<double>(x[j]) - top) * inv - log_sum;
+          const double pj = std::exp(lpj);
+          // d logp_y / d z_j = 1[j = y] - p_j (1 - p_y as -expm1(log p_y)); d H / d z_j =
+          // -p_j (log p_j + H)
+          double dz = (j == y ? -g * std::expm1(lpj) : -g * pj);
+          if (gh != 0.0 && pj > 0) dz -= gh * pj * (lpj + h);
+          o[j] = static_cast<scalar_t>(static_cast<double>(o[j]) + dz * inv);
+        });
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ppo_kernels, CPU, m) {
+  m.impl("sampling_threshold", &sampling_threshold);
+  m.impl("kept_logprobs_fwd", &kept_logprobs_fwd);
+  m.impl("kept_logprobs_bwd_", &kept_logprobs_bwd_);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace ppo_cpu

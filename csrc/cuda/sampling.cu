@@ -1,0 +1,360 @@
+// CUDA sampling replay (docs/SAMPLING.md; schemas in csrc/ops.cpp): the same formulas as
+// csrc/cpu/sampling.cpp. UNRUN: written and compile-checked without a GPU.
+//
+// kept_logprobs_fwd / kept_logprobs_bwd_: one block per row; the kept set is the row's CSR
+// ids (kept_ids[kept_offsets[r] .. kept_offsets[r + 1])) or the entries x_j >= threshold[r];
+// the sampled token is always in it. Two block reductions per row in the forward (the kept
+// max; then the non-top mass, the ties, sum e d, the count and whether the token was seen),
+// one sweep in the backward adding the kept part into dlogits (ids unique per row, so no
+// atomics). sampling_threshold: ATen ops on chunks of rows (a sort per chunk), the rules of
+// the CPU kernel (vLLM v1's sampler as value thresholds).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "launch.h"
+
+namespace ppo_cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__device__ T block_sum(T v, T* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) sh[threadIdx.x] += sh[threadIdx.x + s];
+    __syncthreads();
+  }
+  const T out = sh[0];
+  __syncthreads();
+  return out;
+}
+
+template <typename T>
+__device__ T block_max(T v, T* sh) {
+  sh[threadIdx.x] = v;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) sh[threadIdx.x] = sh[threadIdx.x] > sh[threadIdx.x + s]
+                                               ? sh[threadIdx.x] : sh[threadIdx.x + s];
+    __syncthreads();
+  }
+  const T out = sh[0];
+  __syncthreads();
+  return out;
+}
+
+struct KeptRow {
+  const int64_t* ids;  // CSR ids (nullptr: threshold)
+  int64_t start, end;  // CSR range
+  double thr;          // threshold (raw logit units)
+  int64_t V;
+  bool csr;
+  __device__ int64_t count() const { return csr ? end - start : V; }
+  // the column of slot k and whether it is in the set
+  template <typename scalar_t>
+  __device__ bool at(const scalar_t* x, int64_t k, int64_t* col) const {
+    if (csr) {
+      *col = ids[start + k];
+      return true;
+    }
+    *col = k;
+    return static_cast<double>(x[k]) >= thr;
+  }
+};
+
+__device__ KeptRow kept_row(const int64_t* ids, const int64_t* offs, const double* thr,
+                            bool csr, int64_t row, int64_t V) {
+  KeptRow k;
+  k.csr = csr;
+  k.ids = ids;
+  k.V = V;
+  k.start = csr ? offs[row] : 0;
+  k.end = csr ? offs[row + 1] : 0;
+  k.thr = csr ? 0.0 : thr[row];
+  return k;
+}
+
+template <typename scalar_t, typename A>
+__global__ void kept_fwd_kernel(const scalar_t* __restrict__ logits, int64_t sB, int64_t sT,
+                                const int64_t* __restrict__ tokens,
+                                const bool* __restrict__ mask, const int64_t* ids,
+                                const int64_t* offs, const double* thr, bool csr, int64_t T,
+                                int64_t V, A inv, A* logp, A* ent, A* kmax, A* kls,
+                                int64_t* size, bool* missing) {
+  __shared__ A sh[kThreads];
+  const int64_t row = blockIdx.x;
+  if (!mask[row]) {
+    if (threadIdx.x == 0) {
+      logp[row] = ent[row] = kmax[row] = kls[row] = A(0);
+      size[row] = 0;
+      missing[row] = false;
+    }
+    return;
+  }
+  const scalar_t* x = logits + (row / T) * sB + (row % T) * sT;
+  const int64_t y = tokens[row];
+  const A x_y = static_cast<A>(x[y]);
+  const KeptRow kr = kept_row(ids, offs, thr, csr, row, V);
+  const int64_t n = kr.count();
+  A top = -std::numeric_limits<A>::infinity(), seen = A(0), cnt = A(0);
+  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+    int64_t j;
+    if (!kr.at(x, k, &j)) continue;
+    const A v = static_cast<A>(x[j]);
+    top = v > top ? v : top;
+    cnt += A(1);
+    if (j == y) seen += A(1);
+  }
+  top = block_max(top, sh);
+  seen = block_sum(seen, sh);
+  cnt = block_sum(cnt, sh);
+  const bool miss = seen == A(0);
+  if (miss) top = x_y > top ? x_y : top;
+  A rest = A(0), ties = A(0), sd = A(0);
+  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+    int64_t j;
+    if (!kr.at(x, k, &j)) continue;
+    const A d = (static_cast<A>(x[j]) - top) * inv;
+    const A e = exp(d);
+    if (d == A(0)) ties += A(1); else rest += e;
+    sd += e * d;
+  }
+  rest = block_sum(rest, sh);
+  ties = block_sum(ties, sh);
+  sd = block_sum(sd, sh);
+  if (threadIdx.x == 0) {
+    if (miss) {
+      const A d = (x_y - top) * inv;
+      if (d == A(0)) ties += A(1); else rest += exp(d);
+      sd += exp(d) * d;
+      cnt += A(1);
+    }
+    rest += ties > A(1) ? ties - A(1) : A(0);
+    const A ls = log1p(rest);
+    logp[row] = (x_y - top) * inv - ls;
+    ent[row] = ls - sd / (A(1) + rest);
+    kmax[row] = top;
+    kls[row] = ls;
+    size[row] = static_cast<int64_t>(cnt);
+    missing[row] = miss;
+  }
+}
+
+template <typename scalar_t, typename A>
+__global__ void kept_bwd_kernel(const scalar_t* __restrict__ logits, int64_t sB, int64_t sT,
+                                const int64_t* __restrict__ tokens,
+                                const bool* __restrict__ mask, const int64_t* ids,
+                                const int64_t* offs, const double* thr, bool csr, int64_t T,
+                                int64_t Tl, int64_t V, A inv, const A* kmax, const A* kls,
+                                const A* ent, const A* glogp, const A* gent,
+                                scalar_t* __restrict__ out) {
+  __shared__ A sh[kThreads];
+  const int64_t row = blockIdx.x;
+  if (!mask[row]) return;
+  const A g = glogp[row], gh = gent ? gent[row] : A(0), h = gent ? ent[row] : A(0);
+  if (g == A(0) && gh == A(0)) return;
+  const scalar_t* x = logits + (row / T) * sB + (row % T) * sT;
+  scalar_t* o = out + ((row / T) * Tl + (row % T)) * V;
+  const int64_t y = tokens[row];
+  const A top = kmax[row], ls = kls[row];
+  const KeptRow kr = kept_row(ids, offs, thr, csr, row, V);
+  const int64_t n = kr.count();
+  A seen = A(0);
+  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
+    int64_t j;
+    if (!kr.at(x, k, &j)) continue;
+    const A lp = (static_cast<A>(x[j]) - top) * inv - ls;
+    const A p = exp(lp);
+    A dz = j == y ? -g * expm1(lp) : -g * p;
+    if (p > A(0)) dz -= gh * p * (lp + h);
+    o[j] = static_cast<scalar_t>(static_cast<A>(o[j]) + dz * inv);
+    if (j == y) seen += A(1);
+  }
+  seen = block_sum(seen, sh);
+  if (threadIdx.x == 0 && seen == A(0)) {  // the token, added to a set that lacked it
+    const A lp = (static_cast<A>(x[y]) - top) * inv - ls;
+    const A p = exp(lp);
+    const A dz = -g * expm1(lp) - gh * p * (lp + h);
+    o[y] = static_cast<scalar_t>(static_cast<A>(o[y]) + dz * inv);
+  }
+}
+
+struct KeptArgs {
+  bool csr;
+  at::Tensor ids, offs, thr;
+};
+
+KeptArgs kept_args(const at::Tensor& logits, const std::optional<at::Tensor>& kept_ids,
+                   const std::optional<at::Tensor>& kept_offsets,
+                   const std::optional<at::Tensor>& threshold, int64_t N) {
+  TORCH_CHECK(kept_ids.has_value() == kept_offsets.has_value(),
+              "kept_ids / kept_offsets: give both or neither");
+  TORCH_CHECK(kept_ids.has_value() != threshold.has_value(),
+              "sampling mask: give exactly one of (kept_ids, kept_offsets) and threshold");
+  KeptArgs a;
+  a.csr = kept_ids.has_value();
+  auto dummy_l = at::zeros({1}, logits.options().dtype(at::kLong));
+  if (a.csr) {
+    a.ids = kept_ids->numel() ? kept_ids->contiguous() : dummy_l;
+    a.offs = kept_offsets->contiguous();
+    TORCH_CHECK(a.offs.numel() == N + 1 && a.offs.scalar_type() == at::kLong,
+                "kept_offsets: expected int64 [N + 1]");
+    a.thr = at::zeros({1}, logits.options().dtype(at::kDouble));
+  } else {
+    a.ids = a.offs = dummy_l;
+    a.thr = threshold->contiguous();
+    TORCH_CHECK(a.thr.numel() == N && a.thr.scalar_type() == at::kDouble,
+                "threshold: expected float64 [B, T]");
+  }
+  return a;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+kept_logprobs_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens_in,
+                       const at::Tensor& mask_in, double temperature,
+                       const std::optional<at::Tensor>& kept_ids,
+                       const std::optional<at::Tensor>& kept_offsets,
+                       const std::optional<at::Tensor>& threshold) {
+  check_logits(logits, tokens_in, mask_in);
+  check_temperature(temperature, logits.scalar_type());
+  c10::cuda::CUDAGuard guard(logits.device());
+  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
+  const int64_t B = tokens.size(0), T = tokens.size(1), V = logits.size(2);
+  const auto opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
+  at::Tensor lp = at::empty({B, T}, opts), en = at::empty({B, T}, opts);
+  at::Tensor mx = at::empty({B, T}, opts), ls = at::empty({B, T}, opts);
+  at::Tensor size = at::empty({B, T}, opts.dtype(at::kLong));
+  at::Tensor miss = at::empty({B, T}, opts.dtype(at::kBool));
+  if (B * T == 0) return {lp, en, mx, ls, size, miss};
+  const KeptArgs a = kept_args(logits, kept_ids, kept_offsets, threshold, B * T);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
+                                  "kept_logprobs_fwd_cuda", [&] {
+    using A = acc_of<scalar_t>;
+    kept_fwd_kernel<scalar_t, A><<<B * T, kThreads, 0, stream>>>(
+        logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
+        tokens.data_ptr<int64_t>(), mask.data_ptr<bool>(), a.ids.data_ptr<int64_t>(),
+        a.offs.data_ptr<int64_t>(), a.thr.data_ptr<double>(), a.csr, T, V,
+        static_cast<A>(1.0 / temperature), lp.data_ptr<A>(), en.data_ptr<A>(),
+        mx.data_ptr<A>(), ls.data_ptr<A>(), size.data_ptr<int64_t>(), miss.data_ptr<bool>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {lp, en, mx, ls, size, miss};
+}
+
+void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
+                             const std::optional<at::Tensor>& grad_entropy,
+                             const at::Tensor& logits, const at::Tensor& tokens_in,
+                             const at::Tensor& mask_in, const at::Tensor& kept_max,
+                             const at::Tensor& kept_log_sum, const at::Tensor& entropy,
+                             double temperature, const std::optional<at::Tensor>& kept_ids,
+                             const std::optional<at::Tensor>& kept_offsets,
+                             const std::optional<at::Tensor>& threshold, at::Tensor& dlogits) {
+  check_logits(logits, tokens_in, mask_in);
+  check_temperature(temperature, logits.scalar_type());
+  c10::cuda::CUDAGuard guard(logits.device());
+  TORCH_CHECK(dlogits.sizes() == logits.sizes() && dlogits.is_contiguous() &&
+                  dlogits.scalar_type() == logits.scalar_type(),
+              "dlogits: expected a contiguous tensor of the logits' shape and dtype");
+  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
+  const int64_t B = tokens.size(0), T = tokens.size(1), Tl = logits.size(1),
+                V = logits.size(2);
+  if (B * T == 0) return;
+  const at::ScalarType acc = acc_dtype(logits.scalar_type());
+  const auto shape = tokens.sizes();
+  const auto dev = logits.device();
+  const at::Tensor gl = per_token(grad_logprobs, "grad_logprobs", acc, shape, dev);
+  const at::Tensor mx = per_token(kept_max, "kept_max", acc, shape, dev);
+  const at::Tensor ls = per_token(kept_log_sum, "kept_log_sum", acc, shape, dev);
+  const bool has_ge = grad_entropy.has_value();
+  const at::Tensor ge = has_ge ? per_token(*grad_entropy, "grad_entropy", acc, shape, dev) : gl;
+  const at::Tensor en = has_ge ? per_token(entropy, "entropy", acc, shape, dev) : gl;
+  const KeptArgs a = kept_args(logits, kept_ids, kept_offsets, threshold, B * T);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
+                                  "kept_logprobs_bwd_cuda_", [&] {
+    using A = acc_of<scalar_t>;
+    kept_bwd_kernel<scalar_t, A><<<B * T, kThreads, 0, stream>>>(
+        logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
+        tokens.data_ptr<int64_t>(), mask.data_ptr<bool>(), a.ids.data_ptr<int64_t>(),
+        a.offs.data_ptr<int64_t>(), a.thr.data_ptr<double>(), a.csr, T, Tl, V,
+        static_cast<A>(1.0 / temperature), mx.data_ptr<A>(), ls.data_ptr<A>(),
+        en.data_ptr<A>(), gl.data_ptr<A>(), has_ge ? ge.data_ptr<A>() : nullptr,
+        dlogits.data_ptr<scalar_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// The per-row threshold with ATen ops on chunks of rows (docs/SAMPLING.md's rules; the
+// twin of ppo_kernels/sampling.py threshold_torch).
+at::Tensor threshold_rows(const at::Tensor& x, const at::Tensor& m, double temperature,
+                          const std::optional<at::Tensor>& top_k,
+                          const std::optional<at::Tensor>& top_p,
+                          const std::optional<at::Tensor>& min_p) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const int64_t V = x.size(1);
+  const at::Tensor xs = std::get<0>(at::where(m.unsqueeze(1), x, 0.0).sort(1, true));
+  const at::Tensor d = (xs - xs.narrow(1, 0, 1)) / temperature;
+  at::Tensor keep = at::ones_like(xs, xs.options().dtype(at::kBool));
+  if (min_p.has_value()) keep = keep & (d >= at::log(*min_p).unsqueeze(1));
+  if (top_k.has_value()) {
+    const at::Tensor kth = xs.gather(1, (top_k->clamp(1, V) - 1).unsqueeze(1));
+    keep = keep & (xs >= kth);
+  }
+  if (top_p.has_value()) {
+    const at::Tensor e = at::where(keep, at::exp(d), 0.0);
+    const at::Tensor z = e.sum(1, true);
+    const at::Tensor excl = e.cumsum(1) - e;
+    const at::Tensor neg = (-xs).contiguous();
+    const at::Tensor first = at::searchsorted(neg, neg, false, false);
+    const at::Tensor above = excl.gather(1, first);
+    const at::Tensor p = top_p->unsqueeze(1);
+    keep = keep & ((above < p * z) | (p >= 1.0));
+  }
+  at::Tensor thr = std::get<0>(at::where(keep, xs, inf).min(1));
+  thr = at::where(keep.all(1), -inf, thr);
+  return at::where(m, thr, -inf);
+}
+
+at::Tensor sampling_threshold_cuda(const at::Tensor& logits, const at::Tensor& mask,
+                                   double temperature, const std::optional<at::Tensor>& top_k,
+                                   const std::optional<at::Tensor>& top_p,
+                                   const std::optional<at::Tensor>& min_p) {
+  TORCH_CHECK(logits.is_cuda() && logits.dim() == 3, "logits: expected CUDA [B, Tl, V]");
+  c10::cuda::CUDAGuard guard(logits.device());
+  const int64_t B = mask.size(0), T = mask.size(1), V = logits.size(2), N = B * T;
+  at::Tensor out = at::empty({N}, logits.options().dtype(at::kDouble));
+  if (N == 0) return out.view({B, T});
+  const at::Tensor rows = logits.narrow(1, 0, T).reshape({N, V});
+  const at::Tensor m = mask.reshape({N});
+  const int64_t chunk = std::max<int64_t>(1, (int64_t(64) << 20) / (V * 8 * 4));
+  auto part = [&](const std::optional<at::Tensor>& p, int64_t r0, int64_t c)
+      -> std::optional<at::Tensor> {
+    if (!p.has_value()) return std::nullopt;
+    return p->reshape({N}).narrow(0, r0, c);
+  };
+  for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+    const int64_t c = std::min(chunk, N - r0);
+    out.narrow(0, r0, c).copy_(threshold_rows(rows.narrow(0, r0, c).to(at::kDouble),
+                                              m.narrow(0, r0, c), temperature,
+                                              part(top_k, r0, c), part(top_p, r0, c),
+                                              part(min_p, r0, c)));
+  }
+  return out.view({B, T});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(ppo_kernels, CUDA, m) {
+  m.impl("sampling_threshold", &sampling_threshold_cuda);
+  m.impl("kept_logprobs_fwd", &kept_logprobs_fwd_cuda);
+  m.impl("kept_logprobs_bwd_", &kept_logprobs_bwd_cuda_);
+}
+
+}  // namespace ppo_cuda

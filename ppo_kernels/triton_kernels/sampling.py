@@ -1,0 +1,254 @@
+"""Sampling replay in Triton (docs/SAMPLING.md): the kept-set log-probs and their gradient,
+twins of csrc/cpu/sampling.cpp with the schemas of csrc/ops.cpp (prefixed triton_).
+
+A row's kept set K is CSR (kept_ids[kept_offsets[r]:kept_offsets[r + 1]], global ids,
+unique) or a value threshold (K = {j : x_j >= threshold[r]}, raw logit units); the sampled
+token is always in K. One program per row; the CSR rows are gathered in blocks of BLOCK
+ids, the threshold rows swept in blocks of BLOCK entries. Forward: kept_max = max_{K} x,
+log_sum = log1p(the kept non-top mass) with d = (x - kept_max) / temperature, logp_kept =
+d_y - log_sum, H_kept = log_sum - sum p d. Backward (added into dlogits, in place):
+g (1[j = y] - p_j) - g_H p_j (log p_j + H) on K, divided by the temperature.
+
+sampling_threshold (the re-derived sets' per-row threshold) runs as torch ops on chunks
+of rows (a sort per chunk; the design note of docs/SAMPLING.md): the same rules as the CPU
+kernel's, vLLM v1's sampler as value thresholds.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from ._math import as_acc, expm1, log1p
+from .logprobs import acc_dtype, device_guard, inv_temperature, tl_acc
+
+BLOCK = 128
+THRESHOLD_CHUNK_BYTES = 64 << 20  # float64 [rows, V] sorted per chunk
+
+
+@triton.jit
+def _kept_block(in_row, ids_ptr, start, end, k0, thr, V, CSR: tl.constexpr,
+                ACC: tl.constexpr, BLOCK: tl.constexpr):
+    """(column ids, x as ACC with -inf off the set, in-set flags) of block k0 of a row."""
+    lane = tl.arange(0, BLOCK)
+    if CSR:
+        idx = start + k0 + lane
+        live = idx < end
+        col = tl.load(ids_ptr + idx, mask=live, other=0)
+    else:
+        col = (k0 + lane).to(tl.int64)
+        live = col < V
+    x = tl.load(in_row + col, mask=live, other=float("-inf")).to(ACC)
+    if not CSR:
+        live = live & (x.to(tl.float64) >= thr)
+    x = tl.where(live, x, float("-inf"))
+    return col, x, live
+
+
+@triton.jit
+def _kept_fwd_kernel(
+    logits_ptr, stride_lb, stride_lt, tokens_ptr, mask_ptr, ids_ptr, offs_ptr, thr_ptr,
+    logp_ptr, ent_ptr, kmax_ptr, kls_ptr, size_ptr, miss_ptr,
+    T, V, inv_temp: tl.float64,
+    ACC: tl.constexpr, CSR: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    valid = tl.load(mask_ptr + row)
+    if valid:
+        inv = as_acc(inv_temp, ACC)
+        in_row = logits_ptr + b * stride_lb + t * stride_lt
+        y = tl.load(tokens_ptr + row)
+        x_y = tl.load(in_row + y).to(ACC)
+        if CSR:
+            start = tl.load(offs_ptr + row)
+            end = tl.load(offs_ptr + row + 1)
+            n = end - start
+            thr = 0.0
+        else:
+            start = 0
+            end = 0
+            n = V
+            thr = tl.load(thr_ptr + row)
+        # pass 1: the kept max, the size, whether the token is in the set
+        top = tl.full([], float("-inf"), ACC)
+        found = tl.zeros([], tl.int32)
+        size = tl.zeros([], tl.int64)
+        for k0 in range(0, n, BLOCK):
+            col, x, live = _kept_block(in_row, ids_ptr, start, end, k0, thr, V, CSR, ACC,
+                                       BLOCK)
+            top = tl.maximum(top, tl.max(x, 0))
+            found += tl.sum((live & (col == y)).to(tl.int32), 0)
+            size += tl.sum(live.to(tl.int64), 0)
+        missing = found == 0
+        if missing:
+            top = tl.maximum(top, x_y)
+            size += 1
+        # pass 2: the non-top mass (entries with d = 0 beyond the first count as 1 each)
+        # and sum e d
+        rest = tl.zeros([], ACC)
+        ties = tl.zeros([], ACC)
+        sd = tl.zeros([], ACC)
+        for k0 in range(0, n, BLOCK):
+            col, x, live = _kept_block(in_row, ids_ptr, start, end, k0, thr, V, CSR, ACC,
+                                       BLOCK)
+            d = tl.where(live, (x - top) * inv, 0.0)
+            e = tl.where(live, tl.exp(d), 0.0)
+            at_top = live & (d == 0.0)
+            rest += tl.sum(tl.where(at_top, 0.0, e), 0)
+            ties += tl.sum(at_top.to(ACC), 0)
+            sd += tl.sum(e * d, 0)
+        if missing:
+            d_y = (x_y - top) * inv
+            if d_y == 0.0:
+                ties += 1.0
+            else:
+                rest += tl.exp(d_y)
+            sd += tl.exp(d_y) * d_y
+        rest += tl.maximum(ties - 1.0, 0.0)
+        log_sum = log1p(rest)
+        tl.store(logp_ptr + row, (x_y - top) * inv - log_sum)
+        tl.store(ent_ptr + row, log_sum - sd / (1.0 + rest))
+        tl.store(kmax_ptr + row, top)
+        tl.store(kls_ptr + row, log_sum)
+        tl.store(size_ptr + row, size)
+        tl.store(miss_ptr + row, missing.to(tl.int1))
+    else:
+        zero = tl.zeros([], ACC)
+        tl.store(logp_ptr + row, zero)
+        tl.store(ent_ptr + row, zero)
+        tl.store(kmax_ptr + row, zero)
+        tl.store(kls_ptr + row, zero)
+        tl.store(size_ptr + row, tl.zeros([], tl.int64))
+        tl.store(miss_ptr + row, tl.zeros([], tl.int1))
+
+
+@triton.jit
+def _kept_bwd_kernel(
+    logits_ptr, stride_lb, stride_lt, tokens_ptr, mask_ptr, ids_ptr, offs_ptr, thr_ptr,
+    kmax_ptr, kls_ptr, ent_ptr, glogp_ptr, gent_ptr, grad_ptr,
+    T, TL, V, inv_temp: tl.float64,
+    ACC: tl.constexpr, CSR: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // T
+    t = row % T
+    valid = tl.load(mask_ptr + row)
+    if valid:
+        g = tl.load(glogp_ptr + row).to(ACC)
+        if HAS_GENT:
+            gh = tl.load(gent_ptr + row).to(ACC)
+            h = tl.load(ent_ptr + row).to(ACC)
+        else:
+            gh = tl.zeros([], ACC)
+            h = tl.zeros([], ACC)
+        if (g != 0.0) | (gh != 0.0):
+            inv = as_acc(inv_temp, ACC)
+            in_row = logits_ptr + b * stride_lb + t * stride_lt
+            out_row = grad_ptr + (b * TL + t) * V
+            y = tl.load(tokens_ptr + row)
+            top = tl.load(kmax_ptr + row).to(ACC)
+            log_sum = tl.load(kls_ptr + row).to(ACC)
+            if CSR:
+                start = tl.load(offs_ptr + row)
+                end = tl.load(offs_ptr + row + 1)
+                n = end - start
+                thr = 0.0
+            else:
+                start = 0
+                end = 0
+                n = V
+                thr = tl.load(thr_ptr + row)
+            found = tl.zeros([], tl.int32)
+            for k0 in range(0, n, BLOCK):
+                col, x, live = _kept_block(in_row, ids_ptr, start, end, k0, thr, V, CSR,
+                                           ACC, BLOCK)
+                lp = tl.where(live, (x - top) * inv - log_sum, 0.0)
+                p = tl.where(live, tl.exp(lp), 0.0)
+                dz = tl.where(col == y, 0.0 - g * expm1(lp), 0.0 - g * p)
+                dz = dz - tl.where(p > 0.0, gh * p * (lp + h), 0.0)
+                old = tl.load(out_row + col, mask=live, other=0.0).to(ACC)
+                tl.store(out_row + col, (old + dz * inv).to(grad_ptr.dtype.element_ty),
+                         mask=live)
+                found += tl.sum((live & (col == y)).to(tl.int32), 0)
+            if found == 0:  # the token, added to a set that lacked it
+                x_y = tl.load(in_row + y).to(ACC)
+                lp = (x_y - top) * inv - log_sum
+                p = tl.exp(lp)
+                dz = 0.0 - g * expm1(lp) - gh * p * (lp + h)
+                old = tl.load(out_row + y).to(ACC)
+                tl.store(out_row + y, (old + dz * inv).to(grad_ptr.dtype.element_ty))
+
+
+def _kept_args(logits, kept_ids, kept_offsets, threshold):
+    csr = kept_ids is not None
+    if csr == (threshold is not None) or (kept_ids is None) != (kept_offsets is None):
+        raise ValueError("sampling mask: give exactly one of (kept_ids, kept_offsets) and "
+                         "threshold")
+    dummy = torch.zeros(1, dtype=torch.int64, device=logits.device)
+    if csr:
+        ids = kept_ids.contiguous() if kept_ids.numel() else dummy
+        return csr, ids, kept_offsets.contiguous(), torch.zeros(1, dtype=torch.float64,
+                                                                device=logits.device)
+    return csr, dummy, dummy, threshold.contiguous()
+
+
+def kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets, threshold):
+    B, T = tokens.shape
+    acc = acc_dtype(logits)
+    inv = inv_temperature(temperature, acc)
+    csr, ids, offs, thr = _kept_args(logits, kept_ids, kept_offsets, threshold)
+    outs = [torch.empty(B, T, dtype=acc, device=logits.device) for _ in range(4)]
+    size = torch.empty(B, T, dtype=torch.int64, device=logits.device)
+    miss = torch.empty(B, T, dtype=torch.bool, device=logits.device)
+    if B * T:
+        with device_guard(logits):
+            wrap_triton(_kept_fwd_kernel)[(B * T,)](
+                logits, logits.stride(0), logits.stride(1), tokens.contiguous(),
+                mask.contiguous(), ids, offs, thr, *outs, size, miss, T, logits.shape[2], inv,
+                ACC=tl_acc(acc), CSR=csr, BLOCK=BLOCK)
+    return (*outs, size, miss)
+
+
+def kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max,
+                       kept_log_sum, entropy, temperature, kept_ids, kept_offsets, threshold,
+                       dlogits):
+    B, T = tokens.shape
+    acc = acc_dtype(logits)
+    inv = inv_temperature(temperature, acc)
+    csr, ids, offs, thr = _kept_args(logits, kept_ids, kept_offsets, threshold)
+    if not dlogits.is_contiguous() or dlogits.shape != logits.shape:
+        raise ValueError("dlogits: expected a contiguous tensor of the logits' shape")
+    has_gent = grad_entropy is not None
+    gent = grad_entropy.contiguous() if has_gent else grad_logprobs
+    if B * T:
+        with device_guard(logits):
+            wrap_triton(_kept_bwd_kernel)[(B * T,)](
+                logits, logits.stride(0), logits.stride(1), tokens.contiguous(),
+                mask.contiguous(), ids, offs, thr, kept_max, kept_log_sum, entropy,
+                grad_logprobs.contiguous(), gent, dlogits, T, logits.shape[1],
+                logits.shape[2], inv, ACC=tl_acc(acc), CSR=csr, HAS_GENT=has_gent,
+                BLOCK=BLOCK)
+
+
+def sampling_threshold(logits, mask, temperature, top_k, top_p, min_p):
+    """The per-row threshold (float64 [B, T]) in torch ops over chunks of rows."""
+    from ..sampling import Replay, threshold_torch
+    B, T = mask.shape
+    V = logits.shape[2]
+    out = torch.empty(B, T, dtype=torch.float64, device=logits.device)
+    rows = max(1, THRESHOLD_CHUNK_BYTES // (8 * V * 4))
+    flat = logits[:, :T].reshape(B * T, 1, V) if T else logits[:, :0]
+    m = mask.reshape(B * T, 1)
+    o = out.view(B * T, 1)
+
+    def part(x, r0, r1):
+        return None if x is None else x.reshape(B * T, 1)[r0:r1]
+
+    for r0 in range(0, B * T, rows):
+        r1 = min(B * T, r0 + rows)
+        rp = Replay(top_k=part(top_k, r0, r1), top_p=part(top_p, r0, r1),
+                    min_p=part(min_p, r0, r1))
+        o[r0:r1] = threshold_torch(flat[r0:r1], m[r0:r1], temperature, rp)
+    return out

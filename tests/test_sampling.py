@@ -1,0 +1,632 @@
+"""Sampling replay (ppo_kernels/sampling.py, docs/SAMPLING.md): the kept-set log-probs,
+entropy, gradients and metrics of every op that reads logits, given (CSR SamplingMask) and
+re-derived (top-k / top-p / min-p), against the numpy float64 reference; the re-derived
+sets against an independent torch transcription of vLLM v1's sampler."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ppo_kernels as pk
+from conftest import BACKENDS_CPU, CPU, TORCH, assert_close_np, assert_grad_close
+from ppo_kernels import reference as ref
+from ppo_kernels.sampling import SamplingMask
+
+pk_SamplingMask = getattr(pk, "SamplingMask", SamplingMask)
+
+# cpu, torch and triton (the interpreter, small shapes: V <= 300, B * T <= 16)
+REPLAY_BACKENDS = BACKENDS_CPU
+
+
+# ------------------------------------------------------------------ helpers
+
+def random_csr(B, T, V, gen, *, kmax=6, tokens=None, drop_token_frac=0.0, empty_frac=0.0):
+    """A random SamplingMask over B * T rows and the dense bool [B, T, V] it encodes; the
+    sampled token is in its set unless dropped (drop_token_frac of the rows)."""
+    ids, offs, dense = [], [0], torch.zeros(B * T, V, dtype=torch.bool)
+    for i in range(B * T):
+        if torch.rand((), generator=gen) < empty_frac:
+            offs.append(offs[-1])
+            continue
+        k = int(torch.randint(1, min(kmax, V) + 1, (), generator=gen))
+        row = torch.randperm(V, generator=gen)[:k]
+        if tokens is not None:
+            y = int(tokens.reshape(-1)[i])
+            drop = torch.rand((), generator=gen) < drop_token_frac
+            row = row[row != y]
+            if not drop:
+                row = torch.cat([row, torch.tensor([y])])
+        ids.append(row)
+        offs.append(offs[-1] + len(row))
+        dense[i, row] = True
+    ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+    return pk_SamplingMask(ids, torch.tensor(offs)), dense.view(B, T, V)
+
+
+def inputs(B, T, V, gen, dtype=torch.float64, scale=2.0):
+    logits = (torch.randn(B, T, V, generator=gen, dtype=torch.float64) * scale).to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    if T > 2:
+        mask[0, :1] = False
+        mask[-1, -1] = False
+    return logits, tokens, mask
+
+
+def vllm_kept(logits, temperature, top_k=None, top_p=None, min_p=None):
+    """An independent transcription of vLLM v1's sampler (vllm/v1/sample/sampler.py:
+    temperature, then the min-p logits processor, then ops/topk_topp_sampler.py
+    apply_top_k_top_p / apply_top_k_only), on rows [N, V] in float64: bool [N, V], the
+    entries left above -inf. top_k / top_p / min_p: [N] tensors or None."""
+    x = logits.double() / temperature
+    if min_p is not None:  # MinPLogitsProcessor: drop probability < min_p * max probability
+        probs = x.softmax(-1)
+        adjusted = min_p.double().unsqueeze(1) * probs.amax(-1, keepdim=True)
+        x = x.masked_fill(probs < adjusted, -math.inf)
+    if top_p is None:
+        if top_k is not None:  # apply_top_k_only
+            v = x.shape[1]
+            kth = x.topk(int(top_k.max()), dim=1).values.gather(1, (top_k - 1).unsqueeze(1))
+            kth = torch.where((top_k == v).unsqueeze(1), -math.inf, kth)
+            x = x.masked_fill(x < kth, -math.inf)
+        return x > -math.inf
+    srt, idx = x.sort(dim=-1, descending=False)
+    if top_k is not None:
+        kth = srt.gather(1, (srt.shape[1] - top_k).unsqueeze(1))
+        srt = srt.masked_fill(srt < kth, -math.inf)
+    probs = srt.softmax(-1)
+    csum = probs.cumsum(-1)
+    drop = csum <= 1 - top_p.double().unsqueeze(1)
+    drop[:, -1] = False  # at least one
+    srt = srt.masked_fill(drop, -math.inf)
+    return srt.scatter(-1, idx, srt) > -math.inf
+
+
+def kernel_kept(be, logits, tokens, mask, temperature, **params):
+    """The backend's kept set (dense, with the token) through the public op: logp_kept ==
+    the reference's over that set identifies it; here read from the threshold op (cpu) or
+    the eager composite's mask (torch)."""
+    from ppo_kernels import sampling as sm
+    rp = sm.check_replay(None, params.get("top_k"), params.get("top_p"), params.get("min_p"),
+                         tokens, logits.shape[2])
+    if be.name in ("cpu", "triton"):
+        from ppo_kernels._backends import get_backend
+        get_backend(be.name, logits.device)  # (loads the Triton ops)
+        op = getattr(torch.ops.ppo_kernels, ("triton_" if be.name == "triton" else "") +
+                     "sampling_threshold")
+        thr = op(logits, mask, temperature, rp.top_k, rp.top_p, rp.min_p)
+        kept = logits[:, :tokens.shape[1]].double() >= thr.unsqueeze(-1)
+    else:
+        thr = sm.threshold_torch(logits, mask, temperature, rp)
+        kept = logits[:, :tokens.shape[1]].double() >= thr.unsqueeze(-1)
+    return kept & mask.unsqueeze(-1)
+
+
+# ------------------------------------------------------------------ the reference itself
+
+def test_reference_kept_gradient_matches_finite_differences():
+    gen = torch.Generator().manual_seed(0)
+    logits, tokens, mask = inputs(2, 3, 7, gen)
+    sm, dense = random_csr(2, 3, 7, gen, tokens=tokens)
+    kept, _ = ref.with_token(dense.numpy(), tokens, mask)
+    g = np.random.default_rng(0).normal(size=(2, 3))
+    gh = np.random.default_rng(1).normal(size=(2, 3))
+
+    def f(x):
+        lp, h = ref.kept_logprobs(x, tokens, mask, 0.7, kept)
+        return (g * lp + gh * h).sum()
+
+    x0 = logits.numpy()
+    num = np.zeros_like(x0)
+    eps = 1e-6
+    for idx in np.ndindex(*x0.shape):
+        xp, xm = x0.copy(), x0.copy()
+        xp[idx] += eps
+        xm[idx] -= eps
+        num[idx] = (f(xp) - f(xm)) / (2 * eps)
+    ana = ref.kept_logprobs_grad(x0, tokens, mask, 0.7, kept, g, gh)
+    np.testing.assert_allclose(ana, num, atol=1e-7, rtol=1e-6)
+    assert (ana[~np.broadcast_to(kept, ana.shape)] == 0).all()  # nothing off the kept set
+
+
+def test_reference_sampling_kept_is_vllm_on_tie_free_rows():
+    gen = torch.Generator().manual_seed(1)
+    logits, tokens, _ = inputs(3, 4, 50, gen, scale=3.0)
+    for kw in (dict(top_k=5), dict(top_p=0.8), dict(min_p=0.05), dict(top_k=20, top_p=0.7),
+               dict(top_k=10, top_p=0.9, min_p=0.01)):
+        kept = ref.sampling_kept(logits, tokens, None, 0.8, **kw)
+        n = 12
+        t = {k: torch.full((n,), v) for k, v in kw.items()}
+        if "top_k" in t:
+            t["top_k"] = t["top_k"].long()
+        want = vllm_kept(logits.reshape(n, 50), 0.8, **t)
+        assert (kept.reshape(n, 50) == want.numpy()).all(), kw
+
+
+# ------------------------------------------------------------------ token_logprobs
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_token_logprobs_given_mask(be, dtype):
+    gen = torch.Generator().manual_seed(2)
+    B, T, V = 3, 5, 37
+    logits, tokens, mask = inputs(B, T, V, gen, dtype=dtype)
+    sm, dense = random_csr(B, T, V, gen, tokens=tokens, drop_token_frac=0.3, empty_frac=0.1)
+    kept, missing = ref.with_token(dense.numpy(), tokens, mask)
+    x = logits.clone().requires_grad_(True)
+    lp_k, lp, ent = pk.token_logprobs(x, tokens, mask, temperature=0.9, sampling_mask=sm,
+                                      return_full=True, return_entropy=True,
+                                      backend=be.name)
+    e_lpk, e_entk = ref.kept_logprobs(logits, tokens, mask, 0.9, kept)
+    e_lp, e_ent = ref.token_logprobs(logits, tokens, mask, 0.9)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype != torch.float64 else dict(rtol=1e-12, atol=1e-12)
+    assert_close_np(lp_k, e_lpk, what="logp_kept", **tol)
+    assert_close_np(lp, e_lp, what="logp", **tol)
+    assert_close_np(ent, e_ent, what="entropy", **tol)
+    assert torch.isfinite(lp_k).all()
+    g1 = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    g2 = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    g3 = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    (g1 * lp_k + g2 * lp + g3 * ent).sum().backward()
+    want = ref.kept_logprobs_grad(logits, tokens, mask, 0.9, kept, g1) + \
+        ref.token_logprobs_grad(logits, tokens, mask, 0.9, g2, g3)
+    assert_grad_close(x.grad, want, 1e-2 if dtype == torch.bfloat16 else
+                      (3e-6 if dtype == torch.float32 else 1e-12))
+    # entropy over the kept set
+    lp_k2, ent_k = pk.token_logprobs(logits, tokens, mask, temperature=0.9, sampling_mask=sm,
+                                     return_entropy=True, entropy_over="kept", backend=be.name)
+    assert_close_np(ent_k, e_entk, what="entropy_kept", **tol)
+    assert_close_np(lp_k2, e_lpk, what="logp_kept", **tol)
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+def test_gradcheck_float64(be):
+    gen = torch.Generator().manual_seed(3)
+    B, T, V = 2, 3, 9
+    logits, tokens, mask = inputs(B, T, V, gen)
+    sm, _ = random_csr(B, T, V, gen, tokens=tokens, drop_token_frac=0.3)
+    for kw in (dict(sampling_mask=sm), dict(top_k=4, top_p=0.8)):
+        def f(x):
+            a, b, c = pk.token_logprobs(x, tokens, mask, temperature=0.8, return_full=True,
+                                        return_entropy=True, backend=be.name, **kw)
+            a2, d = pk.token_logprobs(x, tokens, mask, temperature=0.8, return_entropy=True,
+                                      entropy_over="kept", backend=be.name, **kw)
+            return a, b, c, d
+        assert torch.autograd.gradcheck(f, (logits.clone().requires_grad_(True),))
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+def test_full_vocabulary_set_is_no_mask(be):
+    """The whole vocabulary as the kept set gives the plain op's numbers."""
+    gen = torch.Generator().manual_seed(4)
+    B, T, V = 2, 4, 11
+    logits, tokens, mask = inputs(B, T, V, gen, dtype=torch.float32)
+    sm = pk_SamplingMask(torch.arange(V).repeat(B * T), torch.arange(B * T + 1) * V)
+    a = pk.token_logprobs(logits, tokens, mask, sampling_mask=sm, backend=be.name)
+    b = pk.token_logprobs(logits, tokens, mask, backend=be.name)
+    torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    for kw in (dict(top_k=V), dict(top_p=1.0), dict(min_p=0.0)):
+        torch.testing.assert_close(
+            pk.token_logprobs(logits, tokens, mask, backend=be.name, **kw), b,
+            rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+def test_one_token_set_and_v1(be):
+    gen = torch.Generator().manual_seed(5)
+    B, T, V = 2, 3, 8
+    logits, tokens, mask = inputs(B, T, V, gen)
+    sm = pk_SamplingMask(tokens.reshape(-1).clone(), torch.arange(B * T + 1))
+    x = logits.clone().requires_grad_(True)
+    lp = pk.token_logprobs(x, tokens, mask, sampling_mask=sm, backend=be.name)
+    assert (lp == 0).all()  # a set of one token: log 1
+    lp.sum().backward()
+    assert (x.grad == 0).all()
+    # an empty set on every row: the token alone (added), counted missing
+    empty = pk_SamplingMask(torch.zeros(0, dtype=torch.long), torch.zeros(B * T + 1,
+                                                                           dtype=torch.long))
+    _, m = pk.ppo_loss(logits, tokens, None, torch.ones(B, T, dtype=torch.float64), mask,
+                       sampling_mask=empty, backend=be.name)
+    assert m["mask_missing_token_frac"] == 1.0 and m["kept_size_mean"] == 1.0
+    # V = 1
+    l1 = torch.randn(B, T, 1, generator=gen, dtype=torch.float64)
+    t1 = torch.zeros(B, T, dtype=torch.long)
+    for kw in (dict(top_p=0.5), dict(top_k=1), dict(min_p=0.5),
+               dict(sampling_mask=pk_SamplingMask(torch.zeros(B * T, dtype=torch.long),
+                                                  torch.arange(B * T + 1)))):
+        out = pk.token_logprobs(l1, t1, backend=be.name, **kw)
+        assert (out == 0).all(), kw
+
+
+# ------------------------------------------------------------------ re-derived sets
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("kw", [dict(top_k=3), dict(top_p=0.7), dict(min_p=0.1),
+                                dict(top_k=8, top_p=0.9), dict(top_k=5, min_p=0.02),
+                                dict(top_k=12, top_p=0.6, min_p=0.05)])
+def test_rederived_sets_are_vllms(be, kw):
+    gen = torch.Generator().manual_seed(6)
+    B, T, V = 3, 4, 40
+    logits, tokens, mask = inputs(B, T, V, gen, scale=2.5)
+    mask[:] = True
+    kept = kernel_kept(be, logits, tokens, mask, 0.7, **kw)
+    n = B * T
+    t = {k: torch.full((n,), v) for k, v in kw.items()}
+    if "top_k" in t:
+        t["top_k"] = t["top_k"].long()
+    want = vllm_kept(logits.reshape(n, V), 0.7, **t)
+    assert (kept.reshape(n, V) == want).all()
+    # and the public op's log-probs are those over that set (with the token)
+    k2, _ = ref.with_token(want.reshape(B, T, V).numpy(), tokens, mask)
+    lp = pk.token_logprobs(logits, tokens, mask, temperature=0.7, backend=be.name, **kw)
+    assert_close_np(lp, ref.kept_logprobs(logits, tokens, mask, 0.7, k2)[0], rtol=1e-12,
+                    atol=1e-12)
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+def test_rederived_per_sequence_parameters(be):
+    gen = torch.Generator().manual_seed(7)
+    B, T, V = 3, 4, 30
+    logits, tokens, mask = inputs(B, T, V, gen)
+    top_k = torch.tensor([2, 30, 7])
+    top_p = torch.tensor([0.5, 0.9, 1.0], dtype=torch.float64)
+    lp = pk.token_logprobs(logits, tokens, mask, top_k=top_k, top_p=top_p, backend=be.name)
+    kept = ref.sampling_kept(logits, tokens, mask, 1.0, top_k=top_k, top_p=top_p)
+    kept, _ = ref.with_token(kept, tokens, mask)
+    assert_close_np(lp, ref.kept_logprobs(logits, tokens, mask, 1.0, kept)[0], rtol=1e-12,
+                    atol=1e-12)
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+def test_ties_follow_the_value_threshold(be):
+    """Integer logits (many ties): top-k keeps every tie of the k-th value, top-p every tie
+    of the last kept value (docs/SAMPLING.md: keep j iff the mass strictly above z_j is <
+    top_p)."""
+    gen = torch.Generator().manual_seed(8)
+    B, T, V = 2, 5, 24
+    logits = torch.randint(-3, 3, (B, T, V), generator=gen).double()
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    for kw in (dict(top_k=3), dict(top_p=0.4), dict(top_p=0.75, top_k=10), dict(min_p=0.3)):
+        kept = kernel_kept(be, logits, tokens, mask, 1.0, **kw)
+        want = ref.sampling_kept(logits, tokens, mask, 1.0, **kw)
+        assert (kept.numpy() == want).all(), kw
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(V=st.integers(1, 40), T=st.integers(1, 4), seed=st.integers(0, 2**31 - 1),
+       top_k=st.one_of(st.none(), st.integers(1, 45)),
+       top_p=st.one_of(st.none(), st.floats(0.05, 1.0)),
+       min_p=st.one_of(st.none(), st.floats(0.0, 0.9)),
+       temperature=st.floats(0.3, 2.0), integer_logits=st.booleans())
+def test_hypothesis_rederived_matches_reference(V, T, seed, top_k, top_p, min_p, temperature,
+                                                integer_logits):
+    gen = torch.Generator().manual_seed(seed)
+    B = 2
+    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 3
+    if integer_logits:
+        logits = logits.round()
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.rand(B, T, generator=gen) > 0.2
+    kw = {k: v for k, v in dict(top_k=top_k, top_p=top_p, min_p=min_p).items()
+          if v is not None}
+    if not kw:
+        kw = dict(top_k=1)
+    kept = ref.sampling_kept(logits, tokens, mask, temperature, **kw)
+    kept, _ = ref.with_token(kept, tokens, mask)
+    want, want_h = ref.kept_logprobs(logits, tokens, mask, temperature, kept)
+    g = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    gh = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    want_g = ref.kept_logprobs_grad(logits, tokens, mask, temperature, kept, g, gh)
+    for be in ("cpu", "torch"):
+        x = logits.clone().requires_grad_(True)
+        lp, h = pk.token_logprobs(x, tokens, mask, temperature=temperature, backend=be,
+                                  return_entropy=True, entropy_over="kept", **kw)
+        assert_close_np(lp, want, rtol=1e-10, atol=1e-10, what=be)
+        assert_close_np(h, want_h, rtol=1e-10, atol=1e-10, what=be)
+        (g * lp + gh * h).sum().backward()
+        assert_grad_close(x.grad, want_g, 1e-10)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(V=st.integers(1, 30), T=st.integers(1, 4), seed=st.integers(0, 2**31 - 1),
+       kmax=st.integers(1, 30), drop=st.floats(0.0, 1.0), empty=st.floats(0.0, 0.5))
+def test_hypothesis_given_masks(V, T, seed, kmax, drop, empty):
+    gen = torch.Generator().manual_seed(seed)
+    B = 2
+    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 2
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.rand(B, T, generator=gen) > 0.2
+    sm, dense = random_csr(B, T, V, gen, kmax=kmax, tokens=tokens, drop_token_frac=drop,
+                           empty_frac=empty)
+    kept, missing = ref.with_token(dense.numpy(), tokens, mask)
+    want = ref.kept_logprobs(logits, tokens, mask, 1.0, kept)[0]
+    g = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    want_g = ref.kept_logprobs_grad(logits, tokens, mask, 1.0, kept, g)
+    for be in ("cpu", "torch"):
+        x = logits.clone().requires_grad_(True)
+        lp = pk.token_logprobs(x, tokens, mask, sampling_mask=sm, backend=be)
+        assert_close_np(lp, want, rtol=1e-12, atol=1e-12, what=be)
+        (g * lp).sum().backward()
+        assert_grad_close(x.grad, want_g, 1e-12)
+
+
+# ------------------------------------------------------------------ ppo_loss
+
+LOSS_CASES = [
+    dict(),
+    dict(kl_coef=0.1, kl_estimator="k3"),
+    dict(kl_coef=0.1, kl_estimator="k2", kl_logprobs="kept"),
+    dict(entropy_coef=0.01),
+    dict(entropy_coef=0.01, entropy_over="kept", kl_coef=0.05, kl_estimator="k1"),
+    dict(policy_loss="gspo"),
+    dict(policy_loss="gspo-token", kl_coef=0.1, kl_bias_correction=True),
+    dict(policy_loss="cispo", loss_agg_mode="seq-mean-token-mean"),
+    dict(policy_loss="sapo", off_policy_mask_threshold=0.1),
+    dict(dual_clip_c=3.0, kl_coef=0.2, kl_bias_correction=True, entropy_coef=0.02),
+]
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("case", LOSS_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in
+                                                                    c.items()) or "plain")
+@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
+def test_ppo_loss_against_reference(be, case, given_mask):
+    gen = torch.Generator().manual_seed(9)
+    B, T, V = 3, 5, 29
+    logits, tokens, mask = inputs(B, T, V, gen)
+    if given_mask:
+        sm, dense = random_csr(B, T, V, gen, kmax=10, tokens=tokens, drop_token_frac=0.2)
+        kw = dict(sampling_mask=sm)
+        kept, missing = ref.with_token(dense.numpy(), tokens, mask)
+    else:
+        kw = dict(top_k=12, top_p=0.85)
+        kept, missing = ref.with_token(ref.sampling_kept(logits, tokens, mask, 0.9, **kw),
+                                       tokens, mask)
+    old = torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3 - 1.5
+    adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ref_lp = torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3 - 1.5
+    old = ref.kept_logprobs(logits, tokens, mask, 0.9, kept)[0] + 0.1 * old.numpy()
+    old = torch.as_tensor(old)
+    rkw = {k: v for k, v in case.items()}
+    x = logits.clone().requires_grad_(True)
+    loss, metrics = pk.ppo_loss(x, tokens, old, adv, mask, ref_lp, temperature=0.9,
+                                backend=be.name, **case, **kw)
+    loss.backward()
+    e_loss, e_metrics, e_grad = ref.ppo_loss(logits, tokens, old, adv, mask, ref_lp,
+                                             temperature=0.9, kept=kept, **rkw)
+    assert_close_np(loss, e_loss, rtol=1e-11, atol=1e-12, what="loss")
+    assert_grad_close(x.grad, e_grad, 1e-10)
+    e_metrics["mask_missing_token_frac"] = float(missing[mask.numpy()].mean())
+    for k, v in e_metrics.items():
+        assert k in metrics, k
+        assert_close_np(metrics[k], v, rtol=2e-6, atol=2e-6, what=k)
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+def test_ppo_loss_none_mode_and_float32(be):
+    gen = torch.Generator().manual_seed(10)
+    B, T, V = 2, 4, 23
+    logits, tokens, mask = inputs(B, T, V, gen, dtype=torch.float32)
+    sm, dense = random_csr(B, T, V, gen, kmax=8, tokens=tokens)
+    kept, _ = ref.with_token(dense.numpy(), tokens, mask)
+    adv = torch.randn(B, T, generator=gen)
+    ref_lp = torch.randn(B, T, generator=gen) - 2
+    for mode in ("none", "token-mean"):
+        x = logits.clone().requires_grad_(True)
+        loss, _ = pk.ppo_loss(x, tokens, None, adv, mask, ref_lp, kl_coef=0.1,
+                              loss_agg_mode=mode, sampling_mask=sm, backend=be.name)
+        loss.sum().backward()
+        e_loss, _, e_grad = ref.ppo_loss(logits, tokens, None, adv, mask, ref_lp, kl_coef=0.1,
+                                         loss_agg_mode=mode, kept=kept)
+        assert_close_np(loss, e_loss, rtol=2e-6, atol=2e-6, what=mode)
+        assert_grad_close(x.grad, e_grad, 3e-6)
+
+
+def test_ratio_bias_disappears_with_replay():
+    """The engine's processed log-probs as old_logprobs: without replay the ratios carry
+    log(kept mass); with it they are 1 (on-policy, same weights)."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, V = 4, 8, 64
+    logits, tokens, mask = inputs(B, T, V, gen, dtype=torch.float32, scale=3.0)
+    mask[:] = True
+    engine = pk.token_logprobs(logits, tokens, mask, top_p=0.8, top_k=16, backend="torch")
+    adv = torch.ones(B, T)
+    _, m_plain = pk.ppo_loss(logits, tokens, engine, adv, mask)
+    _, m_replay = pk.ppo_loss(logits, tokens, engine, adv, mask, top_p=0.8, top_k=16)
+    assert float(m_plain["ratio_mean"]) < 0.95  # exp(log kept mass) < 1
+    assert abs(float(m_replay["ratio_mean"]) - 1.0) < 1e-5
+    assert float(m_replay["kept_mass"]) < 1.0
+
+
+def test_metrics_absent_without_a_kept_set():
+    gen = torch.Generator().manual_seed(12)
+    logits, tokens, mask = inputs(2, 3, 10, gen)
+    _, m = pk.ppo_loss(logits, tokens, None, torch.ones(2, 3, dtype=torch.float64), mask)
+    assert "kept_mass" not in m
+
+
+# ------------------------------------------------------------------ from hidden states
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
+def test_from_hidden_matches_the_logits_path(be, given_mask):
+    """token_logprobs_from_hidden / ppo_loss_from_hidden / score_rollout_from_hidden with a
+    kept set equal the logits ops on hidden @ W^T (chunks of 4 rows, a soft cap)."""
+    gen = torch.Generator().manual_seed(13)
+    B, T, H, V = 2, 5, 6, 19
+    hidden = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 0] = False
+    if given_mask:
+        sm, _ = random_csr(B, T, V, gen, kmax=7, tokens=tokens, drop_token_frac=0.2)
+        kw = dict(sampling_mask=sm)
+    else:
+        kw = dict(top_k=9, top_p=0.8, min_p=0.01)
+    cap = 5.0
+    adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ref_lp = torch.randn(B, T, generator=gen, dtype=torch.float64) - 2
+    vals = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    scores = torch.randn(B, generator=gen, dtype=torch.float64)
+
+    def grads(f):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = f(h, w)
+        out.backward()
+        return out.detach(), h.grad, w.grad
+
+    def logits_of(h, w):
+        return cap * torch.tanh(h @ w.t() / cap)
+
+    opts = dict(kl_coef=0.1, entropy_coef=0.01, entropy_over="kept", temperature=0.8)
+    got = grads(lambda h, w: pk.ppo_loss_from_hidden(
+        h, w, tokens, None, adv, mask, ref_lp, logit_softcap=cap, chunk_size=4,
+        backend=be.name, **opts, **kw)[0])
+    want = grads(lambda h, w: pk.ppo_loss(logits_of(h, w), tokens, None, adv, mask, ref_lp,
+                                          backend="torch", **opts, **kw)[0])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    got = grads(lambda h, w: sum(x.sum() for x in pk.token_logprobs_from_hidden(
+        h, w, tokens, mask, logit_softcap=cap, chunk_size=3, return_full=True,
+        return_entropy=True, backend=be.name, **kw)))
+    want = grads(lambda h, w: sum(x.sum() for x in pk.token_logprobs(
+        logits_of(h, w), tokens, mask, return_full=True, return_entropy=True,
+        backend="torch", **kw)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    r1 = pk.score_rollout_from_hidden(hidden, weight, tokens, ref_lp, vals, scores, mask,
+                                      logit_softcap=cap, chunk_size=4, kl_coef=0.05,
+                                      backend=be.name, **kw)
+    r2 = pk.score_rollout(logits_of(hidden, weight), tokens, ref_lp, vals, scores, mask,
+                          kl_coef=0.05, backend="torch", **kw)
+    for a, b in zip(r1, r2):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
+def test_packed_sequences(be, given_mask):
+    """cu_seqlens: the CSR rows are the packed positions, per-sequence parameters [S]; GSPO's
+    sequence ratio over the kept-set log-probs equals the reference on the padded batch."""
+    gen = torch.Generator().manual_seed(14)
+    lens, V = [3, 2, 4], 13
+    total, S, L = sum(lens), len(lens), max(lens)
+    logits = torch.randn(1, total, V, generator=gen, dtype=torch.float64) * 2
+    tokens = torch.randint(0, V, (1, total), generator=gen)
+    cu = torch.tensor([0, 3, 5, 9])
+    adv = torch.randn(S, generator=gen, dtype=torch.float64)
+    if given_mask:
+        sm, dense = random_csr(1, total, V, gen, kmax=6, tokens=tokens, drop_token_frac=0.3)
+        kw = dict(sampling_mask=sm)
+    else:
+        top_p = torch.tensor([0.6, 0.9, 0.75], dtype=torch.float64)
+        kw = dict(top_p=top_p, top_k=7)
+    # the padded batch the reference sees
+    pl = torch.zeros(S, L, V, dtype=torch.float64)
+    pt = torch.zeros(S, L, dtype=torch.long)
+    pm = torch.zeros(S, L, dtype=torch.bool)
+    pk_dense = torch.zeros(S, L, V, dtype=torch.bool)
+    for s_, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        pl[s_, :b - a], pt[s_, :b - a], pm[s_, :b - a] = logits[0, a:b], tokens[0, a:b], True
+        if given_mask:
+            pk_dense[s_, :b - a] = dense[0, a:b]
+    if given_mask:
+        kept, _ = ref.with_token(pk_dense.numpy(), pt, pm)
+    else:
+        kept, _ = ref.with_token(ref.sampling_kept(pl, pt, pm, 1.0, top_p=top_p, top_k=7), pt,
+                                 pm)
+    old_p = torch.as_tensor(ref.kept_logprobs(pl, pt, pm, 1.0, kept)[0]) + 0.05
+    old = torch.cat([old_p[s_, :n] for s_, n in enumerate(lens)]).view(1, total)
+    x = logits.clone().requires_grad_(True)
+    loss, _ = pk.ppo_loss(x, tokens, old, adv, cu_seqlens=cu, policy_loss="gspo",
+                          loss_agg_mode="seq-mean-token-mean", backend=be.name, **kw)
+    loss.backward()
+    e_loss, _, e_grad = ref.ppo_loss(pl, pt, old_p, adv, pm, policy_loss="gspo",
+                                     loss_agg_mode="seq-mean-token-mean", kept=kept)
+    assert_close_np(loss, e_loss, rtol=1e-11, atol=1e-12)
+    g = torch.cat([torch.as_tensor(e_grad)[s_, :n] for s_, n in enumerate(lens)])
+    assert_grad_close(x.grad[0], g.numpy(), 1e-10)
+
+
+def test_example_shows_the_bias_and_its_disappearance():
+    """examples/sampling_replay.py (the README's example), at a small size."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "examples" / "sampling_replay.py"
+    spec = importlib.util.spec_from_file_location("sampling_replay_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    results, m_plain, m_replay = mod.main(B=2, T=16, V=512, top_k=32, top_p=0.8)
+    assert results["no replay"] > 0.5
+    assert results["replay, given mask"] == 0.0
+    assert results["replay, top_k/top_p"] == 0.0
+    assert abs(float(m_replay["ratio_mean"]) - 1.0) < 1e-5 < 1.0 - float(m_plain["ratio_mean"])
+    assert float(m_replay["mask_missing_token_frac"]) == 0.0
+
+
+# ------------------------------------------------------------------ tensor parallel
+
+def test_tensor_parallel_vocabulary_two_ranks(tmp_path):
+    """tests/replay_rank_cases.py on 2 gloo processes: a given SamplingMask over a
+    vocabulary split [0, 6) / [6, 13) (sets lacking their token included) gives the
+    unsharded op's loss, metrics and gradient (ppo_loss: vanilla, gspo with the KL and the
+    entropy over the kept set, the full entropy; token_logprobs with return_full and the
+    kept entropy); an id outside the whole vocabulary is a ValueError on every rank. And
+    context parallel (cp_group, each rank half of every sequence with its CSR rows): the
+    ranks' losses add up to the whole loss (gspo's sequence ratio over the kept log-probs
+    of both halves), each rank's gradient is its slice of the whole gradient."""
+    import pathlib
+
+    from conftest import run_ranks
+    script = pathlib.Path(__file__).parent / "replay_rank_cases.py"
+    ranks = run_ranks(script, tmp_path, n=2)
+    for res in ranks:
+        for k, v in res.items():
+            if k == "out_of_range":
+                assert v.startswith("raised sampling_mask.token_ids"), v
+            elif k.endswith("own_part"):
+                assert v == "partial", (k, v)
+            else:
+                assert v <= 1e-12, (k, v)
+
+
+def test_tensor_parallel_rederived_is_not_implemented():
+    from ppo_kernels import sampling as sm
+    from ppo_kernels.sampling import Replay
+    with pytest.raises(NotImplementedError, match="tp_group"):
+        sm.vp_stats("", None, None, None, 1.0, Replay(top_p=torch.ones(1, 1)), None)
+
+
+# ------------------------------------------------------------------ the raw ops
+
+@pytest.mark.parametrize("prefix", ["", "triton_"], ids=["cpu", "triton"])
+def test_opcheck_kept_ops(prefix):
+    """torch.library.opcheck of the kept-set ops: schema, fake (meta) functions and their
+    agreement with the kernels (CSR and threshold sets)."""
+    from ppo_kernels._backends import get_backend
+    get_backend("cpu" if not prefix else "triton", torch.device("cpu"))
+    ops = torch.ops.ppo_kernels
+    gen = torch.Generator().manual_seed(15)
+    B, T, V = 2, 3, 9
+    logits, tokens, mask = inputs(B, T, V, gen, dtype=torch.float32)
+    sm, _ = random_csr(B, T, V, gen, kmax=4, tokens=tokens, drop_token_frac=0.5)
+    top_p = torch.full((B, T), 0.7, dtype=torch.float64)
+    top_k = torch.full((B, T), 5, dtype=torch.long)
+    thr_op = getattr(ops, prefix + "sampling_threshold")
+    fwd = getattr(ops, prefix + "kept_logprobs_fwd")
+    bwd = getattr(ops, prefix + "kept_logprobs_bwd_")
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(thr_op, (logits, mask, 1.0, top_k, top_p, None), test_utils=tests)
+    thr = thr_op(logits, mask, 1.0, top_k, top_p, None)
+    for kept in ((sm.token_ids, sm.offsets, None), (None, None, thr)):
+        torch.library.opcheck(fwd, (logits, tokens, mask, 0.8, *kept), test_utils=tests)
+        lp, ent, kmax, kls, _, _ = fwd(logits, tokens, mask, 0.8, *kept)
+        g = torch.randn(B, T, generator=gen)
+        torch.library.opcheck(bwd, (g, g, logits, tokens, mask, kmax, kls, ent, 0.8, *kept,
+                                    torch.zeros_like(logits)), test_utils=tests)
