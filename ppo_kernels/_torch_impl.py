@@ -278,7 +278,7 @@ def token_loss(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is
                mask, behaviour=None, logp_kl=None):
     """Per-token loss is_w * pg + kl_coef * kl - entropy_coef * H (DESIGN.md)."""
     pol, ent = token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs,
-                            rollout_is_weights, mask, spec, behaviour, logp_kl)
+                            rollout_is_weights, mask, spec, behaviour, logp_kl=logp_kl)
     return pol - spec.entropy_coef * ent if spec.entropy_coef != 0.0 else pol
 
 

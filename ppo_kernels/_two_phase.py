@@ -32,7 +32,7 @@ def middle(logp, ent, spec, x, logp_kl=None):
     the LossInputs x), and the per-token policy part. logp_kl: the KL's log-probs where
     they are not logp (sampling replay: logp is then over the kept set)."""
     pol, _ = _torch_impl.token_losses(logp, ent, x.old, x.adv, x.ref, x.isw, x.mask, spec,
-                                      x.behaviour, logp_kl)
+                                      x.behaviour, logp_kl=logp_kl)
     return _torch_impl.aggregate(pol, ent, x.mask, x.weights, x.w_ent, spec), pol
 
 

@@ -819,7 +819,7 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
             loss = per_token_loss(spec, x, lp_k, ent_sel, lp_kl)
         else:
             pol, _ = _torch_impl.token_losses(lp_k, ent_sel, x.old, x.adv, x.ref, x.isw,
-                                              x.mask, spec, x.behaviour, lp_kl)
+                                              x.mask, spec, x.behaviour, logp_kl=lp_kl)
             loss = _torch_impl.aggregate(pol, ent_sel, x.mask, x.weights, x.w_ent, spec)
         return loss, loss_metrics(spec, x, lp_k.detach(), ent_sel.detach(),
                                   (logp.detach(), mass, size, missing))

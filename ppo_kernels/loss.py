@@ -317,7 +317,7 @@ def _replay_loss_of_logits(spec, x, logits3, shard):
         loss = per_token_loss(spec, x, lp_k, ent_sel, lp_kl)
     else:
         pol, _ = _torch_impl.token_losses(lp_k, ent_sel, x.old, x.adv, x.ref, x.isw, x.mask,
-                                          spec, x.behaviour, lp_kl)
+                                          spec, x.behaviour, logp_kl=lp_kl)
         loss = _torch_impl.aggregate(pol, ent_sel, x.mask, x.weights, x.w_ent, spec)
     return loss, lp_k.detach(), ent_sel.detach(), (logp.detach(), mass, size, missing)
 
