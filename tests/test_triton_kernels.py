@@ -27,6 +27,7 @@ import triton.language as tl
 import ppo_kernels.triton_kernels as tk
 from ppo_kernels import reference as ref
 from ppo_kernels.triton_kernels._math import expm1, expm1_minus_x, kl_term, log1p
+from ppo_kernels.spec import KERNEL_POLICY_LOSSES
 
 from conftest import (GENUINE_INF, KL_CODES, TOK_TOL, TRITON_DEVICE, acc_of, assert_close_np,
                       check_ppo, expm1_minus_x64, grad_tol, k3_deltas, make_case, make_mask,
@@ -870,7 +871,7 @@ def test_bad_input_raises():
         with pytest.raises(ValueError, match="kl_estimator"):
             OPS.triton_score_rollout(logits, tokens, mask, z, z, torch.zeros(2, device=DEV),
                                      0.1, bad, 1.0, 1.0, 1.0)
-    for bad in (3, -1):  # 3: gspo, which no kernel runs
+    for bad in (len(KERNEL_POLICY_LOSSES), -1):  # the first sequence loss: no kernel runs it
         with pytest.raises(ValueError, match="policy_loss"):
             OPS.triton_ppo_loss_fwd(logits, tokens, mask, z, z, z, None, None, None,
                                     *slot_args(0.2, 0.2, 0.0, 0.0, 2, 0.0, 1.0, 1.0, bad, 1.0,
