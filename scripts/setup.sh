@@ -31,3 +31,9 @@ fi
 if ! .venv/bin/python -c "import verl" > /dev/null 2>&1; then
   bash scripts/install_verl.sh
 fi
+# DeepSpeed for the ZeRO-3 tests of the LM head (tests/test_lm_head.py): a source package
+# whose build imports torch, hence --no-build-isolation; its ops compile at first use
+# (DS_BUILD_OPS=0), none of which the CPU tests use
+if ! .venv/bin/python -c "import deepspeed" > /dev/null 2>&1; then
+  DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --no-build-isolation deepspeed==0.19.8
+fi
