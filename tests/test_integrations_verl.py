@@ -977,5 +977,10 @@ def test_sampling_replay_rollout_config_and_from_verl_config():
     cfg.actor_rollout_ref.rollout.logprobs_mode = "raw_logprobs"
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.logprobs_mode"):
         pv.from_verl_config(cfg, sampling_replay=True)
+    cfg.actor_rollout_ref.rollout.logprobs_mode = "processed_logprobs"
+    cfg.actor_rollout_ref.rollout.name = "sglang"
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name = 'sglang'"):
+        pv.from_verl_config(cfg, sampling_replay=True)
+    cfg.actor_rollout_ref.rollout.logprobs_mode = "raw_logprobs"
     cfg.actor_rollout_ref.rollout.calculate_log_probs = False  # no rollout log-probs used
     assert pv.from_verl_config(cfg, sampling_replay=True)["top_k"] == 40

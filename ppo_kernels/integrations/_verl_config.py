@@ -211,8 +211,9 @@ def replay_kwargs_from_verl(rollout, *, key="actor_rollout_ref.rollout"):
 
     Raises ValueError naming the key: top_k not an integer (-1, 0 or >= 1), top_p outside
     (0, 1], min_p outside [0, 1), or ``calculate_log_probs=True`` with a ``logprobs_mode``
-    other than processed_logprobs (the rollout log-probs of rollout correction would be
-    scored over another distribution than the replayed ones)."""
+    other than processed_logprobs or with ``name="sglang"`` (the rollout log-probs of
+    rollout correction would be scored over another distribution than the replayed
+    ones)."""
     top_k = _get(rollout, "top_k", None)
     top_p = _get(rollout, "top_p", None)
     min_p = _get(rollout, "min_p", None)
@@ -237,8 +238,13 @@ def replay_kwargs_from_verl(rollout, *, key="actor_rollout_ref.rollout"):
     if min_p > 0.0:
         kw["min_p"] = min_p
     mode = _get(rollout, "logprobs_mode", None)
-    if _get(rollout, "calculate_log_probs", False) and mode is not None and \
-            mode not in REPLAY_LOGPROBS_MODES:
+    uses = bool(_get(rollout, "calculate_log_probs", False))
+    if uses and _get(rollout, "name", None) == "sglang":
+        raise ValueError(f"{key}.name = 'sglang' with calculate_log_probs = True and sampling "
+                         f"replay: SGLang returns log-probs over the full vocabulary (of the "
+                         f"temperature-scaled logits, before top-k / top-p), not over the "
+                         f"kept sets; train without replay there")
+    if uses and mode is not None and mode not in REPLAY_LOGPROBS_MODES:
         raise ValueError(f"{key}.logprobs_mode = {mode!r} with calculate_log_probs = True "
                          f"and sampling replay: the rollout log-probs are not over the kept "
                          f"sets (set logprobs_mode=processed_logprobs, vLLM's log-probs "
