@@ -611,11 +611,20 @@ def manual_replay_loss(trainer, inputs, **replay):
     bkw, divisor = trl_batch_kwargs(trainer.args, mask,
                                     num_items_in_batch=inputs["num_items_in_batch"],
                                     grad_accum_steps=GA)
+    extra = {}
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        extra["rollout_is_weights"] = inputs["importance_sampling_ratio"]
+    if "off_policy_mask_threshold" in kw:  # vLLM's log-probs, else the old; NaN: current
+        cur = pk.token_logprobs(logits.detach(), inputs["completion_ids"],
+                                temperature=trainer.temperature, backend="torch", **replay)
+        samp = inputs.get("sampling_per_token_logps", inputs.get("old_per_token_logps"))
+        extra["rollout_logprobs"] = cur if samp is None else torch.where(
+            torch.isnan(samp), cur, samp)
     if trainer.beta != 0.0:
         replay["kl_logprobs"] = "kept"
     loss, _ = pk.ppo_loss(logits, inputs["completion_ids"], inputs.get("old_per_token_logps"),
                           inputs["advantages"], mask, inputs.get("ref_per_token_logps"),
-                          backend="torch", **{**kw, **bkw, **replay})
+                          backend="torch", **{**kw, **bkw, **replay, **extra})
     loss = loss / divisor
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
@@ -630,7 +639,13 @@ REPLAY_CASES = {
     "top_k-cispo": (dict(loss_type="cispo", epsilon_high=1.2, top_k=8), dict(top_k=8)),
     "top_p-gspo": (dict(loss_type="grpo", importance_sampling_level="sequence", top_p=0.8,
                         epsilon=0.05, epsilon_high=0.08), dict(top_p=0.8)),
+    "off-policy-mask-top_k": (dict(loss_type="grpo", off_policy_mask_threshold=0.02,
+                                   top_k=16), dict(top_k=16)),
+    "vllm-is-top_p": (dict(loss_type="dapo", top_p=0.9, beta=0.1), dict(top_p=0.9)),
+    "vllm-off-policy-mask": (dict(loss_type="grpo", off_policy_mask_threshold=0.02,
+                                  top_k=30, temperature=0.9), dict(top_k=30)),
 }
+REPLAY_VLLM = ("vllm-is-top_p", "vllm-off-policy-mask")
 
 
 @pytest.mark.parametrize("name", list(REPLAY_CASES))
@@ -640,7 +655,10 @@ def test_sampling_replay_loss_equals_ppo_loss(tmp_path, name):
     fused trainer's loss is another (the full-vocabulary one)."""
     cfg, replay = REPLAY_CASES[name]
     plain, fused = replay_trainers(tmp_path, **cfg)
-    inputs = batch(fused)
+    if name in REPLAY_VLLM:  # TRL's importance_sampling_ratio and vLLM's log-probs
+        for tr in (plain, fused):
+            tr.use_vllm, tr.vllm_importance_sampling_correction = True, True
+    inputs = batch(fused, vllm="token_truncate" if name in REPLAY_VLLM else None)
     lf, mf, gf = run_loss(fused, inputs)
     lm, gm = manual_replay_loss(fused, inputs, **replay)
     close(lf, lm)
