@@ -145,7 +145,9 @@ def check_trainer(trainer, patched=False, sampling_replay=False):
 class FusedGRPOLossMixin:
     """Replaces GRPOTrainer._compute_loss by ppo_loss_from_hidden (module docstring). Put it
     before GRPOTrainer (or your subclass of it) in the bases and call
-    ``self._ppo_kernels_setup()`` after GRPOTrainer.__init__ (FusedGRPOTrainer does)."""
+    ``self._ppo_kernels_setup()`` after GRPOTrainer.__init__ (FusedGRPOTrainer does;
+    ``_ppo_kernels_setup(head_dtype=..., sampling_replay=True)`` takes FusedGRPOTrainer's
+    options)."""
 
     def _ppo_kernels_setup(self, patched=False, head_dtype="float32", sampling_replay=False):
         check_sampling_replay(self.args, sampling_replay)
