@@ -578,3 +578,207 @@ def test_head_dtype_rejects(tmp_path):
         with pytest.raises(ValueError, match="head_dtype"):
             FusedGRPOTrainer(model=path, reward_funcs=reward_len, args=args,
                              train_dataset=DATA, processing_class=tokenizer(), **kw)
+
+
+# ---- sampling replay (sampling_replay=True): GRPOConfig's top_k / top_p / min_p ----------
+
+def replay_trainers(tmp_path, **kw):
+    """(fused without replay, fused with replay) on the same saved model and config."""
+    path = saved_model(tmp_path)
+    args = config(tmp_path, **kw)
+    made = []
+    for replay in (False, True):
+        tr = FusedGRPOTrainer(model=path, reward_funcs=reward_len, args=args,
+                              train_dataset=DATA, processing_class=tokenizer(),
+                              sampling_replay=replay)
+        tr.current_gradient_accumulation_steps = GA
+        made.append(tr)
+    return made
+
+
+def manual_replay_loss(trainer, inputs, **replay):
+    """pk.ppo_loss on the policy's [B, T, V] logits with the plain config keywords, the
+    batch keywords and the given top_k / top_p / min_p; the parameter gradients."""
+    model = trainer.model
+    model.train(True)
+    model.zero_grad(set_to_none=True)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    logits = model(input_ids=ids, attention_mask=att).logits[:, -T - 1:-1]
+    mask = inputs["completion_mask"]
+    kw = from_trl_config(trainer.args, model.config)  # no replay keys
+    assert not {"top_k", "top_p", "min_p", "kl_logprobs"} & set(kw)
+    bkw, divisor = trl_batch_kwargs(trainer.args, mask,
+                                    num_items_in_batch=inputs["num_items_in_batch"],
+                                    grad_accum_steps=GA)
+    extra = {}
+    if trainer.use_vllm and trainer.vllm_importance_sampling_correction:
+        extra["rollout_is_weights"] = inputs["importance_sampling_ratio"]
+    if "off_policy_mask_threshold" in kw:  # vLLM's log-probs, else the old; NaN: current
+        cur = pk.token_logprobs(logits.detach(), inputs["completion_ids"],
+                                temperature=trainer.temperature, backend="torch", **replay)
+        samp = inputs.get("sampling_per_token_logps", inputs.get("old_per_token_logps"))
+        extra["rollout_logprobs"] = cur if samp is None else torch.where(
+            torch.isnan(samp), cur, samp)
+    if trainer.beta != 0.0:
+        replay["kl_logprobs"] = "kept"
+    loss, _ = pk.ppo_loss(logits, inputs["completion_ids"], inputs.get("old_per_token_logps"),
+                          inputs["advantages"], mask, inputs.get("ref_per_token_logps"),
+                          backend="torch", **{**kw, **bkw, **replay, **extra})
+    loss = loss / divisor
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    return loss.detach(), grads
+
+
+REPLAY_CASES = {
+    "top_k-top_p-kl": (dict(loss_type="grpo", beta=0.04, top_k=20, top_p=0.9,
+                            temperature=0.7), dict(top_k=20, top_p=0.9)),
+    "min_p-dapo": (dict(loss_type="dapo", min_p=0.8, temperature=0.5), dict(min_p=0.8)),
+    "top_k-cispo": (dict(loss_type="cispo", epsilon_high=1.2, top_k=8), dict(top_k=8)),
+    "top_p-gspo": (dict(loss_type="grpo", importance_sampling_level="sequence", top_p=0.8,
+                        epsilon=0.05, epsilon_high=0.08), dict(top_p=0.8)),
+    "off-policy-mask-top_k": (dict(loss_type="grpo", off_policy_mask_threshold=0.02,
+                                   top_k=16), dict(top_k=16)),
+    "vllm-is-top_p": (dict(loss_type="dapo", top_p=0.9, beta=0.1), dict(top_p=0.9)),
+    "vllm-off-policy-mask": (dict(loss_type="grpo", off_policy_mask_threshold=0.02,
+                                  top_k=30, temperature=0.9), dict(top_k=30)),
+}
+REPLAY_VLLM = ("vllm-is-top_p", "vllm-off-policy-mask")
+
+
+@pytest.mark.parametrize("name", list(REPLAY_CASES))
+def test_sampling_replay_loss_equals_ppo_loss(tmp_path, name):
+    """With sampling_replay=True the fused loss and its parameter gradients equal pk.ppo_loss
+    on the same batch with the same top_k / top_p / min_p (and temperature); without it the
+    fused trainer's loss is another (the full-vocabulary one)."""
+    cfg, replay = REPLAY_CASES[name]
+    plain, fused = replay_trainers(tmp_path, **cfg)
+    if name in REPLAY_VLLM:  # TRL's importance_sampling_ratio and vLLM's log-probs
+        for tr in (plain, fused):
+            tr.use_vllm, tr.vllm_importance_sampling_correction = True, True
+    inputs = batch(fused, vllm="token_truncate" if name in REPLAY_VLLM else None)
+    lf, mf, gf = run_loss(fused, inputs)
+    lm, gm = manual_replay_loss(fused, inputs, **replay)
+    close(lf, lm)
+    assert sorted(gf) == sorted(gm)
+    for n in gm:
+        close(gf[n], gm[n])
+    lp, _, _ = run_loss(plain, inputs)
+    assert not torch.allclose(lp, lf, rtol=1e-4, atol=1e-5), (lp, lf)
+    assert torch.isfinite(lf) and "entropy" in mf
+
+
+def test_sampling_replay_old_and_ref_logprobs(tmp_path):
+    """The old / reference log-probs the fused trainer computes with sampling_replay are
+    pk.token_logprobs over the kept sets (each model's own logits, the generation
+    temperature); on-policy the KL is 0 and no ratio is clipped, and the log-probs are
+    those of a kept-set renormalised softmax (>= the full ones)."""
+    plain, fused = replay_trainers(tmp_path, beta=0.04, top_k=12, top_p=0.85,
+                                   temperature=0.8)
+    inputs = batch(fused, old=False, ref=False)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    with torch.no_grad():
+        ref, _, _ = fused._get_per_token_logps_and_entropies(fused.ref_model, ids, att, T,
+                                                            batch_size=2)
+        old, ent, _ = fused._get_per_token_logps_and_entropies(fused.model, ids, att, T,
+                                                              batch_size=2,
+                                                              compute_entropy=True)
+        full, ent_full, _ = plain._get_per_token_logps_and_entropies(
+            plain.model, ids, att, T, batch_size=2, compute_entropy=True)
+        for model, got in ((fused.model, old), (fused.ref_model, ref)):
+            logits = model(input_ids=ids, attention_mask=att).logits[:, -T - 1:-1]
+            want = pk.token_logprobs(logits, inputs["completion_ids"], temperature=0.8,
+                                     top_k=12, top_p=0.85, backend="torch")
+            close(got, want)
+    assert (old >= full - 1e-6).all() and (old > full + 1e-4).any()
+    close(ent, ent_full)  # the entropy stays over the full vocabulary
+    inputs["ref_per_token_logps"], inputs["old_per_token_logps"] = ref, old
+    run_loss(fused, inputs)
+    m = fused._metrics["train"]
+    assert m["kl"][-1] == 0.0
+    assert m["clip_ratio/region_mean"][-1] == 0.0
+
+
+def test_sampling_replay_off_is_unchanged(tmp_path):
+    """sampling_replay=False (the default) with top_k / top_p set: the keywords and the
+    results are those of today (parity with stock TRL, which scores the full vocabulary);
+    sampling_replay=True with every parameter off is the plain loss bit for bit."""
+    stock, fused = trainer_pair(tmp_path, loss_type="grpo", beta=0.1, top_k=10, top_p=0.9)
+    kw = from_trl_config(stock.args)
+    assert kw == from_trl_config(stock.args, sampling_replay=False)
+    assert not {"top_k", "top_p", "min_p", "kl_logprobs"} & set(kw)
+    assert_parity(stock, fused, batch(stock))
+    plain, replay = replay_trainers(tmp_path / "off", loss_type="dapo", beta=0.1)
+    assert from_trl_config(replay.args, sampling_replay=True) == from_trl_config(replay.args)
+    inputs = batch(plain)
+    lp, mp, gp = run_loss(plain, inputs)
+    lr, mr, gr = run_loss(replay, inputs)
+    assert torch.equal(lp, lr) and mp == mr
+    assert all(torch.equal(gp[n], gr[n]) for n in gp)
+
+
+def test_sampling_replay_mapping(tmp_path):
+    """GRPOConfig -> op keywords: TRL's top_k = 0 and top_p = 1 are off, min_p None off;
+    a KL term adds kl_logprobs='kept'."""
+    args = config(tmp_path, top_k=0, top_p=0.7, min_p=None, beta=0.0)
+    kw = from_trl_config(args, sampling_replay=True)
+    assert kw["top_p"] == 0.7 and "top_k" not in kw and "min_p" not in kw
+    assert "kl_logprobs" not in kw
+    args = config(tmp_path, top_k=50, min_p=0.1, beta=0.2)
+    kw = from_trl_config(args, sampling_replay=True)
+    assert (kw["top_k"], kw["min_p"], kw["kl_logprobs"]) == (50, 0.1, "kept")
+    assert "top_p" not in kw
+
+
+REPLAY_BAD = {
+    "repetition_penalty": (dict(top_k=5, repetition_penalty=1.1), "repetition_penalty=1.1"),
+    "generation_kwargs": (dict(top_k=5, generation_kwargs={"top_k": 3}),
+                          r"generation_kwargs\['top_k'\]"),
+    "generation_kwargs-penalty": (dict(generation_kwargs={"presence_penalty": 0.5}),
+                                  r"generation_kwargs\['presence_penalty'\]"),
+    "min_p-and-top_p-transformers": (dict(min_p=0.1, top_p=0.9), "min_p=0.1"),
+    "top_p-out-of-range": (dict(top_p=0.0), "top_p"),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLAY_BAD))
+def test_sampling_replay_bad_combinations_raise(tmp_path, name):
+    cfg, match = REPLAY_BAD[name]
+    args = config(tmp_path, **cfg)  # GRPOConfig accepts each of them
+    with pytest.raises(ValueError, match=match):
+        FusedGRPOTrainer(model=tiny_model(), reward_funcs=reward_len, args=args,
+                         train_dataset=DATA, processing_class=tokenizer(),
+                         sampling_replay=True)
+    # without replay the same configuration is accepted (the option is what it concerns)
+    FusedGRPOTrainer(model=tiny_model(), reward_funcs=reward_len, args=args,
+                     train_dataset=DATA, processing_class=tokenizer())
+
+
+def test_sampling_replay_type_and_hook(tmp_path):
+    args = config(tmp_path, top_k=5)
+    with pytest.raises(TypeError, match="sampling_replay"):
+        FusedGRPOTrainer(model=tiny_model(), reward_funcs=reward_len, args=args,
+                         train_dataset=DATA, processing_class=tokenizer(),
+                         sampling_replay="yes")
+    with pytest.raises(TypeError, match="sampling_replay"):
+        from_trl_config(args, sampling_replay=1)
+    bad = GRPOTrainer(model=tiny_model(), reward_funcs=reward_len,
+                      args=config(tmp_path, top_k=5, repetition_penalty=1.2),
+                      train_dataset=DATA, processing_class=tokenizer())
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        fuse_grpo_loss(bad, sampling_replay=True)
+    assert "_compute_loss" not in vars(bad)
+    stock = GRPOTrainer(model=saved_model(tmp_path), reward_funcs=reward_len, args=args,
+                        train_dataset=DATA, processing_class=tokenizer())
+    stock.current_gradient_accumulation_steps = GA
+    fuse_grpo_loss(stock, sampling_replay=True)
+    assert stock._pk_replay == {"top_k": 5} and stock._pk_kwargs["top_k"] == 5
+    inputs = batch(stock)
+    lf, _, gf = run_loss(stock, inputs)
+    lm, gm = manual_replay_loss(stock, inputs, top_k=5)
+    close(lf, lm)
+    for n in gm:
+        close(gf[n], gm[n])

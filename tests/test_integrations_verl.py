@@ -810,3 +810,177 @@ def test_registered_loss_nan_reaches_the_gradient_only_where_it_is(mode):
         others = torch.ones_like(mask)
         others[tuple(valid)] = False
         assert torch.isfinite(grad[others]).all()
+
+
+# ------------------------------------------------------------------ sampling replay
+
+@pytest.fixture
+def replay_off(monkeypatch):
+    """A clean fused-hook configuration for the test (replay off afterwards)."""
+    import ppo_kernels.integrations.verl as mod
+    monkeypatch.setattr(mod, "_HOOK_OPTIONS", {})
+    return mod
+
+
+def replay_reference(h, w, ids, temperature, **replay):
+    """pk.token_logprobs on the materialised logits (float64): kept-set log-probs and the
+    full entropy."""
+    z = h.double() @ w.double().T
+    lp, ent = pk.token_logprobs(z, ids, temperature=temperature, return_entropy=True,
+                                backend="torch", **replay)
+    return lp, ent
+
+
+@pytest.mark.parametrize("replay", [dict(top_k=10), dict(top_p=0.8),
+                                    dict(top_k=20, top_p=0.9), dict(min_p=0.3)])
+def test_fused_hook_sampling_replay_matches_token_logprobs(replay_off, replay):
+    """With sampling replay configured, FusedLinearForPPO and linear_cross_entropy return the
+    kept-set log-probs of pk.token_logprobs(logits, top_k / top_p / min_p, temperature) and
+    the full entropy, with the same gradients w.r.t. hidden and the head weight; switched
+    off again, the hook's results are those of before, bit for bit."""
+    hidden, weight, ids, c1, c2 = hook_inputs((3, 11), seed=4)
+    plain = fwd_bwd(lambda h, w, i: verl_tf.FusedLinearForPPO()(h, w, i, 0.7),
+                    hidden, weight, ids, c1, c2)
+    verl_kw = {"top_k": replay.get("top_k", -1), "top_p": replay.get("top_p", 1.0),
+               "min_p": replay.get("min_p", 0.0)}
+    assert pv.configure_sampling_replay(verl_kw) == replay
+    ours = fwd_bwd(lambda h, w, i: verl_tf.FusedLinearForPPO()(h, w, i, 0.7),
+                   hidden, weight, ids, c1, c2)
+    want = fwd_bwd(lambda h, w, i: replay_reference(h, w, i, 0.7, **replay),
+                   hidden.double(), weight.double(), ids, c1, c2)
+    for a, e in zip(ours, want):
+        torch.testing.assert_close(a.double(), e, rtol=1e-5,
+                                   atol=1e-5 * max(e.abs().max().item(), 1))
+    assert (ours[0] > plain[0] + 1e-4).any()  # the kept sets cut something
+    torch.testing.assert_close(ours[1], plain[1], rtol=1e-6, atol=1e-6)  # full entropy
+    lp, ent = pv.linear_cross_entropy(hidden, weight, ids, 0.7)
+    torch.testing.assert_close(lp.double(), want[0].reshape(-1), rtol=1e-5, atol=1e-5)
+    assert pv.configure_sampling_replay(None) == {}
+    again = fwd_bwd(lambda h, w, i: verl_tf.FusedLinearForPPO()(h, w, i, 0.7),
+                    hidden, weight, ids, c1, c2)
+    for a, e in zip(again, plain):
+        assert torch.equal(a, e)
+
+
+def test_sampling_replay_loss_through_hook_equals_ppo_loss(replay_off):
+    """verl's path with replay: the hook's old and current log-probs into the registered
+    'ppo_kernels' loss give pk.ppo_loss on the logits with the same top_k / top_p and
+    temperature (loss and gradient w.r.t. the hidden states)."""
+    hidden, weight, ids, _, _ = hook_inputs((4, 9), seed=5)
+    g = torch.Generator().manual_seed(6)
+    adv = torch.randn(4, 9, generator=g)
+    mask = torch.rand(4, 9, generator=g) < 0.8
+    pv.configure_sampling_replay({"top_k": 12, "top_p": 0.85})
+    with torch.no_grad():
+        old, _ = verl_tf.FusedLinearForPPO()(hidden + 0.05 * torch.randn(
+            hidden.shape, generator=g), weight, ids, 0.8)
+    h1 = hidden.clone().requires_grad_()
+    lp, _ = verl_tf.FusedLinearForPPO()(h1, weight, ids, 0.8)
+    cfg = actor_config(loss_mode="vanilla", clip_ratio_high=0.28)
+    loss, _ = ca.get_policy_loss_fn("ppo_kernels")(old, lp, adv, mask, "token-mean", cfg, None)
+    loss.backward()
+    h2 = hidden.clone().requires_grad_()
+    kw = pv.from_verl_config(cfg)
+    want, _ = pk.ppo_loss(h2 @ weight.T, ids, old, adv, mask, temperature=0.8, top_k=12,
+                          top_p=0.85, backend="torch", **kw)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h1.grad, h2.grad, rtol=1e-5, atol=1e-6)
+    plain, _ = pk.ppo_loss(hidden @ weight.T, ids, old, adv, mask, temperature=0.8,
+                           backend="torch", **kw)
+    assert not torch.allclose(plain, want, rtol=1e-4, atol=1e-6)
+
+
+def test_sampling_replay_through_verl_model_forward(replay_off):
+    """verl's use_fused_kernels forward (impl_backend=torch) of a tiny Llama with replay
+    configured: log-probs = pk.token_logprobs(logits, rolled ids, top_k, top_p,
+    temperature), entropy over the full vocabulary."""
+    transformers = pytest.importorskip("transformers")
+    from verl.models.transformers import dense_common
+    cfg = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    x = torch.randint(0, 101, (2, 9), generator=torch.Generator().manual_seed(1))
+    pv.configure_sampling_replay({"top_k": 7, "top_p": 0.9})
+    with torch.no_grad():
+        out = dense_common.forward_with_torch_backend(model, input_ids=x, return_dict=True,
+                                                      temperature=0.9)
+        logits = model(input_ids=x).logits
+    want, ent = pk.token_logprobs(logits, torch.roll(x, -1, -1), temperature=0.9, top_k=7,
+                                  top_p=0.9, return_entropy=True, backend="torch")
+    torch.testing.assert_close(out.log_probs, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.entropy, ent, rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_replay_from_model_config(replay_off):
+    """fused_kernel_options.sampling_replay with top_k / top_p next to it (verl's model
+    config does not see the rollout's; hydra interpolation passes them): verl's -1 / 1 are
+    off; sampling_replay without them, or bad values, a ValueError naming the key."""
+    from types import SimpleNamespace
+    mod = replay_off
+    mod._read_model_config(SimpleNamespace(fused_kernel_options={
+        "sampling_replay": True, "top_k": 50, "top_p": 1.0}))
+    assert pv.sampling_replay_kwargs() == {"top_k": 50}
+    mod._read_model_config(SimpleNamespace(fused_kernel_options={"impl_backend": "torch"}))
+    assert pv.sampling_replay_kwargs() == {"top_k": 50}  # no key: unchanged
+    mod._read_model_config(SimpleNamespace(fused_kernel_options={
+        "sampling_replay": True, "top_k": -1, "top_p": 0.7}))
+    assert pv.sampling_replay_kwargs() == {"top_p": 0.7}
+    mod._read_model_config(SimpleNamespace(fused_kernel_options={"sampling_replay": False}))
+    assert pv.sampling_replay_kwargs() == {}
+    bad = [({"sampling_replay": True}, "fused_kernel_options.sampling_replay=true needs"),
+           ({"sampling_replay": "yes", "top_k": 5}, "fused_kernel_options.sampling_replay"),
+           ({"sampling_replay": True, "top_k": 2.5}, "fused_kernel_options.top_k"),
+           ({"sampling_replay": True, "top_k": -3}, "fused_kernel_options.top_k"),
+           ({"sampling_replay": True, "top_p": 0.0}, "fused_kernel_options.top_p"),
+           ({"sampling_replay": True, "top_p": 1.5}, "fused_kernel_options.top_p"),
+           ({"sampling_replay": True, "min_p": 1.0}, "fused_kernel_options.min_p")]
+    for opts, match in bad:
+        with pytest.raises(ValueError, match=match):
+            mod._read_model_config(SimpleNamespace(fused_kernel_options=opts))
+        assert pv.sampling_replay_kwargs() == {}  # a refused setting changes nothing
+    with pytest.raises(ValueError, match="not both"):
+        pv.configure_sampling_replay({"top_k": 5}, top_p=0.5)
+    with pytest.raises(ValueError, match="configure_sampling_replay.top_k"):
+        pv.configure_sampling_replay(top_k="five")
+
+
+def test_sampling_replay_rollout_config_and_from_verl_config():
+    """verl's own RolloutConfig dataclass (top_k -1 by default) and the whole trainer config
+    through from_verl_config(sampling_replay=True); an actor section alone, a non-bool, or
+    calculate_log_probs with raw log-probs, a ValueError / TypeError naming the key."""
+    from omegaconf import OmegaConf
+    from verl.workers.config import RolloutConfig
+    assert pv.replay_kwargs_from_verl(RolloutConfig(name="vllm")) == {}
+    assert pv.replay_kwargs_from_verl(RolloutConfig(name="vllm", top_k=32, top_p=0.95)) == \
+        {"top_k": 32, "top_p": 0.95}
+    cfg = OmegaConf.create({
+        "actor_rollout_ref": {
+            "actor": {"policy_loss": {"loss_mode": "ppo_kernels"}, "clip_ratio": 0.2,
+                      "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0,
+                      "loss_agg_mode": "token-mean", "entropy_coeff": 0.0,
+                      "use_kl_loss": True, "kl_loss_type": "k2", "kl_loss_coef": 0.001},
+            "rollout": {"temperature": 0.7, "top_k": 40, "top_p": 0.9,
+                        "calculate_log_probs": True, "logprobs_mode": "processed_logprobs"}},
+        "algorithm": {}})
+    plain = pv.from_verl_config(cfg)
+    assert plain == pv.from_verl_config(cfg, sampling_replay=False)
+    assert not {"top_k", "top_p", "kl_logprobs"} & set(plain)
+    kw = pv.from_verl_config(cfg, sampling_replay=True)
+    assert kw == {**plain, "top_k": 40, "top_p": 0.9, "kl_logprobs": "kept"}
+    with pytest.raises(ValueError, match="whole trainer config"):
+        pv.from_verl_config(cfg.actor_rollout_ref.actor, sampling_replay=True)
+    with pytest.raises(TypeError, match="sampling_replay"):
+        pv.from_verl_config(cfg, sampling_replay="yes")
+    cfg.actor_rollout_ref.rollout.logprobs_mode = "raw_logprobs"
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.logprobs_mode"):
+        pv.from_verl_config(cfg, sampling_replay=True)
+    cfg.actor_rollout_ref.rollout.logprobs_mode = "processed_logprobs"
+    cfg.actor_rollout_ref.rollout.name = "sglang"
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name = 'sglang'"):
+        pv.from_verl_config(cfg, sampling_replay=True)
+    cfg.actor_rollout_ref.rollout.logprobs_mode = "raw_logprobs"
+    cfg.actor_rollout_ref.rollout.calculate_log_probs = False  # no rollout log-probs used
+    assert pv.from_verl_config(cfg, sampling_replay=True)["top_k"] == 40

@@ -79,6 +79,83 @@ def check_trl_config(args):
                            "quantile mask is supported)")
 
 
+# generation_kwargs keys (vLLM SamplingParams / transformers GenerationConfig) that change the
+# distribution a token is drawn from: with sampling_replay the kept sets would not be the ones
+# the engine sampled from (docs/TRL.md, "Sampling replay")
+DISTRIBUTION_KEYS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "logit_bias", "bad_words",
+                     "bad_words_ids", "allowed_token_ids", "logits_processors",
+                     "suppress_tokens", "begin_suppress_tokens", "no_repeat_ngram_size",
+                     "encoder_no_repeat_ngram_size", "typical_p", "epsilon_cutoff",
+                     "eta_cutoff", "top_h", "min_tokens", "min_new_tokens", "min_length",
+                     "sequence_bias", "guided_decoding", "structured_outputs", "num_beams",
+                     "do_sample", "use_beam_search", "forced_bos_token_id",
+                     "forced_eos_token_id", "renormalize_logits", "watermarking_config",
+                     "exponential_decay_length_penalty", "diversity_penalty")
+
+
+def check_sampling_replay(args, sampling_replay):
+    """Raise for a sampling_replay value, or a GRPOConfig, with which the re-derived kept sets
+    would not be the ones the rollout engine sampled from: TypeError for a non-bool,
+    ValueError naming the GRPOConfig option otherwise. Returns None (nothing to check for
+    sampling_replay=False)."""
+    if not isinstance(sampling_replay, bool):
+        raise TypeError(f"sampling_replay: expected True or False, got "
+                        f"{type(sampling_replay).__name__}")
+    if not sampling_replay:
+        return
+
+    def bad(option, value, why):
+        return ValueError(f"sampling_replay=True with {option}={value!r}: {why}; the kept "
+                          f"sets re-derived from top_k / top_p / min_p would not be the ones "
+                          f"the tokens were sampled from (set sampling_replay=False)")
+    if getattr(args, "repetition_penalty", 1.0) != 1.0:
+        raise bad("repetition_penalty", args.repetition_penalty, "the penalty is a logits "
+                  "processor that depends on the tokens generated so far")
+    regex = getattr(args, "vllm_structured_outputs_regex", None)
+    if regex is not None:
+        raise bad("vllm_structured_outputs_regex", regex, "structured outputs mask the "
+                  "logits by a grammar")
+    gk = getattr(args, "generation_kwargs", None) or {}
+    if isinstance(gk, dict):
+        for key in gk:
+            if key in DISTRIBUTION_KEYS:
+                raise bad(f"generation_kwargs[{key!r}]", gk[key], "it changes the sampled "
+                          "distribution (and overrides GRPOConfig's own field)")
+    top_k, top_p, min_p = sampling_params(args)
+    if not getattr(args, "use_vllm", False) and min_p is not None and top_p is not None:
+        raise bad("min_p", args.min_p, "transformers' generate applies min-p after top-p "
+                  "(vLLM, which the kept sets follow, before it): with both min_p and "
+                  "top_p < 1 the orders give different sets")
+    if top_k is not None and not isinstance(top_k, int):
+        raise bad("top_k", top_k, "expected an integer")
+
+
+def sampling_params(args):
+    """(top_k, top_p, min_p) of a GRPOConfig in the op's convention, None = off: TRL's
+    top_k <= 0 (vLLM: 0 or -1), top_p = 1 and min_p None / 0 are off."""
+    top_k = getattr(args, "top_k", 0)
+    top_p = getattr(args, "top_p", 1.0)
+    min_p = getattr(args, "min_p", None)
+    top_k = None if top_k is None or (not isinstance(top_k, bool) and isinstance(
+        top_k, (int, float)) and top_k <= 0) else top_k
+    top_p = None if top_p is None or top_p == 1.0 else float(top_p)
+    min_p = None if min_p is None or min_p == 0.0 else float(min_p)
+    return top_k, top_p, min_p
+
+
+def replay_kwargs(args):
+    """The op keywords of sampling replay for a GRPOConfig: top_k / top_p / min_p where
+    set (an empty dict when all are off: the plain op, bit for bit) and, with a KL term,
+    kl_logprobs="kept" (the reference's log-probs are over its own kept sets too)."""
+    top_k, top_p, min_p = sampling_params(args)
+    kw = {k: v for k, v in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p))
+          if v is not None}
+    if kw and args.beta != 0.0:
+        kw["kl_logprobs"] = "kept"
+    return kw
+
+
 def head_transform(model_config):
     """(logit_softcap or None, logit_scale) of a model config, read as TRL's fused LM head
     reads them: final_logit_softcapping; logit_scale / output_multiplier /
@@ -98,7 +175,7 @@ def head_transform(model_config):
     return cap, 1.0 if scale is None else float(scale)
 
 
-def from_trl_config(args, model_config=None):
+def from_trl_config(args, model_config=None, sampling_replay=False):
     """The keyword arguments of pk.ppo_loss / pk.ppo_loss_from_hidden that reproduce TRL
     1.16's GRPO loss for a GRPOConfig ``args`` (docs/TRL.md).
 
@@ -108,6 +185,10 @@ def from_trl_config(args, model_config=None):
             ``logit_softcap`` (final_logit_softcapping) when it has one. A model whose
             logits are scaled (logit_scale, ...) needs the hidden states multiplied by the
             scale first (FusedGRPOTrainer does it).
+        sampling_replay: True adds GRPOConfig's top_k / top_p / min_p (replay_kwargs): the
+            ratio's log-probs over the kept sets vLLM v1's sampler keeps after the
+            temperature (docs/SAMPLING.md, docs/TRL.md "Sampling replay"); False (the
+            default) leaves the keywords as they were.
 
     Returns:
         dict of the op's keywords that depend on the config only. The per-batch ones are
@@ -116,9 +197,12 @@ def from_trl_config(args, model_config=None):
         rollout_is_weights = TRL's importance_sampling_ratio, ...).
 
     Raises:
-        ValueError naming the option for anything the op cannot express (check_trl_config).
+        ValueError naming the option for anything the op cannot express (check_trl_config),
+        or with which sampling replay would not be exact (check_sampling_replay);
+        TypeError for a non-bool sampling_replay.
     """
     check_trl_config(args)
+    check_sampling_replay(args, sampling_replay)
     lt = args.loss_type
     eps_low = args.epsilon
     eps_high = args.epsilon_high if args.epsilon_high is not None else args.epsilon
@@ -147,6 +231,8 @@ def from_trl_config(args, model_config=None):
     cap, _ = head_transform(model_config)
     if cap is not None:
         kw["logit_softcap"] = float(cap)
+    if sampling_replay:
+        kw.update(replay_kwargs(args))
     return kw
 
 

@@ -198,6 +198,60 @@ def _split_config(config):
     return actor, rc, temperature
 
 
+REPLAY_LOGPROBS_MODES = ("processed_logprobs",)
+
+
+def replay_kwargs_from_verl(rollout, *, key="actor_rollout_ref.rollout"):
+    """The kept-set keywords of sampling replay (``top_k`` / ``top_p`` / ``min_p`` of
+    pk.token_logprobs / pk.ppo_loss, docs/SAMPLING.md) for verl's rollout sampling
+    parameters: ``rollout`` is ``actor_rollout_ref.rollout`` (a RolloutConfig, a
+    DictConfig or a dict with its keys ``top_k``, ``top_p`` and, where a config has one,
+    ``min_p``). verl's top_k = -1 (its default) or 0, top_p = 1 and min_p = 0 are off and
+    leave the key out (all off: an empty dict, the plain op).
+
+    Raises ValueError naming the key: top_k not an integer (-1, 0 or >= 1), top_p outside
+    (0, 1], min_p outside [0, 1), or ``calculate_log_probs=True`` with a ``logprobs_mode``
+    other than processed_logprobs or with ``name="sglang"`` (the rollout log-probs of
+    rollout correction would be scored over another distribution than the replayed
+    ones)."""
+    top_k = _get(rollout, "top_k", None)
+    top_p = _get(rollout, "top_p", None)
+    min_p = _get(rollout, "min_p", None)
+    top_k = -1 if top_k is None else top_k
+    top_p = 1.0 if top_p is None else top_p
+    min_p = 0.0 if min_p is None else min_p
+    kw = {}
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, float)) or \
+            top_k != int(top_k) or top_k < -1:
+        raise ValueError(f"{key}.top_k = {top_k!r}: expected an integer, -1 / 0 (off) or "
+                         f">= 1")
+    if top_k >= 1:
+        kw["top_k"] = int(top_k)
+    top_p = _float(f"{key}.top_p", top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{key}.top_p = {top_p!r}: expected a value in (0, 1]")
+    if top_p < 1.0:
+        kw["top_p"] = top_p
+    min_p = _float(f"{key}.min_p", min_p)
+    if not 0.0 <= min_p < 1.0:
+        raise ValueError(f"{key}.min_p = {min_p!r}: expected a value in [0, 1)")
+    if min_p > 0.0:
+        kw["min_p"] = min_p
+    mode = _get(rollout, "logprobs_mode", None)
+    uses = bool(_get(rollout, "calculate_log_probs", False))
+    if uses and _get(rollout, "name", None) == "sglang":
+        raise ValueError(f"{key}.name = 'sglang' with calculate_log_probs = True and sampling "
+                         f"replay: SGLang returns log-probs over the full vocabulary (of the "
+                         f"temperature-scaled logits, before top-k / top-p), not over the "
+                         f"kept sets; train without replay there")
+    if uses and mode is not None and mode not in REPLAY_LOGPROBS_MODES:
+        raise ValueError(f"{key}.logprobs_mode = {mode!r} with calculate_log_probs = True "
+                         f"and sampling replay: the rollout log-probs are not over the kept "
+                         f"sets (set logprobs_mode=processed_logprobs, vLLM's log-probs "
+                         f"after the temperature, top-k and top-p)")
+    return kw
+
+
 def verl_batch_kwargs(response_mask, loss_agg_mode, global_batch_info=None):
     """The per-step counts of verl's ``agg_loss`` (verl/trainer/ppo/core_algos.py) as the
     op's keywords, so that the op's loss is verl's for the same micro-batch.
@@ -246,7 +300,7 @@ def verl_batch_kwargs(response_mask, loss_agg_mode, global_batch_info=None):
 
 
 def from_verl_config(config, *, rollout_correction=None, response_mask=None,
-                     global_batch_info=None):
+                     global_batch_info=None, sampling_replay=False):
     """The keyword arguments of ``pk.ppo_loss`` / ``pk.ppo_loss_from_hidden`` that compute
     verl 0.9's actor loss (``verl/workers/utils/losses.py::ppo_loss``: the policy loss of
     ``policy_loss.loss_mode``, minus ``entropy_coeff`` times the aggregated entropy, plus
@@ -264,6 +318,11 @@ def from_verl_config(config, *, rollout_correction=None, response_mask=None,
             ``global_batch_info``): adds verl_batch_kwargs' counts (global_num_tokens /
             global_num_seqs as verl's agg_loss computes them; without them the op's
             seq-mean-token-sum divides by B, verl by the non-empty sequences).
+        sampling_replay: True adds the rollout's ``top_k`` / ``top_p`` (/ ``min_p``) as
+            the op's kept-set keywords (replay_kwargs_from_verl; and, with use_kl_loss,
+            ``kl_logprobs="kept"``: the reference's log-probs over its own kept sets, as the
+            fused hook computes them); needs the whole trainer config. False (the default)
+            leaves the keywords as they were.
 
     Returns:
         dict with ``policy_loss``, ``clip_eps_low``, ``clip_eps_high``, ``dual_clip_c``
@@ -285,7 +344,17 @@ def from_verl_config(config, *, rollout_correction=None, response_mask=None,
         ranges; SAPO with use_kl_loss and loss_agg_mode != "seq-mean-token-mean";
         rollout_correction.bypass_mode, rollout_rs and rollout_is_batch_normalize.
     """
+    if not isinstance(sampling_replay, bool):
+        raise TypeError(f"sampling_replay: expected True or False, got "
+                        f"{type(sampling_replay).__name__}")
     actor, rc, temperature = _split_config(config)
+    replay = {}
+    if sampling_replay:
+        arr = _get(config, "actor_rollout_ref", None)
+        if arr is None:
+            raise ValueError("sampling_replay: needs the whole trainer config (its "
+                             "actor_rollout_ref.rollout top_k / top_p), got an actor section")
+        replay = replay_kwargs_from_verl(_get(arr, "rollout", None))
     if rollout_correction is not None:
         rc = rollout_correction
     verl_mode, kw = _policy_kwargs(actor)
@@ -326,6 +395,10 @@ def from_verl_config(config, *, rollout_correction=None, response_mask=None,
             raise ValueError(f"actor.kl_loss_coef = {coef!r}: ppo_kernels needs kl_coef >= 0")
         kw["kl_coef"], kw["kl_estimator"] = coef, _KL_TYPES[kl_type]
     kw.update(_rollout_correction_kwargs(rc))
+    if replay:
+        kw.update(replay)
+        if use_kl:
+            kw["kl_logprobs"] = "kept"
     if temperature is not None:
         kw["temperature"] = _float("actor_rollout_ref.rollout.temperature", temperature)
     if response_mask is not None:

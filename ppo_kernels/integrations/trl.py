@@ -15,6 +15,11 @@ GRPOTrainer._compute_loss (trl/trainer/grpo_trainer.py) for every option the op 
 express; the others raise ValueError when the trainer is built (check_trl_config).
 Numerical differences by design: the op clamps log-ratios to +-20 (TRL does not), so
 they differ only where |logp - old_logp| > 20.
+
+``sampling_replay=True`` (FusedGRPOTrainer, fuse_grpo_loss, from_trl_config; default False:
+the results above, bit for bit) scores every log-prob the trainer computes (old, reference
+and current) over the kept set of GRPOConfig's top_k / top_p / min_p after its temperature,
+as vLLM's processed_logprobs are (docs/TRL.md, "Sampling replay").
 """
 
 from __future__ import annotations
@@ -29,12 +34,12 @@ from trl import GRPOTrainer
 from ..from_hidden import ppo_loss_from_hidden, token_logprobs_from_hidden
 from ..lm_head import forward_redirect
 from ..loss import ppo_loss
-from ._trl_config import (check_trl_config, from_trl_config, head_transform,
-                          trl_batch_kwargs)
+from ._trl_config import (check_sampling_replay, check_trl_config, from_trl_config,
+                          head_transform, replay_kwargs, trl_batch_kwargs)
 from ._trl_metrics import log_loss_metrics
 
 __all__ = ["FusedGRPOTrainer", "FusedGRPOLossMixin", "fuse_grpo_loss", "from_trl_config",
-           "check_trl_config", "trl_batch_kwargs"]
+           "check_trl_config", "check_sampling_replay", "replay_kwargs", "trl_batch_kwargs"]
 
 _HIDDEN_FLAG = "ppo_kernels_last_hidden_state"
 # the model inputs TRL's _get_per_token_logps_and_entropies forwards (one chunk: all rows)
@@ -119,12 +124,13 @@ def _check_overrides(trainer, patched):
             f"would compare two different functions. Not supported with the fused loss")
 
 
-def check_trainer(trainer, patched=False):
+def check_trainer(trainer, patched=False, sampling_replay=False):
     """check_trl_config(trainer.args) plus what depends on the model and on the trainer's
     class (_check_overrides); ValueError naming the option. Returns the config's static op
-    keywords."""
+    keywords (with sampling_replay, GRPOConfig's top_k / top_p / min_p among them)."""
     _check_overrides(trainer, patched)
-    kw = from_trl_config(trainer.args, getattr(trainer.model, "config", None))
+    kw = from_trl_config(trainer.args, getattr(trainer.model, "config", None),
+                         sampling_replay=sampling_replay)
     if trainer.aux_loss_enabled:
         raise ValueError("ppo_kernels TRL integration: router_aux_loss_coef="
                          f"{trainer.router_aux_loss_coef!r} (a Mixture-of-Experts model's "
@@ -139,15 +145,21 @@ def check_trainer(trainer, patched=False):
 class FusedGRPOLossMixin:
     """Replaces GRPOTrainer._compute_loss by ppo_loss_from_hidden (module docstring). Put it
     before GRPOTrainer (or your subclass of it) in the bases and call
-    ``self._ppo_kernels_setup()`` after GRPOTrainer.__init__ (FusedGRPOTrainer does)."""
+    ``self._ppo_kernels_setup()`` after GRPOTrainer.__init__ (FusedGRPOTrainer does;
+    ``_ppo_kernels_setup(head_dtype=..., sampling_replay=True)`` takes FusedGRPOTrainer's
+    options)."""
 
-    def _ppo_kernels_setup(self, patched=False, head_dtype="float32"):
+    def _ppo_kernels_setup(self, patched=False, head_dtype="float32", sampling_replay=False):
+        check_sampling_replay(self.args, sampling_replay)
         if head_dtype not in HEAD_DTYPES:
             raise ValueError(f"head_dtype: expected one of {HEAD_DTYPES}, got {head_dtype!r}")
         if head_dtype == "autocast" and self.args.cast_lm_head_to_fp32:
             raise ValueError("head_dtype: 'autocast' contradicts GRPOConfig's "
                              "cast_lm_head_to_fp32=True (the head in float32); drop one")
-        self._pk_kwargs = check_trainer(self, patched)
+        self._pk_kwargs = check_trainer(self, patched, sampling_replay)
+        # the kept-set keywords of token_logprobs_from_hidden (old, reference, no-grad pass)
+        self._pk_replay = {k: v for k, v in (replay_kwargs(self.args) if sampling_replay
+                                             else {}).items() if k != "kl_logprobs"}
         self._pk_scale = head_transform(getattr(self.model, "config", None))[1]
         self._pk_head_dtype = head_dtype
         _add_hidden_forward(_policy(self))
@@ -193,7 +205,15 @@ class FusedGRPOLossMixin:
         """TRL's old and reference log-probs from the kernel the fused loss computes the
         current ones with (the same hidden-state forward, head and chunks), so that the
         ratio and the KL compare like with like: on-policy, logp - old and logp - ref are
-        exactly 0, as in stock TRL. The MoE aux loss and image inputs go to TRL's own."""
+        exactly 0, as in stock TRL. With sampling_replay the log-probs are over each model's
+        own kept sets (top_k / top_p / min_p re-derived from its logits), the entropies over
+        the full vocabulary. The MoE aux loss and image inputs go to TRL's own."""
+        replay = getattr(self, "_pk_replay", {})
+        if replay and (compute_aux_loss or kwargs.get("pixel_values") is not None):
+            raise NotImplementedError(
+                "sampling_replay: the MoE aux loss and image inputs go through TRL's own "
+                "log-prob function, which scores over the full vocabulary; not supported "
+                "together with sampling_replay=True")
         if compute_aux_loss or kwargs.get("pixel_values") is not None:
             return GRPOTrainer._get_per_token_logps_and_entropies(
                 self, model, input_ids, attention_mask, logits_to_keep, batch_size,
@@ -213,7 +233,7 @@ class FusedGRPOLossMixin:
                 return token_logprobs_from_hidden(
                     h, w, input_ids[rows, -logits_to_keep:], lm_head_bias=b,
                     logit_softcap=cap, temperature=self.temperature, return_entropy=True,
-                    chunk_size=chunk)
+                    chunk_size=chunk, **replay)
 
             def from_last(last, head_fn=head_fn):  # inside the model's forward
                 return self._pk_head(last[:, -logits_to_keep - 1:-1], head_fn, lm)
@@ -260,7 +280,8 @@ class FusedGRPOLossMixin:
                     lp, ent = token_logprobs_from_hidden(
                         hidden.detach(), w.detach(), c_ids, mask,
                         lm_head_bias=None if b is None else b.detach(), logit_softcap=cap,
-                        temperature=self.temperature, return_entropy=True)
+                        temperature=self.temperature, return_entropy=True,
+                        **getattr(self, "_pk_replay", {}))
             isw = None
             if self.top_entropy_quantile < 1.0:
                 isw = self.get_high_entropy_mask(ent, mask, 1 - self.top_entropy_quantile).to(
@@ -333,29 +354,38 @@ class FusedGRPOTrainer(FusedGRPOLossMixin, GRPOTrainer):
     constructor, the same training run (docs/TRL.md), plus ``head_dtype``: "float32"
     (the default: the fused head runs in float32, as with cast_lm_head_to_fp32=True, also
     under bf16 autocast) or "autocast" (the head in autocast's dtype, bfloat16 under
-    bf16=True, as stock TRL's lm_head). Raises ValueError, before the model is set up, for
-    a GRPOConfig option the op cannot express."""
+    bf16=True, as stock TRL's lm_head), plus ``sampling_replay``: False (the default, the
+    log-probs over the full vocabulary) or True (old, reference and current log-probs over
+    the kept sets of GRPOConfig's top_k / top_p / min_p after its temperature, as vLLM's
+    processed_logprobs; docs/TRL.md "Sampling replay"). Raises ValueError, before the model
+    is set up, for a GRPOConfig option the op cannot express or with which replay would not
+    be exact (TypeError for a non-bool sampling_replay)."""
 
-    def __init__(self, model, reward_funcs, args=None, *rest, head_dtype="float32", **kwargs):
+    def __init__(self, model, reward_funcs, args=None, *rest, head_dtype="float32",
+                 sampling_replay=False, **kwargs):
         if args is not None:
             check_trl_config(args)  # fail before TRL loads anything
+            check_sampling_replay(args, sampling_replay)
+        elif not isinstance(sampling_replay, bool):
+            check_sampling_replay(None, sampling_replay)
         if head_dtype not in HEAD_DTYPES:
             raise ValueError(f"head_dtype: expected one of {HEAD_DTYPES}, got {head_dtype!r}")
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
-        self._ppo_kernels_setup(head_dtype=head_dtype)
+        self._ppo_kernels_setup(head_dtype=head_dtype, sampling_replay=sampling_replay)
 
 
-def fuse_grpo_loss(trainer, head_dtype="float32"):
+def fuse_grpo_loss(trainer, head_dtype="float32", sampling_replay=False):
     """The one-line hook: make a built GRPOTrainer (or subclass) compute its loss with
-    ppo_loss_from_hidden. head_dtype: as FusedGRPOTrainer's. Returns the trainer. Raises
-    ValueError for an unsupported option (check_trl_config), leaving the trainer as it
-    was."""
+    ppo_loss_from_hidden. head_dtype, sampling_replay: as FusedGRPOTrainer's. Returns the
+    trainer. Raises ValueError for an unsupported option (check_trl_config,
+    check_sampling_replay), leaving the trainer as it was."""
     if not isinstance(trainer, GRPOTrainer):
         raise TypeError(f"trainer: expected a trl.GRPOTrainer, got {type(trainer).__name__}")
     for name in _FUSED_METHODS:
         setattr(trainer, name, types.MethodType(getattr(FusedGRPOLossMixin, name), trainer))
     try:
-        trainer._ppo_kernels_setup(patched=True, head_dtype=head_dtype)
+        trainer._ppo_kernels_setup(patched=True, head_dtype=head_dtype,
+                                   sampling_replay=sampling_replay)
     except Exception:
         for name in _FUSED_METHODS:
             delattr(trainer, name)

@@ -32,6 +32,15 @@ around the registered policy loss (``verl/workers/utils/losses.py::ppo_loss``), 
 need no support on the registry path; ``from_verl_config`` maps them for users who call
 ``pk.ppo_loss`` / ``pk.ppo_loss_from_hidden`` in their own loop, and raises a ValueError
 naming the key for every option the op cannot express.
+
+Sampling replay (docs/VERL.md, "Sampling replay"): with
+``+actor_rollout_ref.model.fused_kernel_options.sampling_replay=True`` and the rollout's
+sampling parameters passed alongside (``...fused_kernel_options.top_k=${actor_rollout_ref.
+rollout.top_k}``, ``top_p=...``), or ``configure_sampling_replay(rollout_config)``, the fused
+hook scores every log-prob it computes (the actor's old and current ones, the reference's)
+over the kept set of top-k / top-p (/ min-p) after verl's temperature, as vLLM's
+processed_logprobs are. The registered losses receive log-probs already computed, so
+replay reaches them through the hook only.
 """
 
 from __future__ import annotations
@@ -49,7 +58,7 @@ from ..loss import prepare_loss
 from ..spec import LOSS_AGG_MODES
 from ._verl_config import (_SEQ_MODES, GSPO_LOG_RATIO_MAX, REGISTERED_LOSS_MODES,
                            VERL_LOSS_MODES, _get, _policy_kwargs, from_verl_config,
-                           verl_batch_kwargs)
+                           replay_kwargs_from_verl, verl_batch_kwargs)
 
 try:
     from verl.trainer.ppo import core_algos as _core_algos
@@ -63,7 +72,8 @@ __all__ = ["REGISTERED_LOSS_MODES", "VERL_LOSS_MODES", "compute_policy_loss",
            "from_verl_config", "FusedLinearForPPO", "fused_logprobs_and_entropy",
            "linear_cross_entropy", "register_policy_losses", "install_fused_hook",
            "uninstall_fused_hook", "fused_hook_installed", "configure_fused_hook",
-           "fused_hook_chunk_size", "verl_batch_kwargs"]
+           "fused_hook_chunk_size", "configure_sampling_replay", "sampling_replay_kwargs",
+           "replay_kwargs_from_verl", "verl_batch_kwargs"]
 
 def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
                         loss_agg_mode="token-mean", config=None, rollout_is_weights=None, *,
@@ -239,7 +249,7 @@ def register_policy_losses():
 # ------------------------------------------------------------------ the fused hook
 
 def fused_logprobs_and_entropy(hidden_states, vocab_weights, input_ids, temperature=1.0, *,
-                               chunk_size=None, backend="auto"):
+                               chunk_size=None, backend="auto", replay=None):
     """verl's fused log-prob / entropy contract (``FusedLinearForPPO.forward``) computed by
     ``pk.token_logprobs_from_hidden``: ``z = hidden_states @ vocab_weights^T / temperature``,
     ``log_probs = log_softmax(z)[input_ids]``, ``entropy = logsumexp(z) - sum softmax(z) z``,
@@ -251,6 +261,11 @@ def fused_logprobs_and_entropy(hidden_states, vocab_weights, input_ids, temperat
         vocab_weights: the LM head weight [V, H], hidden's dtype and device.
         input_ids: [B, T] or [N] integer token ids in [0, V) (verl's rolled labels).
         temperature: float > 0.
+        replay: the kept-set keywords (top_k / top_p / min_p), None: the hook's
+            configuration (sampling_replay_kwargs(); {} = off). With a kept set the
+            log-probs are ``z_y - logsumexp_{j in K} z_j`` over the kept set K of vLLM v1's
+            sampler after the temperature (docs/SAMPLING.md); the entropy stays over the
+            full vocabulary.
 
     Returns:
         (log_probs, entropy) of input_ids' shape: log_probs float32 and entropy in hidden's
@@ -260,11 +275,13 @@ def fused_logprobs_and_entropy(hidden_states, vocab_weights, input_ids, temperat
         TypeError / ValueError from the library's checks (dtype or device mismatch, shapes,
         out-of-range ids, temperature <= 0).
     """
+    replay = sampling_replay_kwargs() if replay is None else replay
     logp, ent = token_logprobs_from_hidden(hidden_states, vocab_weights, input_ids.long(),
                                            temperature=float(temperature),
                                            return_entropy=True, chunk_size=chunk_size,
-                                           backend=backend)
+                                           backend=backend, **replay)
     return logp.to(torch.float32), ent.to(hidden_states.dtype)
+
 
 
 class FusedLinearForPPO(torch.nn.Module):
@@ -330,12 +347,62 @@ def fused_hook_chunk_size():
     return _chunk(os.environ.get(CHUNK_SIZE_ENV) or None, CHUNK_SIZE_ENV)
 
 
+def configure_sampling_replay(rollout=None, *, top_k=None, top_p=None, min_p=None):
+    """Switch sampling replay of the fused hook on or off (this process).
+
+    Args:
+        rollout: verl's ``actor_rollout_ref.rollout`` section (RolloutConfig / DictConfig /
+            dict): its top_k / top_p (/ min_p) in verl's convention (top_k -1 or 0 off,
+            top_p 1 off). Or None with the numbers as keywords (the same convention);
+            everything None / off: replay off (the hook's plain log-probs, bit for bit).
+
+    Returns the kept-set keywords now in force (sampling_replay_kwargs()). Raises
+    ValueError naming the key for a bad value (replay_kwargs_from_verl), leaving the
+    previous setting."""
+    if rollout is not None and (top_k, top_p, min_p) != (None, None, None):
+        raise ValueError("configure_sampling_replay: pass the rollout config or top_k / "
+                         "top_p / min_p, not both")
+    if rollout is None:
+        rollout = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
+        kw = replay_kwargs_from_verl(rollout, key="configure_sampling_replay")
+    else:
+        kw = replay_kwargs_from_verl(rollout)
+    _HOOK_OPTIONS["replay"] = kw
+    return dict(kw)
+
+
+def sampling_replay_kwargs():
+    """The kept-set keywords (top_k / top_p / min_p) the fused hook passes to
+    pk.token_logprobs_from_hidden now: {} when replay is off (the default)."""
+    return dict(_HOOK_OPTIONS.get("replay", {}))
+
+
+_REPLAY_KEYS = ("top_k", "top_p", "min_p")
+_FKO = "actor_rollout_ref.model.fused_kernel_options"
+
+
 def _read_model_config(cfg):
-    """fused_kernel_options.chunk_size of a verl HFModelConfig, when it has one."""
+    """fused_kernel_options.chunk_size and .sampling_replay (with .top_k / .top_p /
+    .min_p) of a verl HFModelConfig, when it has them."""
     opts = getattr(cfg, "fused_kernel_options", None)
     if opts is not None and _get(opts, "chunk_size", None) is not None:
-        configure_fused_hook(_chunk(_get(opts, "chunk_size"),
-                                    "actor_rollout_ref.model.fused_kernel_options.chunk_size"))
+        configure_fused_hook(_chunk(_get(opts, "chunk_size"), f"{_FKO}.chunk_size"))
+    replay = None if opts is None else _get(opts, "sampling_replay", None)
+    if replay is None:
+        return
+    if not isinstance(replay, bool):
+        raise ValueError(f"{_FKO}.sampling_replay: expected true or false, got {replay!r}")
+    if not replay:
+        _HOOK_OPTIONS["replay"] = {}
+        return
+    given = {k: _get(opts, k, None) for k in _REPLAY_KEYS}
+    if all(v is None for v in given.values()):
+        raise ValueError(
+            f"{_FKO}.sampling_replay=true needs the rollout's sampling parameters next to it "
+            f"(the model config does not see the rollout's): "
+            f"+{_FKO}.top_k=${{actor_rollout_ref.rollout.top_k}} and "
+            f"+{_FKO}.top_p=${{actor_rollout_ref.rollout.top_p}}")
+    _HOOK_OPTIONS["replay"] = replay_kwargs_from_verl(given, key=_FKO)
 
 
 def _follow_model_configs():
@@ -386,10 +453,12 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     if not isinstance(reduction, str) or reduction.lower() != "none":
         raise ValueError(f"reduction: ppo_kernels' linear_cross_entropy supports 'none' only, "
                          f"got {reduction!r}")
+    replay = sampling_replay_kwargs()
     logp, ent = token_logprobs_from_hidden(hidden.reshape(-1, hidden.shape[-1]), weight,
                                            labels.reshape(-1).long(),
-                                           temperature=float(temperature), return_entropy=True,
-                                           chunk_size=fused_hook_chunk_size())
+                                           temperature=float(temperature),
+                                           return_entropy=True,
+                                           chunk_size=fused_hook_chunk_size(), **replay)
     return logp.to(torch.float32), ent.to(torch.float32)
 
 
