@@ -46,14 +46,15 @@ def _clip_surrogate(r, advantages, clip_eps_low, clip_eps_high, dual_clip_c):
     clipped = -torch.clamp(r, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
     # the unclipped branch is the active one on ties, as in ppo_math.h
     pg = torch.where(unclipped >= clipped, unclipped, clipped)
+    neg = advantages < 0  # (once: the dual clip and clip_low read it)
     dual = torch.zeros_like(pg, dtype=torch.bool)
     if dual_clip_c is not None:
         cap = -dual_clip_c * advantages
-        dual = (advantages < 0) & (pg > cap)
+        dual = neg & (pg > cap)
         pg = torch.where(dual, cap, pg)
     rd = r.detach()
     return (pg, (rd > 1.0 + clip_eps_high) & (advantages > 0),
-            (rd < 1.0 - clip_eps_low) & (advantages < 0), dual)
+            (rd < 1.0 - clip_eps_low) & neg, dual)
 
 
 def seq_mean(x, mask, group=None):
@@ -81,11 +82,10 @@ def pg_terms(logp, old_logprobs, advantages, mask, spec):
     elif kind == "cispo":
         w = torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high).detach()
         rd = rho.detach()
+        above, below = rd > 1.0 + eps_high, rd < 1.0 - eps_low  # (each compared once)
         out.update(pg=-w * advantages * logp, ratio=rho,
-                   clip_high=(rd > 1.0 + eps_high) & (advantages > 0),
-                   clip_low=(rd < 1.0 - eps_low) & (advantages < 0),
-                   dual=torch.zeros_like(mask), cispo_clip=(rd > 1.0 + eps_high) |
-                   (rd < 1.0 - eps_low))
+                   clip_high=above & (advantages > 0), clip_low=below & (advantages < 0),
+                   dual=torch.zeros_like(mask), cispo_clip=above | below)
     elif kind == "sapo":
         # tau_pos where A > 0, else tau_neg, exactly (pos is 1 or 0, so each value is one
         # product by 1 plus an exact 0, in advantages' dtype: no float32 rounding of a
