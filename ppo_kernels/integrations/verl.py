@@ -36,6 +36,7 @@ naming the key for every option the op cannot express.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -210,7 +211,7 @@ def _fast_policy_loss(inputs, verl_mode, kw, agg, extra, dp_size):
     opts = dict(kw, loss_agg_mode=agg)
     if "norm_length" in extra:
         opts["norm_length"] = extra["norm_length"]
-    spec = LossSpec.build(acc, **opts)
+    spec = _spec_of(acc, opts)
     counts = {}
     for key in ("global_num_tokens", "global_num_seqs"):
         v = extra.get(key)
@@ -224,6 +225,24 @@ def _fast_policy_loss(inputs, verl_mode, kw, agg, extra, dp_size):
     pg_loss = (weights * pol).sum()
     metrics, nan = _pg_metrics(lp.detach(), spec, old, adv, mb, verl_mode, pt, pg_loss, mf)
     return None if nan else (pg_loss, metrics)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_spec(acc, items):
+    return LossSpec.build(acc, **dict(items))
+
+
+def _spec_of(acc, opts):
+    """LossSpec.build(acc, **opts), built once per distinct set of options (a frozen
+    record; a failed build raises every time: lru_cache keeps no exception)."""
+    items = tuple(sorted(opts.items()))
+    if any(isinstance(v, torch.Tensor) for _, v in items):  # (e.g. a tensor norm_length)
+        return LossSpec.build(acc, **opts)
+    try:
+        hash(items)
+    except TypeError:
+        return LossSpec.build(acc, **opts)
+    return _cached_spec(acc, items)
 
 
 def _checked_policy_loss(old_log_prob, log_prob, advantages, response_mask,
