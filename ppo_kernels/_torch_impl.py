@@ -46,14 +46,15 @@ def _clip_surrogate(r, advantages, clip_eps_low, clip_eps_high, dual_clip_c):
     clipped = -torch.clamp(r, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
     # the unclipped branch is the active one on ties, as in ppo_math.h
     pg = torch.where(unclipped >= clipped, unclipped, clipped)
+    neg = advantages < 0  # (once: the dual clip and clip_low read it)
     dual = torch.zeros_like(pg, dtype=torch.bool)
     if dual_clip_c is not None:
         cap = -dual_clip_c * advantages
-        dual = (advantages < 0) & (pg > cap)
+        dual = neg & (pg > cap)
         pg = torch.where(dual, cap, pg)
     rd = r.detach()
     return (pg, (rd > 1.0 + clip_eps_high) & (advantages > 0),
-            (rd < 1.0 - clip_eps_low) & (advantages < 0), dual)
+            (rd < 1.0 - clip_eps_low) & neg, dual)
 
 
 def seq_mean(x, mask, group=None):
@@ -81,15 +82,17 @@ def pg_terms(logp, old_logprobs, advantages, mask, spec):
     elif kind == "cispo":
         w = torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high).detach()
         rd = rho.detach()
+        above, below = rd > 1.0 + eps_high, rd < 1.0 - eps_low  # (each compared once)
         out.update(pg=-w * advantages * logp, ratio=rho,
-                   clip_high=(rd > 1.0 + eps_high) & (advantages > 0),
-                   clip_low=(rd < 1.0 - eps_low) & (advantages < 0),
-                   dual=torch.zeros_like(mask), cispo_clip=(rd > 1.0 + eps_high) |
-                   (rd < 1.0 - eps_low))
+                   clip_high=above & (advantages > 0), clip_low=below & (advantages < 0),
+                   dual=torch.zeros_like(mask), cispo_clip=above | below)
     elif kind == "sapo":
-        # (full_like: torch.where of two Python floats would round them to float32)
-        tau = torch.full_like(advantages, spec.sapo_tau_neg).masked_fill(advantages > 0,
-                                                                         spec.sapo_tau_pos)
+        # tau_pos where A > 0, else tau_neg, exactly (pos is 1 or 0, so each value is one
+        # product by 1 plus an exact 0, in advantages' dtype: no float32 rounding of a
+        # float64 tau), in float arithmetic: a bool-tensor masked_fill / where costs several
+        # float passes on CPU
+        pos = (advantages > 0).to(advantages.dtype)
+        tau = pos * spec.sapo_tau_pos + (1.0 - pos) * spec.sapo_tau_neg
         gate = torch.sigmoid(tau * (rho - 1.0))
         out.update(pg=-(4.0 / tau) * gate * advantages, ratio=rho,
                    clip_high=torch.zeros_like(mask), clip_low=torch.zeros_like(mask),
@@ -105,7 +108,8 @@ def pg_terms(logp, old_logprobs, advantages, mask, spec):
         w = torch.where(masked, 0.0, w)
         out.update(pg=-w * advantages * logp, ratio=rho,
                    clip_high=masked & (advantages > 0), clip_low=masked & (advantages < 0),
-                   dual=torch.zeros_like(mask) if c is None else (rd > c) & ~masked)
+                   dual=torch.zeros_like(mask) if c is None else (rd > c) & ~masked,
+                   dppo_masked=masked)
     elif kind == "vespo":
         # VESPO (TRL loss_type="vespo"): the detached gamma weight phi(w) of the sequence
         # ratio w = exp(clamp(sum_t clamp(logp - old), log 1e-8, 20)) weighs -A logp
@@ -137,6 +141,11 @@ VESPO_LOG_W_MIN = -18.420680743952367
 def log1m_exp(x):
     """log(1 - e^x) for x <= 0 without cancellation (ppo_math.h log1m_exp; Maechler 2012)."""
     near = x > -0.6931471805599453
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        # no gradient: for x <= 0 neither branch is NaN (at worst -inf), so one select of
+        # the two is the same value; the masked arguments below only keep the unused
+        # branch finite for autograd
+        return torch.where(near, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
     a = torch.where(near, x, -1.0)
     b = torch.where(near, -1.0, x)
     return torch.where(near, torch.log(-torch.expm1(a)), torch.log1p(-torch.exp(b)))
@@ -155,8 +164,10 @@ def dppo_masked(logp, old, advantages, eps_low, eps_high, kl):
         div = torch.exp(lo) * (lo - ln) + tail
     else:
         div = (pn - po).abs()
-    return torch.where(advantages > 0, (pn > po) & (div > eps_high),
-                       (pn < po) & (div > eps_low))
+    # (bool & / | rather than a where over bool tensors: the same mask, a fraction of the
+    # cost on CPU; a NaN advantage takes the A <= 0 side in both)
+    up = advantages > 0
+    return (up & (pn > po) & (div > eps_high)) | (~up & (pn < po) & (div > eps_low))
 
 
 def vespo_phi(log_w, advantages, spec):

@@ -984,3 +984,57 @@ def test_sampling_replay_rollout_config_and_from_verl_config():
     cfg.actor_rollout_ref.rollout.logprobs_mode = "raw_logprobs"
     cfg.actor_rollout_ref.rollout.calculate_log_probs = False  # no rollout log-probs used
     assert pv.from_verl_config(cfg, sampling_replay=True)["top_k"] == 40
+
+
+ALL_MODES = MODES + ["dppo_tv", "dppo_kl"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_fast_path_is_the_checked_path_exactly(mode, dtype, monkeypatch):
+    """The registry's fast path (float mask, masked inputs left as they are) gives the
+    checked path's loss, metrics and gradient bit for bit: every agg mode, with and without
+    IS weights and global_batch_info, lp beyond the clamps, an empty row."""
+    old, lp, adv, mask, isw = batch(21, b=6, t=29, dtype=dtype, wild=0.1)
+    adv = torch.where(mask, adv, 3.0)  # (masked advantages not zeroed: the fast path's case)
+    infos = [None, {"dp_size": 2, "batch_num_tokens": 150, "global_batch_size": 12,
+                    "loss_scale_factor": 40}]
+    for agg in AGG_MODES:
+        for w in (None, isw):
+            for info in infos:
+                cfg = actor_config(loss_mode=mode)
+                if info is not None:
+                    cfg.global_batch_info.update(info)
+                fn = ca.get_policy_loss_fn(f"ppo_kernels_{mode}")
+                assert pv._plain_inputs(old, lp, adv, mask, w) is not None  # (fast path)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    fast = run(fn, old, lp, adv, mask, agg, cfg, w)
+                    with monkeypatch.context() as mp:
+                        mp.setattr(pv, "_plain_inputs", lambda *a: None)
+                        checked = run(fn, old, lp, adv, mask, agg, cfg, w)
+                torch.testing.assert_close(fast[0], checked[0], rtol=0, atol=0)
+                assert fast[1] == checked[1]
+                torch.testing.assert_close(fast[2], checked[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_registered_loss_ignores_non_finite_masked_inputs(mode, bad):
+    """NaN / inf on masked positions of old_log_prob, advantages and rollout_is_weights
+    (verl's padding holds anything) change neither the loss, the metrics nor the
+    gradient: the fast path sees the NaN and the checked path (masked inputs zeroed)
+    redoes the call."""
+    old, lp, adv, mask, isw = batch(5, b=4, t=17)
+    cfg = actor_config(loss_mode=mode)
+    fn = ca.get_policy_loss_fn(f"ppo_kernels_{mode}")
+    for agg in ("token-mean", "seq-mean-token-sum"):
+        clean = run(fn, old, lp, adv, mask, agg, cfg, isw)
+        for which in range(3):
+            x = [old.clone(), adv.clone(), isw.clone()]
+            x[which][~mask] = bad
+            got = run(fn, x[0], lp, x[1], mask, agg, cfg, x[2])
+            torch.testing.assert_close(got[0], clean[0], rtol=0, atol=0)
+            assert got[1] == clean[1]
+            torch.testing.assert_close(got[2][mask], clean[2][mask], rtol=0, atol=0)
+            assert torch.isfinite(got[2]).all()

@@ -45,6 +45,7 @@ replay reaches them through the hook only.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -55,7 +56,7 @@ from .. import _checks as ck
 from .. import _torch_impl
 from ..from_hidden import token_logprobs_from_hidden
 from ..loss import prepare_loss
-from ..spec import LOSS_AGG_MODES
+from ..spec import LOSS_AGG_MODES, LossSpec
 from ._verl_config import (_SEQ_MODES, GSPO_LOG_RATIO_MAX, REGISTERED_LOSS_MODES,
                            VERL_LOSS_MODES, _get, _policy_kwargs, from_verl_config,
                            replay_kwargs_from_verl, verl_batch_kwargs)
@@ -154,16 +155,113 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
         if n_seq is None:
             if dp_size > 1:
                 raise ValueError("global_batch_size is required when dp_size > 1")
-            if agg != "seq-mean-token-mean":  # (the op's own count there is verl's)
-                ck.tensor("response_mask", response_mask)
-                # verl: the non-empty sequences (the op's default would be B)
-                n_seq = (response_mask != 0).any(-1).sum().clamp(min=1) \
-                    if response_mask.dim() == 2 else None
         extra["global_num_seqs"] = n_seq
         if agg == "seq-mean-token-sum-norm" and lsf is not None:
             extra["norm_length"] = lsf
+    # verl's count of the non-empty sequences where none is given (the op's default would
+    # be B; seq-mean-token-mean's own count is verl's already)
+    count_seqs = agg in ("seq-mean-token-sum", "seq-mean-token-sum-norm") and n_seq is None
+    fast = _plain_inputs(old_log_prob, log_prob, advantages, response_mask,
+                         rollout_is_weights)
+    if fast is not None:
+        if count_seqs:
+            extra["global_num_seqs"] = (fast[5].sum(-1) > 0).sum().clamp(min=1)
+        out = _fast_policy_loss(fast, verl_mode, kw, agg, extra, dp_size)
+        if out is not None:
+            return out
+    if count_seqs:
+        ck.tensor("response_mask", response_mask)
+        extra["global_num_seqs"] = (response_mask != 0).any(-1).sum().clamp(min=1) \
+            if response_mask.dim() == 2 else None
+    return _checked_policy_loss(old_log_prob, log_prob, advantages, response_mask,
+                                rollout_is_weights, verl_mode, kw, agg, extra, dp_size)
+
+
+def _plain_inputs(old_log_prob, log_prob, advantages, response_mask, rollout_is_weights):
+    """The registry's common case, decided from shapes, dtypes and devices alone (O(1), no
+    kernel): four (five with rollout_is_weights) floating [B, T] tensors on one device and
+    a [B, T] mask. Returns (lp, old, adv, isw, bool mask, float mask, acc dtype), converted
+    as the library's checks convert them (ck.per_token, ck.response_mask), or None: every
+    other call (per-sequence advantages, a bad argument) takes prepare_loss's checks."""
+    if not isinstance(log_prob, torch.Tensor) or log_prob.dim() != 2 or \
+            not log_prob.dtype.is_floating_point:
+        return None
+    shape, dev = log_prob.shape, log_prob.device
+    for x, optional in ((old_log_prob, False), (advantages, False),
+                        (rollout_is_weights, True)):
+        if x is None and optional:
+            continue
+        if not isinstance(x, torch.Tensor) or x.shape != shape or x.device != dev or \
+                not x.dtype.is_floating_point:
+            return None
+    m = response_mask
+    if not isinstance(m, torch.Tensor) or m.shape != shape or m.device != dev or \
+            m.dtype.is_complex:
+        return None
+    acc = ck.acc_dtype(log_prob)
+    mb = m if m.dtype == torch.bool else m != 0
+    # bool -> float is one cheap pass; the float mask carries every [B, T] reduction
+    # below (bool-tensor kernels cost 5-25x a float one on CPU)
+    mf = mb.to(acc)
+    conv = [None if x is None else x.detach().to(acc)
+            for x in (old_log_prob, advantages, rollout_is_weights)]
+    return (log_prob.to(acc), conv[0], conv[1], conv[2], mb, mf, acc)
+
+
+def _fast_policy_loss(inputs, verl_mode, kw, agg, extra, dp_size):
+    """compute_policy_loss without the masked-input zeroing: the masked positions of
+    old / advantages / rollout_is_weights are left as they are and the loss is
+    sum(weights * pg) with weights 0 there. That is the checked path's value and gradient
+    exactly (weights * where(mask, pg, 0) has the same products, and d loss / d pg is the
+    same 0 off the mask) whenever the masked terms are finite; where one is not (NaN or
+    inf on a masked position, or a NaN on a valid one), the loss or the metric sum turns
+    NaN, read with the metrics, and the call returns None for the checked path to redo
+    (NaN-safe, with token_losses' guard). Returns (pg_loss, metrics) or None."""
+    lp, old, adv, isw, mb, mf, acc = inputs
+    opts = dict(kw, loss_agg_mode=agg)
+    if "norm_length" in extra:
+        opts["norm_length"] = extra["norm_length"]
+    spec = _spec_of(acc, opts)
+    counts = {}
+    for key in ("global_num_tokens", "global_num_seqs"):
+        v = extra.get(key)
+        counts[key] = None if v is None else ck.count(key, v, lp, acc)
+    weights = _torch_impl.agg_weights(mf, agg, counts["global_num_tokens"], spec.norm_length,
+                                      dtype=acc, global_num_seqs=counts["global_num_seqs"])
+    if dp_size != 1:
+        weights = weights * dp_size
+    pt = _torch_impl.pg_terms(lp, old, adv, mb, spec)
+    pol = pt["pg"] if isw is None else pt["pg"] * isw
+    pg_loss = (weights * pol).sum()
+    metrics, nan = _pg_metrics(lp.detach(), spec, old, adv, mb, verl_mode, pt, pg_loss, mf)
+    return None if nan else (pg_loss, metrics)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_spec(acc, items):
+    return LossSpec.build(acc, **dict(items))
+
+
+def _spec_of(acc, opts):
+    """LossSpec.build(acc, **opts), built once per distinct set of options (a frozen
+    record; a failed build raises every time: lru_cache keeps no exception)."""
+    items = tuple(sorted(opts.items()))
+    if any(isinstance(v, torch.Tensor) for _, v in items):  # (e.g. a tensor norm_length)
+        return LossSpec.build(acc, **opts)
+    try:
+        hash(items)
+    except TypeError:
+        return LossSpec.build(acc, **opts)
+    return _cached_spec(acc, items)
+
+
+def _checked_policy_loss(old_log_prob, log_prob, advantages, response_mask,
+                         rollout_is_weights, verl_mode, kw, agg, extra, dp_size):
+    """compute_policy_loss through the library's checks (prepare_loss: the masked positions
+    of every input zeroed, NaN-safe aggregation)."""
     tokens = torch.zeros(log_prob.shape, dtype=torch.long, device=log_prob.device)
-    spec, s = prepare_loss(log_prob, 1, tokens, False, dict(
+    # (vocab None: the token ids are placeholders, there is no range to check)
+    spec, s = prepare_loss(log_prob, None, tokens, False, dict(
         response_mask=response_mask, old_logprobs=old_log_prob, advantages=advantages,
         loss_agg_mode=agg, rollout_is_weights=rollout_is_weights, backend="torch", **kw,
         **extra), )
@@ -176,7 +274,8 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
     # when the aggregated loss is NaN (read with the metrics: no extra host read)
     pol = pt["pg"] if s.isw is None else pt["pg"] * s.isw
     pg_loss = _torch_impl.aggregate(pol, None, s.mask, weights, None, spec)
-    metrics, nan = _pg_metrics(lp.detach(), spec, s, verl_mode, pt, pg_loss)
+    metrics, nan = _pg_metrics(lp.detach(), spec, s.old, s.adv, s.mask, verl_mode, pt,
+                               pg_loss)
     if nan:
         pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, spec,
                                           terms=pt)
@@ -185,19 +284,25 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
 
 
 @torch.no_grad()
-def _pg_metrics(lp, spec, s, verl_mode, pt, loss):
+def _pg_metrics(lp, spec, old_in, adv, m, verl_mode, pt, loss, mf=None):
     """(verl's three policy-loss metrics (core_algos.py, compute_policy_loss_<mode>) from
-    ppo_kernels' per-token terms pt (pg_terms of the loss), whether loss is NaN), read to
-    the host at once."""
-    m = s.mask
+    ppo_kernels' per-token terms pt (pg_terms of the loss), whether loss or the log-ratio
+    sum is NaN), read to the host at once. m: the bool mask; mf: its float copy, given
+    where the masked positions were not zeroed (the fast path: a masked NaN then shows as
+    a NaN sum, and the caller redoes the call NaN-safely), None: the sum is masked by a
+    where."""
     if verl_mode == "gspo":
-        old = lp if s.old is None else s.old
+        old = lp if old_in is None else old_in
         neg_kl = old - lp  # verl's GSPO metric does not clamp
         # the sequence ratio exp(clamp(mean log-ratio, +-20)): above e^10 where verl clamps
         big = (pt["seq_ratio"] > math.exp(GSPO_LOG_RATIO_MAX)).any()
     else:
         neg_kl, big = -pt["log_ratio"], None
-    parts = [m.sum(), torch.where(m, neg_kl, 0.0).sum(), torch.isnan(loss.detach())]
+    if mf is None:
+        parts = [m.sum(), torch.where(m, neg_kl, 0.0).sum()]
+    else:
+        parts = [mf.sum(), (neg_kl * mf).sum()]
+    parts.append(torch.isnan(loss.detach()) | torch.isnan(parts[1]))
     dppo = verl_mode in ("dppo_tv", "dppo_kl")
     if verl_mode in ("vanilla", "gspo"):
         parts.append(((pt["clip_high"] | pt["clip_low"]) & m).sum())
@@ -206,10 +311,7 @@ def _pg_metrics(lp, spec, s, verl_mode, pt, loss):
     elif dppo:
         # verl: the masked fraction (every advantage, zeros included) and the fraction of
         # kept tokens whose ratio the cap truncated
-        old = lp if s.old is None else s.old
-        masked = _torch_impl.dppo_masked(lp, old, s.adv, spec.clip_eps_low, spec.clip_eps_high,
-                                         verl_mode == "dppo_kl")
-        parts.append((masked & m).sum())
+        parts.append((pt["dppo_masked"] & m).sum())  # (pg_terms' mask)
     if verl_mode == "vanilla" or dppo:
         parts.append((pt["dual"] & m).sum())
     if big is not None:
