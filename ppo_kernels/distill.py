@@ -254,10 +254,11 @@ def _positions(shape, n, name):
                      f"the raw [B, T + 1, ...] output)")
 
 
-def check_call(like, vocab, teacher, response_mask, options, name="logits"):
+def check_call(like, vocab, teacher, response_mask, options, name="logits", sharded=False):
     """Every check of a distill_loss call but the logits' own (like: the logits [B, Tl, V]
     or the hidden states [B, Tl, H], 3-D): (_Call without logits3, tail, temperature,
-    grad_scale)."""
+    grad_scale). sharded: like is this rank's vocabulary shard (ppo_kernels/distill_tp.py;
+    vocab None: the ids' range is checked after the statistics all-gather)."""
     if not isinstance(teacher, (SparseLogprobs, tuple)) or len(teacher) != 3:
         raise TypeError(f"teacher: expected a SparseLogprobs(token_ids, offsets, logprobs), got "
                         f"{type(teacher).__name__}")
@@ -287,11 +288,12 @@ def check_call(like, vocab, teacher, response_mask, options, name="logits"):
     temperature = ck.temperature(options["temperature"], like)
     mode = ck.choice("loss_agg_mode", options["loss_agg_mode"], LOSS_AGG_MODES)
     gs = _grad_scale(options["grad_scale"], like.dtype, acc)
-    if options.get("tp_group") is not None or options.get("vocab_start") is not None:
+    if not sharded and (options.get("tp_group") is not None or
+                        options.get("vocab_start") is not None):
         raise NotImplementedError("tp_group / vocab_start: distill_loss does not run over a "
                                   "vocabulary split across ranks yet; gather the logits (or "
                                   "the LM head) on one rank, or use the unsplit vocabulary")
-    if hasattr(like, "to_local"):
+    if not sharded and hasattr(like, "to_local"):
         raise NotImplementedError(f"{name}: a DTensor (a vocabulary split over ranks) is not "
                                   f"supported by distill_loss yet")
     row_valid = mask.reshape(n)
@@ -458,11 +460,15 @@ def distill_loss(logits, teacher, response_mask=None, *, tail=True, temperature=
         tolerance, and every ppo_loss check of the shared options); NotImplementedError for
         tp_group / vocab_start.
     """
-    logits3, flat = _logits3(logits)
-    opts = dict(flat=flat, tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
+    opts = dict(tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
                 grad_scale=grad_scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                 tp_group=tp_group, vocab_start=vocab_start, global_num_tokens=global_num_tokens,
                 global_num_seqs=global_num_seqs, norm_length=norm_length, backend=backend)
+    if tp_group is not None or vocab_start is not None or hasattr(logits, "to_local"):
+        from .distill_tp import distill_loss_tp
+        return distill_loss_tp(logits, teacher, response_mask, opts)
+    logits3, flat = _logits3(logits)
+    opts["flat"] = flat
     c, tail, temperature, gs = check_call(logits3, logits3.shape[2], teacher, response_mask,
                                           opts)
     if c.be.is_kernel:
