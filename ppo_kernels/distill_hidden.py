@@ -88,6 +88,35 @@ class _DistillFromHidden(_LossFromHidden):
         return loss, kl, ps, tt
 
 
+def placeholder_tokens(hidden, teacher):
+    """Checks hidden's rank and the teacher's N against it; zero tokens of the positions'
+    shape ([N] for [N, H] hidden, else [B, T]) for from_hidden's shape checks."""
+    from .distill import SparseLogprobs
+    from . import _checks as ck
+
+    if not isinstance(teacher, (SparseLogprobs, tuple)) or len(teacher) != 3:
+        raise TypeError(f"teacher: expected a SparseLogprobs(token_ids, offsets, logprobs), got "
+                        f"{type(teacher).__name__}")
+    ck.tensor("hidden", hidden)
+    ck.tensor("teacher.offsets", teacher[1], integer=True)
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden: expected [B, T, H], [B, T + 1, H] or [N, H], got shape "
+                         f"{list(hidden.shape)}")
+    n = teacher[1].numel() - 1
+    flat = hidden.dim() == 2
+    if flat:
+        tokens = torch.zeros(n, dtype=torch.long, device=hidden.device)
+    else:
+        b, tl = hidden.shape[0], hidden.shape[1]
+        t = tl if b * tl == n else tl - 1
+        if b * t != n:
+            raise ValueError(f"teacher.offsets: N + 1 = {n + 1} entries do not fit hidden of "
+                             f"shape {list(hidden.shape)} (expected N = B * T = {b * tl}, or "
+                             f"{b * (tl - 1)} for the raw [B, T + 1, H] output)")
+        tokens = torch.zeros(b, t, dtype=torch.long, device=hidden.device)
+    return tokens
+
+
 def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None, *,
                              lm_head_bias=None, logit_softcap=None, chunk_size=None,
                              tail=True, temperature=1.0, loss_agg_mode="token-mean",
@@ -116,34 +145,17 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
         shapes and dtypes, chunk_size, logit_softcap, loss_agg_mode="none" on a kernel
         backend); NotImplementedError for tp_group / vocab_start.
     """
-    from .distill import SparseLogprobs
-    from . import _checks as ck
-
-    if not isinstance(teacher, (SparseLogprobs, tuple)) or len(teacher) != 3:
-        raise TypeError(f"teacher: expected a SparseLogprobs(token_ids, offsets, logprobs), got "
-                        f"{type(teacher).__name__}")
-    ck.tensor("hidden", hidden)
-    ck.tensor("teacher.offsets", teacher[1], integer=True)
-    if hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden: expected [B, T, H], [B, T + 1, H] or [N, H], got shape "
-                         f"{list(hidden.shape)}")
-    n = teacher[1].numel() - 1
-    flat = hidden.dim() == 2
-    if flat:
-        tokens = torch.zeros(n, dtype=torch.long, device=hidden.device)
-    else:
-        b, tl = hidden.shape[0], hidden.shape[1]
-        t = tl if b * tl == n else tl - 1
-        if b * t != n:
-            raise ValueError(f"teacher.offsets: N + 1 = {n + 1} entries do not fit hidden of "
-                             f"shape {list(hidden.shape)} (expected N = B * T = {b * tl}, or "
-                             f"{b * (tl - 1)} for the raw [B, T + 1, H] output)")
-        tokens = torch.zeros(b, t, dtype=torch.long, device=hidden.device)
-    hidden3, _, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
-    opts = dict(flat=flat, tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
+    opts = dict(tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
                 grad_scale=grad_scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                 tp_group=tp_group, vocab_start=vocab_start, global_num_tokens=global_num_tokens,
                 global_num_seqs=global_num_seqs, norm_length=norm_length, backend=backend)
+    if tp_group is not None or vocab_start is not None:
+        from .distill_tp import distill_loss_from_hidden_tp
+        return distill_loss_from_hidden_tp(hidden, lm_head_weight, lm_head_bias, teacher,
+                                           response_mask, opts, logit_softcap, chunk_size)
+    tokens = placeholder_tokens(hidden, teacher)
+    hidden3, _, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
+    opts["flat"] = flat
     c, tail, temperature, gs = check_call(hidden3, lm_head_weight.shape[0], teacher,
                                           response_mask, opts, name="hidden")
     cap, chunk = _head_options(hidden3, lm_head_weight, logit_softcap, chunk_size)

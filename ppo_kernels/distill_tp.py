@@ -175,6 +175,13 @@ def distill_loss_tp(logits, teacher, response_mask, opts):
     logits3, shard, c, tail, temperature = checks_together(
         groups(tp_group=_group_of(logits, tp_group)), checks,
         lambda r: {"tp_group": tuple(r[2].mask.shape)})
+    return sharded_distill(logits3, shard, c, tail, temperature)
+
+
+def sharded_distill(logits3, shard, c, tail, temperature):
+    """(loss, metrics) of distill_loss from this rank's checked shard logits3 [B, Tl, V_r]
+    (differentiable) and the checked call c: the partials, the all-gather, the checks of
+    the gathered layout and sets, the merge."""
     b, t = c.mask.shape
     n = b * t
     valid = c.mask.reshape(n)
@@ -194,4 +201,52 @@ def distill_loss_tp(logits, teacher, response_mask, opts):
     return _finish(c, loss, kl), metrics_of(c, kl if loss is None else kl.detach(), ps, tt)
 
 
-__all__ = ["distill_loss_tp", "shard_partials", "merge"]
+class _CopyToGroup(torch.autograd.Function):
+    """The identity forward; the backward sums the gradient over the group (the hidden
+    states are the same on every rank, each rank's logits shard depends on them: Megatron's
+    copy_to_tensor_model_parallel_region), in float32 at least."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _vp.all_reduce_sum_(g.contiguous().clone(), ctx.group), None
+
+
+def distill_loss_from_hidden_tp(hidden, lm_head_weight, lm_head_bias, teacher, response_mask,
+                                opts, logit_softcap, chunk_size):
+    """pk.distill_loss_from_hidden with tp_group / vocab_start: the LM head's rows
+    [V_r, H] (bias [V_r]) of this rank, hidden [B, T, H] the same on every rank. This first
+    version materialises the shard's logits [B, T, V_r] (differentiably, torch ops) and runs
+    sharded_distill on them; d hidden is summed over the group in the backward (one
+    all-reduce of B T H numbers)."""
+    from .distill_hidden import placeholder_tokens
+    from .from_hidden import (_head_options, _head_shard, _hidden_and_tokens,
+                              materialised_logits)
+
+    def checks():  # no collective: the ranks decide validity together
+        tokens = placeholder_tokens(hidden, teacher)
+        h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias,
+                                        opts["tp_group"], opts["vocab_start"])
+        if shard is None:
+            raise ValueError("tp_group: expected a process group with vocab_start")
+        hidden3, _, flat = _hidden_and_tokens(h, w, bias, tokens)
+        c, tail, temperature, _ = check_call(hidden3, None, teacher, response_mask,
+                                             dict(opts, flat=flat), name="hidden",
+                                             sharded=True)
+        cap, _ = _head_options(hidden3, w, logit_softcap, chunk_size)
+        return hidden3, w, bias, shard, c, tail, temperature, cap
+
+    hidden3, w, bias, shard, c, tail, temperature, cap = checks_together(
+        groups(tp_group=opts["tp_group"]), checks,
+        lambda r: {"tp_group": tuple(r[4].mask.shape)})
+    h = _CopyToGroup.apply(hidden3, shard.group) if hidden3.requires_grad else hidden3
+    logits = materialised_logits(h, w, bias, cap, c.mask)
+    return sharded_distill(logits, shard, c, tail, temperature)
+
+
+__all__ = ["distill_loss_tp", "distill_loss_from_hidden_tp", "sharded_distill",
+           "shard_partials", "merge"]

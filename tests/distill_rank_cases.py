@@ -144,6 +144,36 @@ def worker(rank, port, out):
                           rel(leaf.grad.to_local(), full.grad[..., e0:e0 + 6])]
     except Exception as e:
         res["dtensor"] = f"raised {type(e).__name__}: {e}"
+    # from hidden states: the LM head's rows split [0, 5) / [5, 13), with a bias and a
+    # soft cap; d hidden summed over the group
+    for dtype in (torch.float32, torch.float64):
+        d = str(dtype).split(".")[-1]
+        g5 = torch.Generator().manual_seed(4)
+        H, V5 = 6, 13
+        hid = torch.randn(B, T, H, generator=g5, dtype=torch.float64).to(dtype)
+        wt = torch.randn(V5, H, generator=g5, dtype=torch.float64).to(dtype)
+        bs = torch.randn(V5, generator=g5, dtype=torch.float64).to(dtype)
+        t5 = teacher_of(B, T, V5, g5, dtype)
+        m5 = torch.ones(B, T, dtype=torch.bool)
+        m5[0, 3] = False
+        v0, v1 = ((0, cut), (cut, V5))[rank]
+        for cap in (None, 4.0):
+            name = f"hidden/{d}/cap={cap}"
+            try:
+                ha, wa, ba = (x.clone().requires_grad_() for x in (hid, wt, bs))
+                hb, wb, bb = (x.clone().requires_grad_() for x in (hid, wt[v0:v1], bs[v0:v1]))
+                la, _ = pk.distill_loss_from_hidden(ha, wa, t5, m5, lm_head_bias=ba,
+                                                    logit_softcap=cap, temperature=0.9,
+                                                    backend="cpu")
+                lb, _ = pk.distill_loss_from_hidden(hb, wb, t5, m5, lm_head_bias=bb,
+                                                    logit_softcap=cap, temperature=0.9,
+                                                    tp_group=group, vocab_start=v0)
+                la.backward()
+                lb.backward()
+                res[name] = [rel(lb.detach(), la.detach()), rel(hb.grad, ha.grad),
+                             rel(wb.grad, wa.grad[v0:v1]), rel(bb.grad, ba.grad[v0:v1])]
+            except Exception as e:
+                res[name] = f"raised {type(e).__name__}: {e}"
     # bad inputs: an id outside every shard (V) on both ranks, a negative id on both;
     # a teacher log-prob > 0 on rank 1 only; ranks with different ids, different masks;
     # shards that overlap
@@ -173,6 +203,10 @@ def worker(rank, port, out):
     mask4[0, 0] = rank == 0
     raises(res, "bad/different_masks", lambda: pk.distill_loss(
         loc4, t4, mask4, tp_group=group))
+    raises(res, "bad/hidden_id_outside", lambda: pk.distill_loss_from_hidden(
+        torch.randn(2, 3, 4), torch.randn(6, 4), pk.SparseLogprobs(bad_ids, t4.offsets,
+                                                                   t4.logprobs),
+        tp_group=group))
     raises(res, "bad/overlap", lambda: pk.distill_loss(
         lg4[..., (0, 4)[rank]:(6, 12)[rank]].clone(), t4, None, tp_group=group,
         vocab_start=(0, 4)[rank]))

@@ -50,10 +50,18 @@ def test_dtensor_shard_of_the_vocabulary(ranks):
         assert max(errs) < 1e-6, errs
 
 
+@pytest.mark.parametrize("dtype,tol", [("float32", 2e-6), ("float64", 1e-13)])
+@pytest.mark.parametrize("cap", [None, 4.0])
+def test_from_hidden_head_rows_split(ranks, dtype, tol, cap):
+    for errs in _errors(ranks, f"hidden/{dtype}/cap={cap}"):
+        assert max(errs) < tol, errs  # loss, d hidden, d weight rows, d bias rows
+
+
 @pytest.mark.parametrize("case,name", [
     ("bad/id_outside", "teacher.token_ids"), ("bad/negative_id", "teacher.token_ids"),
     ("bad/logprob_rank1", "teacher.logprobs"), ("bad/different_ids", "teacher"),
-    ("bad/different_masks", "teacher"), ("bad/overlap", "vocab_start")])
+    ("bad/different_masks", "teacher"), ("bad/overlap", "vocab_start"),
+    ("bad/hidden_id_outside", "teacher.token_ids")])
 def test_bad_inputs_raise_on_every_rank(ranks, case, name):
     for r, res in enumerate(ranks):
         assert res[case].startswith("raised ValueError") and name in res[case], (r, res[case])
