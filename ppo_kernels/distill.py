@@ -444,7 +444,13 @@ def distill_loss(logits, teacher, response_mask=None, *, tail=True, temperature=
         cu_seqlens, max_seqlen: packed sequences, as in ppo_loss (logits [1, total, V] or
             [total, V], the CSR over the total positions); only the seq-mean modes and
             num_seqs read the sequences.
-        tp_group, vocab_start: not supported yet (NotImplementedError).
+        tp_group, vocab_start: a vocabulary split over the ranks of tp_group: logits
+            [.., V_r] are this rank's slice [vocab_start, vocab_start + V_r) (default
+            rank * V_r), teacher ids stay global; a DTensor sharded on the vocabulary
+            (Shard(-1)) takes the same path without them. The loss and metrics are the whole
+            vocabulary's, the same on every rank; the gradient is this rank's shard's
+            (ppo_kernels/distill_tp.py: torch ops on the shard, one all-gather of 9
+            numbers per row; docs/DISTRIBUTED.md). Any backend.
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
@@ -457,8 +463,10 @@ def distill_loss(logits, teacher, response_mask=None, *, tail=True, temperature=
         TypeError / ValueError naming the argument (teacher.token_ids out of range or
         repeated within a position, teacher.offsets not starting at 0, decreasing, not
         ending at nnz or of the wrong N, teacher.logprobs > 0, NaN or a set's mass > 1 +
-        tolerance, and every ppo_loss check of the shared options); NotImplementedError for
-        tp_group / vocab_start.
+        tolerance, and every ppo_loss check of the shared options). With tp_group the
+        ranks decide validity together: a bad input on one rank, shards that do not tile
+        the vocabulary, a teacher id in no shard, or ranks whose sets or masks differ (by
+        entry count or id sum) are the same ValueError on every rank.
     """
     opts = dict(tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
                 grad_scale=grad_scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,

@@ -136,6 +136,11 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
             B * T positions). loss_agg_mode="none" runs only on backend="torch" (the chunked
             kernels write a gradient weighted before the backward).
         logit_softcap: > 0 or None. chunk_size: rows per chunk (int >= 1) or None.
+        tp_group, vocab_start: the head's rows [V_r, H] (bias [V_r]) of this rank, hidden
+            the same on every rank, as ppo_loss_from_hidden; this first version
+            materialises the shard's logits [B, T, V_r] (torch ops, any backend, also
+            loss_agg_mode="none"; chunk_size unused) and merges them as distill_loss does;
+            d hidden is summed over the group in the backward (ppo_kernels/distill_tp.py).
 
     Returns:
         (loss, metrics) as pk.distill_loss.
@@ -143,7 +148,7 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
     Raises:
         TypeError / ValueError naming the argument (those of pk.distill_loss, the LM head's
         shapes and dtypes, chunk_size, logit_softcap, loss_agg_mode="none" on a kernel
-        backend); NotImplementedError for tp_group / vocab_start.
+        backend; with tp_group, decided by the ranks together).
     """
     opts = dict(tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
                 grad_scale=grad_scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
