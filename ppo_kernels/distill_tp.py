@@ -6,7 +6,8 @@ Per row i, each rank r reduces its shard of z = logits / temperature (torch ops;
 version composes torch ops, not a fused kernel) to seven numbers: its max m_r and, relative
 to it,
 
-    e_r = sum_{v in shard} exp(z_v - m_r)              (the shard's softmax denominator)
+    rest_r = sum_{v in shard, v != top} exp(z_v - m_r)  (the shard's denominator less the
+                                                       top entry's 1; -1: a -inf shard)
     s_r = sum_{j in S, owned} exp(z_j - m_r)           (student mass of the owned set entries)
     c_r = sum_{v in shard, v not in S} exp(z_v - m_r)  (the complement, summed, never 1 - PS)
     d_r = sum_{j in S, owned, pT_j > 0} pT_j (lT_j - (z_j - m_r))
@@ -17,7 +18,9 @@ same sets; ranks whose sets differ with the same count and id sum are not caught
 all-gather of these nine numbers per row (and one row of the shard's [start, V_r]) gives
 every rank every shard's, merged locally by the same formulas as ppo_kernels/distill.py's:
 
-    M = max_r m_r,  a_r = m_r - M,  L = log sum_r exp(a_r) e_r      (log-sum of the row)
+    M = max_r m_r,  a_r = m_r - M,  1 + more = sum_r exp(a_r) (1 + rest_r)
+      (the top shard adds rest_top: its 1 never enters a sum, as in vocab_parallel.py)
+    L = log1p(more)                                                  (log-sum of the row)
     PS = sum_r exp(a_r) s_r / exp(L),   log(1 - PS) = log sum_r exp(a_r) c_r - L
     kl_set = sum_r (d_r - PT_r a_r) + PT L       (log pS_j = z_j - m_r + a_r - L)
     kl = kl_set + [tail] (1 - PT) (log1p(-PT) - log(1 - PS))
@@ -25,8 +28,8 @@ every rank every shard's, merged locally by the same formulas as ppo_kernels/dis
 The merge is differentiable in the gathered partials: the loss is the same on every rank,
 so the gradient of an all-gather's output in this rank's block is already the whole
 gradient of this rank's partials (no collective in the backward), and autograd through the
-shard's torch ops writes this rank's shard of dlogits. The max m_r only shifts (the result
-does not depend on it) and carries no gradient.
+shard's torch ops writes this rank's shard of dlogits (m_r is the top entry's z, with its
+gradient).
 """
 
 from __future__ import annotations
@@ -71,19 +74,26 @@ def _group_of(logits, tp_group):
 
 def shard_partials(z, shard, ids, row_of, lt, valid):
     """The per-row partials [n, N_PARTS] of this rank's shard z [n, V_r] (differentiable in
-    z; module docstring): m, e, s, c, d, PT_r, k_r, the row's entry count (-1 if masked)."""
+    z; module docstring): m, rest, s, c, d, PT_r, k_r, the row's entry count and id sum (-1
+    if masked)."""
     n, v_r = z.shape
     loc = ids - shard.start
     own = valid[row_of] & (loc >= 0) & (loc < v_r)
     loc = torch.where(own, loc, 0)
-    m = z.detach().max(dim=-1).values if v_r else z.new_full((n,), -math.inf)
+    # (differentiable: with the top entry's 1 taken out of the sum, m_r = z_top carries
+    # that entry's gradient)
+    mx = z.max(dim=-1)
+    m, top = mx.values, mx.indices
     live = m > -math.inf
     ms = torch.where(live, m, 0.0)
-    ez = torch.exp(z - ms[:, None])  # [n, V_r]; 0 on a whole -inf shard
+    # exp(z - m_r) with the shard's top entry (its exp is 1) left out: the rest's sum keeps
+    # its digits next to that 1 (log1p in the merge, as every kernel of the package)
+    ez = torch.exp(z - ms[:, None]).scatter(1, top[:, None], 0.0)  # [n, V_r]
     in_set = torch.zeros(n, v_r, dtype=torch.bool, device=z.device)
     in_set[row_of[own], loc[own]] = True
-    e = ez.sum(dim=-1)
-    c = ez.masked_fill(in_set, 0.0).sum(dim=-1)
+    top_out = live & ~in_set.gather(1, top[:, None])[:, 0]
+    rest = torch.where(live, ez.sum(dim=-1), -1.0)  # -1: a whole -inf shard
+    c = ez.masked_fill(in_set, 0.0).sum(dim=-1) + top_out.to(z.dtype)
     zj = z[row_of, loc] - ms[row_of]  # [nnz], z_j - m_r on the owned entries
     pt = lt.exp()
     on = own & (pt > 0)
@@ -97,7 +107,7 @@ def shard_partials(z, shard, ids, row_of, lt, valid):
     # the sum of the row's (global) ids: ranks whose sets differ mostly differ there too
     # (exact in float32 below 2^24: k V < 16.7M)
     idsum = torch.where(valid, zero.index_add(0, row_of, ids.to(z.dtype)), -1.0)
-    return torch.stack([ms, e, s, c, d, ptr, k, cnt.detach(), idsum.detach()], dim=-1)
+    return torch.stack([ms, rest, s, c, d, ptr, k, cnt.detach(), idsum.detach()], dim=-1)
 
 
 def _check_sets(k_all, sets, valid, v_total, start, v_local):
@@ -131,16 +141,19 @@ def merge(parts, valid, tail, v_total):
     """(kl, student_mass, teacher_tail) [n] from every rank's partials [tp, n, N_PARTS]
     (differentiable in them; module docstring); 0 on invalid rows. v_total: the whole
     vocabulary's size (a set of that many ids has no tail)."""
-    mx, e, s, c, d, ptr, k = parts[..., :7].unbind(-1)
-    live = e > 0
-    big = torch.where(live, mx, -math.inf).max(dim=0).values
+    mx, rest, s, c, d, ptr, k = parts[..., :7].unbind(-1)
+    live = rest >= 0
+    mxl = torch.where(live, mx, -math.inf)
+    big = mxl.max(dim=0).values
+    ok = valid & (big > -math.inf)
     big = torch.where(big > -math.inf, big, 0.0)
     a = torch.where(live, mx - big, 0.0)
     w = torch.where(live, torch.exp(a), 0.0)
-    tot = (w * e).sum(0)
-    ok = valid & (tot > 0)
-    log_sum = torch.log(torch.where(ok, tot, 1.0))
-    ps = (w * s).sum(0) / torch.where(ok, tot, 1.0)
+    # 1 + more = sum_r w_r (1 + rest_r): the top shard's 1 never enters the sum
+    top = torch.zeros_like(live).scatter_(0, mxl.argmax(0, keepdim=True), True)
+    more = torch.where(top, rest, w * (1.0 + rest)).sum(0)
+    log_sum = torch.log1p(torch.where(ok, more, 0.0))
+    ps = (w * s).sum(0) * torch.exp(-log_sum)
     pt_sum = ptr.sum(0)
     kl = (d - ptr * a).sum(0) + pt_sum * log_sum
     whole = k.sum(0) == v_total

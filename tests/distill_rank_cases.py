@@ -174,6 +174,37 @@ def worker(rank, port, out):
                              rel(wb.grad, wa.grad[v0:v1]), rel(bb.grad, ba.grad[v0:v1])]
             except Exception as e:
                 res[name] = f"raised {type(e).__name__}: {e}"
+    # float32 at a larger vocabulary (1000 = 500 / 500, top-20 sets): confident rows, a
+    # teacher close to the student on half of the rows (a tiny kl), against float64: the
+    # split's error next to the single-process kernel's own
+    g6 = torch.Generator().manual_seed(5)
+    N6, V6, K6 = 32, 1000, 20
+    x6 = torch.randn(1, N6, V6, generator=g6) * 3
+    x6[0, ::4, 7] = 30.0
+    tl = torch.log_softmax(torch.randn(N6, V6, generator=g6, dtype=torch.float64) * 3, -1)
+    tl[::2] = torch.log_softmax(torch.log_softmax(x6[0, ::2].double(), -1) + 1e-4 * torch.randn(
+        N6 // 2, V6, generator=g6, dtype=torch.float64), -1)
+    top = tl.topk(K6, -1)
+    t6 = pk.SparseLogprobs(top.indices.reshape(-1), torch.arange(0, N6 * K6 + 1, K6),
+                           top.values.reshape(-1).float())
+    t6d = pk.SparseLogprobs(t6.token_ids, t6.offsets, t6.logprobs.double())
+    try:
+        l64, _ = pk.distill_loss(x6.double(), t6d, None, loss_agg_mode="none", backend="cpu")
+        x64 = x6.double().requires_grad_()
+        pk.distill_loss(x64, t6d, None, backend="cpu")[0].backward()
+        xa = x6.clone().requires_grad_()
+        la, _ = pk.distill_loss(xa, t6, None, loss_agg_mode="none", backend="cpu")
+        xb = x6[..., rank * 500:(rank + 1) * 500].clone().requires_grad_()
+        lb, _ = pk.distill_loss(xb, t6, None, loss_agg_mode="none", tp_group=group)
+        w6 = torch.full_like(la, 1.0 / N6)
+        (la * w6).sum().backward()
+        (lb * w6).sum().backward()
+        g64 = x64.grad[..., rank * 500:(rank + 1) * 500]
+        res["confident"] = [float((la.detach().double() - l64).abs().max()),
+                            float((lb.detach().double() - l64).abs().max()),
+                            rel(xa.grad[..., rank * 500:(rank + 1) * 500], g64), rel(xb.grad, g64)]
+    except Exception as e:
+        res["confident"] = f"raised {type(e).__name__}: {e}"
     # bad inputs: an id outside every shard (V) on both ranks, a negative id on both;
     # a teacher log-prob > 0 on rank 1 only; ranks with different ids, different masks;
     # shards that overlap

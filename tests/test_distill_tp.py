@@ -57,6 +57,14 @@ def test_from_hidden_head_rows_split(ranks, dtype, tol, cap):
         assert max(errs) < tol, errs  # loss, d hidden, d weight rows, d bias rows
 
 
+def test_float32_next_to_the_kernel_against_float64(ranks):
+    """Confident rows and tiny kls at V = 1000: the split's error against float64 is the
+    single-process float32 kernel's (within a factor 2 and float32 rounding)."""
+    for kern_abs, tp_abs, kern_grad, tp_grad in _errors(ranks, "confident"):
+        assert tp_abs <= 2 * kern_abs + 1e-7, (tp_abs, kern_abs)
+        assert tp_grad <= 2 * kern_grad + 1e-7, (tp_grad, kern_grad)
+
+
 @pytest.mark.parametrize("case,name", [
     ("bad/id_outside", "teacher.token_ids"), ("bad/negative_id", "teacher.token_ids"),
     ("bad/logprob_rank1", "teacher.logprobs"), ("bad/different_ids", "teacher"),
