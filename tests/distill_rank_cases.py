@@ -174,6 +174,36 @@ def worker(rank, port, out):
                              rel(wb.grad, wa.grad[v0:v1]), rel(bb.grad, ba.grad[v0:v1])]
             except Exception as e:
                 res[name] = f"raised {type(e).__name__}: {e}"
+    # random splits: V in [2, 40] cut anywhere (a shard of one entry included), random set
+    # sizes 0..V, masks, temperatures, float64 against the single-process kernel
+    g7 = torch.Generator().manual_seed(6)
+    worst = 0.0
+    for trial in range(12):
+        V7 = int(torch.randint(2, 41, (1,), generator=g7))
+        cut7 = (1, V7 - 1)[trial % 2] if trial < 4 else int(torch.randint(1, V7, (1,), generator=g7))
+        B7, T7 = int(torch.randint(1, 4, (1,), generator=g7)), int(torch.randint(1, 5, (1,), generator=g7))
+        x7 = torch.randn(B7, T7, V7, generator=g7, dtype=torch.float64) * float(
+            torch.rand(1, generator=g7) * 8)
+        ids7, lps7, off7 = [], [], [0]
+        for i in range(B7 * T7):
+            kk = int(torch.randint(0, V7 + 1, (1,), generator=g7))
+            lt7 = torch.log_softmax(torch.randn(V7, generator=g7, dtype=torch.float64) * 3, 0)
+            sel = torch.randperm(V7, generator=g7)[:kk]
+            ids7.append(sel)
+            lps7.append(lt7[sel])
+            off7.append(off7[-1] + kk)
+        t7 = pk.SparseLogprobs(torch.cat(ids7), torch.tensor(off7), torch.cat(lps7))
+        m7 = torch.rand(B7, T7, generator=g7) > 0.2
+        w0, w1 = ((0, cut7), (cut7, V7))[rank]
+        sub = {}
+        compare(sub, "r", x7, t7, m7, w0, w1, group,
+                dict(tail=bool(trial % 3), temperature=float(0.5 + torch.rand(1, generator=g7)),
+                     loss_agg_mode=("token-mean", "none", "seq-mean-token-mean")[trial % 3]))
+        if isinstance(sub["r"], str):
+            worst = sub["r"]
+            break
+        worst = max(worst, max(sub["r"][:-1]))
+    res["random_splits"] = worst
     # float32 at a larger vocabulary (1000 = 500 / 500, top-20 sets): confident rows, a
     # teacher close to the student on half of the rows (a tiny kl), against float64: the
     # split's error next to the single-process kernel's own

@@ -57,6 +57,12 @@ def test_from_hidden_head_rows_split(ranks, dtype, tol, cap):
         assert max(errs) < tol, errs  # loss, d hidden, d weight rows, d bias rows
 
 
+def test_random_splits_float64(ranks):
+    for r, res in enumerate(ranks):
+        worst = res["random_splits"]
+        assert isinstance(worst, float) and worst < 1e-12, (r, worst)
+
+
 def test_float32_next_to_the_kernel_against_float64(ranks):
     """Confident rows and tiny kls at V = 1000: the split's error against float64 is the
     single-process float32 kernel's (within a factor 2 and float32 rounding)."""
