@@ -89,8 +89,9 @@ def shard_partials(z, shard, ids, row_of, lt, valid):
     # exp(z - m_r) with the shard's top entry (its exp is 1) left out: the rest's sum keeps
     # its digits next to that 1 (log1p in the merge, as every kernel of the package)
     ez = torch.exp(z - ms[:, None]).scatter(1, top[:, None], 0.0)  # [n, V_r]
-    in_set = torch.zeros(n, v_r, dtype=torch.bool, device=z.device)
-    in_set[row_of[own], loc[own]] = True
+    # the owned set entries of each row (no boolean indexing: no host read on a device)
+    in_set = torch.zeros(n, v_r, dtype=torch.int32, device=z.device).index_put_(
+        (row_of, loc), own.to(torch.int32), accumulate=True) > 0
     top_out = live & ~in_set.gather(1, top[:, None])[:, 0]
     rest = torch.where(live, ez.sum(dim=-1), -1.0)  # -1: a whole -inf shard
     c = ez.masked_fill(in_set, 0.0).sum(dim=-1) + top_out.to(z.dtype)

@@ -180,8 +180,10 @@ def worker(rank, port, out):
     worst = 0.0
     for trial in range(12):
         V7 = int(torch.randint(2, 41, (1,), generator=g7))
-        cut7 = (1, V7 - 1)[trial % 2] if trial < 4 else int(torch.randint(1, V7, (1,), generator=g7))
-        B7, T7 = int(torch.randint(1, 4, (1,), generator=g7)), int(torch.randint(1, 5, (1,), generator=g7))
+        cut7 = (1, V7 - 1)[trial % 2] if trial < 4 else \
+            int(torch.randint(1, V7, (1,), generator=g7))
+        B7 = int(torch.randint(1, 4, (1,), generator=g7))
+        T7 = int(torch.randint(1, 5, (1,), generator=g7))
         x7 = torch.randn(B7, T7, V7, generator=g7, dtype=torch.float64) * float(
             torch.rand(1, generator=g7) * 8)
         ids7, lps7, off7 = [], [], [0]
