@@ -174,6 +174,20 @@ def worker(rank, port, out):
                              rel(wb.grad, wa.grad[v0:v1]), rel(bb.grad, ba.grad[v0:v1])]
             except Exception as e:
                 res[name] = f"raised {type(e).__name__}: {e}"
+    # bfloat16 logits (the partials in float32, as the kernels), and packed sequences
+    # (cu_seqlens, the seq-mean modes read them) on the uneven split
+    g8 = torch.Generator().manual_seed(7)
+    x8 = torch.randn(1, 10, V, generator=g8) * 3
+    t8 = teacher_of(1, 10, V, g8, torch.float32)
+    v0, v1 = ((0, cut), (cut, V))[rank]
+    compare(res, "bf16", x8.bfloat16(), t8, None, v0, v1, group, dict(tail=True))
+    cu = torch.tensor([0, 3, 3, 7, 10])
+    # (a float64 teacher: the float32 one's whole-vocabulary set has a mass of 1 + 3e-8,
+    # where the CPU kernel's gradient takes the mass as 1 and autograd's does not)
+    t8d = teacher_of(1, 10, V, torch.Generator().manual_seed(8), torch.float64)
+    for mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        compare(res, f"packed/{mode}", x8.double(), t8d, None, v0, v1, group,
+                dict(loss_agg_mode=mode, cu_seqlens=cu, max_seqlen=4))
     # random splits: V in [2, 40] cut anywhere (a shard of one entry included), random set
     # sizes 0..V, masks, temperatures, float64 against the single-process kernel
     g7 = torch.Generator().manual_seed(6)

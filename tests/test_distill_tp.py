@@ -57,6 +57,18 @@ def test_from_hidden_head_rows_split(ranks, dtype, tol, cap):
         assert max(errs) < tol, errs  # loss, d hidden, d weight rows, d bias rows
 
 
+def test_bfloat16_logits(ranks):
+    for loss_err, *metric_errs, grad_err, grad_max in _errors(ranks, "bf16"):
+        assert loss_err < 1e-5 and max(metric_errs) < 1e-5
+        assert grad_err < 1e-2 and grad_max > 1e-3  # (the gradient rounds to bf16)
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_packed_sequences(ranks, mode):
+    for *rel, grad_max in _errors(ranks, f"packed/{mode}"):
+        assert max(rel) < 1e-13 and grad_max > 1e-3, rel
+
+
 def test_random_splits_float64(ranks):
     for r, res in enumerate(ranks):
         worst = res["random_splits"]
