@@ -3,8 +3,7 @@ DTensor of logits): each rank of the group holds a contiguous shard [start, star
 the vocabulary; the teacher's ids are global.
 
 Per row i, each rank r reduces its shard of z = logits / temperature (torch ops; this first
-version composes torch ops, not a fused kernel) to seven numbers: its max m_r and, relative
-to it,
+version composes torch ops, not a fused kernel) to its max m_r and, relative to it,
 
     rest_r = sum_{v in shard, v != top} exp(z_v - m_r)  (the shard's denominator less the
                                                        top entry's 1; -1: a -inf shard)
@@ -16,7 +15,9 @@ to it,
 plus the row's entry count and the sum of its ids (for the check that every rank has the
 same sets; ranks whose sets differ with the same count and id sum are not caught). ONE
 all-gather of these nine numbers per row (and one row of the shard's [start, V_r]) gives
-every rank every shard's, merged locally by the same formulas as ppo_kernels/distill.py's:
+every rank every shard's (the scheme of Megatron-LM's vocab_parallel_cross_entropy,
+https://github.com/NVIDIA/Megatron-LM, extended to the teacher's sets), merged locally into
+the formulas of ppo_kernels/distill.py (GKD, arXiv:2306.13649):
 
     M = max_r m_r,  a_r = m_r - M,  1 + more = sum_r exp(a_r) (1 + rest_r)
       (the top shard adds rest_top: its 1 never enters a sum, as in vocab_parallel.py)
@@ -106,8 +107,9 @@ def shard_partials(z, shard, ids, row_of, lt, valid):
     k = zero.index_add(0, row_of, own.to(z.dtype))
     cnt = torch.where(valid, zero.index_add(0, row_of, torch.ones_like(pt)), -1.0)
     # the sum of the row's (global) ids: ranks whose sets differ mostly differ there too
-    # (exact in float32 below 2^24: k V < 16.7M)
-    idsum = torch.where(valid, zero.index_add(0, row_of, ids.to(z.dtype)), -1.0)
+    # (summed in int64, so the same sets give the same float on every rank, in any order)
+    idsum = torch.zeros(n, dtype=torch.long, device=z.device).index_add_(0, row_of, ids)
+    idsum = torch.where(valid, idsum.to(z.dtype), -1.0)
     return torch.stack([ms, rest, s, c, d, ptr, k, cnt.detach(), idsum.detach()], dim=-1)
 
 

@@ -5,7 +5,13 @@
 
 Each rank writes OUT_DIR/rank<r>.json: {case: [relative errors of loss, metrics and this
 rank's gradient against the single-process distill_loss on the whole vocabulary] or
-"raised <type>: <message>" / "no error"}.
+"raised <type>: <message>" / "no error"}. Cases: "uneven/<dtype>/tail=<>/<mode>" (a
+[0, 5) / [5, 13) split, -inf shards, empty / single / whole-vocabulary / confident sets,
+masked rows), "even_raw/<dtype>" (the default vocab_start, the raw [B, T + 1, V] output),
+"dtensor" (a Shard(-1) DTensor), "hidden/<dtype>/cap=<>" (the head's rows, a bias, a soft
+cap), "bf16", "packed/<mode>" (cu_seqlens), "random_splits" (the worst float64 error over
+12 random splits), "confident" (V = 1000 float32 against float64, next to the kernel's
+error), "bad/..." (bad inputs, on one rank or all) and "after" (the group still works).
 """
 
 import datetime
