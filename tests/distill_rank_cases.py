@@ -180,6 +180,23 @@ def worker(rank, port, out):
                              rel(wb.grad, wa.grad[v0:v1]), rel(bb.grad, ba.grad[v0:v1])]
             except Exception as e:
                 res[name] = f"raised {type(e).__name__}: {e}"
+    # from hidden states, loss_agg_mode="none" (the torch path runs it with tp_group)
+    try:
+        ha, wa = hid.double().clone().requires_grad_(), wt.double().clone().requires_grad_()
+        hb = hid.double().clone().requires_grad_()
+        wb = wt.double()[v0:v1].clone().requires_grad_()
+        t5d = pk.SparseLogprobs(t5.token_ids, t5.offsets, t5.logprobs.double())
+        la, _ = pk.distill_loss_from_hidden(ha, wa, t5d, m5, loss_agg_mode="none",
+                                            backend="torch")
+        lb, _ = pk.distill_loss_from_hidden(hb, wb, t5d, m5, loss_agg_mode="none",
+                                            tp_group=group, vocab_start=v0)
+        wn = torch.linspace(0.5, 1.5, la.numel(), dtype=la.dtype).view_as(la)
+        (la * wn).sum().backward()
+        (lb * wn).sum().backward()
+        res["hidden/none"] = [rel(lb.detach(), la.detach()), rel(hb.grad, ha.grad),
+                              rel(wb.grad, wa.grad[v0:v1])]
+    except Exception as e:
+        res["hidden/none"] = f"raised {type(e).__name__}: {e}"
     # bfloat16 logits (the partials in float32, as the kernels), and packed sequences
     # (cu_seqlens, the seq-mean modes read them) on the uneven split
     g8 = torch.Generator().manual_seed(7)
@@ -290,6 +307,8 @@ def worker(rank, port, out):
         torch.randn(2, 3, 4), torch.randn(6, 4), pk.SparseLogprobs(bad_ids, t4.offsets,
                                                                    t4.logprobs),
         tp_group=group))
+    raises(res, "bad/hidden_head_rank1", lambda: pk.distill_loss_from_hidden(
+        torch.randn(2, 3, 4), torch.randn(6, 4 + rank), t4, tp_group=group))
     raises(res, "bad/overlap", lambda: pk.distill_loss(
         lg4[..., (0, 4)[rank]:(6, 12)[rank]].clone(), t4, None, tp_group=group,
         vocab_start=(0, 4)[rank]))

@@ -83,11 +83,16 @@ def test_float32_next_to_the_kernel_against_float64(ranks):
         assert tp_grad <= 2 * kern_grad + 1e-7, (tp_grad, kern_grad)
 
 
+def test_from_hidden_per_token(ranks):
+    for errs in _errors(ranks, "hidden/none"):
+        assert max(errs) < 1e-13, errs
+
+
 @pytest.mark.parametrize("case,name", [
     ("bad/id_outside", "teacher.token_ids"), ("bad/negative_id", "teacher.token_ids"),
     ("bad/logprob_rank1", "teacher.logprobs"), ("bad/different_ids", "teacher"),
     ("bad/different_masks", "teacher"), ("bad/overlap", "vocab_start"),
-    ("bad/hidden_id_outside", "teacher.token_ids")])
+    ("bad/hidden_id_outside", "teacher.token_ids"), ("bad/hidden_head_rank1", "hidden")])
 def test_bad_inputs_raise_on_every_rank(ranks, case, name):
     for r, res in enumerate(ranks):
         assert res[case].startswith("raised ValueError") and name in res[case], (r, res[case])
