@@ -254,10 +254,11 @@ def _positions(shape, n, name):
                      f"the raw [B, T + 1, ...] output)")
 
 
-def check_call(like, vocab, teacher, response_mask, options, name="logits"):
+def check_call(like, vocab, teacher, response_mask, options, name="logits", sharded=False):
     """Every check of a distill_loss call but the logits' own (like: the logits [B, Tl, V]
     or the hidden states [B, Tl, H], 3-D): (_Call without logits3, tail, temperature,
-    grad_scale)."""
+    grad_scale). sharded: like is this rank's vocabulary shard (ppo_kernels/distill_tp.py;
+    vocab None: the ids' range is checked after the statistics all-gather)."""
     if not isinstance(teacher, (SparseLogprobs, tuple)) or len(teacher) != 3:
         raise TypeError(f"teacher: expected a SparseLogprobs(token_ids, offsets, logprobs), got "
                         f"{type(teacher).__name__}")
@@ -287,11 +288,12 @@ def check_call(like, vocab, teacher, response_mask, options, name="logits"):
     temperature = ck.temperature(options["temperature"], like)
     mode = ck.choice("loss_agg_mode", options["loss_agg_mode"], LOSS_AGG_MODES)
     gs = _grad_scale(options["grad_scale"], like.dtype, acc)
-    if options.get("tp_group") is not None or options.get("vocab_start") is not None:
+    if not sharded and (options.get("tp_group") is not None or
+                        options.get("vocab_start") is not None):
         raise NotImplementedError("tp_group / vocab_start: distill_loss does not run over a "
                                   "vocabulary split across ranks yet; gather the logits (or "
                                   "the LM head) on one rank, or use the unsplit vocabulary")
-    if hasattr(like, "to_local"):
+    if not sharded and hasattr(like, "to_local"):
         raise NotImplementedError(f"{name}: a DTensor (a vocabulary split over ranks) is not "
                                   f"supported by distill_loss yet")
     row_valid = mask.reshape(n)
@@ -442,7 +444,13 @@ def distill_loss(logits, teacher, response_mask=None, *, tail=True, temperature=
         cu_seqlens, max_seqlen: packed sequences, as in ppo_loss (logits [1, total, V] or
             [total, V], the CSR over the total positions); only the seq-mean modes and
             num_seqs read the sequences.
-        tp_group, vocab_start: not supported yet (NotImplementedError).
+        tp_group, vocab_start: a vocabulary split over the ranks of tp_group: logits
+            [.., V_r] are this rank's slice [vocab_start, vocab_start + V_r) (default
+            rank * V_r), teacher ids stay global; a DTensor sharded on the vocabulary
+            (Shard(-1)) takes the same path without them. The loss and metrics are the whole
+            vocabulary's, the same on every rank; the gradient is this rank's shard's
+            (ppo_kernels/distill_tp.py: torch ops on the shard, one all-gather of 9
+            numbers per row; docs/DISTRIBUTED.md). Any backend.
         backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
 
     Returns:
@@ -455,14 +463,20 @@ def distill_loss(logits, teacher, response_mask=None, *, tail=True, temperature=
         TypeError / ValueError naming the argument (teacher.token_ids out of range or
         repeated within a position, teacher.offsets not starting at 0, decreasing, not
         ending at nnz or of the wrong N, teacher.logprobs > 0, NaN or a set's mass > 1 +
-        tolerance, and every ppo_loss check of the shared options); NotImplementedError for
-        tp_group / vocab_start.
+        tolerance, and every ppo_loss check of the shared options). With tp_group the
+        ranks decide validity together: a bad input on one rank, shards that do not tile
+        the vocabulary, a teacher id in no shard, or ranks whose sets or masks differ (by
+        entry count or id sum) are the same ValueError on every rank.
     """
-    logits3, flat = _logits3(logits)
-    opts = dict(flat=flat, tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
+    opts = dict(tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
                 grad_scale=grad_scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                 tp_group=tp_group, vocab_start=vocab_start, global_num_tokens=global_num_tokens,
                 global_num_seqs=global_num_seqs, norm_length=norm_length, backend=backend)
+    if tp_group is not None or vocab_start is not None or hasattr(logits, "to_local"):
+        from .distill_tp import distill_loss_tp
+        return distill_loss_tp(logits, teacher, response_mask, opts)
+    logits3, flat = _logits3(logits)
+    opts["flat"] = flat
     c, tail, temperature, gs = check_call(logits3, logits3.shape[2], teacher, response_mask,
                                           opts)
     if c.be.is_kernel:

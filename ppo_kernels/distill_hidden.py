@@ -88,34 +88,9 @@ class _DistillFromHidden(_LossFromHidden):
         return loss, kl, ps, tt
 
 
-def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None, *,
-                             lm_head_bias=None, logit_softcap=None, chunk_size=None,
-                             tail=True, temperature=1.0, loss_agg_mode="token-mean",
-                             global_num_tokens=None, global_num_seqs=None, norm_length=None,
-                             grad_scale=1.0, cu_seqlens=None, max_seqlen=None, tp_group=None,
-                             vocab_start=None, backend="auto"):
-    """pk.distill_loss on the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
-    by cap * tanh(x / cap) with logit_softcap, never materialising the [N, V] logits: chunks
-    of chunk_size rows (default: about 256 MiB of logits per chunk), the gradient with
-    respect to hidden, lm_head_weight and lm_head_bias computed in the forward
-    (docs/FROM_HIDDEN.md).
-
-    Args:
-        hidden: [B, T, H], [B, T + 1, H] or [N, H]; float32, bfloat16, float16 or float64.
-        lm_head_weight: [V, H] of hidden's dtype. lm_head_bias: [V] or None.
-        teacher, response_mask and the keywords: as pk.distill_loss (the CSR over the
-            B * T positions). loss_agg_mode="none" runs only on backend="torch" (the chunked
-            kernels write a gradient weighted before the backward).
-        logit_softcap: > 0 or None. chunk_size: rows per chunk (int >= 1) or None.
-
-    Returns:
-        (loss, metrics) as pk.distill_loss.
-
-    Raises:
-        TypeError / ValueError naming the argument (those of pk.distill_loss, the LM head's
-        shapes and dtypes, chunk_size, logit_softcap, loss_agg_mode="none" on a kernel
-        backend); NotImplementedError for tp_group / vocab_start.
-    """
+def placeholder_tokens(hidden, teacher):
+    """Checks hidden's rank and the teacher's N against it; zero tokens of the positions'
+    shape ([N] for [N, H] hidden, else [B, T]) for from_hidden's shape checks."""
     from .distill import SparseLogprobs
     from . import _checks as ck
 
@@ -139,11 +114,53 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
                              f"shape {list(hidden.shape)} (expected N = B * T = {b * tl}, or "
                              f"{b * (tl - 1)} for the raw [B, T + 1, H] output)")
         tokens = torch.zeros(b, t, dtype=torch.long, device=hidden.device)
-    hidden3, _, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
-    opts = dict(flat=flat, tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
+    return tokens
+
+
+def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None, *,
+                             lm_head_bias=None, logit_softcap=None, chunk_size=None,
+                             tail=True, temperature=1.0, loss_agg_mode="token-mean",
+                             global_num_tokens=None, global_num_seqs=None, norm_length=None,
+                             grad_scale=1.0, cu_seqlens=None, max_seqlen=None, tp_group=None,
+                             vocab_start=None, backend="auto"):
+    """pk.distill_loss on the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
+    by cap * tanh(x / cap) with logit_softcap, never materialising the [N, V] logits: chunks
+    of chunk_size rows (default: about 256 MiB of logits per chunk), the gradient with
+    respect to hidden, lm_head_weight and lm_head_bias computed in the forward
+    (docs/FROM_HIDDEN.md).
+
+    Args:
+        hidden: [B, T, H], [B, T + 1, H] or [N, H]; float32, bfloat16, float16 or float64.
+        lm_head_weight: [V, H] of hidden's dtype. lm_head_bias: [V] or None.
+        teacher, response_mask and the keywords: as pk.distill_loss (the CSR over the
+            B * T positions). loss_agg_mode="none" runs only on backend="torch" (the chunked
+            kernels write a gradient weighted before the backward).
+        logit_softcap: > 0 or None. chunk_size: rows per chunk (int >= 1) or None.
+        tp_group, vocab_start: the head's rows [V_r, H] (bias [V_r]) of this rank, hidden
+            the same on every rank, as ppo_loss_from_hidden; this first version
+            materialises the shard's logits [B, T, V_r] (torch ops, any backend, also
+            loss_agg_mode="none"; chunk_size unused) and merges them as distill_loss does;
+            d hidden is summed over the group in the backward (ppo_kernels/distill_tp.py).
+
+    Returns:
+        (loss, metrics) as pk.distill_loss.
+
+    Raises:
+        TypeError / ValueError naming the argument (those of pk.distill_loss, the LM head's
+        shapes and dtypes, chunk_size, logit_softcap, loss_agg_mode="none" on a kernel
+        backend; with tp_group, decided by the ranks together).
+    """
+    opts = dict(tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
                 grad_scale=grad_scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                 tp_group=tp_group, vocab_start=vocab_start, global_num_tokens=global_num_tokens,
                 global_num_seqs=global_num_seqs, norm_length=norm_length, backend=backend)
+    if tp_group is not None or vocab_start is not None:
+        from .distill_tp import distill_loss_from_hidden_tp
+        return distill_loss_from_hidden_tp(hidden, lm_head_weight, lm_head_bias, teacher,
+                                           response_mask, opts, logit_softcap, chunk_size)
+    tokens = placeholder_tokens(hidden, teacher)
+    hidden3, _, flat = _hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
+    opts["flat"] = flat
     c, tail, temperature, gs = check_call(hidden3, lm_head_weight.shape[0], teacher,
                                           response_mask, opts, name="hidden")
     cap, chunk = _head_options(hidden3, lm_head_weight, logit_softcap, chunk_size)

@@ -405,12 +405,6 @@ def test_bad_logits():
     raises_naming(lambda: pk.distill_loss(torch.randn(3, 5), te), "teacher.offsets")
 
 
-def test_tp_group_not_implemented():
-    x, te = _base()
-    with pytest.raises(NotImplementedError, match="tp_group"):
-        pk.distill_loss(x, te, tp_group=object())
-
-
 def test_public_names():
     assert pk.SparseLogprobs._fields == ("token_ids", "offsets", "logprobs")
     assert "distill_loss" in pk.__all__ and "distill_loss_from_hidden" in pk.__all__
