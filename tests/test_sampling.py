@@ -864,8 +864,11 @@ def test_per_row_temperature_from_hidden(be, given_mask):
                                       backend=be.name, **kw)
     r2 = pk.score_rollout(hidden @ weight.t(), tokens, ref_lp, vals, scores, mask,
                           kl_coef=0.05, temperature=temp, backend="torch", **kw)
-    for a, b in zip(r1, r2):
+    r3 = pk.score_rollout(hidden @ weight.t(), tokens, ref_lp, vals, scores, mask,
+                          kl_coef=0.05, temperature=temp, backend=be.name, **kw)
+    for a, b, c in zip(r1, r2, r3):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("be", REPLAY_BACKENDS)
