@@ -3,7 +3,8 @@
 For each shape: pk.ppo_loss forward + backward on the C++ kernels without a kept set (the
 fused single pass), with a given SamplingMask (kept sets of k <= 512 ids, mean about 8:
 what vLLM's --return-sampling-mask returns at top_p ~ 0.9 on a confident policy), and with
-the set re-derived from top_k / top_p (the threshold pre-pass over every row); plus the
+the set re-derived from top_k / top_p (the threshold pre-pass over every row), both also
+with a per-sequence temperature tensor (_row_temp); plus the
 eager composite with the given mask (backend="torch", which materialises [N, V]),
 torch.compile of the plain eager composite, and the copy floor (read the logits once,
 write a gradient of their size once), all measured in the same run. Printed: median
@@ -66,6 +67,17 @@ def step_fn(name, compiled=None):
     def rederived(logits, tokens, old, adv, sm):
         return pk.ppo_loss(logits, tokens, old, adv, top_k=1024, top_p=0.8, backend=BACKEND)[0]
 
+    def _temps(tokens):  # one temperature per sequence (prime-rl's schedules)
+        return torch.linspace(0.7, 1.3, tokens.shape[0], device=tokens.device)
+
+    def given_row_temp(logits, tokens, old, adv, sm):
+        return pk.ppo_loss(logits, tokens, old, adv, sampling_mask=sm, temperature=_temps(tokens),
+                           backend=BACKEND)[0]
+
+    def rederived_row_temp(logits, tokens, old, adv, sm):
+        return pk.ppo_loss(logits, tokens, old, adv, top_k=1024, top_p=0.8,
+                           temperature=_temps(tokens), backend=BACKEND)[0]
+
     def eager_given(logits, tokens, old, adv, sm):
         return pk.ppo_loss(logits, tokens, old, adv, sampling_mask=sm, backend="torch")[0]
 
@@ -74,7 +86,8 @@ def step_fn(name, compiled=None):
         w = _torch_impl.agg_weights(mask, "token-mean")
         return _torch_impl.ppo_loss(logits, tokens, mask, old, adv, w, None, None, P)[0]
 
-    fns = dict(plain=plain, given=given, rederived=rederived, eager_given=eager_given,
+    fns = dict(plain=plain, given=given, rederived=rederived, given_row_temp=given_row_temp,
+               rederived_row_temp=rederived_row_temp, eager_given=eager_given,
                composite=composite)
     if name == "compiled":
         return compiled
@@ -107,7 +120,8 @@ def main():
     DEVICE, BACKEND = args.device, args.backend
     n = 32 if args.quick else 128
     reps = 3 if args.quick else 5
-    names = ["plain", "given", "rederived", "eager_given", "composite"]
+    names = ["plain", "given", "rederived", "given_row_temp", "rederived_row_temp",
+             "eager_given", "composite"]
     compiled = None
     if args.compile:
         compiled = torch.compile(step_fn("composite"))
@@ -127,7 +141,7 @@ def main():
         mean_k = float((sm.offsets[1:] - sm.offsets[:-1]).float().mean())
         print(f"V = {v}: mean kept size {mean_k:.1f}")
         for name, s in t.items():
-            line = (f"  {name:12s} {s * 1e3:9.2f} ms  x{s / t['plain']:6.2f} plain  "
+            line = (f"  {name:18s} {s * 1e3:9.2f} ms  x{s / t['plain']:6.2f} plain  "
                     f"x{s / t['composite']:6.2f} eager  x{s / t['floor']:6.2f} floor")
             if args.peak and name != "floor" and DEVICE == "cpu":
                 fn = step_fn(name, compiled)

@@ -35,7 +35,9 @@
 //   min-p, top-k, top-p set of each row as that threshold (top_k int64 [B, T], V or more
 //   = off; top_p float64 [B, T], 1 = off; min_p float64 [B, T], 0 = off). kept_max /
 //   kept_log_sum: row_max / log_sum over the kept set; kept_logprobs_bwd_ adds its
-//   gradient into dlogits (contiguous, the logits' shape and dtype).
+//   gradient into dlogits (contiguous, the logits' shape and dtype). temperatures: as above
+//   (the threshold of a row is taken on that row's temperature-scaled logits; 1 /
+//   temperatures[i] in double, as the scalar's 1 / temperature).
 #include <torch/library.h>
 
 TORCH_LIBRARY(ppo_kernels, m) {
@@ -65,17 +67,18 @@ TORCH_LIBRARY(ppo_kernels, m) {
   m.def("scale_grad_(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()");
   m.def(
       "sampling_threshold(Tensor logits, Tensor mask, float temperature, Tensor? top_k, "
-      "Tensor? top_p, Tensor? min_p) -> Tensor");
+      "Tensor? top_p, Tensor? min_p, Tensor? temperatures=None) -> Tensor");
   m.def(
       "kept_logprobs_fwd(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
-      "Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold) -> (Tensor logprobs, "
+      "Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, Tensor? temperatures=None) "
+      "-> (Tensor logprobs, "
       "Tensor entropy, Tensor kept_max, Tensor kept_log_sum, Tensor kept_size, "
       "Tensor missing)");
   m.def(
       "kept_logprobs_bwd_(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
       "Tensor tokens, Tensor mask, Tensor kept_max, Tensor kept_log_sum, Tensor entropy, "
       "float temperature, Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, "
-      "Tensor(a!) dlogits) -> ()");
+      "Tensor(a!) dlogits, Tensor? temperatures=None) -> ()");
   m.def(
       "gae(Tensor rewards, Tensor values, Tensor mask, Tensor? bootstrap_values, "
       "float gamma, float lam, Tensor? lam_per_seq=None, float? value_lam=None) "

@@ -49,12 +49,13 @@ def _fake_scale_grad_(grad, grad_output, applied):
     return None
 
 
-def _fake_sampling_threshold(logits, mask, temperature, top_k, top_p, min_p):
+def _fake_sampling_threshold(logits, mask, temperature, top_k, top_p, min_p,
+                             temperatures=None):
     return mask.new_empty(mask.shape, dtype=torch.float64)
 
 
 def _fake_kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets,
-                            threshold):
+                            threshold, temperatures=None):
     acc = acc_dtype(logits)
     return (*[tokens.new_empty(tokens.shape, dtype=acc) for _ in range(4)],
             tokens.new_empty(tokens.shape, dtype=torch.int64),

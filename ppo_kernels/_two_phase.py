@@ -68,8 +68,10 @@ def _replay_passes(logits, spec, x, prefix, need_grad):
     spec.entropy_over); the gradient pass writes the full part with token_logprobs_bwd and
     adds the kept-set softmax part in place (kept_logprobs_bwd_)."""
     fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
-    tok, msk, rp, temp = x.kernel(x.tokens), x.kernel(x.mask), x.replay, spec.temperature
-    logp, ent, row_max, log_sum = fwd(logits, tok, msk, temp, True)
+    tok, msk, rp = x.kernel(x.tokens), x.kernel(x.mask), x.replay
+    temp = x.kernel_temperature(spec)  # a number, or per row (the kernels' layout)
+    t_num, temps = split_temperature(temp)
+    logp, ent, row_max, log_sum = fwd(logits, tok, msk, t_num, True, temperatures=temps)
     ks = sampling.kernel_stats(prefix, logits, tok, msk, temp, rp)
     kl_kept, ent_kept = spec.kl_logprobs == "kept", spec.entropy_over == "kept"
     ent_sel = ks.entropy if ent_kept else ent

@@ -383,7 +383,6 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
     rp = _sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
                                 None if shard is not None else logits3.shape[2])
     if rp is not None:
-        _sampling.require_number_temperature(temperature)
         with torch.no_grad():
             if shard is None:
                 tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
@@ -456,7 +455,6 @@ def _score_packed(logits3, tokens2, tokens, scores, shard, opts, checked, temper
                                 replay.get("top_p"), replay.get("min_p"), tokens2,
                                 None if shard is not None else logits3.shape[2], packing)
     if rp is not None:
-        _sampling.require_number_temperature(temperature)
         with torch.no_grad():
             if shard is None:
                 tok = ck.token_range(tokens2, mask_k, logits3.shape[2])

@@ -537,8 +537,10 @@ class _ReplayFromHidden(torch.autograd.Function):
             c = r1 - r0
             z = _chunk_logits(s, _hidden_rows(h2, s, r0, r1), head, bias).view(1, c, -1)
             tok, msk = _rows(s.tokens, s, r0, r1), _rows(s.mask, s, r0, r1)
-            full = fwd(z, tok, msk, s.temperature, True)
-            ks = sampling.kernel_stats(s.prefix, z, tok, msk, s.temperature,
+            temp = _temperature_rows(s, r0, r1)
+            t_num, temps = split_temperature(temp)
+            full = fwd(z, tok, msk, t_num, True, temperatures=temps)
+            ks = sampling.kernel_stats(s.prefix, z, tok, msk, temp,
                                        sampling.chunk_replay(rp, r0, r1))
             del z
             for k, v in zip(names, (*full, ks.logp, ks.entropy, ks.kept_max,
@@ -548,8 +550,9 @@ class _ReplayFromHidden(torch.autograd.Function):
             if thr is not None:
                 thr[r0:r1] = ks.threshold.view(c)
         mask = s.mask.reshape(s.n)
-        mass = sampling.kept_mass(st["kmax"] / s.temperature + st["kls"], st["row_max"],
-                                  st["log_sum"], s.temperature, mask)
+        t_flat = sampling._flat(s.temperature)
+        mass = sampling.kept_mass(st["kmax"] / t_flat + st["kls"], st["row_max"],
+                                  st["log_sum"], t_flat, mask)
         ctx.s, ctx.rp = s, rp
         ctx.save_for_backward(hidden3, weight, bias, *(st[k] for k in names[1:4]),
                               *(st[k] for k in names[5:]),
@@ -589,13 +592,15 @@ class _ReplayFromHidden(torch.autograd.Function):
                     x = default if x is None else x
                     return None if x is None else x[r0:r1].view(1, c).contiguous()
 
+                temp = _temperature_rows(s, r0, r1)
+                t_num, temps = split_temperature(temp)
                 dz = bwd(part(g_lp, zero), part(g_ent), z3, tok, msk, part(row_max),
-                         part(log_sum), part(ent), s.temperature)
+                         part(log_sum), part(ent), t_num, temperatures=temps)
                 if g_lpk is not None or g_entk is not None:
                     ks = sampling.KeptStats(None, part(ent_k), part(kmax), part(kls), None,
                                             None, None if rp.given else part(thr))
                     sampling.kernel_grad_(s.prefix, dz, part(g_lpk, zero), part(g_entk), z3,
-                                          tok, msk, ks, s.temperature,
+                                          tok, msk, ks, temp,
                                           sampling.chunk_replay(rp, r0, r1))
                 dz = dz.view(c, -1)
                 if s.cap is not None:
@@ -613,7 +618,6 @@ def replay_from_hidden(be, hidden3, weight, bias, tokens, mask, temperature, rp,
     hidden @ weight^T (+ bias), soft-capped (in logits_dtype, None: hidden's); the first
     four differentiable. Kernel backends: chunks of rows, never the [N, V] logits; "torch":
     the materialised logits."""
-    sampling.require_number_temperature(temperature)
     if not be.is_kernel:
         logits = materialised_logits(hidden3, weight, bias, cap, mask, logits_dtype)
         return sampling.replay_logprobs(be, logits, tokens, mask, temperature, rp)
@@ -703,8 +707,6 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
                              "or min_p)")
         if rp is not None and shard is not None:
             raise NotImplementedError("sampling replay with tp_group is not implemented yet")
-        if rp is not None:
-            sampling.require_number_temperature(t)
         return w, bias, shard, hidden3, tokens2, flat, mask, t, cap, chunk, be, ldt, rp
 
     (lm_head_weight, lm_head_bias, shard, hidden3, tokens2, flat, mask, temperature, cap, chunk,
@@ -811,7 +813,7 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         # (the kept-set statistics chunk by chunk; the [B, T] loss by autograd on them, the
         # backward recomputing each chunk's logits)
         out = replay_from_hidden(x.be, hidden3, lm_head_weight, lm_head_bias, k(x.tokens),
-                                 k(x.mask), spec.temperature, x.replay, cap, chunk)
+                                 k(x.mask), x.kernel_temperature(spec), x.replay, cap, chunk)
         lp_k, ent_k, logp, ent, mass, size, missing = (x.padded(v) for v in out)
         ent_sel = ent_k if spec.entropy_over == "kept" else ent
         lp_kl = None if spec.kl_logprobs == "kept" else logp
@@ -954,8 +956,8 @@ def _replay_no_grad(hidden3, weight, tokens2, mask, rp, kw):
                                 None)
     cap, chunk = _head_options(h, w, kw["logit_softcap"], kw["chunk_size"])
     be = get_backend(kw["backend"], h.device)
-    sampling.require_number_temperature(kw["temperature"])
     out = replay_from_hidden(be, h, w, bias, tokens2, mask,
-                             ck.temperature(kw["temperature"], h), rp, cap, chunk,
+                             ck.temperature(kw["temperature"], h, tokens2, False, mask), rp,
+                             cap, chunk,
                              kw["logits_dtype"])
     return out[0], out[2]

@@ -87,8 +87,6 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
         if rp is None and return_full:
             raise ValueError("return_full: only with a kept set (sampling_mask, top_k, top_p "
                              "or min_p)")
-        if rp is not None:
-            _sampling.require_number_temperature(t)
         return logits3, shard, tokens2, flat, mask, t, be, rp
 
     logits3, shard, tokens2, flat, mask, temperature, be, rp = checks_together(
@@ -306,10 +304,10 @@ def _replay_loss_of_logits(spec, x, logits3, shard):
         return loss, logp, ent, tuple(aux)
     if shard is not None:
         out = _sampling.vp_replay_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
-                                           spec.temperature, x.replay, shard)
+                                           x.kernel_temperature(spec), x.replay, shard)
     else:
         out = _sampling.replay_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
-                                        spec.temperature, x.replay)
+                                        x.kernel_temperature(spec), x.replay)
     lp_k, ent_k, logp, ent, mass, size, missing = (x.padded(v) for v in out)
     ent_sel = ent_k if spec.entropy_over == "kept" else ent
     lp_kl = None if spec.kl_logprobs == "kept" else logp
@@ -523,8 +521,6 @@ def check_loss(like, vocab, tokens2, flat, options):
         tokens2 = ck.token_range(tokens2, mask, vocab)
     replay = _sampling.check_replay(t["sampling_mask"], t["top_k"], t["top_p"], t["min_p"],
                                     tokens_k, vocab, packing)
-    if replay is not None and temperature is not None:
-        _sampling.require_number_temperature(temperature)
     x = LossInputs(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref, isw=isw,
                    rollout=rollout, rc_w=None, behaviour=behaviour, weights=None, w_ent=None,
                    be=be, flat=out_flat if packing is not None else flat, packing=packing,

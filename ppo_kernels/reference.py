@@ -148,7 +148,9 @@ def _per_row_param(x, b, t, default):
 def sampling_kept(logits, tokens, response_mask=None, temperature=1.0, *, top_k=None,
                   top_p=None, min_p=None):
     """bool [B, T, V]: the re-derived kept set of every row, vLLM v1's sampler as value
-    thresholds on z = logits / temperature (docs/SAMPLING.md), one row at a time:
+    thresholds on z = logits / temperature (docs/SAMPLING.md), one row at a time
+    (temperature: a number, or per row [B] / [B, T] as token_logprobs takes it; each row's
+    set is taken on its own temperature-scaled logits):
 
       min-p  keep p_j >= min_p * p_max (exp(z_j - z_max) >= min_p);
       top-k  keep z_j >= the k-th largest z (ties with it kept);
@@ -161,13 +163,14 @@ def sampling_kept(logits, tokens, response_mask=None, temperature=1.0, *, top_k=
     k = _per_row_param(top_k, b, t, v)
     p = _per_row_param(top_p, b, t, 1.0)
     mp = _per_row_param(min_p, b, t, 0.0)
+    temp = np.broadcast_to(_temperature(temperature, tokens.shape), (b, t, 1))[..., 0]
     kept = np.zeros(z.shape, dtype=bool)
     for i in range(b):
         for j in range(t):
             if m[i, j] == 0:
                 continue
             x = z[i, j]
-            d = (x - x.max()) / temperature
+            d = (x - x.max()) / temp[i, j]
             keep = np.ones(v, dtype=bool)
             if mp[i, j] > 0:
                 keep &= np.exp(d) >= mp[i, j]
@@ -220,7 +223,7 @@ def kept_metrics(logits, tokens, response_mask, temperature, kept, missing=None)
     mask_missing_token_frac (missing: with_token's; None counts nothing missing)."""
     z, tokens = _align(logits, tokens)
     m = _mask(response_mask, tokens.shape)
-    zs = z / temperature
+    zs = z / _temperature(temperature, tokens.shape)
     lse_full = np.log(np.exp(zs - zs.max(-1, keepdims=True)).sum(-1)) + zs.max(-1)
     zk = np.where(kept, zs, -np.inf)
     mk = np.where(np.isfinite(zk.max(-1)), zk.max(-1), 0.0)

@@ -117,14 +117,22 @@ def _min_p_ok(v):
     return (v >= 0) & (v < 1), "in [0, 1)"
 
 
-def require_number_temperature(temperature):
-    """The kept-set ops take one temperature per call: a per-sequence / per-token
-    temperature tensor together with a kept set is a NotImplementedError naming
-    `temperature` (never silently replaced by a number)."""
+def _col(temperature):
+    """A number, or the per-row [B, T] temperature as [B, T, 1] (a divisor of [B, T, V])."""
+    return temperature.unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
+
+
+def _at(temperature, idx):
+    """A number, or the per-row temperature at the flat rows idx (a divisor of per-entry
+    values of those rows)."""
     if isinstance(temperature, torch.Tensor):
-        raise NotImplementedError(
-            "temperature: a per-sequence or per-token temperature tensor together with a kept "
-            "set (sampling_mask, top_k, top_p or min_p) is not supported yet; pass one number")
+        return temperature.reshape(-1)[idx]
+    return temperature
+
+
+def _flat(temperature):
+    """A number, or the per-row temperature as [N] (the flat rows)."""
+    return temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else temperature
 
 
 def check_replay(sampling_mask, top_k, top_p, min_p, tokens2, vocab, packing=None):
@@ -203,7 +211,8 @@ def check_replay(sampling_mask, top_k, top_p, min_p, tokens2, vocab, packing=Non
 def threshold_torch(logits3, mask, temperature, rp):
     """The per-row kept threshold (float64 [B, T], raw logit units, -inf = keep all) of the
     re-derived sets, in plain torch (the eager backend; the kernels' sampling_threshold
-    computes the same). docs/SAMPLING.md gives the rules:
+    computes the same). temperature: a number or the per-row [B, T] tensor (each row's set
+    on its own z = x / temperature). docs/SAMPLING.md gives the rules:
       min-p: keep exp(z_j - z_max) >= min_p; top-k: keep x_j >= the k-th largest x (ties
       kept); top-p over the survivors S of both: keep j iff the mass of S strictly above
       x_j is < top_p * mass(S). The threshold is the smallest kept value."""
@@ -212,7 +221,8 @@ def threshold_torch(logits3, mask, temperature, rp):
     x = torch.where(mask.unsqueeze(-1), logits3[:, :t].double(), 0.0)
     xs = x.sort(dim=-1, descending=True).values  # [B, T, V]
     mx = xs[..., :1]
-    d = (xs - mx) / temperature
+    d = (xs - mx) / (_col(temperature.double()) if isinstance(temperature, torch.Tensor)
+                     else temperature)
     keep = torch.ones_like(xs, dtype=torch.bool)
     if rp.min_p is not None:
         keep &= d >= torch.log(rp.min_p).unsqueeze(-1)
@@ -258,11 +268,12 @@ def kept_mask_torch(logits3, tokens, mask, temperature, rp):
 
 def kept_logprobs_torch(logits3, tokens, mask, temperature, rp):
     """(logp_kept, entropy_kept, lse_kept, kept_size, missing) [B, T] of the eager
-    composite, differentiable in logits3; lse_kept (detached) is in units of z."""
+    composite, differentiable in logits3; lse_kept (detached) is in units of z.
+    temperature: a number or the per-row [B, T] tensor of the accumulation dtype."""
     t = tokens.shape[1]
     acc = ck.acc_dtype(logits3)
     kept, missing = kept_mask_torch(logits3, tokens, mask, temperature, rp)
-    z = torch.where(mask.unsqueeze(-1), logits3[:, :t].to(acc), 0.0) / temperature
+    z = torch.where(mask.unsqueeze(-1), logits3[:, :t].to(acc), 0.0) / _col(temperature)
     zk = torch.where(kept, z, -math.inf)
     zk = torch.where(mask.unsqueeze(-1), zk, 0.0)
     logp_all = torch.log_softmax(zk, dim=-1)
@@ -289,7 +300,7 @@ class KeptStats(NamedTuple):
     threshold: Any  # float64 [B, T] for re-derived sets, else None
 
     def lse(self, temperature):
-        """log sum_{j in K} exp(z_j), in units of z."""
+        """log sum_{j in K} exp(z_j), in units of z (temperature: a number or [B, T])."""
         return self.kept_max / temperature + self.kept_log_sum
 
 
@@ -304,23 +315,26 @@ def require_ops(prefix):
 
 
 def kernel_stats(prefix, logits3, tokens, mask, temperature, rp):
-    """One pass (two for re-derived sets: the threshold pre-pass) of the kept-set kernels."""
+    """One pass (two for re-derived sets: the threshold pre-pass) of the kept-set kernels.
+    temperature: a number or the per-row [B, T] tensor (the ops' `temperatures`)."""
     require_ops(prefix)  # (the CUDA kernels, csrc/cuda/sampling.cu, are unrun)
     ops = torch.ops.ppo_kernels
+    t, temps = ck.split_temperature(temperature)
     thr = None
     if not rp.given:
-        thr = getattr(ops, prefix + "sampling_threshold")(logits3, mask, temperature, rp.top_k,
-                                                          rp.top_p, rp.min_p)
-    out = getattr(ops, prefix + "kept_logprobs_fwd")(logits3, tokens, mask, temperature, rp.ids,
-                                                     rp.offsets, thr)
+        thr = getattr(ops, prefix + "sampling_threshold")(logits3, mask, t, rp.top_k,
+                                                          rp.top_p, rp.min_p, temps)
+    out = getattr(ops, prefix + "kept_logprobs_fwd")(logits3, tokens, mask, t, rp.ids,
+                                                     rp.offsets, thr, temps)
     return KeptStats(*out, thr)
 
 
 def kernel_grad_(prefix, dlogits, g_kept, g_ent, logits3, tokens, mask, ks, temperature, rp):
     """dlogits += d/dlogits of sum(g_kept * logp_kept + g_ent * H_kept), in place."""
+    t, temps = ck.split_temperature(temperature)
     getattr(torch.ops.ppo_kernels, prefix + "kept_logprobs_bwd_")(
         g_kept, g_ent, logits3, tokens, mask, ks.kept_max, ks.kept_log_sum, ks.entropy,
-        temperature, rp.ids, rp.offsets, ks.threshold, dlogits)
+        t, rp.ids, rp.offsets, ks.threshold, dlogits, temps)
 
 
 def kept_mass(lse_kept, row_max, log_sum, temperature, mask):
@@ -352,7 +366,8 @@ class KernelReplayLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits3, tokens, mask, temperature, rp, prefix):
         fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
-        logp, ent, row_max, log_sum = fwd(logits3, tokens, mask, temperature, True)
+        t, temps = ck.split_temperature(temperature)
+        logp, ent, row_max, log_sum = fwd(logits3, tokens, mask, t, True, temps)
         ks = kernel_stats(prefix, logits3, tokens, mask, temperature, rp)
         mass = kept_mass(ks.lse(temperature), row_max, log_sum, temperature, mask)
         ctx.prefix, ctx.temperature, ctx.rp = prefix, temperature, rp
@@ -375,8 +390,9 @@ class KernelReplayLogprobs(torch.autograd.Function):
             return torch.zeros_like(row_max) if g is None else g.to(acc).contiguous()
 
         bwd = getattr(torch.ops.ppo_kernels, ctx.prefix + "token_logprobs_bwd")
+        t, temps = ck.split_temperature(ctx.temperature)
         dlogits = bwd(z(g_lp), None if g_ent is None else z(g_ent), logits3, tokens, mask,
-                      row_max, log_sum, ent, ctx.temperature)
+                      row_max, log_sum, ent, t, temps)
         ks = KeptStats(None, kent, kmax, kls, None, None, thr if ctx.ks_fields else None)
         if g_kept is not None or g_ent_kept is not None:
             kernel_grad_(ctx.prefix, dlogits, z(g_kept),
@@ -400,7 +416,8 @@ def replay_logprobs(be, logits3, tokens, mask, temperature, rp):
                                                             rp)
     t = tokens.shape[1]
     with torch.no_grad():
-        z = torch.where(mask.unsqueeze(-1), logits3[:, :t].to(lse_k.dtype), 0.0) / temperature
+        z = torch.where(mask.unsqueeze(-1), logits3[:, :t].to(lse_k.dtype), 0.0) / _col(
+            temperature)
         mass = torch.where(mask, torch.exp(lse_k - torch.logsumexp(z, -1)), 0.0)
     return lp_k, ent_k, logp, ent, mass, size, missing
 
@@ -453,7 +470,7 @@ def _vp_partials(logits3, tokens, mask, temperature, rp, shard):
     e_x = logits3[e_row // t, e_row % t, e_col].to(acc)
     top = torch.full((n,), -inf, dtype=acc, device=dev).scatter_reduce(
         0, e_row, e_x, "amax", include_self=True)
-    d = (e_x - top[e_row]) / temperature
+    d = (e_x - top[e_row]) / _at(temperature, e_row)
     e = torch.exp(d)
     at_top = d == 0
 
@@ -468,7 +485,7 @@ def _vp_partials(logits3, tokens, mask, temperature, rp, shard):
     h_r = torch.where(has, l_r - seg(e * d) / (1.0 + rest), 0.0)
     safe_tok = torch.where(own, local_tok, 0)
     x_tok = logits3[:, :t].reshape(n, v_r).gather(1, safe_tok[:, None])[:, 0].to(acc)
-    d_tok = torch.where(own & msk, (x_tok - top) / temperature, -inf)
+    d_tok = torch.where(own & msk, (x_tok - top) / _flat(temperature), -inf)
     # the given ids this shard holds, per row: over the group they must add up to the row's
     # set (an id outside the whole vocabulary lies in no shard)
     held = torch.zeros(n, dtype=acc, device=dev).index_add_(0, row, (
@@ -509,7 +526,8 @@ def vp_stats(prefix, logits3, tokens, mask, temperature, rp, shard):
     require_ops(prefix)
     local, own = shard.local_tokens(tokens)
     fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
-    lp, ent, mx, ls = fwd(logits3, local, mask, temperature, True)
+    t_num, temps = ck.split_temperature(temperature)
+    lp, ent, mx, ls = fwd(logits3, local, mask, t_num, True, temps)
     extra, missing, e_row, e_col, e_x = _vp_partials(logits3, tokens, mask, temperature, rp,
                                                      shard)
     logp, ent, big, ls_all, ext = shard.merge(lp, ent, mx, ls, own, mask, temperature, tokens,
@@ -532,7 +550,8 @@ def vp_kept_grad_(dz, g_kept, g_ent, tokens, mask, kept, temperature, shard):
     """dz [B, Tl, V_r] += the kept part of the gradient on this shard's kept entries."""
     b, t = tokens.shape
     r, c, x = kept.e_row, kept.e_col, kept.e_x
-    lp = (x - kept.kept_max.reshape(-1)[r]) / temperature - kept.log_sum.reshape(-1)[r]
+    temp_r = _at(temperature, r)
+    lp = (x - kept.kept_max.reshape(-1)[r]) / temp_r - kept.log_sum.reshape(-1)[r]
     p = torch.exp(lp)
     g = g_kept.reshape(-1)[r]
     is_tok = (tokens.reshape(-1)[r] - shard.start) == c
@@ -540,7 +559,7 @@ def vp_kept_grad_(dz, g_kept, g_ent, tokens, mask, kept, temperature, shard):
     if g_ent is not None:
         h = kept.entropy.reshape(-1)[r]
         val = val - torch.where(p > 0, g_ent.reshape(-1)[r] * p * (lp + h), 0.0)
-    val = val / temperature
+    val = val / temp_r
     bb, tt = r // t, r % t
     dz.index_put_((bb, tt, c), (dz[bb, tt, c].to(val.dtype) + val).to(dz.dtype))
     return dz
@@ -594,7 +613,7 @@ def vp_replay_passes(logits, spec, x, prefix, need_grad, shard):
     ride along the one all-gather of the statistics)."""
     from ._two_phase import middle_grad
     from .vocab_parallel import logits_grad
-    tok, msk, temp = x.kernel(x.tokens), x.kernel(x.mask), spec.temperature
+    tok, msk, temp = x.kernel(x.tokens), x.kernel(x.mask), x.kernel_temperature(spec)
     logp, ent, big, ls, local, own, kept = vp_stats(prefix, logits, tok, msk, temp, x.replay,
                                                     shard)
     kl_kept, ent_kept = spec.kl_logprobs == "kept", spec.entropy_over == "kept"

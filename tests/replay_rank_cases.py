@@ -53,7 +53,17 @@ def worker(rank, port, out):
     for case, kw in (("vanilla", dict(kl_coef=0.1)),
                      ("gspo_kept", dict(policy_loss="gspo", kl_coef=0.1, kl_logprobs="kept",
                                         entropy_coef=0.01, entropy_over="kept")),
-                     ("entropy_full", dict(entropy_coef=0.02))):
+                     ("entropy_full", dict(entropy_coef=0.02)),
+                     # per-row temperatures: per sequence [B] and per token [B, T]
+                     ("gspo_kept_seq_temp", dict(policy_loss="gspo", kl_coef=0.1,
+                                                 kl_logprobs="kept", entropy_coef=0.01,
+                                                 entropy_over="kept",
+                                                 temperature=torch.tensor([0.6, 1.4],
+                                                                          dtype=torch.float64))),
+                     ("vanilla_token_temp", dict(kl_coef=0.1, entropy_coef=0.02,
+                                                 temperature=0.5 + torch.rand(
+                                                     B, T, generator=g,
+                                                     dtype=torch.float64)))):
         x = lg.clone().requires_grad_(True)
         loss, m = pk.ppo_loss(x, tok, old, adv, mask, ref, sampling_mask=sm, backend="cpu",
                               **kw)
@@ -77,6 +87,19 @@ def worker(rank, port, out):
     sum(v.sum() * (i + 1) for i, v in enumerate(b)).backward()
     res["token_logprobs/values"] = max(rel(u.detach(), v.detach()) for u, v in zip(b, a))
     res["token_logprobs/grad"] = rel(xs.grad, x.grad[..., sl])
+    temp = torch.tensor([0.7, 1.3], dtype=torch.float64)
+    x = lg.clone().requires_grad_(True)
+    a = pk.token_logprobs(x, tok, mask, sampling_mask=sm, return_full=True, temperature=temp,
+                          return_entropy=True, entropy_over="kept", backend="cpu")
+    sum(v.sum() * (i + 1) for i, v in enumerate(a)).backward()
+    xs = lg[..., sl].clone().requires_grad_(True)
+    b = pk.token_logprobs(xs, tok, mask, sampling_mask=sm, return_full=True, temperature=temp,
+                          return_entropy=True, entropy_over="kept",
+                          tp_group=dist.group.WORLD, vocab_start=sl.start, backend="cpu")
+    sum(v.sum() * (i + 1) for i, v in enumerate(b)).backward()
+    res["token_logprobs_seq_temp/values"] = max(rel(u.detach(), v.detach())
+                                                for u, v in zip(b, a))
+    res["token_logprobs_seq_temp/grad"] = rel(xs.grad, x.grad[..., sl])
     bad = pk.SamplingMask(torch.tensor([0, V]), torch.tensor([0, 2] + [2] * (B * T - 1)))
     try:
         pk.token_logprobs(lg[..., sl], tok, mask, sampling_mask=bad,

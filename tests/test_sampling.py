@@ -630,3 +630,344 @@ def test_opcheck_kept_ops(prefix):
         g = torch.randn(B, T, generator=gen)
         torch.library.opcheck(bwd, (g, g, logits, tokens, mask, kmax, kls, ent, 0.8, *kept,
                                     torch.zeros_like(logits)), test_utils=tests)
+
+
+# ------------------------------------------------------------------ per-row temperature
+
+def _row_temps(B, T, gen):
+    """A per-sequence [B] and a per-token [B, T] temperature (float64), spread over
+    [0.3, 1.7] (both sides of 1)."""
+    t_seq = 0.3 + 1.4 * torch.rand(B, generator=gen, dtype=torch.float64)
+    t_tok = 0.3 + 1.4 * torch.rand(B, T, generator=gen, dtype=torch.float64)
+    return t_seq, t_tok
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
+def test_per_row_temperature_token_logprobs(be, given_mask):
+    """A [B] temperature equals a loop of scalar calls per sequence (the re-derived set of
+    each row on its own temperature-scaled logits); a [B, T] temperature equals the
+    reference with per-token temperatures; the gradients both."""
+    gen = torch.Generator().manual_seed(21)
+    B, T, V = 3, 4, 31
+    logits, tokens, mask = inputs(B, T, V, gen)
+    t_seq, t_tok = _row_temps(B, T, gen)
+    if given_mask:
+        sm, dense = random_csr(B, T, V, gen, kmax=9, tokens=tokens, drop_token_frac=0.3)
+        kw = dict(sampling_mask=sm)
+    else:
+        kw = dict(top_k=10, top_p=0.8, min_p=0.02)
+
+    def run(x, temp, kw_):
+        return pk.token_logprobs(x, tokens[:x.shape[0]], mask[:x.shape[0]], temperature=temp,
+                                 return_full=True, return_entropy=True, backend=be.name,
+                                 **kw_)
+
+    got = run(logits, t_seq, kw)
+    for b in range(B):
+        kw_b = kw
+        if given_mask:
+            o = sm.offsets
+            ids = sm.token_ids[o[b * T]:o[(b + 1) * T]]
+            kw_b = dict(sampling_mask=pk_SamplingMask(ids, o[b * T:(b + 1) * T + 1] - o[b * T]))
+        lb = logits[b:b + 1]
+        one = pk.token_logprobs(lb, tokens[b:b + 1], mask[b:b + 1],
+                                temperature=float(t_seq[b]), return_full=True,
+                                return_entropy=True, backend=be.name, **kw_b)
+        for a, e in zip(got, one):
+            torch.testing.assert_close(a[b:b + 1], e, rtol=1e-12, atol=1e-12)
+    # [B, T] against the reference (its kept sets re-derived per token)
+    if given_mask:
+        kept, _ = ref.with_token(dense.numpy(), tokens, mask)
+    else:
+        kept, _ = ref.with_token(ref.sampling_kept(logits, tokens, mask, t_tok.numpy(), **kw),
+                                 tokens, mask)
+    x = logits.clone().requires_grad_(True)
+    lp_k, lp, ent = run(x, t_tok, kw)
+    e_lpk, _ = ref.kept_logprobs(logits, tokens, mask, t_tok.numpy(), kept)
+    e_lp, e_ent = ref.token_logprobs(logits, tokens, mask, t_tok.numpy())
+    assert_close_np(lp_k, e_lpk, rtol=1e-12, atol=1e-12, what="logp_kept")
+    assert_close_np(lp, e_lp, rtol=1e-12, atol=1e-12, what="logp")
+    assert_close_np(ent, e_ent, rtol=1e-12, atol=1e-12, what="entropy")
+    g1, g2, g3 = (torch.randn(B, T, generator=gen, dtype=torch.float64) for _ in range(3))
+    (g1 * lp_k + g2 * lp + g3 * ent).sum().backward()
+    want = ref.kept_logprobs_grad(logits, tokens, mask, t_tok.numpy(), kept, g1) + \
+        ref.token_logprobs_grad(logits, tokens, mask, t_tok.numpy(), g2, g3)
+    assert_grad_close(x.grad, want, 1e-12)
+    _, ent_k = pk.token_logprobs(logits, tokens, mask, temperature=t_tok, return_entropy=True,
+                                 entropy_over="kept", backend=be.name, **kw)
+    assert_close_np(ent_k, ref.kept_logprobs(logits, tokens, mask, t_tok.numpy(), kept)[1],
+                    rtol=1e-12, atol=1e-12, what="entropy_kept")
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+def test_per_row_temperature_rederived_sets_differ_per_row(be):
+    """The same logits row under two temperatures keeps different min-p / top-p sets: each
+    row's set is the reference's on its own z (kernel_kept reads the threshold op)."""
+    gen = torch.Generator().manual_seed(22)
+    B, T, V = 2, 3, 40
+    row = torch.randn(V, generator=gen, dtype=torch.float64) * 2
+    logits = row.expand(B, T, V).contiguous()
+    tokens = torch.full((B, T), int(row.argmax()))
+    mask = torch.ones(B, T, dtype=torch.bool)
+    temp = torch.tensor([0.4, 1.6], dtype=torch.float64)
+    for kw in (dict(min_p=0.05), dict(top_p=0.7), dict(top_k=6, top_p=0.9, min_p=0.01)):
+        from ppo_kernels import sampling as sm
+        rp = sm.check_replay(None, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"), tokens, V)
+        t_bt = temp[:, None].expand(B, T).contiguous()
+        if be.name == "torch":
+            thr = sm.threshold_torch(logits, mask, t_bt, rp)
+        else:
+            from ppo_kernels._backends import get_backend
+            get_backend(be.name, logits.device)
+            op = getattr(torch.ops.ppo_kernels, ("triton_" if be.name == "triton" else "") +
+                         "sampling_threshold")
+            thr = op(logits, mask, 1.0, rp.top_k, rp.top_p, rp.min_p, t_bt)
+        kept = (logits.double() >= thr.unsqueeze(-1)).numpy()
+        want = ref.sampling_kept(logits, tokens, mask, temp.numpy(), **kw)
+        np.testing.assert_array_equal(kept, want)
+        assert kept[0].sum() < kept[1].sum(), kw  # the colder row keeps fewer
+        lp = pk.token_logprobs(logits, tokens, mask, temperature=temp, backend=be.name, **kw)
+        e_lp, _ = ref.kept_logprobs(logits, tokens, mask, temp.numpy(),
+                                    ref.with_token(want, tokens, mask)[0])
+        assert_close_np(lp, e_lp, rtol=1e-12, atol=1e-12, what="logp_kept")
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+def test_per_row_temperature_gradcheck_float64(be):
+    gen = torch.Generator().manual_seed(23)
+    B, T, V = 2, 3, 9
+    logits, tokens, mask = inputs(B, T, V, gen)
+    sm, _ = random_csr(B, T, V, gen, tokens=tokens, drop_token_frac=0.3)
+    t_seq, t_tok = _row_temps(B, T, gen)
+    for temp in (t_seq, t_tok):
+        for kw in (dict(sampling_mask=sm), dict(top_k=4, top_p=0.8)):
+            def f(x):
+                a, b, c = pk.token_logprobs(x, tokens, mask, temperature=temp,
+                                            return_full=True, return_entropy=True,
+                                            backend=be.name, **kw)
+                _, d = pk.token_logprobs(x, tokens, mask, temperature=temp,
+                                         return_entropy=True, entropy_over="kept",
+                                         backend=be.name, **kw)
+                return a, b, c, d
+            assert torch.autograd.gradcheck(f, (logits.clone().requires_grad_(True),))
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("case", [dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01),
+                                  dict(policy_loss="gspo", kl_coef=0.1, kl_logprobs="kept",
+                                       entropy_coef=0.02, entropy_over="kept")],
+                         ids=["k3,entropy", "gspo,kept"])
+@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
+def test_per_row_temperature_ppo_loss(be, case, given_mask):
+    """ppo_loss with a [B] and a [B, T] temperature and a kept set against the reference
+    (the two-phase path: token-mean; autograd: loss_agg_mode="none")."""
+    gen = torch.Generator().manual_seed(24)
+    B, T, V = 3, 5, 29
+    logits, tokens, mask = inputs(B, T, V, gen)
+    t_seq, t_tok = _row_temps(B, T, gen)
+    adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ref_lp = torch.randn(B, T, generator=gen, dtype=torch.float64) * 0.3 - 1.5
+    if given_mask:
+        sm, dense = random_csr(B, T, V, gen, kmax=10, tokens=tokens, drop_token_frac=0.2)
+        kw = dict(sampling_mask=sm)
+    for temp in (t_seq, t_tok):
+        tn = temp.numpy()
+        if given_mask:
+            kept, missing = ref.with_token(dense.numpy(), tokens, mask)
+        else:
+            kw = dict(top_k=12, top_p=0.85)
+            kept, missing = ref.with_token(ref.sampling_kept(logits, tokens, mask, tn, **kw),
+                                           tokens, mask)
+        old = torch.as_tensor(ref.kept_logprobs(logits, tokens, mask, tn, kept)[0]) + 0.1 * \
+            torch.randn(B, T, generator=gen, dtype=torch.float64)
+        for mode in ("token-mean", "none"):
+            x = logits.clone().requires_grad_(True)
+            loss, metrics = pk.ppo_loss(x, tokens, old, adv, mask, ref_lp, temperature=temp,
+                                        loss_agg_mode=mode, backend=be.name, **case, **kw)
+            loss.sum().backward()
+            e_loss, e_metrics, e_grad = ref.ppo_loss(logits, tokens, old, adv, mask, ref_lp,
+                                                     temperature=tn, kept=kept,
+                                                     loss_agg_mode=mode, **case)
+            assert_close_np(loss, e_loss, rtol=1e-11, atol=1e-12, what=mode)
+            assert_grad_close(x.grad, e_grad, 1e-10)
+            if mode == "token-mean":
+                for k in ("kept_mass", "kept_size_mean"):
+                    assert_close_np(metrics[k], e_metrics[k], rtol=2e-6, atol=2e-6, what=k)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_per_row_temperature_scalar_bits(be):
+    """A 0-d / constant [B] temperature tensor gives the number's bits with a kept set
+    (float64 logits)."""
+    gen = torch.Generator().manual_seed(25)
+    B, T, V = 2, 4, 17
+    logits, tokens, mask = inputs(B, T, V, gen)
+    sm, _ = random_csr(B, T, V, gen, kmax=6, tokens=tokens, drop_token_frac=0.3)
+    for kw in (dict(sampling_mask=sm), dict(top_k=5, top_p=0.8, min_p=0.05)):
+        want = pk.token_logprobs(logits, tokens, mask, temperature=0.7, return_full=True,
+                                 return_entropy=True, backend=be.name, **kw)
+        for temp in (torch.tensor(0.7, dtype=torch.float64),
+                     torch.full((B,), 0.7, dtype=torch.float64)):
+            got = pk.token_logprobs(logits, tokens, mask, temperature=temp, return_full=True,
+                                    return_entropy=True, backend=be.name, **kw)
+            for a, e in zip(got, want):
+                assert torch.equal(a, e)
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
+def test_per_row_temperature_from_hidden(be, given_mask):
+    """The from-hidden replay (chunks of rows, _ReplayFromHidden) with a [B] temperature
+    equals the logits ops on hidden @ W^T (loss, gradients, score_rollout)."""
+    gen = torch.Generator().manual_seed(26)
+    B, T, H, V = 3, 4, 6, 19
+    hidden = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[0, 0] = False
+    if given_mask:
+        sm, _ = random_csr(B, T, V, gen, kmax=7, tokens=tokens, drop_token_frac=0.2)
+        kw = dict(sampling_mask=sm)
+    else:
+        kw = dict(top_k=9, top_p=0.8, min_p=0.01)
+    temp = torch.tensor([0.5, 1.3, 0.9], dtype=torch.float64)
+    adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    ref_lp = torch.randn(B, T, generator=gen, dtype=torch.float64) - 2
+    vals = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    scores = torch.randn(B, generator=gen, dtype=torch.float64)
+
+    def grads(f):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        out = f(h, w)
+        out.backward()
+        return out.detach(), h.grad, w.grad
+
+    opts = dict(kl_coef=0.1, entropy_coef=0.01, entropy_over="kept", temperature=temp)
+    got = grads(lambda h, w: pk.ppo_loss_from_hidden(
+        h, w, tokens, None, adv, mask, ref_lp, chunk_size=5, backend=be.name, **opts, **kw)[0])
+    want = grads(lambda h, w: pk.ppo_loss(h @ w.t(), tokens, None, adv, mask, ref_lp,
+                                          backend="torch", **opts, **kw)[0])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    got = grads(lambda h, w: sum(x.sum() for x in pk.token_logprobs_from_hidden(
+        h, w, tokens, mask, chunk_size=3, return_full=True, return_entropy=True,
+        temperature=temp, backend=be.name, **kw)))
+    want = grads(lambda h, w: sum(x.sum() for x in pk.token_logprobs(
+        h @ w.t(), tokens, mask, return_full=True, return_entropy=True, temperature=temp,
+        backend="torch", **kw)))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    r1 = pk.score_rollout_from_hidden(hidden, weight, tokens, ref_lp, vals, scores, mask,
+                                      chunk_size=4, kl_coef=0.05, temperature=temp,
+                                      backend=be.name, **kw)
+    r2 = pk.score_rollout(hidden @ weight.t(), tokens, ref_lp, vals, scores, mask,
+                          kl_coef=0.05, temperature=temp, backend="torch", **kw)
+    r3 = pk.score_rollout(hidden @ weight.t(), tokens, ref_lp, vals, scores, mask,
+                          kl_coef=0.05, temperature=temp, backend=be.name, **kw)
+    for a, b, c in zip(r1, r2, r3):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
+def test_per_row_temperature_packed(be, given_mask):
+    """cu_seqlens with a per-sequence [S] temperature: the reference on the padded batch."""
+    gen = torch.Generator().manual_seed(27)
+    lens, V = [3, 2, 4], 13
+    total, S, L = sum(lens), len(lens), max(lens)
+    logits = torch.randn(1, total, V, generator=gen, dtype=torch.float64) * 2
+    tokens = torch.randint(0, V, (1, total), generator=gen)
+    cu = torch.tensor([0, 3, 5, 9])
+    adv = torch.randn(S, generator=gen, dtype=torch.float64)
+    temp = torch.tensor([0.6, 1.4, 0.9], dtype=torch.float64)
+    if given_mask:
+        sm, dense = random_csr(1, total, V, gen, kmax=6, tokens=tokens, drop_token_frac=0.3)
+        kw = dict(sampling_mask=sm)
+    else:
+        top_p = torch.tensor([0.6, 0.9, 0.75], dtype=torch.float64)
+        kw = dict(top_p=top_p, top_k=7, min_p=0.02)
+    pl = torch.zeros(S, L, V, dtype=torch.float64)
+    pt = torch.zeros(S, L, dtype=torch.long)
+    pm = torch.zeros(S, L, dtype=torch.bool)
+    pk_dense = torch.zeros(S, L, V, dtype=torch.bool)
+    for s_, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        pl[s_, :b - a], pt[s_, :b - a], pm[s_, :b - a] = logits[0, a:b], tokens[0, a:b], True
+        if given_mask:
+            pk_dense[s_, :b - a] = dense[0, a:b]
+    tn = temp.numpy()
+    if given_mask:
+        kept, _ = ref.with_token(pk_dense.numpy(), pt, pm)
+    else:
+        kept, _ = ref.with_token(ref.sampling_kept(pl, pt, pm, tn, top_p=top_p, top_k=7,
+                                                   min_p=0.02), pt, pm)
+    old_p = torch.as_tensor(ref.kept_logprobs(pl, pt, pm, tn, kept)[0]) + 0.05
+    old = torch.cat([old_p[s_, :n] for s_, n in enumerate(lens)]).view(1, total)
+    x = logits.clone().requires_grad_(True)
+    loss, _ = pk.ppo_loss(x, tokens, old, adv, cu_seqlens=cu, policy_loss="gspo",
+                          loss_agg_mode="seq-mean-token-mean", temperature=temp,
+                          backend=be.name, **kw)
+    loss.backward()
+    e_loss, _, e_grad = ref.ppo_loss(pl, pt, old_p, adv, pm, policy_loss="gspo",
+                                     loss_agg_mode="seq-mean-token-mean", temperature=tn,
+                                     kept=kept)
+    assert_close_np(loss, e_loss, rtol=1e-11, atol=1e-12)
+    g = torch.cat([torch.as_tensor(e_grad)[s_, :n] for s_, n in enumerate(lens)])
+    assert_grad_close(x.grad[0], g.numpy(), 1e-10)
+
+
+@pytest.mark.parametrize("be", REPLAY_BACKENDS)
+def test_per_row_temperature_bad_inputs(be):
+    """A bad per-row temperature with a kept set: a ValueError naming temperature (a value
+    <= 0, NaN, a wrong shape), as without one."""
+    gen = torch.Generator().manual_seed(28)
+    B, T, V = 2, 3, 11
+    logits, tokens, mask = inputs(B, T, V, gen)
+    sm, _ = random_csr(B, T, V, gen, kmax=4, tokens=tokens)
+    adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
+    for kw in (dict(sampling_mask=sm), dict(top_p=0.8)):
+        for bad in (torch.tensor([0.5, 0.0]), torch.tensor([float("nan"), 1.0]),
+                    torch.tensor([-1.0, 1.0]), torch.ones(B + 1), torch.ones(B, T + 1)):
+            with pytest.raises(ValueError, match="temperature"):
+                pk.token_logprobs(logits, tokens, mask, temperature=bad, backend=be.name, **kw)
+            with pytest.raises(ValueError, match="temperature"):
+                pk.ppo_loss(logits, tokens, None, adv, mask, temperature=bad,
+                            backend=be.name, **kw)
+
+
+@pytest.mark.parametrize("prefix", ["", "triton_"], ids=["cpu", "triton"])
+def test_opcheck_kept_ops_per_row_temperature(prefix):
+    """The kept-set ops' trailing `temperatures`: opcheck, equal values give the float's
+    results, and a bad tensor is an error (the raw ops' defence)."""
+    from ppo_kernels._backends import get_backend
+    get_backend("cpu" if not prefix else "triton", torch.device("cpu"))
+    ops = torch.ops.ppo_kernels
+    gen = torch.Generator().manual_seed(29)
+    B, T, V = 2, 3, 9
+    logits, tokens, mask = inputs(B, T, V, gen, dtype=torch.float32)
+    sm, _ = random_csr(B, T, V, gen, kmax=4, tokens=tokens, drop_token_frac=0.5)
+    top_p = torch.full((B, T), 0.7, dtype=torch.float64)
+    top_k = torch.full((B, T), 5, dtype=torch.long)
+    temps = 0.5 + torch.rand(B, T, generator=gen)
+    thr_op = getattr(ops, prefix + "sampling_threshold")
+    fwd = getattr(ops, prefix + "kept_logprobs_fwd")
+    bwd = getattr(ops, prefix + "kept_logprobs_bwd_")
+    tests = ("test_schema", "test_faketensor")
+    torch.library.opcheck(thr_op, (logits, mask, 1.0, top_k, top_p, None, temps),
+                          test_utils=tests)
+    thr = thr_op(logits, mask, 1.0, top_k, top_p, None, temps)
+    eq = torch.full((B, T), 0.8)
+    for kept in ((sm.token_ids, sm.offsets, None), (None, None, thr)):
+        torch.library.opcheck(fwd, (logits, tokens, mask, 1.0, *kept, temps), test_utils=tests)
+        lp, ent, kmax, kls, _, _ = fwd(logits, tokens, mask, 1.0, *kept, temps)
+        g = torch.randn(B, T, generator=gen)
+        torch.library.opcheck(bwd, (g, g, logits, tokens, mask, kmax, kls, ent, 1.0, *kept,
+                                    torch.zeros_like(logits), temps), test_utils=tests)
+        a = fwd(logits, tokens, mask, 0.8, *kept)
+        b = fwd(logits, tokens, mask, 1.0, *kept, eq)
+        for u, v in zip(a, b):
+            torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
+        with pytest.raises((RuntimeError, TypeError), match="temperatures"):
+            fwd(logits, tokens, mask, 1.0, *kept, temps.double())

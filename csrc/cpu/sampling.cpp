@@ -10,7 +10,8 @@
 // the entropy of the kept-set softmax, with the statistics the backward needs (kept_max,
 // kept_log_sum: the convention of token_logprobs_fwd's row_max / log_sum, over K).
 // kept_logprobs_bwd_: dlogits += d/dx of sum(g * logp_kept + g_H * H_kept), only on K.
-// Scalar loops (one row per task); the sums are taken in double.
+// Scalar loops (one row per task); the sums are taken in double. Every op takes the optional
+// per-row `temperatures` [B, T] (csrc/ops.cpp): row i then uses z = x / temperatures[i].
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -29,6 +30,13 @@ inline namespace CPU_CAPABILITY {
 namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// 1 / temperature of row i in double (the kept-set sums are taken in double): the per-row
+// value when there is one (ops.cpp's `temperatures`), else the scalar's.
+template <typename T>
+inline double row_inv_d(const T* temps, int64_t i, double temperature) {
+  return 1.0 / (temps ? static_cast<double>(temps[i]) : temperature);
+}
 
 // The kept set of row i, walked by `each(j)` (the sampled token once, even when absent).
 struct KeptSet {
@@ -205,7 +213,8 @@ double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double
 at::Tensor sampling_threshold(const at::Tensor& logits, const at::Tensor& mask_in,
                               double temperature, const std::optional<at::Tensor>& top_k,
                               const std::optional<at::Tensor>& top_p,
-                              const std::optional<at::Tensor>& min_p) {
+                              const std::optional<at::Tensor>& min_p,
+                              const std::optional<at::Tensor>& temperatures) {
   const at::Tensor mask = mask_in.contiguous();
   TORCH_CHECK(logits.dim() == 3 && logits.stride(2) == 1, "logits: expected [B, Tl, V]");
   TORCH_CHECK(mask.dim() == 2 && mask.scalar_type() == at::kBool, "mask: expected bool [B, T]");
@@ -239,6 +248,7 @@ at::Tensor sampling_threshold(const at::Tensor& logits, const at::Tensor& mask_i
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "sampling_threshold", [&] {
     const scalar_t* L = logits.data_ptr<scalar_t>();
+    const acc_of<scalar_t>* tt = row_temperatures<acc_of<scalar_t>>(temperatures, mask, m);
     at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
       std::vector<double> w;
       for (int64_t i = begin; i < end; ++i) {
@@ -247,7 +257,7 @@ at::Tensor sampling_threshold(const at::Tensor& logits, const at::Tensor& mask_i
           continue;
         }
         const scalar_t* x = L + (i / T) * sB + (i % T) * sT;
-        o[i] = row_threshold(x, V, 1.0 / temperature, K ? K[i] : 0, P ? P[i] : 1.0,
+        o[i] = row_threshold(x, V, row_inv_d(tt, i, temperature), K ? K[i] : 0, P ? P[i] : 1.0,
                              MP ? MP[i] : 0.0, w);
       }
     });
@@ -261,7 +271,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
                   double temperature, const std::optional<at::Tensor>& kept_ids,
                   const std::optional<at::Tensor>& kept_offsets,
-                  const std::optional<at::Tensor>& threshold) {
+                  const std::optional<at::Tensor>& threshold,
+                  const std::optional<at::Tensor>& temperatures) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   check_temperature(temperature);
@@ -284,7 +295,7 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens_in, const a
       *ls = kls.data_ptr<T>();
     int64_t* sz = size.data_ptr<int64_t>();
     bool* miss = missing.data_ptr<bool>();
-    const double inv = 1.0 / temperature;
+    const T* tt = row_temperatures<T>(temperatures, tokens, m);
     at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         if (!m[i]) {
@@ -295,6 +306,7 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens_in, const a
         }
         const scalar_t* x = L + r.offset(i);
         const int64_t y = tok[i];
+        const double inv = row_inv_d(tt, i, temperature);
         double top = -kInf;
         int64_t top_j = -1, n = 0;
         miss[i] = ks.each(x, i, y, [&](int64_t j) {
@@ -337,7 +349,8 @@ void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
                         const at::Tensor& entropy, double temperature,
                         const std::optional<at::Tensor>& kept_ids,
                         const std::optional<at::Tensor>& kept_offsets,
-                        const std::optional<at::Tensor>& threshold, at::Tensor& dlogits) {
+                        const std::optional<at::Tensor>& threshold, at::Tensor& dlogits,
+                        const std::optional<at::Tensor>& temperatures) {
   const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
   const Rows r(logits, tokens, mask);
   check_temperature(temperature);
@@ -367,7 +380,7 @@ void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
     const T* ge = has_ge ? grad_entropy->data_ptr<T>() : nullptr;
     const T* H = has_ge ? entropy.data_ptr<T>() : nullptr;
     const T *mx = kept_max.data_ptr<T>(), *ls = kept_log_sum.data_ptr<T>();
-    const double inv = 1.0 / temperature;
+    const T* tt = row_temperatures<T>(temperatures, tokens, m);
     at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const double g = gl[i], gh = ge ? static_cast<double>(ge[i]) : 0.0;
@@ -376,6 +389,7 @@ void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
         scalar_t* o = O + ((i / r.T) * r.Tl + (i % r.T)) * r.V;
         const int64_t y = tok[i];
         const double top = mx[i], log_sum = ls[i], h = H ? static_cast<double>(H[i]) : 0.0;
+        const double inv = row_inv_d(tt, i, temperature);
         ks.each(x, i, y, [&](int64_t j) {
           const double lpj = (static_cast<double>(x[j]) - top) * inv - log_sum;
           const double pj = std::exp(lpj);

@@ -7,7 +7,9 @@
 // max; then the non-top mass, the ties, sum e d, the count and whether the token was seen),
 // one sweep in the backward adding the kept part into dlogits (ids unique per row, so no
 // atomics). sampling_threshold: ATen ops on chunks of rows (a sort per chunk), the rules of
-// the CPU kernel (vLLM v1's sampler as value thresholds).
+// the CPU kernel (vLLM v1's sampler as value thresholds). The optional per-row
+// `temperatures` [B, T] (csrc/ops.cpp): row r uses 1 / temperatures[r], taken in double and
+// rounded once to the accumulation dtype (invt below; the scalar's 1 / temperature too).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -85,10 +87,11 @@ __global__ void kept_fwd_kernel(const scalar_t* __restrict__ logits, int64_t sB,
                                 const int64_t* __restrict__ tokens,
                                 const bool* __restrict__ mask, const int64_t* ids,
                                 const int64_t* offs, const double* thr, bool csr, int64_t T,
-                                int64_t V, A inv, A* logp, A* ent, A* kmax, A* kls,
-                                int64_t* size, bool* missing) {
+                                int64_t V, A inv_s, const A* __restrict__ invt, A* logp,
+                                A* ent, A* kmax, A* kls, int64_t* size, bool* missing) {
   __shared__ A sh[kThreads];
   const int64_t row = blockIdx.x;
+  const A inv = invt ? invt[row] : inv_s;
   if (!mask[row]) {
     if (threadIdx.x == 0) {
       logp[row] = ent[row] = kmax[row] = kls[row] = A(0);
@@ -151,11 +154,12 @@ __global__ void kept_bwd_kernel(const scalar_t* __restrict__ logits, int64_t sB,
                                 const int64_t* __restrict__ tokens,
                                 const bool* __restrict__ mask, const int64_t* ids,
                                 const int64_t* offs, const double* thr, bool csr, int64_t T,
-                                int64_t Tl, int64_t V, A inv, const A* kmax, const A* kls,
-                                const A* ent, const A* glogp, const A* gent,
-                                scalar_t* __restrict__ out) {
+                                int64_t Tl, int64_t V, A inv_s, const A* __restrict__ invt,
+                                const A* kmax, const A* kls, const A* ent, const A* glogp,
+                                const A* gent, scalar_t* __restrict__ out) {
   __shared__ A sh[kThreads];
   const int64_t row = blockIdx.x;
+  const A inv = invt ? invt[row] : inv_s;
   if (!mask[row]) return;
   const A g = glogp[row], gh = gent ? gent[row] : A(0), h = gent ? ent[row] : A(0);
   if (g == A(0) && gh == A(0)) return;
@@ -215,12 +219,25 @@ KeptArgs kept_args(const at::Tensor& logits, const std::optional<at::Tensor>& ke
   return a;
 }
 
+// The per-row 1 / temperature of ACC (rounded once from double), or an undefined tensor
+// without `temperatures` (the scalar applies). A bad value on a valid row is the Python
+// layer's to reject (ppo_kernels/_checks.py temperature_values: no host read here).
+at::Tensor inv_temperatures(const std::optional<at::Tensor>& temps, const at::Tensor& tokens,
+                            at::ScalarType acc) {
+  if (!temps.has_value()) return at::Tensor();
+  TORCH_CHECK(temps->sizes() == tokens.sizes() && temps->scalar_type() == acc &&
+                  temps->device() == tokens.device(),
+              "temperatures: expected [B, T] of the accumulation dtype on the logits' device");
+  return temps->to(at::kDouble).reciprocal().to(acc).contiguous();
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 kept_logprobs_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens_in,
                        const at::Tensor& mask_in, double temperature,
                        const std::optional<at::Tensor>& kept_ids,
                        const std::optional<at::Tensor>& kept_offsets,
-                       const std::optional<at::Tensor>& threshold) {
+                       const std::optional<at::Tensor>& threshold,
+                       const std::optional<at::Tensor>& temperatures) {
   check_logits(logits, tokens_in, mask_in);
   check_temperature(temperature, logits.scalar_type());
   c10::cuda::CUDAGuard guard(logits.device());
@@ -233,6 +250,7 @@ kept_logprobs_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens_in,
   at::Tensor miss = at::empty({B, T}, opts.dtype(at::kBool));
   if (B * T == 0) return {lp, en, mx, ls, size, miss};
   const KeptArgs a = kept_args(logits, kept_ids, kept_offsets, threshold, B * T);
+  const at::Tensor invt = inv_temperatures(temperatures, tokens, opts.dtype().toScalarType());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "kept_logprobs_fwd_cuda", [&] {
@@ -241,7 +259,8 @@ kept_logprobs_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens_in,
         logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
         tokens.data_ptr<int64_t>(), mask.data_ptr<bool>(), a.ids.data_ptr<int64_t>(),
         a.offs.data_ptr<int64_t>(), a.thr.data_ptr<double>(), a.csr, T, V,
-        static_cast<A>(1.0 / temperature), lp.data_ptr<A>(), en.data_ptr<A>(),
+        static_cast<A>(1.0 / temperature), invt.defined() ? invt.data_ptr<A>() : nullptr,
+        lp.data_ptr<A>(), en.data_ptr<A>(),
         mx.data_ptr<A>(), ls.data_ptr<A>(), size.data_ptr<int64_t>(), miss.data_ptr<bool>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -255,7 +274,8 @@ void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
                              const at::Tensor& kept_log_sum, const at::Tensor& entropy,
                              double temperature, const std::optional<at::Tensor>& kept_ids,
                              const std::optional<at::Tensor>& kept_offsets,
-                             const std::optional<at::Tensor>& threshold, at::Tensor& dlogits) {
+                             const std::optional<at::Tensor>& threshold, at::Tensor& dlogits,
+                             const std::optional<at::Tensor>& temperatures) {
   check_logits(logits, tokens_in, mask_in);
   check_temperature(temperature, logits.scalar_type());
   c10::cuda::CUDAGuard guard(logits.device());
@@ -276,6 +296,7 @@ void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
   const at::Tensor ge = has_ge ? per_token(*grad_entropy, "grad_entropy", acc, shape, dev) : gl;
   const at::Tensor en = has_ge ? per_token(entropy, "entropy", acc, shape, dev) : gl;
   const KeptArgs a = kept_args(logits, kept_ids, kept_offsets, threshold, B * T);
+  const at::Tensor invt = inv_temperatures(temperatures, tokens, acc);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "kept_logprobs_bwd_cuda_", [&] {
@@ -284,7 +305,8 @@ void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
         logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
         tokens.data_ptr<int64_t>(), mask.data_ptr<bool>(), a.ids.data_ptr<int64_t>(),
         a.offs.data_ptr<int64_t>(), a.thr.data_ptr<double>(), a.csr, T, Tl, V,
-        static_cast<A>(1.0 / temperature), mx.data_ptr<A>(), ls.data_ptr<A>(),
+        static_cast<A>(1.0 / temperature), invt.defined() ? invt.data_ptr<A>() : nullptr,
+        mx.data_ptr<A>(), ls.data_ptr<A>(),
         en.data_ptr<A>(), gl.data_ptr<A>(), has_ge ? ge.data_ptr<A>() : nullptr,
         dlogits.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -293,14 +315,16 @@ void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
 
 // The per-row threshold with ATen ops on chunks of rows (docs/SAMPLING.md's rules; the
 // twin of ppo_kernels/sampling.py threshold_torch).
+// temps: the rows' per-row temperature (float64 [C]) or undefined (the scalar).
 at::Tensor threshold_rows(const at::Tensor& x, const at::Tensor& m, double temperature,
-                          const std::optional<at::Tensor>& top_k,
+                          const at::Tensor& temps, const std::optional<at::Tensor>& top_k,
                           const std::optional<at::Tensor>& top_p,
                           const std::optional<at::Tensor>& min_p) {
   const double inf = std::numeric_limits<double>::infinity();
   const int64_t V = x.size(1);
   const at::Tensor xs = std::get<0>(at::where(m.unsqueeze(1), x, 0.0).sort(1, true));
-  const at::Tensor d = (xs - xs.narrow(1, 0, 1)) / temperature;
+  const at::Tensor d = temps.defined() ? (xs - xs.narrow(1, 0, 1)) / temps.unsqueeze(1)
+                                       : (xs - xs.narrow(1, 0, 1)) / temperature;
   at::Tensor keep = at::ones_like(xs, xs.options().dtype(at::kBool));
   if (min_p.has_value()) keep = keep & (d >= at::log(*min_p).unsqueeze(1));
   if (top_k.has_value()) {
@@ -325,7 +349,8 @@ at::Tensor threshold_rows(const at::Tensor& x, const at::Tensor& m, double tempe
 at::Tensor sampling_threshold_cuda(const at::Tensor& logits, const at::Tensor& mask,
                                    double temperature, const std::optional<at::Tensor>& top_k,
                                    const std::optional<at::Tensor>& top_p,
-                                   const std::optional<at::Tensor>& min_p) {
+                                   const std::optional<at::Tensor>& min_p,
+                                   const std::optional<at::Tensor>& temperatures) {
   TORCH_CHECK(logits.is_cuda() && logits.dim() == 3, "logits: expected CUDA [B, Tl, V]");
   c10::cuda::CUDAGuard guard(logits.device());
   const int64_t B = mask.size(0), T = mask.size(1), V = logits.size(2), N = B * T;
@@ -339,10 +364,16 @@ at::Tensor sampling_threshold_cuda(const at::Tensor& logits, const at::Tensor& m
     if (!p.has_value()) return std::nullopt;
     return p->reshape({N}).narrow(0, r0, c);
   };
+  if (temperatures.has_value())
+    TORCH_CHECK(temperatures->numel() == N && temperatures->device() == logits.device(),
+                "temperatures: expected [B, T] on the logits' device");
+  const at::Tensor temps =
+      temperatures.has_value() ? temperatures->reshape({N}).to(at::kDouble) : at::Tensor();
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t c = std::min(chunk, N - r0);
     out.narrow(0, r0, c).copy_(threshold_rows(rows.narrow(0, r0, c).to(at::kDouble),
                                               m.narrow(0, r0, c), temperature,
+                                              temps.defined() ? temps.narrow(0, r0, c) : temps,
                                               part(top_k, r0, c), part(top_p, r0, c),
                                               part(min_p, r0, c)));
   }

@@ -66,17 +66,18 @@ SCHEMAS = {
         "-> (Tensor logprobs, Tensor kl, Tensor rewards, Tensor advantages, Tensor returns)",
     "triton_sampling_threshold":
         "(Tensor logits, Tensor mask, float temperature, Tensor? top_k, "
-        "Tensor? top_p, Tensor? min_p) -> Tensor",
+        "Tensor? top_p, Tensor? min_p, Tensor? temperatures=None) -> Tensor",
     "triton_kept_logprobs_fwd":
         "(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
-        "Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold) -> (Tensor logprobs, "
+        "Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, "
+        "Tensor? temperatures=None) -> (Tensor logprobs, "
         "Tensor entropy, Tensor kept_max, Tensor kept_log_sum, Tensor kept_size, "
         "Tensor missing)",
     "triton_kept_logprobs_bwd_":
         "(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
         "Tensor tokens, Tensor mask, Tensor kept_max, Tensor kept_log_sum, Tensor entropy, "
         "float temperature, Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, "
-        "Tensor(a!) dlogits) -> ()",
+        "Tensor(a!) dlogits, Tensor? temperatures=None) -> ()",
 }
 
 
@@ -139,26 +140,27 @@ def score_rollout(logits: Tensor, tokens: Tensor, mask: Tensor, ref_logprobs: Te
 
 def sampling_threshold(logits: Tensor, mask: Tensor, temperature: float,
                        top_k: Optional[Tensor], top_p: Optional[Tensor],
-                       min_p: Optional[Tensor]) -> Tensor:
-    return _sampling_threshold(logits, mask, temperature, top_k, top_p, min_p)
+                       min_p: Optional[Tensor], temperatures: Optional[Tensor] = None
+                       ) -> Tensor:
+    return _sampling_threshold(logits, mask, temperature, top_k, top_p, min_p, temperatures)
 
 
 def kept_logprobs_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, temperature: float,
                       kept_ids: Optional[Tensor], kept_offsets: Optional[Tensor],
-                      threshold: Optional[Tensor]
+                      threshold: Optional[Tensor], temperatures: Optional[Tensor] = None
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     return _kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets,
-                              threshold)
+                              threshold, temperatures)
 
 
 def kept_logprobs_bwd_(grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits: Tensor,
                        tokens: Tensor, mask: Tensor, kept_max: Tensor, kept_log_sum: Tensor,
                        entropy: Tensor, temperature: float, kept_ids: Optional[Tensor],
                        kept_offsets: Optional[Tensor], threshold: Optional[Tensor],
-                       dlogits: Tensor) -> None:
+                       dlogits: Tensor, temperatures: Optional[Tensor] = None) -> None:
     _kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max,
                         kept_log_sum, entropy, temperature, kept_ids, kept_offsets, threshold,
-                        dlogits)
+                        dlogits, temperatures)
 
 
 _IMPLS = {

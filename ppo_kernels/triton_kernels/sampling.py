@@ -12,6 +12,9 @@ g (1[j = y] - p_j) - g_H p_j (log p_j + H) on K, divided by the temperature.
 sampling_threshold (the re-derived sets' per-row threshold) runs as torch ops on chunks
 of rows (a sort per chunk; the design note of docs/SAMPLING.md): the same rules as the CPU
 kernel's, vLLM v1's sampler as value thresholds.
+
+Every op takes the optional per-row `temperatures` [B, T] (csrc/ops.cpp): row r then uses
+1 / temperatures[r] (inv_temperatures: taken in float64, rounded once to ACC; ROW_TEMP).
 """
 
 import torch
@@ -20,7 +23,7 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ._math import as_acc, expm1, log1p
-from .logprobs import acc_dtype, device_guard, inv_temperature, tl_acc
+from .logprobs import acc_dtype, device_guard, inv_temperature, inv_temperatures, tl_acc
 
 BLOCK = 128
 THRESHOLD_CHUNK_BYTES = 64 << 20  # float64 [rows, V] sorted per chunk
@@ -48,16 +51,19 @@ def _kept_block(in_row, ids_ptr, start, end, k0, thr, V, CSR: tl.constexpr,
 @triton.jit
 def _kept_fwd_kernel(
     logits_ptr, stride_lb, stride_lt, tokens_ptr, mask_ptr, ids_ptr, offs_ptr, thr_ptr,
-    logp_ptr, ent_ptr, kmax_ptr, kls_ptr, size_ptr, miss_ptr,
+    logp_ptr, ent_ptr, kmax_ptr, kls_ptr, size_ptr, miss_ptr, invt_ptr,
     T, V, inv_temp: tl.float64,
-    ACC: tl.constexpr, CSR: tl.constexpr, BLOCK: tl.constexpr,
+    ACC: tl.constexpr, CSR: tl.constexpr, ROW_TEMP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
     valid = tl.load(mask_ptr + row)
     if valid:
-        inv = as_acc(inv_temp, ACC)
+        if ROW_TEMP:
+            inv = tl.load(invt_ptr + row).to(ACC)
+        else:
+            inv = as_acc(inv_temp, ACC)
         in_row = logits_ptr + b * stride_lb + t * stride_lt
         y = tl.load(tokens_ptr + row)
         x_y = tl.load(in_row + y).to(ACC)
@@ -127,9 +133,10 @@ def _kept_fwd_kernel(
 @triton.jit
 def _kept_bwd_kernel(
     logits_ptr, stride_lb, stride_lt, tokens_ptr, mask_ptr, ids_ptr, offs_ptr, thr_ptr,
-    kmax_ptr, kls_ptr, ent_ptr, glogp_ptr, gent_ptr, grad_ptr,
+    kmax_ptr, kls_ptr, ent_ptr, glogp_ptr, gent_ptr, grad_ptr, invt_ptr,
     T, TL, V, inv_temp: tl.float64,
-    ACC: tl.constexpr, CSR: tl.constexpr, HAS_GENT: tl.constexpr, BLOCK: tl.constexpr,
+    ACC: tl.constexpr, CSR: tl.constexpr, HAS_GENT: tl.constexpr, ROW_TEMP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     b = row // T
@@ -144,7 +151,10 @@ def _kept_bwd_kernel(
             gh = tl.zeros([], ACC)
             h = tl.zeros([], ACC)
         if (g != 0.0) | (gh != 0.0):
-            inv = as_acc(inv_temp, ACC)
+            if ROW_TEMP:
+                inv = tl.load(invt_ptr + row).to(ACC)
+            else:
+                inv = as_acc(inv_temp, ACC)
             in_row = logits_ptr + b * stride_lb + t * stride_lt
             out_row = grad_ptr + (b * TL + t) * V
             y = tl.load(tokens_ptr + row)
@@ -194,10 +204,20 @@ def _kept_args(logits, kept_ids, kept_offsets, threshold):
     return csr, dummy, dummy, threshold.contiguous()
 
 
-def kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets, threshold):
+def _row_inv(temperatures, shape, acc, logits, temperature):
+    """(1 / temperature as a float, the per-row [B, T] of ACC or a dummy, ROW_TEMP)."""
+    invt, row_temp = inv_temperatures(temperatures, shape, acc, logits.device)
+    inv = 1.0 if row_temp else inv_temperature(temperature, acc)
+    if invt is None:
+        invt = torch.ones(1, dtype=acc, device=logits.device)
+    return inv, invt, row_temp
+
+
+def kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets, threshold,
+                      temperatures=None):
     B, T = tokens.shape
     acc = acc_dtype(logits)
-    inv = inv_temperature(temperature, acc)
+    inv, invt, row_temp = _row_inv(temperatures, (B, T), acc, logits, temperature)
     csr, ids, offs, thr = _kept_args(logits, kept_ids, kept_offsets, threshold)
     outs = [torch.empty(B, T, dtype=acc, device=logits.device) for _ in range(4)]
     size = torch.empty(B, T, dtype=torch.int64, device=logits.device)
@@ -206,17 +226,18 @@ def kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets,
         with device_guard(logits):
             wrap_triton(_kept_fwd_kernel)[(B * T,)](
                 logits, logits.stride(0), logits.stride(1), tokens.contiguous(),
-                mask.contiguous(), ids, offs, thr, *outs, size, miss, T, logits.shape[2], inv,
-                ACC=tl_acc(acc), CSR=csr, BLOCK=BLOCK)
+                mask.contiguous(), ids, offs, thr, *outs, size, miss, invt, T,
+                logits.shape[2], inv, ACC=tl_acc(acc), CSR=csr, ROW_TEMP=row_temp,
+                BLOCK=BLOCK)
     return (*outs, size, miss)
 
 
 def kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max,
                        kept_log_sum, entropy, temperature, kept_ids, kept_offsets, threshold,
-                       dlogits):
+                       dlogits, temperatures=None):
     B, T = tokens.shape
     acc = acc_dtype(logits)
-    inv = inv_temperature(temperature, acc)
+    inv, invt, row_temp = _row_inv(temperatures, (B, T), acc, logits, temperature)
     csr, ids, offs, thr = _kept_args(logits, kept_ids, kept_offsets, threshold)
     if not dlogits.is_contiguous() or dlogits.shape != logits.shape:
         raise ValueError("dlogits: expected a contiguous tensor of the logits' shape")
@@ -227,13 +248,14 @@ def kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_m
             wrap_triton(_kept_bwd_kernel)[(B * T,)](
                 logits, logits.stride(0), logits.stride(1), tokens.contiguous(),
                 mask.contiguous(), ids, offs, thr, kept_max, kept_log_sum, entropy,
-                grad_logprobs.contiguous(), gent, dlogits, T, logits.shape[1],
+                grad_logprobs.contiguous(), gent, dlogits, invt, T, logits.shape[1],
                 logits.shape[2], inv, ACC=tl_acc(acc), CSR=csr, HAS_GENT=has_gent,
-                BLOCK=BLOCK)
+                ROW_TEMP=row_temp, BLOCK=BLOCK)
 
 
-def sampling_threshold(logits, mask, temperature, top_k, top_p, min_p):
-    """The per-row threshold (float64 [B, T]) in torch ops over chunks of rows."""
+def sampling_threshold(logits, mask, temperature, top_k, top_p, min_p, temperatures=None):
+    """The per-row threshold (float64 [B, T]) in torch ops over chunks of rows
+    (temperatures: the optional per-row [B, T], each row's set on its own z)."""
     from ..sampling import Replay, threshold_torch
     B, T = mask.shape
     V = logits.shape[2]
@@ -250,5 +272,6 @@ def sampling_threshold(logits, mask, temperature, top_k, top_p, min_p):
         r1 = min(B * T, r0 + rows)
         rp = Replay(top_k=part(top_k, r0, r1), top_p=part(top_p, r0, r1),
                     min_p=part(min_p, r0, r1))
-        o[r0:r1] = threshold_torch(flat[r0:r1], m[r0:r1], temperature, rp)
+        temp = temperature if temperatures is None else part(temperatures, r0, r1)
+        o[r0:r1] = threshold_torch(flat[r0:r1], m[r0:r1], temp, rp)
     return out
