@@ -700,11 +700,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
             tokens2 = ck.token_range(tokens2, mask, w.shape[0])
         rp = sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
                                    None if shard is not None else w.shape[0])
-        ck.flag("return_full", return_full)
-        ck.choice("entropy_over", entropy_over, sampling.ENTROPY_OVER)
-        if rp is None and return_full:
-            raise ValueError("return_full: only with a kept set (sampling_mask, top_k, top_p "
-                             "or min_p)")
+        sampling.check_outputs(rp, return_full, entropy_over)
         if rp is not None and shard is not None:
             raise NotImplementedError("sampling replay with tp_group is not implemented yet")
         return w, bias, shard, hidden3, tokens2, flat, mask, t, cap, chunk, be, ldt, rp
@@ -716,11 +712,8 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
         lp_k, ent_k, logp, ent, _, _, _ = replay_from_hidden(
             be, hidden3, lm_head_weight, lm_head_bias, tokens2, mask, temperature, rp, cap,
             chunk, ldt)
-        ent = ent_k if entropy_over == "kept" else ent
-        out = (lp_k, logp) if return_full else (lp_k,)
-        out = out + (ent,) if return_entropy else out
-        out = tuple(_squeeze(v, flat) for v in out)
-        return out if len(out) > 1 else out[0]
+        return sampling.outputs(lp_k, ent_k, logp, ent, return_full, return_entropy,
+                                entropy_over, lambda v: _squeeze(v, flat))
     if not be.is_kernel:
         logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, cap, mask, ldt)
         logp, ent = be.token_logprobs(logits, tokens2, mask, temperature, return_entropy)

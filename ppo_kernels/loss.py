@@ -82,11 +82,7 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
         _vp.require_kernels(be, shard)
         rp = _sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
                                     None if shard is not None else logits3.shape[2])
-        ck.flag("return_full", return_full)
-        ck.choice("entropy_over", entropy_over, _sampling.ENTROPY_OVER)
-        if rp is None and return_full:
-            raise ValueError("return_full: only with a kept set (sampling_mask, top_k, top_p "
-                             "or min_p)")
+        _sampling.check_outputs(rp, return_full, entropy_over)
         return logits3, shard, tokens2, flat, mask, t, be, rp
 
     logits3, shard, tokens2, flat, mask, temperature, be, rp = checks_together(
@@ -99,11 +95,8 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
             tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
             lp_k, ent_k, logp, ent, _, _, _ = _sampling.replay_logprobs(
                 be, logits3, tokens2, mask, temperature, rp)
-        ent = ent_k if entropy_over == "kept" else ent
-        out = (lp_k, logp) if return_full else (lp_k,)
-        out = out + (ent,) if return_entropy else out
-        out = tuple(v[0] for v in out) if flat else out
-        return out if len(out) > 1 else out[0]
+        return _sampling.outputs(lp_k, ent_k, logp, ent, return_full, return_entropy,
+                                 entropy_over, (lambda v: v[0]) if flat else None)
     if shard is not None:
         logp, ent = _vp.token_logprobs(be, logits3, tokens2, mask, temperature, shard)
         ent = ent if return_entropy else None

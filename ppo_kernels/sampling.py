@@ -135,6 +135,28 @@ def _flat(temperature):
     return temperature.reshape(-1) if isinstance(temperature, torch.Tensor) else temperature
 
 
+def check_outputs(rp, return_full, entropy_over):
+    """token_logprobs(_from_hidden)'s replay switches, against the kept sets rp (None: no
+    kept set): return_full a bool that needs a kept set, entropy_over in ENTROPY_OVER."""
+    ck.flag("return_full", return_full)
+    ck.choice("entropy_over", entropy_over, ENTROPY_OVER)
+    if rp is None and return_full:
+        raise ValueError("return_full: only with a kept set (sampling_mask, top_k, top_p "
+                         "or min_p)")
+
+
+def outputs(lp_k, ent_k, logp, ent, return_full, return_entropy, entropy_over, shape=None):
+    """What token_logprobs(_from_hidden) return with a kept set: logp_kept, then the full
+    logp (return_full), then the entropy (return_entropy; over the kept set with
+    entropy_over="kept"), each through shape (the caller's output layout) when given."""
+    out = (lp_k, logp) if return_full else (lp_k,)
+    if return_entropy:
+        out = out + (ent_k if entropy_over == "kept" else ent,)
+    if shape is not None:
+        out = tuple(shape(v) for v in out)
+    return out if len(out) > 1 else out[0]
+
+
 def check_replay(sampling_mask, top_k, top_p, min_p, tokens2, vocab, packing=None):
     """The Replay of a call (None without a kept set). tokens2: the kernels' [B, T] (packed
     [1, total]); vocab: the global V (None: not checked here, a split vocabulary checks the
