@@ -612,8 +612,93 @@ class _ReplayFromHidden(torch.autograd.Function):
         return dh, dw, db, None, None
 
 
+class _VpReplayFromHidden(torch.autograd.Function):
+    """Sampling replay from hidden states over a vocabulary split over tp_group (a given
+    kept set, docs/SAMPLING.md / docs/DISTRIBUTED.md): per chunk of rows this shard's
+    logits [C, V_r] and sampling.vp_stats on them, i.e. the full statistics and this
+    shard's kept-set partials merged by ONE all-gather per chunk (the kept partials ride
+    on the statistics' all-gather; a first version: one all-gather per chunk rather than
+    one for all rows). Returns what _ReplayFromHidden returns, the same on every rank. The
+    backward recomputes each chunk's logits: dz = the full part (logits_grad, the
+    placeholder entries rewritten) plus the kept part on this shard's kept entries
+    (sampling.vp_kept_grad_); d hidden summed over the group (one all-reduce), this
+    shard's dW / db."""
+
+    @staticmethod
+    def forward(ctx, hidden3, weight, bias, s, rp):
+        h2 = _flat_hidden(hidden3, s)
+        head = head_for_logits(weight, s.logits_dtype)
+        outs, saved = [], []
+        for r0 in range(0, s.n, s.chunk):
+            r1 = min(s.n, r0 + s.chunk)
+            c = r1 - r0
+            z = _chunk_logits(s, _hidden_rows(h2, s, r0, r1), head, bias).view(1, c, -1)
+            tok, msk = _rows(s.global_tokens, s, r0, r1), _rows(s.mask, s, r0, r1)
+            temp = _temperature_rows(s, r0, r1)
+            logp, ent, big, ls, local, own, kept = sampling.vp_stats(
+                s.prefix, z, tok, msk, temp, sampling.chunk_replay(rp, r0, r1), s.shard)
+            del z
+            mass = sampling.kept_mass(kept.kept_max / temp + kept.log_sum, big, ls, temp, msk)
+            outs.append((kept.logp, kept.entropy, logp, ent, mass, kept.size, kept.missing))
+            saved.append((big, ls, ent, local, own, kept))
+        if not outs:  # no rows: no chunk, on every rank alike (no collective)
+            dev = hidden3.device
+            outs = [tuple(torch.zeros(0, dtype=d, device=dev) for d in
+                          (s.acc,) * 5 + (torch.int64, torch.bool))]
+        out = [torch.cat([o[i].reshape(-1) for o in outs]).view(s.b, s.t) for i in range(7)]
+        ctx.s, ctx.saved = s, saved
+        ctx.save_for_backward(hidden3, weight, bias)
+        ctx.mark_non_differentiable(*out[4:])
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, g_lpk, g_entk, g_lp, g_ent, *_):
+        first_order_only("token_logprobs_from_hidden (a split vocabulary)")
+        s = ctx.s
+        hidden3, weight, bias = ctx.saved_tensors
+        g = _Grads(s, hidden3, weight, bias, tuple(ctx.needs_input_grad[:3]))
+
+        def flat(x):
+            return None if x is None else x.to(s.acc).reshape(s.n)
+
+        g_lpk, g_entk, g_lp, g_ent = (flat(x) for x in (g_lpk, g_entk, g_lp, g_ent))
+        if g.any:
+            h2 = _flat_hidden(hidden3, s)
+            zero = torch.zeros(s.n, dtype=s.acc, device=hidden3.device)
+            head = head_for_logits(weight, s.logits_dtype)
+            for i, r0 in enumerate(range(0, s.n, s.chunk)):
+                r1 = min(s.n, r0 + s.chunk)
+                c = r1 - r0
+                big, ls, ent, local, own, kept = ctx.saved[i]
+
+                def part(x, default=None):
+                    x = default if x is None else x
+                    return None if x is None else x[r0:r1].view(1, c).contiguous()
+
+                hc = _hidden_rows(h2, s, r0, r1)
+                z = _chunk_logits(s, hc, head, bias)
+                temp = _temperature_rows(s, r0, r1)
+                msk = _rows(s.mask, s, r0, r1)
+                dz = logits_grad(s.prefix, part(g_lp, zero), part(g_ent), z.view(1, c, -1),
+                                 local, msk, big, ls, ent, temp, s.shard, own)
+                if g_lpk is not None or g_entk is not None:
+                    sampling.vp_kept_grad_(dz, part(g_lpk, zero), part(g_entk),
+                                           _rows(s.global_tokens, s, r0, r1), msk, kept, temp,
+                                           s.shard)
+                dz = dz.view(c, -1)
+                if s.cap is not None:
+                    dz.mul_(_softcap_factor_(z, s.cap))
+                del z
+                g.add(r0, r1, dz, hc, weight)
+                del dz
+        if g.dh2 is not None:  # d hidden: the sum of every shard's dz @ W_r
+            all_reduce_sum_(g.dh2, s.shard.group)
+        dh, dw, db = g.finish(s, hidden3, weight, bias)
+        return dh, dw, db, None, None
+
+
 def replay_from_hidden(be, hidden3, weight, bias, tokens, mask, temperature, rp, cap, chunk,
-                       logits_dtype=None):
+                       logits_dtype=None, shard=None):
     """(logp_kept, H_kept, logp, H, kept_mass, kept_size, missing) [B, T] of the logits
     hidden @ weight^T (+ bias), soft-capped (in logits_dtype, None: hidden's); the first
     four differentiable. Kernel backends: chunks of rows, never the [N, V] logits; "torch":
@@ -622,12 +707,14 @@ def replay_from_hidden(be, hidden3, weight, bias, tokens, mask, temperature, rp,
         logits = materialised_logits(hidden3, weight, bias, cap, mask, logits_dtype)
         return sampling.replay_logprobs(be, logits, tokens, mask, temperature, rp)
     s = _Chunks(prefix=be.prefix, cap=cap, chunk=chunk, temperature=temperature,
-                tokens=tokens, mask=mask, acc=acc_dtype(hidden3), logits_dtype=logits_dtype)
+                tokens=tokens, mask=mask, acc=acc_dtype(hidden3), logits_dtype=logits_dtype,
+                shard=shard)
+    fn = _ReplayFromHidden if shard is None else _VpReplayFromHidden
     args = (hidden3, weight, bias)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args):
-        return _ReplayFromHidden.apply(*args, s, rp)
+        return fn.apply(*args, s, rp)
     with torch.no_grad():
-        return _ReplayFromHidden.apply(*args, s, rp)
+        return fn.apply(*args, s, rp)
 
 
 # ------------------------------------------------------------------ the torch reference
@@ -701,8 +788,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
         rp = sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
                                    None if shard is not None else w.shape[0])
         sampling.check_outputs(rp, return_full, entropy_over)
-        if rp is not None and shard is not None:
-            raise NotImplementedError("sampling replay with tp_group is not implemented yet")
+        _vp_given_only(rp, shard)
         return w, bias, shard, hidden3, tokens2, flat, mask, t, cap, chunk, be, ldt, rp
 
     (lm_head_weight, lm_head_bias, shard, hidden3, tokens2, flat, mask, temperature, cap, chunk,
@@ -711,7 +797,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     if rp is not None:
         lp_k, ent_k, logp, ent, _, _, _ = replay_from_hidden(
             be, hidden3, lm_head_weight, lm_head_bias, tokens2, mask, temperature, rp, cap,
-            chunk, ldt)
+            chunk, ldt, shard)
         return sampling.outputs(lp_k, ent_k, logp, ent, return_full, return_entropy,
                                 entropy_over, lambda v: _squeeze(v, flat))
     if not be.is_kernel:
@@ -801,12 +887,13 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
     k = x.kernel  # the packed layout again, with cu_seqlens
     diff = (hidden3, lm_head_weight, lm_head_bias)
     if x.replay is not None:
-        if shard is not None:
-            raise NotImplementedError("sampling replay with tp_group is not implemented yet")
+        _vp_given_only(x.replay, shard)
         # (the kept-set statistics chunk by chunk; the [B, T] loss by autograd on them, the
-        # backward recomputing each chunk's logits)
+        # backward recomputing each chunk's logits; over a split vocabulary the kept
+        # partials ride on each chunk's statistics all-gather)
         out = replay_from_hidden(x.be, hidden3, lm_head_weight, lm_head_bias, k(x.tokens),
-                                 k(x.mask), x.kernel_temperature(spec), x.replay, cap, chunk)
+                                 k(x.mask), x.kernel_temperature(spec), x.replay, cap, chunk,
+                                 ldt, shard)
         lp_k, ent_k, logp, ent, mass, size, missing = (x.padded(v) for v in out)
         ent_sel = ent_k if spec.entropy_over == "kept" else ent
         lp_kl = None if spec.kl_logprobs == "kept" else logp
@@ -943,14 +1030,25 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
     return type(r)(*(packed.unpadded(packing, x, tokens) for x in r))
 
 
+def _vp_given_only(rp, shard):
+    """Over a split vocabulary only given kept sets (sampling_mask) replay: re-deriving
+    top_k / top_p / min_p sets needs a global selection (not implemented)."""
+    if shard is not None and rp is not None and not rp.given:
+        raise NotImplementedError("top_k / top_p / min_p with tp_group: re-deriving the kept "
+                                  "sets over a split vocabulary is not implemented; pass the "
+                                  "engine's sampling_mask")
+
+
 def _replay_no_grad(hidden3, weight, tokens2, mask, rp, kw):
     """(logp_kept, logp) for kept sets already checked (score_rollout_from_hidden)."""
-    h, w, bias, _ = _head_shard(hidden3.detach(), weight.detach(), kw["lm_head_bias"], None,
-                                None)
-    cap, chunk = _head_options(h, w, kw["logit_softcap"], kw["chunk_size"])
+    h, w, bias, shard = _head_shard(hidden3.detach(), weight.detach(), kw["lm_head_bias"],
+                                    kw["tp_group"], kw["vocab_start"])
+    _vp_given_only(rp, shard)
+    ldt = _logits_dtype(kw["logits_dtype"], h)
+    cap, chunk = _head_options(h, w, kw["logit_softcap"], kw["chunk_size"], ldt)
     be = get_backend(kw["backend"], h.device)
+    require_kernels(be, shard)
     out = replay_from_hidden(be, h, w, bias, tokens2, mask,
                              ck.temperature(kw["temperature"], h, tokens2, False, mask), rp,
-                             cap, chunk,
-                             kw["logits_dtype"])
+                             cap, chunk, ldt, shard)
     return out[0], out[2]

@@ -890,3 +890,35 @@ def test_float32_logits_is_a_no_op_for_float32_inputs():
     with pytest.raises(ValueError, match="logits_dtype"):
         pk.token_logprobs_from_hidden(hid.double(), W.double(), tok, mask,
                                       logits_dtype=torch.float32)
+
+
+# ------------------------------------------------------------------ sampling replay, tp_group
+
+def test_replay_tensor_parallel_head_two_ranks(tmp_path):
+    """tests/replay_hidden_rank_cases.py on 2 gloo processes: the LM head's rows split
+    [0, 6) / [6, 13), a given SamplingMask (sets lacking their token included), float32:
+    token_logprobs_from_hidden (return_full, kept entropy, soft cap, bias, chunks of 3 rows
+    and one chunk, per-sequence temperature), ppo_loss_from_hidden (vanilla, gspo with the
+    KL and the entropy over the kept set, the full entropy with a soft cap, per-token
+    temperature) and score_rollout_from_hidden (kl_logprobs full / kept) give the
+    single-process op's values on the full head; d hidden (summed over the group) and each
+    rank's dW / db slice likewise. No chunk's logits exceed chunk_size rows x V_r columns;
+    re-derived sets stay NotImplementedError; an id outside the vocabulary a ValueError."""
+    import pathlib
+
+    from conftest import run_ranks
+    script = pathlib.Path(__file__).parent / "replay_hidden_rank_cases.py"
+    ranks = run_ranks(script, tmp_path, n=2)
+    for rank, res in enumerate(ranks):
+        assert len(res) == 33, sorted(res)
+        for k, v in res.items():
+            if k == "top_p":
+                assert v.startswith("raised top_k / top_p / min_p with tp_group"), v
+            elif k == "out_of_range":
+                assert v.startswith("raised sampling_mask.token_ids"), v
+            elif k == "chunk_shapes":
+                n, rows, cols = v.split(" ", 2)
+                # forward + backward over 10 rows in chunks of 3: 4 + 4 calls
+                assert (int(n), int(rows), cols) == (8, 3, "[6]" if rank == 0 else "[7]"), v
+            else:
+                assert v <= 2e-6, (k, v)
