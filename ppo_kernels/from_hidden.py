@@ -768,7 +768,8 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     Errors: a TypeError / ValueError naming the argument (temperature as in
     pk.token_logprobs; logits_dtype other than None / torch.float32).
     sampling_mask, top_k, top_p, min_p, return_full, entropy_over: sampling replay, as in
-    pk.token_logprobs (docs/SAMPLING.md; not with tp_group).
+    pk.token_logprobs (docs/SAMPLING.md); with tp_group a given sampling_mask only
+    (top_k / top_p / min_p with tp_group: NotImplementedError).
     """
     if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
         return _as_head_forward(token_logprobs_from_hidden, locals())
@@ -961,6 +962,9 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
             (cu_seqlens: hidden [1, total, H] or [total, H]).
         logit_softcap, chunk_size, tp_group, vocab_start, logits_dtype: as
             token_logprobs_from_hidden.
+        sampling_mask, top_k, top_p, min_p, kl_logprobs: sampling replay as in
+            pk.score_rollout (docs/SAMPLING.md); with tp_group a given sampling_mask only
+            (top_k / top_p / min_p with tp_group: NotImplementedError).
 
     Returns:
         Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each, 0 where
