@@ -33,9 +33,7 @@ def problems(draw):
                                         "gspo-token", "dppo-tv", "dppo-kl", "vespo"]))
     opts = dict(
         policy_loss=policy_loss,
-        # (not 0: the clip boundary is then ratio == 1 itself, where an on-policy token's
-        # float32 ratio, 1 +- 1 ulp, falls on either side of the float64 reference's)
-        clip_eps_low=draw(st.sampled_from([0.05, 0.1, 0.2, 0.3])),
+        clip_eps_low=draw(st.sampled_from([0.0, 0.1, 0.2, 0.3])),
         clip_eps_high=draw(st.sampled_from([None, 0.28, 0.5])),
         dual_clip_c=(None if policy_loss in ("cispo", "sapo", "vespo")
                      else draw(st.sampled_from([None, 1.6, 3.0]))),
@@ -94,7 +92,18 @@ def test_cpu_matches_reference(problem):
     assert_close_np(loss, e_loss, rtol=1e-5, atol=1e-5)
     for k, v in met.items():
         assert_close_np(v, e_met[k], rtol=1e-5, atol=1e-5, what=k)
-    assert_grad_close(logits.grad, e_grad, 2e-5, floor=1e-7)
+    # The gradient sums the policy term and the KL / entropy terms; where they cancel (a KL
+    # pull against the advantage on an unlikely token), float32 rounding is relative to the
+    # terms, not to their sum: the bound takes the larger term's scale as well.
+    term = 0.0
+    if opts.get("kl_coef", 0.0) or opts.get("entropy_coef", 0.0):
+        _, _, g_pol = ref.ppo_loss(inp["base"], inp["tokens"], inp["old"], inp["adv"],
+                                   inp["mask"], inp["ref"],
+                                   rollout_is_weights=inp["isw"] if use_isw else None,
+                                   **_with_rollout(dict(opts, kl_coef=0.0, entropy_coef=0.0),
+                                                   inp))
+        term = max(float(np.abs(g_pol).max()), float(np.abs(e_grad - g_pol).max()))
+    assert_grad_close(logits.grad, e_grad, 2e-5, floor=1e-7 + 2e-5 * term)
 
 
 @SETTINGS
