@@ -256,21 +256,37 @@ def test_tokens_one_position_too_long_get_a_hint():
         pk.ppo_loss(**d)
 
 
-@pytest.mark.skipif(not HAS_CUDA_DEVICE, reason="needs a CUDA device for a real device mismatch")
-def test_device_mismatch_cuda():
-    """Tensors on another device than the logits (backend auto): a ValueError naming the
-    first such argument, in ppo_loss and gae."""
+# the other device of a mismatch: "meta" runs everywhere (the device checks raise before
+# any data is read), "cuda" where a GPU is present
+OTHER_DEVICES = [pytest.param("meta", id="meta"),
+                 pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(
+                     not HAS_CUDA_DEVICE, reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("device", OTHER_DEVICES)
+@pytest.mark.parametrize("name", ["tokens", "old_logprobs", "advantages", "response_mask",
+                                  "ref_logprobs"])
+def test_device_mismatch(device, name):
+    """One tensor argument left on the CPU while the logits and every other tensor are on
+    another device (backend auto): a ValueError naming that argument, whichever order the
+    checks run in."""
     d = base_ppo()
-    d["logits"] = d["logits"].cuda()
+    for k, v in list(d.items()):
+        if isinstance(v, torch.Tensor) and k != name:
+            d[k] = v.to(device)
     d["backend"] = "auto"
-    with pytest.raises(ValueError, match="tokens"):
+    assert d[name].device.type == "cpu" and d["logits"].device.type == device
+    with pytest.raises(ValueError, match=rf"^{name}: expected a tensor on"):
         pk.ppo_loss(**d)
-    d["tokens"] = d["tokens"].cuda()
-    with pytest.raises(ValueError, match="old_logprobs"):
-        pk.ppo_loss(**d)
+
+
+@pytest.mark.parametrize("device", OTHER_DEVICES)
+def test_device_mismatch_gae(device):
+    """gae with values on the CPU, rewards and mask on another device: a ValueError naming
+    values."""
     g = base_gae()
-    with pytest.raises(ValueError, match="values"):
-        pk.gae(g["rewards"].cuda(), g["values"], g["response_mask"].cuda())
+    with pytest.raises(ValueError, match="^values: expected a tensor on"):
+        pk.gae(g["rewards"].to(device), g["values"], g["response_mask"].to(device))
 
 
 @pytest.mark.parametrize("bad", [-1, V, V + 7, -10**9, 2**40])
