@@ -40,8 +40,34 @@ DEV = TRITON_DEVICE
 
 # ------------------------------------------------------------------ registration / schema
 
+def _norm_schema(s):
+    """A schema string reduced to its meaning: whitespace-normalised; output names dropped
+    (some torch versions ignore the schema given to triton_op and infer it from the
+    annotations, which name no outputs); SymInt read as int (torch 2.11's triton_op reports
+    the `int[] codes` of csrc/ops.cpp as `SymInt[] codes`, torch 2.14 keeps `int[]`: in an
+    operator schema SymInt is an int that may be symbolic under tracing, the same argument
+    for an eager caller). Argument names, order, types, optionality and aliasing all stay."""
+    s = re.sub(r"\s+", " ", s).strip()
+    s = re.sub(r"\bSymInt\b", "int", s)
+    args, rets = s.split(" -> ")
+    return args + " -> " + re.sub(r"(Tensor(?:\([a-z]!?\))?) \w+", r"\1", rets)
+
+
+def test_norm_schema_reads_symint_as_int():
+    """The torch 2.11 form of a schema equals the csrc/ops.cpp form; a real difference
+    (type, optionality, name) does not."""
+    cpp = "ns::f(Tensor x, float[] scalars, int[] codes, int n) -> (Tensor loss)"
+    assert _norm_schema("ns::f(Tensor x, float[] scalars, SymInt[] codes, SymInt n) -> (Tensor)"
+                        ) == _norm_schema(cpp)
+    for other in ("ns::f(Tensor x, float[] scalars, int[]? codes, int n) -> (Tensor)",
+                  "ns::f(Tensor x, float[] scalars, float[] codes, int n) -> (Tensor)",
+                  "ns::f(Tensor x, float[] scalars, int[] kinds, int n) -> (Tensor)",
+                  "ns::f(Tensor(a!) x, float[] scalars, int[] codes, int n) -> (Tensor)"):
+        assert _norm_schema(other) != _norm_schema(cpp), other
+
+
 def test_schemas_match_ops_cpp():
-    """Every triton_* op has exactly the schema of its C++ twin in csrc/ops.cpp."""
+    """Every triton_* op has the schema of its C++ twin in csrc/ops.cpp (_norm_schema)."""
     text = (ROOT / "csrc" / "ops.cpp").read_text()
     defs = re.findall(r'm\.def\(\s*((?:"[^"]*"\s*)+)\)', text)
     cpp = {}
@@ -54,17 +80,9 @@ def test_schemas_match_ops_cpp():
                         "distill_fwd",
                         # sampling replay (docs/SAMPLING.md)
                         "sampling_threshold", "kept_logprobs_fwd", "kept_logprobs_bwd_"}
-    def norm(s):
-        """Whitespace-normalised; output names dropped (some torch versions ignore the
-        schema given to triton_op and infer it from the annotations, which name no
-        outputs); argument names, order, types, optionality and aliasing all stay."""
-        s = re.sub(r"\s+", " ", s).strip()
-        args, rets = s.split(" -> ")
-        return args + " -> " + re.sub(r"(Tensor(?:\([a-z]!?\))?) \w+", r"\1", rets)
-
     for name, schema in cpp.items():
         got = str(getattr(OPS, "triton_" + name).default._schema)
-        assert norm(got) == norm(f"ppo_kernels::triton_{name}{schema}"), name
+        assert _norm_schema(got) == _norm_schema(f"ppo_kernels::triton_{name}{schema}"), name
     assert tk.register() == tk.register()  # idempotent
 
 
