@@ -528,15 +528,19 @@ def test_nan_on_a_valid_token_reaches_the_gradient(be, where):
     assert torch.isnan(x.grad[1, 2]).any()
 
 
-@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("be", BACKENDS)
 def test_vocab_one_with_odd_unit_stride(be):
     """V = 1 logits whose vocabulary dimension has stride 6 (a permuted view): logp = 0
-    and the loss is -A."""
-    logits = torch.randn(1, 2, 3).permute(1, 2, 0)  # [2, 3, 1], strides (3, 1, 6)
-    tokens = torch.zeros(2, 3, dtype=torch.long)
+    and the loss is -A. Every backend, the GPU ones on CUDA tensors (tests/gpu/numerics.py
+    runs the cuda and triton_cuda ids on a GPU)."""
+    # [2, 3, 1], strides (3, 1, 6), made on the backend's device (a copy could re-stride it)
+    logits = torch.randn(1, 2, 3, device=be.device).permute(1, 2, 0)
+    assert logits.stride() == (3, 1, 6)
+    tokens = torch.zeros(2, 3, dtype=torch.long, device=be.device)
     lp = pk.token_logprobs(logits, tokens, backend=be.name)
     assert (lp == 0).all()
-    loss, _ = pk.ppo_loss(logits, tokens, torch.zeros(2, 3), torch.ones(2, 3), backend=be.name)
+    loss, _ = pk.ppo_loss(logits, tokens, be.t(torch.zeros(2, 3)), be.t(torch.ones(2, 3)),
+                          backend=be.name)
     assert loss.item() == -1.0
 
 
