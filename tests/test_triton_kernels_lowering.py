@@ -43,8 +43,7 @@ def _row_types(logits, acc="fp32"):
         "inv_temp": "fp64", "kl_coef": "fp64", "clip_eps_low": "fp64",
         "clip_eps_high": "fp64", "dual_clip_c": "fp64", "entropy_coef": "fp64",
         "grad_scale": "fp64", "sapo_tau_pos": "fp64", "sapo_tau_neg": "fp64",
-        # the ppo_loss options in slot order (ppo_kernels/spec.py FLOAT_SLOTS), a tuple
-        "FS": ["fp64"] * N_FLOAT_SLOTS,
+        "temperature": "fp64",  # (the ppo_loss options: ppo_kernels/spec.py FLOAT_SLOTS)
     }
 
 
@@ -263,3 +262,169 @@ def test_slot_count():
     from ppo_kernels.spec import FLOAT_SLOTS
 
     assert N_FLOAT_SLOTS == len(FLOAT_SLOTS)
+
+
+# ------------------------------------------------------------------ launch specialisation
+# The types above are what the kernels are meant to receive; what a GPU compiles is what the
+# JIT derives from the launcher's actual arguments. A Python float is specialised as fp32
+# by triton's JIT (even inside a tuple) unless the parameter is annotated (tl.float64):
+# the 9 ppo_loss options once went in as a tuple of floats and cost float64 runs 1e-9 ..
+# 8e-8 relative on a GPU while the interpreter (which keeps Python floats) passed. The
+# child below runs every launcher on float64 CPU tensors with the kernels replaced by
+# recorders, binds each recorded launch with triton's own binder for an sm_90 target
+# (create_function_from_signature, as JITFunction.run does), and compiles the ppo_loss
+# float64 specialisation so derived to PTX.
+
+LAUNCH_CHILD = r"""
+import json, math, re, sys, traceback
+sys.path.insert(0, sys.argv[1])
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.autotuner import Autotuner
+from triton.runtime.jit import JITFunction, create_function_from_signature
+import importlib
+import ppo_kernels.triton_kernels as tk
+# (the modules: the package binds `gae` to the function)
+distill, gae, logprobs, ppo_loss, sampling = (
+    importlib.import_module("ppo_kernels.triton_kernels." + m)
+    for m in ("distill", "gae", "logprobs", "ppo_loss", "sampling"))
+
+target = GPUTarget("cuda", 90, 32)
+backend = make_backend(target)
+calls = []
+
+class Recorder:
+    def __init__(self, kern):
+        self.kern = kern
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            jit, extra = self.kern, {}
+            while not isinstance(jit, JITFunction):
+                if isinstance(jit, Autotuner):  # the autotuner supplies a config's meta
+                    extra = {**jit.configs[0].all_kwargs(), **extra}
+                jit = jit.fn
+            calls.append((jit, args, {**extra, **kwargs}))
+        return launch
+
+for mod in (distill, gae, logprobs, ppo_loss, sampling):
+    if hasattr(mod, "wrap_triton"):
+        mod.wrap_triton = lambda k: k
+    for name, obj in list(vars(mod).items()):
+        if isinstance(obj, (JITFunction, Autotuner)) and (name.endswith("kernel") or
+                                                         name.endswith("_jit")):
+            setattr(mod, name, Recorder(obj))
+
+f64 = torch.float64
+gen = torch.Generator().manual_seed(0)
+B, T, V = 2, 3, 5
+logits = torch.randn(B, T, V, dtype=f64, generator=gen)
+tokens = torch.randint(0, V, (B, T), generator=gen)
+mask = torch.ones(B, T, dtype=torch.bool)
+pt = lambda: torch.rand(B, T, dtype=f64, generator=gen)
+scal = [0.2, 0.28, 3.0, 0.1, 0.01, 0.7, 1.0 / 3.0, 1.0, 1.05]  # FLOAT_SLOTS order
+codes = [0, 2, 1]
+thr = torch.full((B, T), -math.inf, dtype=f64)
+offs = torch.arange(B * T + 1, dtype=torch.int64)
+ids = torch.zeros(B * T, dtype=torch.int64)
+runs = {
+    "ppo_loss_fwd": lambda: tk.ppo_loss_fwd(logits, tokens, mask, pt(), pt(), pt(), pt(), pt(),
+                                            pt(), scal, codes, True),
+    "ppo_loss_fwd_inplace": lambda: tk.ppo_loss_fwd_inplace(
+        logits.clone(), tokens, mask, pt(), pt(), pt(), pt(), pt(), pt(), scal, codes),
+    "scale_grad_": lambda: tk.scale_grad_(logits.clone(), torch.tensor(0.3, dtype=f64),
+                                          torch.tensor(0.7, dtype=f64)),
+    "token_logprobs_fwd": lambda: tk.token_logprobs_fwd(logits, tokens, mask, 0.7, True),
+    "token_logprobs_bwd": lambda: tk.token_logprobs_bwd(pt(), pt(), logits, tokens, mask, pt(),
+                                                        pt(), pt(), 0.7),
+    "gae": lambda: tk.gae(pt(), pt(), mask, torch.rand(B, dtype=f64), 0.99, 0.95,
+                          value_lam=0.9),
+    "score_rollout": lambda: tk.score_rollout(logits, tokens, mask, pt(), pt(),
+                                              torch.rand(B, dtype=f64), 0.1, 2, 0.99, 0.95,
+                                              0.7),
+    "kept_logprobs_fwd": lambda: sampling.kept_logprobs_fwd(logits, tokens, mask, 0.7, None,
+                                                            None, thr),
+    "kept_logprobs_bwd_": lambda: sampling.kept_logprobs_bwd_(
+        pt(), pt(), logits, tokens, mask, pt(), pt(), pt(), 0.7, None, None, thr,
+        torch.empty_like(logits)),
+    "distill_fwd": lambda: distill.distill_fwd(logits, mask, offs, ids, torch.rand(B * T, dtype=f64),
+                                               pt(), 0.7, 1.0 / 3.0, True, True),
+}
+out = {}
+for run_name, run in runs.items():
+    del calls[:]
+    try:
+        run()
+        launches = []
+        for jit, args, kwargs in calls:
+            binder = create_function_from_signature(jit.signature, jit.params, backend)
+            bound, spec, options = binder(*args, **kwargs)
+            floats = {}
+            for (name, value), (ty, _) in zip(bound.items(), spec):
+                if isinstance(value, float) or (isinstance(value, tuple) and
+                                                any(isinstance(v, float) for v in value)):
+                    floats[name] = ty
+            launches.append({"kernel": jit.fn.__name__, "floats": floats})
+            if run_name == "ppo_loss_fwd" and "ptx_params" not in out:
+                names = list(bound)
+                sig = {n: ty for n, (ty, _) in zip(names, spec)}
+                consts = {(i,): bound[n] for i, n in enumerate(names) if sig[n] == "constexpr"}
+                k = triton.compile(ASTSource(fn=jit, signature=sig, constexprs=consts),
+                                   target=target, options={"num_warps": kwargs["num_warps"]})
+                ptx = k.asm["ptx"]
+                entry = ptx[ptx.index(".entry"):]
+                entry = entry[:entry.index(")")]
+                out["ptx_params"] = re.findall(r"\.param \.(\w+)", entry)
+        out[run_name] = launches
+    except Exception:
+        out[run_name] = {"error": traceback.format_exc()}
+print("@@JSON@@" + json.dumps(out))
+"""
+
+LAUNCHERS = ("ppo_loss_fwd", "ppo_loss_fwd_inplace", "scale_grad_", "token_logprobs_fwd",
+             "token_logprobs_bwd", "gae", "score_rollout", "kept_logprobs_fwd",
+             "kept_logprobs_bwd_", "distill_fwd")
+
+
+@pytest.fixture(scope="module")
+def launched():
+    from triton.runtime import jit
+
+    if not hasattr(jit, "create_function_from_signature"):
+        pytest.skip("this triton has no create_function_from_signature binder")
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if "TRITON_PTXAS_PATH" not in env and shutil.which("ptxas") is None and \
+            os.path.exists("/usr/local/cuda/bin/ptxas"):
+        env["TRITON_PTXAS_PATH"] = "/usr/local/cuda/bin/ptxas"
+    proc = subprocess.run([sys.executable, "-c", LAUNCH_CHILD, str(ROOT)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@JSON@@")]
+    assert marker, f"launch child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(marker[-1][len("@@JSON@@"):])
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_float_arguments_are_specialised_float64(launched, launcher):
+    """Every Python float a launcher passes to a kernel (loss options, 1 / temperature,
+    gamma, lambda, grad_scale, ...) is specialised fp64 by the JIT, so a float64 run
+    rounds none of them to float32 (and a float32 run rounds each once, in the kernel)."""
+    res = launched[launcher]
+    assert "error" not in res, res["error"] if isinstance(res, dict) else ""
+    assert res, "the launcher launched no kernel"
+    for launch in res:
+        fp32 = {n: t for n, t in launch["floats"].items() if t != "fp64"}
+        assert not fp32, f"{launch['kernel']}: float arguments specialised as {fp32}"
+    if launcher.startswith("ppo_loss"):
+        assert len(res[0]["floats"]) == N_FLOAT_SLOTS + 1  # the options and 1 / temperature
+
+
+def test_ppo_loss_float64_options_are_f64_in_ptx(launched):
+    """The ppo_loss float64 specialisation the launcher's arguments give, compiled for
+    sm_90: its scalar parameters are the 9 options and 1 / temperature as .f64 and no
+    .f32 at all (the tuple of floats gave `.param .f32` x 9)."""
+    params = launched.get("ptx_params")
+    assert params, launched.get("ppo_loss_fwd")
+    assert "f32" not in params, params
+    assert params.count("f64") == N_FLOAT_SLOTS + 1, params

@@ -39,8 +39,8 @@ PG_SAPO = tl.constexpr(2)
 PG_DPPO_TV = tl.constexpr(3)
 PG_DPPO_KL = tl.constexpr(4)
 # The slots of the ops' `float[] scalars` (ppo_kernels/spec.py FLOAT_SLOTS, csrc/ppo_math.h
-# ppo::slot::Float; compared by tests/test_spec.py): the kernels take the list as a tuple FS
-# and read FS[F_...].
+# ppo::slot::Float; compared by tests/test_spec.py): the kernel takes them as float64
+# arguments (annotated), gathers them into a tuple FS and reads FS[F_...].
 F_CLIP_EPS_LOW = tl.constexpr(0)
 F_CLIP_EPS_HIGH = tl.constexpr(1)
 F_DUAL_CLIP_C = tl.constexpr(2)

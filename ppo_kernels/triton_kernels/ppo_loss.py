@@ -42,7 +42,13 @@ def _ppo_loss_kernel_fn(
     tokens_ptr, mask_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, isw_ptr, went_ptr,
     loss_tok_ptr, logp_ptr, ent_ptr,
     grad_ptr, stride_gb, stride_gt, invt_ptr,
-    T, TG, V, FS, inv_temp: tl.float64,
+    T, TG, V,
+    # the loss options, FLOAT_SLOTS of ppo_kernels/spec.py in slot order; float64 by
+    # annotation: triton's JIT types a plain Python float (even in a tuple) as fp32
+    clip_eps_low: tl.float64, clip_eps_high: tl.float64, dual_clip_c: tl.float64,
+    kl_coef: tl.float64, entropy_coef: tl.float64, temperature: tl.float64,
+    grad_scale: tl.float64, sapo_tau_pos: tl.float64, sapo_tau_neg: tl.float64,
+    inv_temp: tl.float64,
     ACC: tl.constexpr, KL_EST: tl.constexpr, HAS_REF: tl.constexpr, HAS_ISW: tl.constexpr,
     HAS_DUAL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_WENT: tl.constexpr,
     POLICY_LOSS: tl.constexpr, KL_BIAS: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
@@ -55,7 +61,12 @@ def _ppo_loss_kernel_fn(
     grad_scale * d loss / d logits (dlogp and dent scaled before the sweep); the per-token
     outputs are not scaled. HAS_OLD False: on-policy, old = logp (old_ptr is not read);
     HAS_WENT False: the entropy weight is w (went_ptr is not read). ROW_TEMP: the row's
-    1 / temperature is invt_ptr[b * T + t] (logprobs.inv_temperatures), else inv_temp."""
+    1 / temperature is invt_ptr[b * T + t] (logprobs.inv_temperatures), else inv_temp.
+    The float options come as float64 arguments (annotated: an unannotated Python float
+    would be specialised as fp32 on a GPU and cost float64 runs 1e-9..1e-7 relative), each
+    rounded once to ACC where it is used (as_acc), as the C++ T(p.x)."""
+    FS = (clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, entropy_coef, temperature,
+          grad_scale, sapo_tau_pos, sapo_tau_neg)
     row = tl.program_id(0).to(tl.int64)
     b = row // TG
     t = row % TG
@@ -131,7 +142,7 @@ def check_grad_scale(grad_scale):
 
 
 def _check_args(scalars, codes):
-    """The ops' float[] / int[] (the slots of ppo_kernels/spec.py): (FS tuple, codes)."""
+    """The ops' float[] / int[] (the slots of ppo_kernels/spec.py): (floats, codes)."""
     if len(scalars) != len(FLOAT_SLOTS) or len(codes) != len(INT_SLOTS):
         raise ValueError(f"scalars / codes: expected {len(FLOAT_SLOTS)} numbers and "
                          f"{len(INT_SLOTS)} integers in the slot order of ppo_kernels/spec.py, "
@@ -184,7 +195,7 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
                 entropy_weights if entropy_weights is not None else advantages,
                 loss_tok, logp, ent,
                 g, g.stride(0), g.stride(1), invt if row_temp else advantages,
-                T, TL if compute_grad else T, V, fs, inv,
+                T, TL if compute_grad else T, V, *fs, inv,
                 ACC=tl_acc(acc), KL_EST=codes[I["kl_estimator"]],
                 HAS_REF=ref_logprobs is not None, HAS_ISW=rollout_is_weights is not None,
                 HAS_DUAL=fs[F["dual_clip_c"]] > 0.0, HAS_OLD=old_logprobs is not None,
