@@ -740,6 +740,48 @@ def test_scale_grad_strided_storage(layout):
     assert ap2.item() == 2.0
 
 
+class _CompiledLike(triton.runtime.jit.JITFunction):
+    """What triton.jit returns on a GPU machine (a JITFunction, which wrap_triton wraps in
+    its HOP), run by the interpreted kernel here: the launch path of a GPU without one."""
+
+    def __init__(self, kernel):
+        super().__init__(kernel.fn)
+        self._kernel = kernel
+
+    @property
+    def cache_key(self):  # (the source hash would walk into interpreted helpers)
+        return f"compiled-like {id(self)}"
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return self._kernel[grid](*args, **kwargs)
+
+
+@pytest.mark.skipif(DEV == "cuda", reason="replaces the kernels by interpreted stand-ins")
+def test_scale_grad_eager_launch_leaves_the_kernel_side_table(monkeypatch):
+    """The eager backward calls the scale_grad_ launcher directly (ppo_kernels/_autograd.py),
+    outside its triton_op: a launch through wrap_triton there went through torch's
+    triton_kernel_wrapper_mutation HOP and appended one entry to its kernel_side_table per
+    call, never freed. An eager launch is the kernel itself: the table does not grow, and
+    the gradient is still scaled."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+
+    from ppo_kernels.triton_kernels import ppo_loss as pl
+
+    for name in ("_scale_grad_kernel", "_scale_grad_commit_kernel"):
+        monkeypatch.setattr(pl, name, _CompiledLike(getattr(pl, name)))
+    grad = torch.randn(2, 3, 40, generator=torch.Generator().manual_seed(25))
+    want = grad.clone()
+    size = (len(kernel_side_table.constant_args), len(kernel_side_table.id_to_kernel))
+    for i in range(4):
+        go = torch.tensor(0.5 * (i + 1))
+        ap = torch.tensor(0.25 * (i + 1))
+        tk.scale_grad_(grad, go, ap)
+        want = _scaled(want, go, torch.tensor(0.25 * (i + 1)))
+        assert ap.item() == go.item()
+    assert torch.equal(grad, want)
+    assert (len(kernel_side_table.constant_args), len(kernel_side_table.id_to_kernel)) == size
+
+
 # ------------------------------------------------------------------ gae
 
 @pytest.mark.parametrize("padding", ["random", "left", "right", "interior", "empty_row",

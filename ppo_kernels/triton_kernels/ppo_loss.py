@@ -289,9 +289,27 @@ def scale_grad_(grad, grad_output, applied):
     acc = acc_dtype(grad)
     for name, x in (("grad_output", grad_output), ("applied", applied)):
         check_per_token(name, x, (), acc, grad.device)
+    traced = _traced(grad, grad_output, applied)
+    scale = wrap_triton(_scale_grad_kernel) if traced else _scale_grad_kernel
+    commit = wrap_triton(_scale_grad_commit_kernel) if traced else _scale_grad_commit_kernel
     with device_guard(grad):
         if B * TL * V > 0:
-            wrap_triton(_scale_grad_kernel)[(B * TL,)](
-                grad, grad.stride(0), grad.stride(1), grad_output, applied, TL, V,
-                ACC=tl_acc(acc), **_config.inplace_row_config(V))
-        wrap_triton(_scale_grad_commit_kernel)[(1,)](grad_output, applied, num_warps=1)
+            scale[(B * TL,)](grad, grad.stride(0), grad.stride(1), grad_output, applied, TL, V,
+                             ACC=tl_acc(acc), **_config.inplace_row_config(V))
+        commit[(1,)](grad_output, applied, num_warps=1)
+
+
+def _traced(*tensors):
+    """True where a trace must see the launch (torch.compile, make_fx / export: a proxy,
+    fake or functional mode, or tensor subclasses), so it goes through wrap_triton's
+    triton_kernel_wrapper_mutation; False for an eager call, which launches the kernel
+    itself. scale_grad_ is also called directly, outside its triton_op (the eager backward,
+    ppo_kernels/_autograd.py), where wrap_triton is not switched off: there each call
+    would go through the HOP's Python dispatch and append its constant arguments to
+    torch's kernel_side_table (torch/_higher_order_ops/triton_kernel_wrap.py), which is
+    never cleared. (Inside a triton_op's eager run wrap_triton returns the kernel anyway.)"""
+    if torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in tensors):
+        return True
+    keys = torch._C._TorchDispatchModeKey
+    return any(torch._C._get_dispatch_mode(getattr(keys, k)) is not None
+               for k in ("PROXY", "FAKE", "FUNCTIONAL") if hasattr(keys, k))
