@@ -2,33 +2,49 @@
 logits with logits_dtype=torch.float32) against materialised
 logits + pk.ppo_loss and Liger-Kernel's fused-linear GRPO loss (LigerFusedLinearGRPOLoss,
 when importable), forward+backward time (CUDA events, median) and peak allocated memory
-beyond the inputs, bf16, with a check that the fused and materialised gradients agree.
-Written for benchmarks/gpu_check.sh; UNRUN on a GPU so far. `--device cpu --quick` runs
-the same code on the CPU kernels (a dry run of this script, not a measurement).
+beyond the inputs, bf16, with 0% and 50% of the tokens masked, and checks that the
+gradients agree:
+- fused (bf16 logits) vs materialised bf16 logits + pk.ppo_loss;
+- fused with float32 logits vs a materialised float32 reference (hidden.float() @
+  weight.float().t() + pk.ppo_loss on float32 leaves). Against the bf16 reference a few
+  tokens near a clip edge flip their clip decision (|d logp| up to ~8e-3 between bf16 and
+  float32 logits) and the max / max metric charges a flipped token's whole gradient (the
+  first GPU run's 2.2e-1 at N = 8192): both metrics are printed, max|d| / max|ref| and the
+  norm-relative ||d|| / ||ref||;
+- Liger's loss against ours (the same loss: GRPO's per-sequence token mean, no KL).
+The first GPU run (2026-12-04) timed the first three; this version is unrun on a GPU.
+`--device cpu --quick` runs the same code on the CPU kernels (a dry run of this script,
+not a measurement).
 
-    python benchmarks/gpu_from_hidden.py [--quick] [--json out.json]
+    python benchmarks/gpu_from_hidden.py [--quick] [--device cpu] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 
-import ppo_kernels as pk
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import ppo_kernels as pk  # noqa: E402
 
 
-def make(n, h, v, dtype, device, seed=0):
+def make(n, h, v, dtype, device, masked=0.0, seed=0):
+    """[8, n / 8] tokens, hidden [8, n / 8, h], weight [v, h]; a fraction ``masked`` of the
+    positions masked (at random); old log-probs near the current ones; advantages per
+    sequence."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     b = 8
     t = n // b
     hidden = (torch.randn(b, t, h, generator=g) / h ** 0.5).to(dtype).to(device)
     weight = (torch.randn(v, h, generator=g)).to(dtype).to(device)
     tokens = torch.randint(0, v, (b, t), generator=g).to(device)
-    mask = (torch.rand(b, t, generator=g) > 0.1).to(device)
+    mask = (torch.rand(b, t, generator=g) >= masked).to(device)
     with torch.no_grad():
         lp = pk.token_logprobs_from_hidden(hidden, weight, tokens, mask)
     old = lp + 0.05 * torch.randn(b, t, generator=g).to(device)
@@ -54,8 +70,16 @@ def materialised(hidden, weight, tokens, mask, old, adv):
     return pk.ppo_loss(logits, tokens, old, adv, mask, loss_agg_mode="seq-mean-token-mean")[0]
 
 
+def reference_fp32(hidden, weight, tokens, mask, old, adv):
+    """The materialised float32 reference: float32 logits (each bf16 product is exact in
+    float32; float32 sums) + pk.ppo_loss. Called on float32 leaves (step_fp32)."""
+    logits = hidden.float() @ weight.float().t()
+    return pk.ppo_loss(logits, tokens, old, adv, mask, loss_agg_mode="seq-mean-token-mean")[0]
+
+
 def liger():
-    """Liger's module (bnpo-free grpo normalisation, no KL, as the two above), or None."""
+    """Liger's module (loss_type "grpo": the per-sequence token mean, no KL, as the ones
+    above), or None."""
     try:
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
     except Exception as e:  # not installed in the H200 image: carry its wheel (gpu_check.sh)
@@ -65,16 +89,36 @@ def liger():
                                     temperature=1.0, use_ref_model=False, loss_type="grpo")
 
     def run(hidden, weight, tokens, mask, old, adv):
-        out = loss(weight, hidden, tokens, mask.to(hidden.dtype), adv, None, None, old)
+        # LigerFusedLinearGRPOLoss.forward(_input, lin_weight, selected_token_ids,
+        # attention_mask, advantages, bias, ref_per_token_logps, old_per_token_logps, ...)
+        # (liger_kernel/chunked_loss/grpo_loss.py): _input is [B, T, H], lin_weight [V, H];
+        # by keyword, so an order mistake cannot pass silently. Returns (loss, metrics).
+        out = loss(_input=hidden, lin_weight=weight, selected_token_ids=tokens,
+                   attention_mask=mask.to(hidden.dtype), advantages=adv, bias=None,
+                   ref_per_token_logps=None, old_per_token_logps=old)
         return out[0] if isinstance(out, tuple) else out
 
     return run
 
 
-def step(fn, inputs):
-    hidden, weight = (x.detach().requires_grad_(True) for x in inputs[:2])
-    fn(hidden, weight, *inputs[2:]).backward()
-    return hidden.grad, weight.grad
+def step(fn, inputs, leaf_dtype=None):
+    """fn's loss and its gradients in hidden and weight (leaves of leaf_dtype if given)."""
+    hidden, weight = (x.detach().to(leaf_dtype or x.dtype).requires_grad_(True)
+                      for x in inputs[:2])
+    loss = fn(hidden, weight, *inputs[2:])
+    loss.backward()
+    return float(loss.detach()), hidden.grad, weight.grad
+
+
+def grad_errors(got, ref):
+    """(max|d| / max|ref|, ||d|| / ||ref||) over the hidden and the weight gradients (the
+    larger of the two each)."""
+    mm = nr = 0.0
+    for a, b in zip(got, ref):
+        d = a.float() - b.float()
+        mm = max(mm, float(d.abs().max() / b.float().abs().max().clamp(min=1e-30)))
+        nr = max(nr, float(d.norm() / b.float().norm().clamp(min=1e-30)))
+    return mm, nr
 
 
 def measure(fn, inputs, reps, gpu):
@@ -104,47 +148,86 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--masked", default="0,0.5",
+                    help="comma list of the fractions of masked tokens (default 0,0.5)")
+    ap.add_argument("--dtype", default="bfloat16", help="hidden and weight dtype")
     ap.add_argument("--json")
     a = ap.parse_args()
     gpu = a.device == "cuda"
-    dtype = torch.bfloat16 if gpu else torch.float32
+    if gpu and not torch.cuda.is_available():
+        print("no CUDA device: use --device cpu --quick for a dry run", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, a.dtype)
     sizes = [(256, 64, 1000)] if a.quick else [(2048, 4096, 151936), (8192, 4096, 151936)]
+    fracs = [float(x) for x in a.masked.split(",")]
     variants = {"fused from hidden": fused, "fused, fp32 logits": fused_fp32_logits,
                 "logits + ppo_loss": materialised}
     lg = liger()
     if lg is not None:
         variants["liger fused-linear GRPO"] = lg
-    rows = []
+    rows, fails = [], 0
+
+    def check(ok, what):
+        nonlocal fails
+        fails += not ok
+        print(f"CHECK {'ok' if ok else 'FAIL'} {what}", flush=True)
+
     for n, h, v in sizes:
-        inputs = make(n, h, v, dtype, a.device)
-        g1, w1 = step(fused, inputs)
-        g2, w2 = step(materialised, inputs)
-        err = max(float((g1.float() - g2.float()).abs().max() / g2.float().abs().max()),
-                  float((w1.float() - w2.float()).abs().max() / w2.float().abs().max()))
-        print(f"CHECK {'ok' if err < 2e-2 else 'FAIL'} from-hidden vs materialised N={n} "
-              f"V={v}: max rel grad diff {err:.2e}")
-        g3, w3 = step(fused_fp32_logits, inputs)
-        err = max(float((g3.float() - g2.float()).abs().max() / g2.float().abs().max()),
-                  float((w3.float() - w2.float()).abs().max() / w2.float().abs().max()))
-        print(f"CHECK {'ok' if err < 2e-2 else 'FAIL'} fp32 logits vs materialised N={n} "
-              f"V={v}: max rel grad diff {err:.2e}")
-        for name, fn in variants.items():
-            try:
-                ms, peak = measure(fn, inputs, 3 if a.quick else 5, gpu)
-            except Exception as e:  # report, keep measuring the others
-                print(f"{name}: failed ({type(e).__name__}: {str(e)[:200]})")
-                continue
-            rows.append(dict(n=n, h=h, v=v, variant=name, ms=ms, peak_mib=peak))
-            print(f"N={n:6d} H={h} V={v} {name:<26} {ms:9.2f} ms  peak {peak:9.1f} MiB")
-        mine = {r["variant"]: r for r in rows if r["n"] == n}
-        if "fused from hidden" in mine and "fused, fp32 logits" in mine:
-            b, f = mine["fused from hidden"], mine["fused, fp32 logits"]
-            print(f"N={n:6d} fp32 logits / bf16 logits: time {f['ms'] / b['ms']:.2f}x, peak "
-                  f"{f['peak_mib'] / b['peak_mib']:.2f}x")
+        for frac in fracs:
+            inputs = make(n, h, v, dtype, a.device, masked=frac)
+            tag = f"N={n} V={v} masked={frac:.0%}"
+            l1, *g1 = step(fused, inputs)
+            l2, *g2 = step(materialised, inputs)
+            mm, nr = grad_errors(g1, g2)
+            check(mm < 2e-2, f"from-hidden vs materialised {tag}: grad max/max {mm:.2e}, "
+                             f"norm-relative {nr:.2e}")
+            del g1
+            # float32 logits against the materialised float32 reference
+            _, *g3 = step(fused_fp32_logits, inputs)
+            lr, *gr = step(reference_fp32, inputs, leaf_dtype=torch.float32)
+            mm, nr = grad_errors(g3, gr)
+            check(mm < 2e-2 and nr < 1e-2, f"fp32 logits vs materialised fp32 {tag}: grad "
+                                           f"max/max {mm:.2e}, norm-relative {nr:.2e}")
+            mm2, nr2 = grad_errors(g3, g2)  # the first run's comparison, for the record
+            print(f"   fp32 logits vs materialised bf16 {tag}: grad max/max {mm2:.2e}, "
+                  f"norm-relative {nr2:.2e} (clip flips count whole; info)", flush=True)
+            del g2, g3, gr
+            if lg is not None:
+                try:
+                    l4 = float(lg(*inputs))
+                    d = abs(l4 - l2) / max(abs(l2), 1e-30)
+                    check(d < 1e-2, f"liger loss vs ours {tag}: {l4:.6g} vs {l2:.6g} "
+                                    f"(rel {d:.1e})")
+                except Exception as e:  # report, the timings still run
+                    check(False, f"liger call {tag}: {type(e).__name__}: {str(e)[:200]}")
+            for name, fn in variants.items():
+                try:
+                    ms, peak = measure(fn, inputs, 3 if a.quick else 5, gpu)
+                except Exception as e:  # report, keep measuring the others
+                    print(f"{name}: failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+                    rows.append(dict(n=n, h=h, v=v, masked=frac, variant=name,
+                                     status=f"failed: {type(e).__name__}: {str(e)[:200]}"))
+                    continue
+                rows.append(dict(n=n, h=h, v=v, masked=frac, variant=name, status="ok", ms=ms,
+                                 peak_mib=peak))
+                print(f"N={n:6d} H={h} V={v} masked {frac:4.0%} {name:<26} {ms:9.2f} ms  "
+                      f"peak {peak:9.1f} MiB", flush=True)
+            mine = {r["variant"]: r for r in rows
+                    if r["n"] == n and r["masked"] == frac and r["status"] == "ok"}
+            if "fused from hidden" in mine and "fused, fp32 logits" in mine:
+                b, f = mine["fused from hidden"], mine["fused, fp32 logits"]
+                print(f"N={n:6d} masked {frac:4.0%} fp32 logits / bf16 logits: time "
+                      f"{f['ms'] / b['ms']:.2f}x, peak {f['peak_mib'] / b['peak_mib']:.2f}x",
+                      flush=True)
+            del inputs
+            if gpu:
+                torch.cuda.empty_cache()
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
+    print(f"{fails} FAIL")
+    return 1 if fails else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
