@@ -32,13 +32,14 @@ CSR inputs (token_ids, offsets).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple
 
 import torch
 
 from . import _checks as ck
 from . import packed
-from ._autograd import register_distill
+from ._autograd import register_distill, wants_grad
 from ._backends import get_backend
 from ._torch_impl import agg_weights
 from .spec import LOSS_AGG_MODES
@@ -67,6 +68,38 @@ def _first_bad(bad):
     return int(bad.nonzero()[0, 0])
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """The CPU checks' ATen ops on one intra-op thread. Each is one memory-bound pass over
+    the [nnz] entries (tens of microseconds at a top-64 teacher's N * k = 65536); above
+    ATen's grain size (32768 elements) each would be a parallel region whose threads must
+    all be scheduled, which on a loaded machine costs a scheduler time slice per op
+    (milliseconds: measured 270 ms for the checks at 2 threads against 1 ms at 1, N 1024,
+    k 64). The kernel's one long parallel region keeps every thread."""
+    t = torch.get_num_threads()
+    if t == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(t)
+
+
+class _Csr(NamedTuple):
+    """A checked CSR: ids, off int64; row_of int64 [nnz] (each entry's position); valid_e
+    bool [nnz] (its position is valid) or None (every position valid, or no mask given;
+    CPU only: on a device always the tensor when a mask is given); counts [n] (the
+    entries per position, >= 0)."""
+
+    ids: Any
+    off: Any
+    row_of: Any
+    valid_e: Any
+    counts: Any
+
+
 def check_csr(name, token_ids, offsets, n, like, *, vocab=None, row_valid=None,
               distinct=True):
     """Checks a CSR (token_ids [nnz], offsets [N + 1]) over n positions and returns
@@ -78,6 +111,10 @@ def check_csr(name, token_ids, offsets, n, like, *, vocab=None, row_valid=None,
     distinctness (masked positions are never read). On CPU tensors every failure is a
     ValueError / TypeError naming the field; on a device the value checks are
     asynchronous device assertions (no host read) and bad ids are replaced by 0."""
+    return _check_csr(name, token_ids, offsets, n, like, vocab, row_valid, distinct)[:3]
+
+
+def _check_csr(name, token_ids, offsets, n, like, vocab, row_valid, distinct):
     ck.tensor(f"{name}.token_ids", token_ids, integer=True)
     ck.tensor(f"{name}.offsets", offsets, integer=True)
     for f, x in (("token_ids", token_ids), ("offsets", offsets)):
@@ -89,94 +126,147 @@ def check_csr(name, token_ids, offsets, n, like, *, vocab=None, row_valid=None,
                          f"positions), got {offsets.numel()}")
     ids = token_ids.long().contiguous()
     off = offsets.long().contiguous()
-    nnz = ids.numel()
     counts = off[1:] - off[:-1]
-    host = ck.host_readable(off)
-    if host:
-        if int(off[0]) != 0:
-            raise ValueError(f"{name}.offsets: expected offsets[0] = 0, got {int(off[0])}")
-        if n and bool((counts < 0).any()):
-            i = _first_bad(counts < 0)
-            raise ValueError(f"{name}.offsets: expected non-decreasing offsets, got "
-                             f"{int(off[i])} then {int(off[i + 1])} at position {i}")
-        if int(off[-1]) != nnz:
-            raise ValueError(f"{name}.offsets: expected offsets[N] = nnz = {nnz} (the "
-                             f"length of token_ids), got {int(off[-1])}")
-    else:
-        torch._assert_async((off[0] == 0) & (off[-1] == nnz) & (counts >= 0).all(),
-                            f"{name}.offsets: expected 0 first, non-decreasing, nnz last")
-        counts = counts.clamp(min=0)
+    if ck.host_readable(off):
+        with _one_thread():
+            return _csr_on_host(name, ids, off, counts, n, vocab, row_valid, distinct)
+    return _csr_on_device(name, ids, off, counts, n, vocab, row_valid, distinct)
+
+
+def _csr_on_host(name, ids, off, counts, n, vocab, row_valid, distinct):
+    """check_csr on CPU tensors: one pass per question over the [nnz] entries (the range as
+    one aminmax, distinctness as one sort of row * span + id keys: a radix sort, int32
+    where the keys fit), a few numbers read; the messages' details (the first bad entry)
+    are computed only on the way to raising."""
+    nnz = ids.numel()
+    first, last = off[0].item(), off[-1].item()
+    if first != 0:
+        raise ValueError(f"{name}.offsets: expected offsets[0] = 0, got {first}")
+    if n and counts.min().item() < 0:
+        i = _first_bad(counts < 0)
+        raise ValueError(f"{name}.offsets: expected non-decreasing offsets, got "
+                         f"{int(off[i])} then {int(off[i + 1])} at position {i}")
+    if last != nnz:
+        raise ValueError(f"{name}.offsets: expected offsets[N] = nnz = {nnz} (the "
+                         f"length of token_ids), got {last}")
+    row_of = torch.repeat_interleave(torch.arange(n), counts, output_size=nnz)
+    valid_e = None
+    if row_valid is not None and nnz and not bool(row_valid.all()):
+        valid_e = row_valid.index_select(0, row_of)
+    seen = ids if valid_e is None else torch.where(valid_e, ids, 0)  # masked: never read
+    if vocab is not None and nnz:
+        lo, hi = (int(v) for v in torch.aminmax(seen))
+        if lo < 0 or hi >= vocab:
+            bad = (ids < 0) | (ids >= vocab)
+            a = _first_bad(bad if valid_e is None else bad & valid_e)
+            raise ValueError(f"{name}.token_ids: ids must lie in [0, {vocab}) on valid "
+                             f"positions; got {int(ids[a])} at entry {a} (position "
+                             f"{int(row_of[a])})")
+    if distinct and nnz > 1:
+        if vocab is None:  # (the ids' range is checked later: negative ids clamped)
+            seen = seen.clamp(min=0)
+            span = int(seen.max()) + 1
+        else:
+            span = vocab
+        key = torch.add(seen, row_of, alpha=span)
+        if valid_e is not None:  # a masked position's entries: distinct negative keys
+            key = torch.where(valid_e, key, -1 - torch.arange(nnz))
+        if n * span < 2 ** 31 and nnz < 2 ** 31:
+            key = key.int()  # half the radix sort's passes
+        s = key.sort().values
+        dup = s[1:] == s[:-1]
+        if bool(dup.any()):  # (a masked entry's key is unique: never a duplicate)
+            k = int(s[1:][dup][0])
+            raise ValueError(f"{name}.token_ids: ids must be distinct within a position; "
+                             f"id {k % span} appears twice at position {k // span}")
+    return _Csr(ids, off, row_of, valid_e, counts)
+
+
+def _csr_on_device(name, ids, off, counts, n, vocab, row_valid, distinct):
+    """check_csr on a device (or under torch.compile): asynchronous device assertions, no
+    host read; bad ids replaced by 0."""
+    nnz = ids.numel()
+    torch._assert_async((off[0] == 0) & (off[-1] == nnz) & (counts >= 0).all(),
+                        f"{name}.offsets: expected 0 first, non-decreasing, nnz last")
+    counts = counts.clamp(min=0)
     row_of = torch.repeat_interleave(torch.arange(n, device=off.device), counts,
                                      output_size=nnz)
-    check = torch.ones_like(ids, dtype=torch.bool) if row_valid is None else row_valid[row_of]
+    valid_e = None if row_valid is None else row_valid[row_of]
+    check = torch.ones_like(ids, dtype=torch.bool) if valid_e is None else valid_e
     if vocab is not None:
         bad = check & ((ids < 0) | (ids >= vocab))
-        if host:
-            if bool(bad.any()):
-                a = _first_bad(bad)
-                raise ValueError(f"{name}.token_ids: ids must lie in [0, {vocab}) on valid "
-                                 f"positions; got {int(ids[a])} at entry {a} (position "
-                                 f"{int(row_of[a])})")
-        else:
-            torch._assert_async(~bad.any(), f"{name}.token_ids: ids must lie in [0, {vocab})")
-            ids = torch.where(bad, 0, ids)
-    if distinct and nnz > 1 and host and n and bool((counts == nnz // n).all()):
-        # every position holds k ids (a teacher's top-k): sort within rows, [n, k]
-        k = nnz // n
-        s = ids.view(n, k).sort(dim=1).values
-        dup = (s[:, 1:] == s[:, :-1]) & (check.view(n, k)[:, 1:])
-        if bool(dup.any()):
-            i, a = (int(v) for v in dup.nonzero()[0])
-            raise ValueError(f"{name}.token_ids: ids must be distinct within a position; "
-                             f"id {int(s[i, a])} appears twice at position {i}")
-    elif distinct and nnz > 1:
-        span = vocab if vocab is not None else int(ids.max()) + 1 if host else 2 ** 31
+        torch._assert_async(~bad.any(), f"{name}.token_ids: ids must lie in [0, {vocab})")
+        ids = torch.where(bad, 0, ids)
+    if distinct and nnz > 1:
+        span = vocab if vocab is not None else 2 ** 31
         key = torch.where(check, row_of * span + ids.clamp(min=0),
                           -1 - torch.arange(nnz, device=ids.device))
         s = key.sort().values
         dup = (s[1:] == s[:-1]) & (s[1:] >= 0)
-        if host:
-            if bool(dup.any()):
-                k = int(s[1:][dup][0])
-                raise ValueError(f"{name}.token_ids: ids must be distinct within a position; "
-                                 f"id {k % span} appears twice at position {k // span}")
-        else:
-            torch._assert_async(~dup.any(), f"{name}.token_ids: ids must be distinct within "
-                                            "a position")
-    return ids, off, row_of
+        torch._assert_async(~dup.any(), f"{name}.token_ids: ids must be distinct within "
+                                        "a position")
+    return _Csr(ids, off, row_of, valid_e, counts)
 
 
-def check_teacher_logprobs(name, logprobs, ids, row_of, n, row_valid, acc):
+def check_teacher_logprobs(name, logprobs, ids, row_of, n, row_valid, acc, csr=None):
     """The teacher's log-probs [nnz]: finite or -inf, <= 0, and each valid position's
     mass sum exp <= 1 + MASS_TOLERANCE. Returns them in acc (masked positions' entries -inf,
-    never read), and the per-position mass PT [n]."""
+    never read), and the per-position mass PT [n]. csr: check_csr's _Csr of the same call
+    (its valid_e and counts are reused), or None."""
     ck.tensor(name, logprobs, floating=True)
     ck.same_device(name, logprobs, "logits", ids)
     if logprobs.dim() != 1 or logprobs.numel() != ids.numel():
         raise ValueError(f"{name}: expected [nnz] = [{ids.numel()}] (one per token_id), got "
                          f"shape {list(logprobs.shape)}")
     lt = logprobs.detach().to(acc)
+    if not ck.host_readable(lt):
+        return _logprobs_on_device(name, lt, row_of, n, row_valid, acc)
+    with _one_thread():
+        return _logprobs_on_host(name, logprobs, lt, row_of, n, row_valid, acc, csr)
+
+
+def _logprobs_on_host(name, logprobs, lt, row_of, n, row_valid, acc, csr):
+    """check_teacher_logprobs on CPU tensors: lt <= 0 as one pass (NaN fails it too), the
+    mass as exp and one sum; the message's details only on the way to raising."""
+    nnz = lt.numel()
+    if csr is not None:
+        valid_e, counts = csr.valid_e, csr.counts
+    else:
+        valid_e = None if bool(row_valid.all()) else row_valid.index_select(0, row_of)
+        counts = None
+    if valid_e is not None:  # masked positions' entries: -inf, never read nor checked
+        lt = torch.where(valid_e, lt, float("-inf"))
+    if nnz and not bool((lt <= 0).all()):  # (False for NaN too)
+        bad_nan = torch.isnan(lt)
+        if bool(bad_nan.any()):
+            raise ValueError(f"{name}: NaN at entry {_first_bad(bad_nan)} (a valid position)")
+        a = _first_bad(lt > 0)
+        raise ValueError(f"{name}: log-probabilities must be <= 0; got "
+                         f"{float(logprobs[a])} at entry {a}")
+    e = lt.exp()
+    k = nnz // n if n else 0
+    if counts is not None and n and k * n == nnz and bool((counts == k).all()):
+        mass = e.view(n, k).sum(1)  # every position holds k entries (a top-k teacher)
+    else:
+        mass = torch.zeros(n, dtype=acc).index_add_(0, row_of, e)
+    bad_mass = mass > 1.0 + MASS_TOLERANCE  # (a masked position's mass is 0)
+    if bool(bad_mass.any()):
+        i = _first_bad(bad_mass)
+        raise ValueError(f"{name}: the teacher's mass on a set must be <= 1 (+ "
+                         f"{MASS_TOLERANCE}); got {float(mass[i]):.6g} at position {i}")
+    return lt.contiguous(), mass
+
+
+def _logprobs_on_device(name, lt, row_of, n, row_valid, acc):
     valid = row_valid[row_of]
     bad_nan = valid & torch.isnan(lt)
     bad_pos = valid & (lt > 0)
     lt = torch.where(valid & ~torch.isnan(lt), lt.clamp(max=0.0), float("-inf")).contiguous()
     mass = torch.zeros(n, dtype=acc, device=lt.device).index_add_(0, row_of, lt.exp())
     bad_mass = row_valid & (mass > 1.0 + MASS_TOLERANCE)
-    if ck.host_readable(lt):
-        if bool(bad_nan.any()):
-            raise ValueError(f"{name}: NaN at entry {_first_bad(bad_nan)} (a valid position)")
-        if bool(bad_pos.any()):
-            a = _first_bad(bad_pos)
-            raise ValueError(f"{name}: log-probabilities must be <= 0; got "
-                             f"{float(logprobs[a])} at entry {a}")
-        if bool(bad_mass.any()):
-            i = _first_bad(bad_mass)
-            raise ValueError(f"{name}: the teacher's mass on a set must be <= 1 (+ "
-                             f"{MASS_TOLERANCE}); got {float(mass[i]):.6g} at position {i}")
-    else:
-        torch._assert_async(~(bad_nan.any() | bad_pos.any() | bad_mass.any()),
-                            f"{name}: expected log-probabilities <= 0, not NaN, with a mass "
-                            f"<= 1 per position")
+    torch._assert_async(~(bad_nan.any() | bad_pos.any() | bad_mass.any()),
+                        f"{name}: expected log-probabilities <= 0, not NaN, with a mass "
+                        f"<= 1 per position")
     return lt, mass
 
 
@@ -297,10 +387,11 @@ def check_call(like, vocab, teacher, response_mask, options, name="logits", shar
         raise NotImplementedError(f"{name}: a DTensor (a vocabulary split over ranks) is not "
                                   f"supported by distill_loss yet")
     row_valid = mask.reshape(n)
-    ids, off, row_of = check_csr("teacher", teacher.token_ids, teacher.offsets, n, like,
-                                 vocab=vocab, row_valid=row_valid)
+    csr = _check_csr("teacher", teacher.token_ids, teacher.offsets, n, like, vocab,
+                     row_valid, True)
+    ids, off, row_of = csr.ids, csr.off, csr.row_of
     lt, _ = check_teacher_logprobs("teacher.logprobs", teacher.logprobs, ids, row_of, n,
-                                   row_valid, acc)
+                                   row_valid, acc, csr=csr)
     gnt, gns = options.get("global_num_tokens"), options.get("global_num_seqs")
     if gnt is not None:
         gnt = ck.count("global_num_tokens", gnt, like, acc)
@@ -373,7 +464,7 @@ def _kernel_terms(c, logits3, tail, temperature, gs):
         kl, ps, tt = _PerTokenKernel.apply(logits3, op, c.mask, c.offsets, c.ids, c.lt,
                                            c.mask.to(c.acc), temperature, tail)
         return None, kl, ps, tt
-    need = torch.is_grad_enabled() and logits3.requires_grad
+    need = wants_grad(logits3)
     loss, kl, ps, tt, _ = op(logits3, c.mask, c.offsets, c.ids, c.lt, c.weights, temperature,
                              gs, tail, need)
     return loss, kl.detach(), ps.detach(), tt.detach()

@@ -479,3 +479,107 @@ def test_compile_fullgraph_matches_eager(gen):
     (loss_c * 2.0).backward()
     assert float(loss_c.detach()) == pytest.approx(float(f(x)), rel=1e-6)
     torch.testing.assert_close(b.grad, a.grad)
+
+
+# ------------------------------------------------------------------ the CSR checks' cost
+
+def _brute_first_problem(ids, off, vocab, valid):
+    """The error check_csr must raise, from Python loops: ("offsets" / "range" / "dup",
+    detail) or None."""
+    n = len(off) - 1
+    for i in range(n):
+        if valid[i]:
+            for a in range(off[i], off[i + 1]):
+                if not 0 <= ids[a] < vocab:
+                    return "range", (ids[a], a, i)
+    for i in range(n):
+        if valid[i]:
+            row = ids[off[i]:off[i + 1]]
+            dups = sorted({x for x in row if row.count(x) > 1})
+            if dups:
+                return "dup", (dups[0], i)
+    return None
+
+
+@pytest.mark.parametrize("vocab", [7, 2 ** 40])  # int32 keys; int64 keys (n * V >= 2^31)
+def test_check_csr_random_against_brute_force(vocab):
+    """check_csr (one range pass, one key sort) raises exactly when a valid position holds
+    an id out of [0, vocab) or a repeated id, naming the first such entry / position as the
+    Python loops find it; masked positions' entries are never looked at."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(300):
+        n = int(torch.randint(1, 7, (1,), generator=g))
+        fixed = trial % 2 == 0
+        counts = [3] * n if fixed else torch.randint(0, 5, (n,), generator=g).tolist()
+        off = [0]
+        for c in counts:
+            off.append(off[-1] + c)
+        hi = 7 + (trial % 3)  # ids in [-1, hi): sometimes out of range, often repeated
+        ids = (torch.randint(-1, hi, (off[-1],), generator=g) if trial % 5 == 0 else
+               torch.randint(0, min(hi, 7), (off[-1],), generator=g)).tolist()
+        valid = (torch.rand(n, generator=g) > 0.3).tolist()
+        want = _brute_first_problem(ids, off, vocab, valid)
+        call = lambda: pk.distill.check_csr(  # noqa: E731
+            "teacher", torch.tensor(ids, dtype=torch.long), torch.tensor(off), n,
+            torch.zeros(1), vocab=vocab, row_valid=torch.tensor(valid))
+        if want is None:
+            out_ids, out_off, row_of = call()
+            assert out_ids.tolist() == ids and out_off.tolist() == off
+            assert row_of.tolist() == [i for i, c in enumerate(counts) for _ in range(c)]
+            continue
+        with pytest.raises(ValueError) as e:
+            call()
+        msg = str(e.value)
+        if want[0] == "range":
+            assert f"got {want[1][0]} at entry {want[1][1]} (position {want[1][2]})" in msg
+        else:
+            assert f"id {want[1][0]} appears twice at position {want[1][1]}" in msg
+
+
+def _passes_over(n_big, fn, threads=2):
+    """The ATen ops fn() runs on tensors of at least n_big elements, each with the number of
+    intra-op threads it ran under."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            big = any(isinstance(a, torch.Tensor) and a.numel() >= n_big
+                      for a in torch.utils._pytree.tree_leaves((args, kwargs)))
+            if big and func.__name__.split(".")[0] not in ("view", "detach", "alias",
+                                                           "_to_copy", "slice", "select"):
+                seen.append((func.__name__, torch.get_num_threads()))
+            return func(*args, **(kwargs or {}))
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with Count():
+            fn()
+    finally:
+        torch.set_num_threads(before)
+    return seen
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_csr_checks_are_a_few_single_threaded_passes(masked):
+    """At a top-k teacher's size the CPU checks of check_call are a few passes over the
+    [nnz] entries, on one intra-op thread: above ATen's grain size each op would otherwise
+    be a parallel region, a scheduler time slice each on a loaded machine (the old checks:
+    about 25 passes, 2 threads; 270-400 ms against a 40-100 ms kernel at N 1024, V 32000,
+    k 64 with 2 threads on a loaded 2-core machine)."""
+    g = torch.Generator().manual_seed(0)
+    n, k = 64, 1024  # nnz = 65536, above the grain size
+    v = 2 * k
+    x = torch.randn(1, n, v)
+    te = pk.SparseLogprobs(torch.stack([torch.randperm(v, generator=g)[:k]
+                                        for _ in range(n)]).reshape(-1),
+                           torch.arange(0, n * k + 1, k), torch.full((n * k,), -20.0))
+    mask = torch.rand(1, n, generator=g) > 0.3 if masked else None
+    opts = dict(tail=True, temperature=1.0, loss_agg_mode="token-mean", grad_scale=1.0,
+                global_num_tokens=None, global_num_seqs=None, norm_length=None,
+                backend="cpu", flat=False)
+    passes = _passes_over(n * k - 1, lambda: pk.distill.check_call(x, v, te, mask, opts))
+    assert all(t == 1 for _, t in passes), passes
+    assert len(passes) <= (15 if masked else 11), passes
