@@ -1,10 +1,14 @@
 """GPU benchmark of ppo_kernels.ppo_loss against the memory-bandwidth floor and baselines.
 
 For N tokens in {2048, 8192} and V in {32768, 151936} (bf16 logits [B, T + 1, V], the
-model's raw output) it times forward and forward+backward of `pk.ppo_loss` on the
-backends cuda, triton, torch (eager composite), torch.compile of that composite, and
-Liger-Kernel's `triton_grpo_loss` when importable; and a device-to-device copy of the
-logits in the same run, the practical bandwidth ceiling (METHOD.md).
+model's raw output) it times forward and forward+backward, and the peak memory of each, of
+`pk.ppo_loss` on the backends cuda, triton and torch (the package's eager composite, with
+its metrics), of the plain eager loss `eager` (log_softmax -> gather -> ratio -> clip ->
+masked token mean, nothing else: what a trainer writes by hand), of torch.compile of that
+plain loss (`compile`), and of Liger-Kernel's `triton_grpo_loss` when importable; and a
+device-to-device copy of the logits in the same run, the practical bandwidth ceiling
+(METHOD.md). Advantages are per sequence (GRPO), so every row computes the same loss,
+Liger's included, and each reports its relative error against the torch backend.
 
 Bytes the op must move: forward reads the logits once (N V 2 bytes); forward+backward also
 writes dlogits once. Achieved bandwidth = bytes / time; "%copy" = that over the copy's.
@@ -107,7 +111,8 @@ def make_inputs(n_tokens, vocab, device, dtype, seq_len, seed=0):
             z = logits[b, :T].float()
             logp[b] = z.gather(-1, tokens[b, :, None])[:, 0] - torch.logsumexp(z, -1)
     old = logp + 0.05 * torch.randn(B, T, generator=g).to(device)
-    adv = torch.randn(B, T, generator=g).to(device)
+    # per sequence (GRPO), written per token: the same loss for Liger's [B] advantages
+    adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous().to(device)
     return dict(logits=logits, tokens=tokens, old_logprobs=old, advantages=adv,
                 response_mask=mask)
 
@@ -129,6 +134,23 @@ def liger_fn():
     return None
 
 
+def plain_loss(x, tokens, old, adv, mask, clip_eps, entropy_coef):
+    """The plain eager PPO loss from logits [B, T + 1, V] (what a trainer writes by hand):
+    log_softmax -> gather -> ratio -> clip -> token mean over the mask (minus
+    entropy_coef * the entropy, when nonzero). No metrics. The `eager` baseline, and the
+    function torch.compile compiles for `compile`."""
+    T = tokens.shape[1]
+    logp_all = torch.log_softmax(x[:, :T].float(), dim=-1)
+    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    ratio = torch.exp(logp - old)
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    if entropy_coef:
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        per_token = per_token - entropy_coef * entropy
+    m = mask.to(per_token.dtype)
+    return (per_token * m).sum() / m.sum().clamp(min=1)
+
+
 def make_runner(name, inp, kwargs, compiled_cache):
     """A callable (requires_grad) -> loss for backend `name`, or raises to mark it skipped."""
     if name in ("cuda", "triton", "torch", "cpu"):
@@ -137,15 +159,13 @@ def make_runner(name, inp, kwargs, compiled_cache):
                                   inp["response_mask"], backend=name, **kwargs)
             return loss
         return run
-    if name == "compile":
-        if "fn" not in compiled_cache:
-            def composite(x, tokens, old, adv, mask):
-                loss, _ = pk.ppo_loss(x, tokens, old, adv, mask, backend="torch", **kwargs)
-                return loss
-            compiled_cache["fn"] = torch.compile(composite, dynamic=True)
-        fn = compiled_cache["fn"]
+    if name in ("eager", "compile"):
+        if name == "compile" and "fn" not in compiled_cache:
+            compiled_cache["fn"] = torch.compile(plain_loss, dynamic=True)
+        fn = compiled_cache["fn"] if name == "compile" else plain_loss
+        eps, ent = kwargs["clip_eps_low"], kwargs["entropy_coef"]
         return lambda x: fn(x, inp["tokens"], inp["old_logprobs"], inp["advantages"],
-                            inp["response_mask"])
+                            inp["response_mask"], eps, ent)
     if name == "liger":
         fn = liger_fn()
         if fn is None:
@@ -224,6 +244,8 @@ def bench_config(n_tokens, vocab, args, device, timer, backends, results, deadli
                     x.grad = None
                     run(x).backward()
                 t_fb, spread_fb = timer(fwd_bwd)
+                with torch.no_grad():
+                    mem_f = peak_extra_mb(device, lambda: run(x_fwd))
                 mem = peak_extra_mb(device, fwd_bwd)
                 grad_rows = x.grad[:, : min(T, 16)].float()
                 del x
@@ -233,10 +255,10 @@ def bench_config(n_tokens, vocab, args, device, timer, backends, results, deadli
                            fwd_spread=spread_f, fwdbwd_spread=spread_fb,
                            fwd_GBs=bytes_fwd / (t_f * 1e-3) / 1e9,
                            fwdbwd_GBs=bytes_fwdbwd / (t_fb * 1e-3) / 1e9,
-                           peak_extra_MB=mem, loss=loss_val)
+                           peak_extra_MB=mem, peak_fwd_extra_MB=mem_f, loss=loss_val)
                 rec["fwd_pct_copy"] = 100 * rec["fwd_GBs"] / copy_gbs
                 rec["fwdbwd_pct_copy"] = 100 * rec["fwdbwd_GBs"] / copy_gbs
-                if ref_loss is not None and name != "liger":
+                if ref_loss is not None:
                     rec["loss_rel_err_vs_torch"] = abs(loss_val - ref_loss) / max(abs(ref_loss),
                                                                                  1e-30)
                     rec["grad_rel_err_vs_torch"] = float(
@@ -245,7 +267,7 @@ def bench_config(n_tokens, vocab, args, device, timer, backends, results, deadli
                 print(f"  {label:28s} fwd {t_f:8.3f} ms {rec['fwd_GBs']:6.0f} GB/s "
                       f"({rec['fwd_pct_copy']:5.1f}% copy) | fwd+bwd {t_fb:8.3f} ms "
                       f"{rec['fwdbwd_GBs']:6.0f} GB/s ({rec['fwdbwd_pct_copy']:5.1f}%) | "
-                      f"peak +{mem:.0f} MB | loss {loss_val:.6g}"
+                      f"peak fwd +{mem_f:.0f} / f+b +{mem:.0f} MB | loss {loss_val:.6g}"
                       + (f" relerr {rec['loss_rel_err_vs_torch']:.1e}/"
                          f"{rec['grad_rel_err_vs_torch']:.1e}"
                          if "loss_rel_err_vs_torch" in rec else ""), flush=True)
@@ -300,7 +322,7 @@ def summary_table(results):
         if "V" in r and (r["N"], r["V"]) not in cfgs:
             cfgs.append((r["N"], r["V"]))
     hdr = f"{'N':>5} {'V':>6} {'backend':28s} {'fwd ms':>8} {'f+b ms':>8} {'f+b %copy':>9} " \
-          f"{'x eager':>7} {'x compile':>9} {'x liger':>7} {'peak MB':>8}"
+          f"{'x eager':>7} {'x compile':>9} {'x liger':>7} {'fwd MB':>8} {'f+b MB':>8}"
     lines.append(hdr)
     for n, vv in cfgs:
         rows = [r for r in results if r.get("N") == n and r.get("V") == vv]
@@ -315,8 +337,9 @@ def summary_table(results):
                 continue
             lines.append(f"{n:>5} {vv:>6} {r['backend']:28s} {r['fwd_ms']:8.3f} "
                          f"{r['fwdbwd_ms']:8.3f} {r['fwdbwd_pct_copy']:8.1f}% "
-                         f"{speed('torch', r):>7} {speed('compile', r):>9} "
-                         f"{speed('liger', r):>7} {r['peak_extra_MB']:8.0f}")
+                         f"{speed('eager', r):>7} {speed('compile', r):>9} "
+                         f"{speed('liger', r):>7} {r['peak_fwd_extra_MB']:8.0f} "
+                         f"{r['peak_extra_MB']:8.0f}")
     for r in results:
         if r.get("op") == "gae":
             lines.append(f"GAE {r['B']}x{r['T']} {r['backend']:10s} "
@@ -331,8 +354,8 @@ def main(argv=None):
     ap.add_argument("--small", action="store_true", help="tiny shapes (CPU smoke run)")
     ap.add_argument("--dry-run", action="store_true", help="same as --device cpu --small")
     ap.add_argument("--backends", default=None,
-                    help="comma list; default cuda,triton,torch,compile,liger (GPU) or "
-                         "cpu,torch (CPU)")
+                    help="comma list; default torch,cuda,triton,eager,compile,liger (GPU) "
+                         "or torch,cpu,eager,compile (CPU)")
     ap.add_argument("--n", default=None, help="comma list of token counts")
     ap.add_argument("--v", default=None, help="comma list of vocabulary sizes")
     ap.add_argument("--seq-len", type=int, default=1024)
@@ -369,9 +392,9 @@ def main(argv=None):
     if args.backends:
         backends = args.backends.split(",")
     elif device.type == "cuda":
-        backends = ["torch", "cuda", "triton", "compile", "liger"]
+        backends = ["torch", "cuda", "triton", "eager", "compile", "liger"]
     else:
-        backends = ["torch", "cpu"]
+        backends = ["torch", "cpu", "eager", "compile"]
     if "torch" in backends:  # the reference for the error columns runs first
         backends = ["torch"] + [b for b in backends if b != "torch"]
 
