@@ -43,6 +43,20 @@ import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import reference as ref  # noqa: E402
 from ppo_kernels.spec import FLOAT_SLOTS, INT_SLOTS  # noqa: E402
 
+# Hypothesis profiles (docs/TESTING.md): "ci", the default, is derandomized (the same
+# examples every run: CI cannot flake on a new draw); HYPOTHESIS_PROFILE=random draws fresh
+# examples each run, on demand, to look for new failures (then pin them with @example).
+# The property tests' own @settings leave derandomize to the profile.
+try:
+    from hypothesis import settings as _hyp_settings
+except ImportError:  # (hypothesis is a test dependency; tests without it still import)
+    _hyp_settings = None
+if _hyp_settings is not None:
+    _hyp_settings.register_profile("ci", derandomize=True, deadline=None, database=None)
+    _hyp_settings.register_profile("random", derandomize=False, deadline=None, database=None,
+                                   print_blob=True)
+    _hyp_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
 HAS_CUDA_DEVICE = torch.cuda.is_available()
 CUDA_BUILT = bool(pk.build_info().get("cuda", False))
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -340,6 +354,43 @@ METRIC_KEYS = {"num_tokens", "num_seqs", "clip_frac", "clip_frac_high", "clip_fr
                "kl_ref", "entropy", "ratio_mean", "ratio_max"}
 
 
+# the option of ppo_loss -> the metric that shows it acted on some (not all) tokens
+_RC_MASKING = ("mis", "mis-seq", "geo-seq")
+
+
+def assert_active(metrics, kw=None, *fracs, **exact):
+    """Asserts that the options a case names were active on its inputs, from the metrics
+    ppo_loss returned (verl's tests assert ``masked_any > 0`` the same way): a case whose
+    random inputs never switch an option on cannot catch a bug in it.
+
+    From ``kw`` (ppo_loss's keyword arguments): dual_clip_c -> 0 < dual_clip_frac < 1;
+    a DPPO loss with old_logprobs -> 0 < clip_frac < 1 (the trust region trips);
+    rollout_correction mis / mis-seq / geo-seq -> 0 < rollout_masked_frac < 1; tis /
+    tis-seq -> rollout_is_max == the upper bound (the truncation bites);
+    off_policy_mask_threshold -> 0 < off_policy_masked_frac < 1. ``fracs``: more metric
+    names that must lie strictly between 0 and 1; ``exact``: metric=value pairs."""
+    kw = dict(kw or {})
+    want = list(fracs)
+    if kw.get("dual_clip_c") is not None:
+        want.append("dual_clip_frac")
+    if str(kw.get("policy_loss", "")).startswith("dppo") and kw.get("old", True) is not None:
+        want.append("clip_frac")
+    mode = kw.get("rollout_correction")
+    if mode in _RC_MASKING:
+        want.append("rollout_masked_frac")
+    elif mode in ("tis", "tis-seq"):
+        thr = kw.get("rollout_is_threshold", 2.0)
+        exact.setdefault("rollout_is_max", thr[1] if isinstance(thr, (tuple, list)) else thr)
+    if kw.get("off_policy_mask_threshold") is not None:
+        want.append("off_policy_masked_frac")
+    for k in want:
+        v = float(metrics[k])
+        assert 0.0 < v < 1.0, f"{k} = {v}: the option is inactive (0) or acts on everything"
+    for k, v in exact.items():
+        assert float(metrics[k]) == pytest.approx(v, rel=1e-6), \
+            f"{k} = {float(metrics[k])}, expected {v}: the option is inactive"
+
+
 def assert_metrics(metrics, expected, rtol=2e-6, atol=2e-6):
     assert set(metrics) == set(expected), set(metrics) ^ set(expected)
     for k, v in metrics.items():
@@ -350,11 +401,12 @@ def assert_metrics(metrics, expected, rtol=2e-6, atol=2e-6):
 
 
 def compare_with_reference(be, logits, tokens, old, adv, mask, ref_lp, *, grad_rel=3e-6,
-                           loss_rel=2e-6, metric_tol=2e-5, ref_kw=None, **kw):
+                           loss_rel=2e-6, metric_tol=2e-5, ref_kw=None, active=None, **kw):
     """Runs pk.ppo_loss on backend ``be`` (CPU tensors) and the reference on the same
     inputs; asserts loss, metrics (those the reference has) and dlogits agree. ``ref_kw``
-    overrides arguments for the reference only (it takes [B, T, V] only). Returns (loss,
-    metrics, dlogits)."""
+    overrides arguments for the reference only (it takes [B, T, V] only). ``active``:
+    None, or a tuple of extra metric names for assert_active, which then checks that the
+    options in kw were active. Returns (loss, metrics, dlogits)."""
     leaf = logits.detach().clone().requires_grad_(True)
     loss, met = pk.ppo_loss(leaf, tokens, old, adv, mask, ref_lp, backend=be.name, **kw)
     (loss.sum() if loss.dim() else loss).backward()
@@ -378,6 +430,8 @@ def compare_with_reference(be, logits, tokens, old, adv, mask, ref_lp, *, grad_r
     scale = float(np.abs(e_grad).max(initial=0.0))
     err = float(np.abs(g - e_grad).max(initial=0.0))
     assert err <= grad_rel * scale + 1e-30, f"dlogits: err {err:.3e} vs scale {scale:.3e}"
+    if active is not None:
+        assert_active(met, dict(kw, old=old), *active)
     return loss, met, leaf.grad
 
 

@@ -294,7 +294,7 @@ def test_gae_length_adaptive_lam_alpha_boundaries():
 
 
 HYP = settings(max_examples=int(os.environ.get("PPO_HYPOTHESIS_EXAMPLES", 60)), deadline=None,
-              derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+              suppress_health_check=[HealthCheck.too_slow])
 
 
 @HYP
