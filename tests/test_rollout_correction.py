@@ -13,27 +13,38 @@ import torch
 
 import ppo_kernels as pk
 from ppo_kernels import reference as R
+from ppo_kernels import rollout_correction as rc
 
-from conftest import (BACKENDS, BACKENDS_CPU, POLICY_LOSSES, assert_grad_close, base_ppo,
-                      compare_with_reference, make_inputs, one_token_rows, seeded_inputs, to_np)
+from conftest import (BACKENDS, BACKENDS_CPU, POLICY_LOSSES, assert_active, assert_grad_close,
+                      base_ppo, compare_with_reference, make_inputs, one_token_rows,
+                      seeded_inputs, to_np)
 
 # VESPO folds the train / inference ratio into its own sequence weight (TRL): it refuses
 # rollout_correction (test_vespo_refuses_rollout_correction)
 RC_LOSSES = [p for p in POLICY_LOSSES if p != "vespo"]
 
 
-ROLLOUT_CASES = [("tis", 2.0, None), ("tis-seq", (0.5, 1.5), None), ("mis", (0.8, 1.25), None),
-                 ("mis-seq", 3.0, None), ("geo-seq", 1.05, None), (None, 2.0, 0.02),
-                 ("tis", 2.0, 0.02)]
+# thresholds that bite on test_rollout_correction_matches_reference's inputs (per-token
+# log-ratios log(pi_old / pi_rollout) of about +0.6, -0.6, 0 and 0.05 by row): tis truncates
+# row 0; tis-seq hits both bounds (rows 0 and 1); mis masks rows 0 and 1; mis-seq and geo-seq
+# drop some sequences and keep others; the off-policy mask drops row 1 (A < 0, KL 0.6)
+ROLLOUT_CASES = [("tis", 1.2, None), ("tis-seq", (0.7, 1.4), None), ("mis", (0.8, 1.25), None),
+                 ("mis-seq", 1.4, None), ("geo-seq", 1.2, None), (None, 2.0, 0.02),
+                 ("tis", 1.5, 0.02)]
+ROW_LOG_RATIO = torch.tensor([0.6, -0.6, 0.0, 0.05])
 
 
 @pytest.mark.parametrize("be", BACKENDS)
 @pytest.mark.parametrize("mode,threshold,off_policy", ROLLOUT_CASES,
                          ids=[f"{m}-{t}-{o}" for m, t, o in ROLLOUT_CASES])
 def test_rollout_correction_matches_reference(be, mode, threshold, off_policy, gen):
-    B, T, V = (2, 4, 37) if be.small else (4, 6, 50)
+    B, T, V = (3, 4, 37) if be.small else (4, 6, 50)
     inp = make_inputs(B, T, V, gen)
-    roll = inp["old"] + 0.25 * torch.randn(B, T, generator=gen).to(inp["old"].dtype)
+    ell = ROW_LOG_RATIO[:B, None] + 0.05 * torch.randn(B, T, generator=gen)
+    roll = inp["old"] - ell.to(inp["old"].dtype)
+    # row 0 A > 0 (kept by the off-policy mask), row 1 A < 0 (dropped: its KL is 0.6)
+    inp["adv"][0] = inp["adv"][0].abs()
+    inp["adv"][1] = -inp["adv"][1].abs()
     kw = dict(rollout_correction=mode, rollout_is_threshold=threshold,
               off_policy_mask_threshold=off_policy, kl_coef=0.05)
     x = be.t(inp["full"][:, :T]).detach().clone().requires_grad_(True)
@@ -45,9 +56,17 @@ def test_rollout_correction_matches_reference(be, mode, threshold, off_policy, g
                                        inp["mask"], inp["ref"], rollout_logprobs=roll, **kw)
     assert float(loss.detach()) == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
     assert_grad_close(x.grad, e_grad, 3e-6)
+    assert_active(met, kw)
     w = R.rollout_correction_weights(inp["old"], roll, inp["mask"], mode, threshold) \
         if mode else inp["mask"].double().numpy()
     m = inp["mask"].double().numpy()
+    if mode is not None:
+        # the product's weights themselves, and (tis-seq) the lower bound bites too
+        lo, hi = rc.bounds(mode, threshold)
+        got = rc.weights(inp["old"].double(), roll.double(), inp["mask"], mode, lo, hi)
+        np.testing.assert_allclose(got.numpy(), w, rtol=1e-12, atol=0)
+        if mode == "tis-seq":
+            assert (w[m > 0] == lo).any() and (w[m > 0] == hi).any()
     assert float(met["rollout_is_mean"]) == pytest.approx((w * m).sum() / m.sum(), rel=1e-5)
     ell = np.clip(inp["old"].double().numpy() - roll.double().numpy(), -20, 20) * m
     assert float(met["rollout_kl_k3"]) == pytest.approx(
@@ -78,6 +97,105 @@ def test_truncated_is_hand_case():
                                [[0.0, 1.0, math.exp(-1)]], rtol=1e-12)
     np.testing.assert_allclose(R.rollout_correction_weights(old, roll, None, "mis-seq",
                                                             (0.5, 1.5)), [[1.0, 1.0, 1.0]])
+
+
+# Hand cases of every mode, on the product (rollout_correction.weights) and the reference
+# alike. Per-token log-ratios l = log(pi_old / pi_rollout): row 0 (0.5, 0.5, -0.2), sum 0.8,
+# mean 0.8 / 3; row 1 (-0.4, -0.4, 0.1), sum -0.7, mean -0.7 / 3; row 2 (0, 0, 0), ratios
+# exactly 1 (on a bound: the bounds are inclusive, lo <= r <= hi); the last column is
+# masked (l = 5 there must not count).
+_L = [[0.5, 0.5, -0.2, 5.0], [-0.4, -0.4, 0.1, 5.0], [0.0, 0.0, 0.0, 5.0]]
+_MASK = [[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0]]
+_e = math.exp
+RC_HAND_CASES = [
+    # tis (0.8, 1.5): e^0.5 -> 1.5 (hi), e^-0.4 -> 0.8 (lo), the rest as they are
+    ("tis", (0.8, 1.5), [[1.5, 1.5, _e(-0.2)], [0.8, 0.8, _e(0.1)], [1.0, 1.0, 1.0]]),
+    # tis-seq (0.6, 2.0): e^0.8 = 2.23 -> 2.0, e^-0.7 = 0.497 -> 0.6, 1 kept
+    ("tis-seq", (0.6, 2.0), [[2.0] * 3, [0.6] * 3, [1.0] * 3]),
+    # mis (0.8, 1.0): outside -> 0; ratio 1 sits on hi and is kept
+    ("mis", (0.8, 1.0), [[0.0, 0.0, _e(-0.2)], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]),
+    # mis (1.0, 1.2): ratio 1 sits on lo and is kept
+    ("mis", (1.0, 1.2), [[0.0, 0.0, 0.0], [0.0, 0.0, _e(0.1)], [1.0, 1.0, 1.0]]),
+    # mis-seq (0.45, 2.0): row 0 (2.23) dropped whole, row 1 (0.497) kept at its ratio
+    ("mis-seq", (0.45, 2.0), [[0.0] * 3, [_e(-0.7)] * 3, [1.0] * 3]),
+    # mis-seq C = 2 (upper bound only): row 0 dropped, the others kept
+    ("mis-seq", 2.0, [[0.0] * 3, [_e(-0.7)] * 3, [1.0] * 3]),
+    # geo-seq C = 1.28, bounds (1 / 1.28, 1.28): e^(0.8 / 3) = 1.306 out, e^(-0.7 / 3) =
+    # 0.792 in (weight 1), 1 in
+    ("geo-seq", 1.28, [[0.0] * 3, [1.0] * 3, [1.0] * 3]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("mode,threshold,want", RC_HAND_CASES,
+                         ids=[f"{m}-{t}" for m, t, _ in RC_HAND_CASES])
+def test_rollout_correction_weights_hand_cases(mode, threshold, want, dtype):
+    """rollout_correction.weights (the product's [B, T] weights every backend multiplies
+    in) and the reference's, for every mode, against values worked out by hand (above):
+    truncation at both bounds, masking per token and per sequence, the geometric mean."""
+    roll = -torch.tensor(_L, dtype=torch.float64)  # old = 0: l = -roll
+    old = torch.zeros_like(roll)
+    mask = torch.tensor(_MASK, dtype=torch.bool)
+    expected = np.concatenate([np.asarray(want), np.zeros((3, 1))], axis=1)
+    lo, hi = rc.bounds(mode, threshold)
+    got = rc.weights(old.to(dtype), roll.to(dtype), mask, mode, lo, hi)
+    assert got.dtype == dtype
+    rtol = 1e-12 if dtype == torch.float64 else 1e-6
+    np.testing.assert_allclose(got.double().numpy(), expected, rtol=rtol, atol=0)
+    np.testing.assert_allclose(R.rollout_correction_weights(old, roll, mask, mode, threshold),
+                               expected, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_rollout_masked_frac_and_is_max_hand_case(backend):
+    """ppo_loss's rollout metrics on the hand case: mis-seq (0.45, 2.0) drops row 0 (3 of 9
+    valid tokens: rollout_masked_frac 1/3), tis-seq (0.6, 2.0) caps row 0 at 2.0
+    (rollout_is_max 2)."""
+    x, tok = one_token_rows([-0.5] * 4)
+    x, tok = np.repeat(x, 3, axis=0), np.zeros((3, 4), dtype=np.int64)
+    lp, _ = R.token_logprobs(x, tok)
+    kw = dict(rollout_logprobs=torch.tensor(lp) - torch.tensor(_L), backend=backend)
+    args = (torch.tensor(x), torch.tensor(tok), torch.tensor(lp), torch.ones(3, 4),
+            torch.tensor(_MASK, dtype=torch.bool))
+    _, met = pk.ppo_loss(*args, rollout_correction="mis-seq", rollout_is_threshold=(0.45, 2.0),
+                         **kw)
+    assert float(met["rollout_masked_frac"]) == pytest.approx(1 / 3, rel=1e-6)
+    assert float(met["rollout_is_mean"]) == pytest.approx((3 * math.exp(-0.7) + 3) / 9,
+                                                          rel=1e-6)
+    _, met = pk.ppo_loss(*args, rollout_correction="tis-seq", rollout_is_threshold=(0.6, 2.0),
+                         **kw)
+    assert float(met["rollout_is_max"]) == pytest.approx(2.0, rel=1e-6)
+    assert float(met["rollout_is_mean"]) == pytest.approx((6.0 + 1.8 + 3.0) / 9, rel=1e-6)
+    assert float(met["rollout_masked_frac"]) == 0.0
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_off_policy_masked_frac_counts_non_empty_sequences(backend):
+    """off_policy_masked_frac = dropped / NON-EMPTY sequences (an empty row is neither),
+    and a sequence whose mean advantage is exactly 0 is kept (the rule drops A < 0 only,
+    DeepSeek-V3.2 eq. 9; TRL get_off_policy_mask keeps A >= 0). Rows: 0 A < 0 and KL 0.3 >
+    0.2: dropped; 1 empty; 2 A > 0: kept; 3 A = (+1, -1), mean 0: kept (its tokens keep
+    their gradient -A); so 1 of 3."""
+    x, tok = one_token_rows([-0.5, -0.5])
+    x, tok = np.repeat(x, 4, axis=0), np.zeros((4, 2), dtype=np.int64)
+    lp, _ = R.token_logprobs(x, tok)
+    roll = lp + 0.3
+    adv = np.array([[-1.0, -1.0], [-1.0, -1.0], [1.0, 1.0], [1.0, -1.0]])
+    mask = np.array([[1, 1], [0, 0], [1, 1], [1, 1]], dtype=bool)
+    e_loss, e_met, _ = R.ppo_loss(x, tok, lp, adv, mask, rollout_logprobs=roll,
+                                  off_policy_mask_threshold=0.2, loss_agg_mode="token-sum")
+    assert e_met["off_policy_masked_frac"] == pytest.approx(1 / 3, rel=1e-12)
+    xg = torch.tensor(x).requires_grad_(True)
+    loss, met = pk.ppo_loss(xg, torch.tensor(tok), torch.tensor(lp), torch.tensor(adv),
+                            torch.tensor(mask), rollout_logprobs=torch.tensor(roll),
+                            off_policy_mask_threshold=0.2, loss_agg_mode="token-sum",
+                            backend=backend)
+    assert float(met["off_policy_masked_frac"]) == pytest.approx(1 / 3, rel=1e-6)
+    # rho = 1: row 2 gives -2, row 3 gives -(1 - 1) = 0, row 0 is dropped
+    assert float(loss.detach()) == pytest.approx(-2.0, rel=1e-12) == e_loss
+    loss.backward()
+    g = xg.grad[..., 0] / (1 - math.exp(-0.5))  # d loss / d logp of token 0
+    np.testing.assert_allclose(g.numpy(), [[0, 0], [0, 0], [-1, -1], [-1, 1]], atol=1e-12)
 
 
 def test_off_policy_mask_hand_case():
@@ -318,10 +436,14 @@ def test_raw_t_plus_one_logits_with_rollout_correction(be, policy_loss, mode, th
 @pytest.mark.parametrize("mode", ["tis", "tis-seq", "mis", "mis-seq", "geo-seq"])
 def test_nan_rollout_logprobs_on_masked_positions(be, policy_loss, mode):
     """NaN rollout_logprobs on masked positions reach neither the loss, the metrics nor
-    the gradient, for every correction mode and policy loss."""
+    the gradient, for every correction mode and policy loss. Both sequences have mean
+    A < 0; per-token log(pi_old / pi_rollout) of -0.2 in row 0 (off-policy KL about 0.2 >
+    0.05: dropped) and +0.15 in row 1 (KL < 0: kept, its weight 1.16 per token, 1.35 per
+    sequence, inside (0.5, 1.5)): the loss and gradient are row 1's, with the mode's
+    weight."""
     inp = seeded_inputs(2, 4, 11, 26)
     m = inp["mask"]
-    roll = inp["old"] + 0.1
+    roll = inp["old"] - torch.tensor([[-0.2], [0.15]])
     kw = dict(policy_loss=policy_loss, rollout_correction=mode, rollout_is_threshold=(0.5, 1.5),
               off_policy_mask_threshold=0.05)
     x = inp["full"][:, :4].clone().requires_grad_(True)
@@ -329,11 +451,20 @@ def test_nan_rollout_logprobs_on_masked_positions(be, policy_loss, mode):
                             rollout_logprobs=torch.where(m, roll, float("nan")),
                             backend=be.name, **kw)
     loss.backward()
-    e_loss, _, e_grad = R.ppo_loss(inp["base"], inp["tokens"], inp["old"], inp["adv"], m,
-                                   rollout_logprobs=roll, **kw)
+    e_loss, e_met, e_grad = R.ppo_loss(inp["base"], inp["tokens"], inp["old"], inp["adv"], m,
+                                       rollout_logprobs=roll, **kw)
+    assert e_met["off_policy_masked_frac"] == 0.5 and e_loss != 0.0
+    assert np.abs(e_grad[1]).max() > 0 and np.abs(e_grad[0]).max() == 0
     assert float(loss.detach()) == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
-    assert all(math.isfinite(float(v)) for v in met.values())
     assert np.abs(to_np(x.grad) - e_grad).max() <= 3e-6 * np.abs(e_grad).max()
+    # the metrics: those of the call without NaN, and the reference's
+    _, clean = pk.ppo_loss(inp["full"][:, :4], inp["tokens"], inp["old"], inp["adv"], m,
+                           rollout_logprobs=roll, backend=be.name, **kw)
+    assert set(met) == set(clean)
+    for k, v in met.items():
+        assert float(v) == pytest.approx(float(clean[k]), rel=1e-6, abs=1e-7), k
+        if k in e_met:
+            assert float(v) == pytest.approx(e_met[k], rel=2e-5, abs=2e-6), k
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
