@@ -20,8 +20,8 @@ import ppo_kernels as pk
 from ppo_kernels import reference as R
 
 from conftest import (BACKENDS, BACKENDS_CPU, NO_DUAL_CLIP, POLICY_LOSSES, TOKEN_LOSSES, TOL,
-                      assert_grad_close, assert_metrics, compare_with_reference, make_inputs,
-                      one_token_rows, seeded_inputs, to_np)
+                      assert_active, assert_grad_close, assert_metrics, compare_with_reference,
+                      make_inputs, one_token_rows, seeded_inputs, to_np)
 
 
 # ------------------------------------------------------------------ the reference itself
@@ -201,7 +201,9 @@ def test_kl_bias_correction_on_policy_gradient():
 # ------------------------------------------------------------------ every backend
 
 OPTION_CASES = [
-    dict(policy_loss="vanilla", dual_clip_c=3.0, kl_estimator="k3+", kl_coef=0.1),
+    # (dual clip caps low enough that the random ratios, spread 0.35 in log, reach them)
+    dict(policy_loss="vanilla", clip_eps_low=0.1, dual_clip_c=1.15, kl_estimator="k3+",
+         kl_coef=0.1),
     dict(policy_loss="vanilla", kl_estimator="k1+", kl_coef=0.2, kl_bias_correction=True,
          old=None),
     dict(policy_loss="cispo", clip_eps_low=1.0, clip_eps_high=4.0, kl_coef=0.1,
@@ -215,17 +217,18 @@ OPTION_CASES = [
          loss_agg_mode="seq-mean-token-mean", seq_adv=True),
     dict(policy_loss="gspo", clip_eps_high=0.3, kl_coef=0.1, kl_bias_correction=True,
          entropy_coef=0.01, isw=True),
-    dict(policy_loss="gspo-token", dual_clip_c=2.0, loss_agg_mode="token-sum",
+    dict(policy_loss="gspo-token", clip_eps_low=0.02, dual_clip_c=1.05, loss_agg_mode="token-sum",
          entropy_coef=0.01, entropy_agg_mode="token-mean"),
     dict(policy_loss="gspo-token", kl_coef=0.05, kl_estimator="k3", old=None),
     # DPPO: thresholds small enough that the random batch has masked tokens both ways
     dict(policy_loss="dppo-tv", clip_eps_low=0.004, clip_eps_high=0.006, kl_coef=0.1,
          kl_bias_correction=True, entropy_coef=0.01),
-    dict(policy_loss="dppo-tv", dual_clip_c=1.2, clip_eps_low=0.002, old=None,
+    # (off-policy: on-policy rho = 1, which neither trips a trust region nor reaches a cap)
+    dict(policy_loss="dppo-tv", dual_clip_c=1.2, clip_eps_low=0.002,
          loss_agg_mode="seq-mean-token-mean"),
-    dict(policy_loss="dppo-kl", clip_eps_low=2e-4, clip_eps_high=5e-4, dual_clip_c=1.3,
+    dict(policy_loss="dppo-kl", clip_eps_low=2e-4, clip_eps_high=5e-4, dual_clip_c=1.05,
          isw=True, kl_estimator="k3+", kl_coef=0.1),
-    dict(policy_loss="dppo-kl", clip_eps_low=0.05, seq_adv=True, loss_agg_mode="token-sum"),
+    dict(policy_loss="dppo-kl", clip_eps_low=1e-4, seq_adv=True, loss_agg_mode="token-sum"),
     dict(policy_loss="vespo", kl_coef=0.1, kl_bias_correction=True, entropy_coef=0.01),
     dict(policy_loss="vespo", vespo_k_pos=1.0, vespo_lambda_pos=0.5, vespo_k_neg=4.0,
          vespo_lambda_neg=5.0, seq_adv=True, loss_agg_mode="seq-mean-token-mean", isw=True),
@@ -269,6 +272,8 @@ def test_backend_matches_reference(be, case, gen):
     assert float(loss.detach()) == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
     assert_metrics(met, e_met, rtol=2e-5, atol=2e-6)
     assert_grad_close(leaf.grad, e_grad, 3e-6)
+    # the options the case names acted on its inputs (dual clip, DPPO trust region)
+    assert_active(met, dict(kw, old=inp["old"] if use_old else None))
 
 
 @pytest.mark.parametrize("be", BACKENDS)
