@@ -92,12 +92,17 @@ class _ScalarReads(TorchDispatchMode):
     HOST_READS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero",
                   "aten::item", "aten::masked_select"}
 
+    # On a GPU the Triton launcher runs through the triton_kernel_wrapper_mutation
+    # higher-order operator; a mode without this flag makes the HOP refuse to dispatch.
+    # The HOP reaches __torch_dispatch__ like an op (it is not a host read itself).
+    supports_higher_order_operators = True
+
     def __init__(self):
         super().__init__()
         self.reads = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name in self.HOST_READS:
+        if getattr(func, "_schema", None) is not None and func._schema.name in self.HOST_READS:
             self.reads.append(func._schema.name)
         return func(*args, **(kwargs or {}))
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-from conftest import BACKENDS_CPU, CPU, TORCH, assert_close_np, assert_grad_close
+from conftest import BACKENDS_CPU, CPU, TORCH, TRITON_DEVICE, assert_close_np, assert_grad_close
 from ppo_kernels import reference as ref
 from ppo_kernels.sampling import SamplingMask
 
@@ -610,7 +610,10 @@ def test_opcheck_kept_ops(prefix):
     """torch.library.opcheck of the kept-set ops: schema, fake (meta) functions and their
     agreement with the kernels (CSR and threshold sets)."""
     from ppo_kernels._backends import get_backend
-    get_backend("cpu" if not prefix else "triton", torch.device("cpu"))
+    # the triton ops on the device triton runs on: a GPU when there is one, else the
+    # interpreter on CPU tensors
+    dev = torch.device(TRITON_DEVICE if prefix else "cpu")
+    get_backend("cpu" if not prefix else "triton", dev)
     ops = torch.ops.ppo_kernels
     gen = torch.Generator().manual_seed(15)
     B, T, V = 2, 3, 9
@@ -618,16 +621,19 @@ def test_opcheck_kept_ops(prefix):
     sm, _ = random_csr(B, T, V, gen, kmax=4, tokens=tokens, drop_token_frac=0.5)
     top_p = torch.full((B, T), 0.7, dtype=torch.float64)
     top_k = torch.full((B, T), 5, dtype=torch.long)
+    logits, tokens, mask, top_p, top_k = (t.to(dev) for t in (logits, tokens, mask, top_p,
+                                                                top_k))
+    ids, offs = sm.token_ids.to(dev), sm.offsets.to(dev)
     thr_op = getattr(ops, prefix + "sampling_threshold")
     fwd = getattr(ops, prefix + "kept_logprobs_fwd")
     bwd = getattr(ops, prefix + "kept_logprobs_bwd_")
     tests = ("test_schema", "test_faketensor")
     torch.library.opcheck(thr_op, (logits, mask, 1.0, top_k, top_p, None), test_utils=tests)
     thr = thr_op(logits, mask, 1.0, top_k, top_p, None)
-    for kept in ((sm.token_ids, sm.offsets, None), (None, None, thr)):
+    for kept in ((ids, offs, None), (None, None, thr)):
         torch.library.opcheck(fwd, (logits, tokens, mask, 0.8, *kept), test_utils=tests)
         lp, ent, kmax, kls, _, _ = fwd(logits, tokens, mask, 0.8, *kept)
-        g = torch.randn(B, T, generator=gen)
+        g = torch.randn(B, T, generator=gen).to(dev)
         torch.library.opcheck(bwd, (g, g, logits, tokens, mask, kmax, kls, ent, 0.8, *kept,
                                     torch.zeros_like(logits)), test_utils=tests)
 
@@ -942,7 +948,10 @@ def test_opcheck_kept_ops_per_row_temperature(prefix):
     """The kept-set ops' trailing `temperatures`: opcheck, equal values give the float's
     results, and a bad tensor is an error (the raw ops' defence)."""
     from ppo_kernels._backends import get_backend
-    get_backend("cpu" if not prefix else "triton", torch.device("cpu"))
+    # the triton ops on the device triton runs on: a GPU when there is one, else the
+    # interpreter on CPU tensors
+    dev = torch.device(TRITON_DEVICE if prefix else "cpu")
+    get_backend("cpu" if not prefix else "triton", dev)
     ops = torch.ops.ppo_kernels
     gen = torch.Generator().manual_seed(29)
     B, T, V = 2, 3, 9
@@ -950,7 +959,10 @@ def test_opcheck_kept_ops_per_row_temperature(prefix):
     sm, _ = random_csr(B, T, V, gen, kmax=4, tokens=tokens, drop_token_frac=0.5)
     top_p = torch.full((B, T), 0.7, dtype=torch.float64)
     top_k = torch.full((B, T), 5, dtype=torch.long)
-    temps = 0.5 + torch.rand(B, T, generator=gen)
+    logits, tokens, mask, top_p, top_k = (t.to(dev) for t in (logits, tokens, mask, top_p,
+                                                                top_k))
+    ids, offs = sm.token_ids.to(dev), sm.offsets.to(dev)
+    temps = (0.5 + torch.rand(B, T, generator=gen)).to(dev)
     thr_op = getattr(ops, prefix + "sampling_threshold")
     fwd = getattr(ops, prefix + "kept_logprobs_fwd")
     bwd = getattr(ops, prefix + "kept_logprobs_bwd_")
@@ -958,11 +970,11 @@ def test_opcheck_kept_ops_per_row_temperature(prefix):
     torch.library.opcheck(thr_op, (logits, mask, 1.0, top_k, top_p, None, temps),
                           test_utils=tests)
     thr = thr_op(logits, mask, 1.0, top_k, top_p, None, temps)
-    eq = torch.full((B, T), 0.8)
-    for kept in ((sm.token_ids, sm.offsets, None), (None, None, thr)):
+    eq = torch.full((B, T), 0.8, device=dev)
+    for kept in ((ids, offs, None), (None, None, thr)):
         torch.library.opcheck(fwd, (logits, tokens, mask, 1.0, *kept, temps), test_utils=tests)
         lp, ent, kmax, kls, _, _ = fwd(logits, tokens, mask, 1.0, *kept, temps)
-        g = torch.randn(B, T, generator=gen)
+        g = torch.randn(B, T, generator=gen).to(dev)
         torch.library.opcheck(bwd, (g, g, logits, tokens, mask, kmax, kls, ent, 1.0, *kept,
                                     torch.zeros_like(logits), temps), test_utils=tests)
         a = fwd(logits, tokens, mask, 0.8, *kept)
