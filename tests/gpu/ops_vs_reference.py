@@ -330,7 +330,10 @@ for i, (split, dt, V) in enumerate(cases):
           flush=True)
 # GAE, long and short, with gaps and bootstrap values
 t0, c0, f0 = time.time(), n_checks[0], len(fails)
-for B, T in ((3, 1), (4, 37), (2, 9000)):
+# (T = 9000 spans several scan chunks on a GPU; under the Triton interpreter, whose chunk is
+# 8 positions, T = 37 already does, and 9000 takes about a minute)
+INTERPRETED = prefix and os.environ.get("TRITON_INTERPRET") == "1"
+for B, T in ((3, 1), (4, 37)) + (() if INTERPRETED else ((2, 9000),)):
     for acc in (torch.float32, torch.float64):
         r = torch.randn(B, T, generator=g).to(acc)
         v = torch.randn(B, T, generator=g).to(acc)
