@@ -9,7 +9,9 @@ options travel to the kernels cannot change any result.
 
 from __future__ import annotations
 
+import math
 import os
+import platform
 import sys
 
 import numpy as np
@@ -21,29 +23,44 @@ DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "golden_
 B, T, V, H = 3, 6, 13, 8
 
 
+def _draws(seed):
+    """(normal(shape, scale), uniform(shape), integers(hi, shape)): float64 draws with the
+    same bits on every machine. torch.randn's float32 path is vectorised per CPU capability
+    (other bits under ATEN_CPU_CAPABILITY=default), so the draws are built from integers
+    (numpy's RandomState, a frozen stream): uniforms k / 2^24 (exact), normals the centred
+    sum of four of them times sqrt(3) (Irwin-Hall: mean 0, variance 1; one rounding)."""
+    rs = np.random.RandomState(seed)
+    unit = float(1 << 24)
+    uniform = lambda shape: rs.randint(0, 1 << 24, size=shape) / unit  # noqa: E731
+    normal = lambda shape, scale=1.0: torch.from_numpy(  # noqa: E731
+        (sum(uniform(shape) for _ in range(4)) - 2.0) * (scale * math.sqrt(3.0)))
+    integers = lambda hi, shape: torch.from_numpy(rs.randint(0, hi, size=shape))  # noqa: E731
+    return normal, lambda shape: torch.from_numpy(uniform(shape)), integers
+
+
 def _inputs(dtype=torch.float32):
-    g = torch.Generator().manual_seed(1234)
-    logits = (3.0 * torch.randn(B, T + 1, V, generator=g)).to(dtype)
+    normal, uniform, integers = _draws(1234)
+    logits = normal((B, T + 1, V), 3.0).to(dtype)
     logits[0, 1] *= 8.0  # a confident row
-    tokens = torch.randint(0, V, (B, T), generator=g)
+    tokens = integers(V, (B, T))
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, 4:] = False
     mask[2] = False  # an empty sequence
     mask[2, 0] = True
     logp = torch.log_softmax(logits[:, :T].double(), -1).gather(-1, tokens[..., None])[..., 0]
-    noise = lambda s: s * torch.randn(B, T, generator=g, dtype=torch.float64)  # noqa: E731
+    noise = lambda s: normal((B, T), s)  # noqa: E731
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     old = (logp + noise(0.3)).to(acc)
     ref = (logp + noise(0.2)).to(acc)
     rollout = (old.double() + noise(0.1)).to(acc)
-    adv = torch.randn(B, T, generator=g, dtype=torch.float64).to(acc)
-    seq_adv = torch.randn(B, generator=g, dtype=torch.float64).to(acc)
-    isw = (0.5 + torch.rand(B, T, generator=g, dtype=torch.float64)).to(acc)
-    values = torch.randn(B, T, generator=g, dtype=torch.float64).to(acc)
-    scores = torch.randn(B, generator=g, dtype=torch.float64).to(acc)
-    hidden = torch.randn(B, T + 1, H, generator=g).to(dtype)
-    weight = (0.7 * torch.randn(V, H, generator=g)).to(dtype)
-    bias = (0.1 * torch.randn(V, generator=g)).to(dtype)
+    adv = normal((B, T)).to(acc)
+    seq_adv = normal((B,)).to(acc)
+    isw = (0.5 + uniform((B, T))).to(acc)
+    values = normal((B, T)).to(acc)
+    scores = normal((B,)).to(acc)
+    hidden = normal((B, T + 1, H)).to(dtype)
+    weight = normal((V, H), 0.7).to(dtype)
+    bias = normal((V,), 0.1).to(dtype)
     return dict(logits=logits, tokens=tokens, mask=mask, old=old, ref=ref, rollout=rollout,
                 adv=adv, seq_adv=seq_adv, isw=isw, values=values, scores=scores,
                 hidden=hidden, weight=weight, bias=bias)
@@ -200,11 +217,28 @@ def compute():
     return out
 
 
+def platform_tags():
+    """What the results depend on besides the code: the torch build, the CPU capability its
+    kernels and ours dispatch to, and the CPU itself (the BLAS of the matmuls and some of
+    torch's reductions take per-model paths: the same capability on another vendor's CPU
+    rounds a matmul differently)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith(("model name", "CPU part"))), model)
+    except OSError:
+        pass
+    return dict(torch_version=torch.__version__,
+                cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_model=model)
+
+
 def main():
     os.makedirs(os.path.dirname(DATA), exist_ok=True)
     out = compute()
-    np.savez_compressed(DATA, torch_version=np.array(torch.__version__), **out)
-    print(f"wrote {len(out)} arrays to {DATA}")
+    tags = platform_tags()
+    np.savez_compressed(DATA, **{k: np.array(v) for k, v in tags.items()}, **out)
+    print(f"wrote {len(out)} arrays to {DATA}, made with {tags}")
 
 
 if __name__ == "__main__":

@@ -77,10 +77,16 @@ def test_random_splits_float64(ranks):
 
 def test_float32_next_to_the_kernel_against_float64(ranks):
     """Confident rows and tiny kls at V = 1000: the split's error against float64 is the
-    single-process float32 kernel's (within a factor 2 and float32 rounding)."""
+    single-process float32 kernel's (within a factor 2 and float32 rounding). The gradient
+    p - q, p = exp(x - lse), takes a few float32 roundings on either path, and which path is
+    luckier depends on the CPU capability's summation order (AVX-512: 1.2e-7 split vs 5e-8
+    kernel; AVX2: 3.8e-7 vs 1.3e-7): so at most twice the kernel's error or 8 float32 ulps
+    relative, whichever is larger."""
+    eps32 = torch.finfo(torch.float32).eps
     for kern_abs, tp_abs, kern_grad, tp_grad in _errors(ranks, "confident"):
         assert tp_abs <= 2 * kern_abs + 1e-7, (tp_abs, kern_abs)
-        assert tp_grad <= 2 * kern_grad + 1e-7, (tp_grad, kern_grad)
+        assert tp_grad <= max(2 * kern_grad, 8 * eps32), (tp_grad, kern_grad)
+        assert kern_grad <= 8 * eps32, kern_grad  # the kernel itself: float32 rounding
 
 
 def test_from_hidden_per_token(ranks):
