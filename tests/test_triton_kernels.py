@@ -26,7 +26,8 @@ import triton.language as tl
 
 import ppo_kernels.triton_kernels as tk
 from ppo_kernels import reference as ref
-from ppo_kernels.triton_kernels._math import expm1, expm1_minus_x, kl_term, log1p
+from ppo_kernels.triton_kernels._math import (exp_acc, expm1, expm1_minus_x, kl_term,
+                                              log1p)
 from ppo_kernels.spec import KERNEL_POLICY_LOSSES
 
 from conftest import (GENUINE_INF, KL_CODES, TOK_TOL, TRITON_DEVICE, acc_of, assert_close_np,
@@ -596,7 +597,7 @@ def test_many_rows_and_64bit_offsets_cuda():
 @triton.jit
 def _probe_kernel(x_ptr, a_ptr, b_ptr, N, WHICH: tl.constexpr, BLOCK: tl.constexpr):
     """Elementwise _math helpers on a vector: 0 = kl_term k3 (kl, dkl),
-    1 = (expm1_minus_x, expm1), 2 = (log1p, log1p)."""
+    1 = (expm1_minus_x, expm1), 2 = (log1p, log1p), 3 = (exp_acc, exp_acc)."""
     offs = tl.arange(0, BLOCK)
     inb = offs < N
     x = tl.load(x_ptr + offs, mask=inb, other=0.0)
@@ -605,8 +606,11 @@ def _probe_kernel(x_ptr, a_ptr, b_ptr, N, WHICH: tl.constexpr, BLOCK: tl.constex
     elif WHICH == 1:
         a = expm1_minus_x(x)
         b = expm1(x)
-    else:
+    elif WHICH == 2:
         a = log1p(x)
+        b = a
+    else:
+        a = exp_acc(x)
         b = a
     tl.store(a_ptr + offs, a, mask=inb)
     tl.store(b_ptr + offs, b, mask=inb)
@@ -653,6 +657,34 @@ def test_expm1_helpers_and_log1p():
     assert a[r == 0][0] == 0.0
     a, _ = _probe(2, [-1.0])
     assert a[0] == float("-inf")
+
+
+@GENUINE_INF
+def test_exp_acc_and_expm1_helpers_over_the_float32_range():
+    """exp_acc, the exp of the per-token terms (the ratio, SAPO's gate, DPPO's
+    probabilities, the token's own p), and the expm1 helpers beyond their series, over
+    |x| <= 80 in float32: exp_acc within 1.5e-7 relative (measured 8.3e-8 here; fp32
+    tl.exp lowers to ex2.approx of the rounded x log2(e), 9e-7 off at |x| = 20 and 4e-6 at
+    80 on a GPU), expm1 and expm1_minus_x within 2.5e-7 (measured 1.2e-7 and 1.6e-7; the
+    contract is 5e-7). The same float32 operations run on a GPU, there with fused
+    multiply-adds (test_triton_kernels_lowering.py: no ex2.approx in them)."""
+    gen = np.random.default_rng(19)
+    x = np.concatenate([gen.uniform(-80.0, 80.0, 3000), gen.uniform(-3.0, 3.0, 1000),
+                        [-80.0, -1.0, -0.5, 0.0, 0.5, 1.0, 80.0]]).astype(np.float32)
+    x64 = x.astype(np.float64)
+    e, _ = _probe(3, x)
+    assert rel_err(e, np.exp(x64)) < 1.5e-7, "exp_acc"
+    big = np.abs(x64) >= 1.0
+    a, b = _probe(1, x[big])
+    assert rel_err(a, expm1_minus_x64(x64[big])) < 2.5e-7, "expm1_minus_x"
+    assert rel_err(b, np.expm1(x64[big])) < 2.5e-7, "expm1"
+    # the edges: 0, over- and underflow, the largest finite results, NaN
+    edges = np.array([0.0, float("nan"), float("inf"), -float("inf"), 88.5, 89.0, -100.0,
+                      -104.0, -110.0], dtype=np.float32)
+    e, _ = _probe(3, edges)
+    assert e[0] == 1.0 and np.isnan(e[1]) and e[2] == np.inf and e[3] == 0.0
+    assert rel_err(e[4:5], np.exp(88.5)) < 1.5e-7 and e[5] == np.inf  # e^89 > finfo.max
+    assert abs(e[6] - np.exp(-100.0)) <= 2.0 ** -149 and e[7] <= 2.0 ** -149 and e[8] == 0.0
 
 
 # ------------------------------------------------------------------ grad_scale, scale_grad_

@@ -348,8 +348,9 @@ runs = {
     "kept_logprobs_bwd_": lambda: sampling.kept_logprobs_bwd_(
         pt(), pt(), logits, tokens, mask, pt(), pt(), pt(), 0.7, None, None, thr,
         torch.empty_like(logits)),
-    "distill_fwd": lambda: distill.distill_fwd(logits, mask, offs, ids, torch.rand(B * T, dtype=f64),
-                                               pt(), 0.7, 1.0 / 3.0, True, True),
+    "distill_fwd": lambda: distill.distill_fwd(logits, mask, offs, ids,
+                                               torch.rand(B * T, dtype=f64), pt(), 0.7,
+                                               1.0 / 3.0, True, True),
 }
 out = {}
 for run_name, run in runs.items():
@@ -428,3 +429,102 @@ def test_ppo_loss_float64_options_are_f64_in_ptx(launched):
     assert params, launched.get("ppo_loss_fwd")
     assert "f32" not in params, params
     assert params.count("f64") == N_FLOAT_SLOTS + 1, params
+
+
+# ------------------------------------------------------------------ exp of the per-token terms
+# fp32 tl.exp lowers to ex2.approx.f32 of the rounded product x log2(e) (triton's NVIDIA
+# ExpOpConversionApprox): 9e-7 relative at |x| = 20, beyond the contract's 5e-7 for the
+# ratio, the KL estimators and the expm1 helpers. Those use _math.exp_acc / exp_split
+# (float32 products and sums only); the vocabulary sweeps keep tl.exp. A probe kernel per
+# helper (written to a file: triton.jit reads the source) is compiled for sm_90 and its
+# PTX searched for ex2.approx; tl.exp itself is the control.
+
+PROBE_SRC = """
+import triton
+import triton.language as tl
+from ppo_kernels.triton_kernels._math import (exp_acc, expm1, expm1_minus_x, kl_term,
+                                              pg_term, dlogit_token)
+
+
+@triton.jit
+def probe(x_ptr, y_ptr, N, WHICH: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    inb = offs < N
+    x = tl.load(x_ptr + offs, mask=inb, other=0.0)
+    if WHICH == 0:
+        y = tl.exp(x)
+    elif WHICH == 1:
+        y = exp_acc(x)
+    elif WHICH == 2:
+        y = expm1(x)
+    elif WHICH == 3:
+        y = expm1_minus_x(x)
+    elif WHICH == 4:
+        kl, dkl = kl_term(x, 2)
+        y = kl + dkl
+    elif WHICH == 5:  # the ratio and the SAPO gate
+        pg, grad, rho, dr = pg_term(x, 0.5 * x, x, 0.2, 0.28, 3.0, 1.0, 1.05, False, 2)
+        y = pg + grad + rho + dr
+    elif WHICH == 6:  # DPPO-KL: p, p_old, log(1 - e^x)
+        pg, grad, rho, dr = pg_term(0.0 - x * x, 0.5 * x - 1.0, x, 0.2, 0.28, 3.0, 1.0, 1.05,
+                                    False, 4)
+        y = pg + grad + rho + dr
+    else:  # the token's own dlogit
+        y = dlogit_token(0.0 - x * x, exp_acc(0.0 - x * x), x, 0.5 * x, 0.1)
+    tl.store(y_ptr + offs, y, mask=inb)
+"""
+
+PROBE_CHILD = r"""
+import json, pathlib, sys, traceback
+sys.path.insert(0, sys.argv[1])
+sys.path.insert(0, sys.argv[2])
+pathlib.Path(sys.argv[2], "exp_probe_mod.py").write_text(sys.stdin.read())
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+import exp_probe_mod
+
+out = {}
+for which in range(8):
+    try:
+        k = triton.compile(ASTSource(fn=exp_probe_mod.probe,
+                                     signature={"x_ptr": "*fp32", "y_ptr": "*fp32",
+                                                "N": "i32", "WHICH": "constexpr",
+                                                "BLOCK": "constexpr"},
+                                     constexprs={(3,): which, (4,): 128}),
+                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        out[which] = k.asm["ptx"].count("ex2.approx")
+    except Exception:
+        out[which] = traceback.format_exc()
+print("@@JSON@@" + json.dumps(out))
+"""
+
+PROBES = {0: "tl.exp (control)", 1: "exp_acc", 2: "expm1", 3: "expm1_minus_x", 4: "kl k3",
+          5: "pg_term sapo", 6: "pg_term dppo_kl", 7: "dlogit_token"}
+
+
+@pytest.fixture(scope="module")
+def probe_ptx(tmp_path_factory):
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if "TRITON_PTXAS_PATH" not in env and shutil.which("ptxas") is None and \
+            os.path.exists("/usr/local/cuda/bin/ptxas"):
+        env["TRITON_PTXAS_PATH"] = "/usr/local/cuda/bin/ptxas"
+    proc = subprocess.run([sys.executable, "-c", PROBE_CHILD, str(ROOT),
+                           str(tmp_path_factory.mktemp("exp_probe"))], input=PROBE_SRC,
+                          capture_output=True, text=True, env=env, timeout=600)
+    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@JSON@@")]
+    assert marker, f"probe child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return {int(k): v for k, v in json.loads(marker[-1][len("@@JSON@@"):]).items()}
+
+
+@pytest.mark.parametrize("which", sorted(PROBES), ids=[PROBES[k] for k in sorted(PROBES)])
+def test_per_token_exps_avoid_ex2_approx(probe_ptx, which):
+    """The per-token helpers compile to PTX without ex2.approx (float32); tl.exp, the
+    control, does use it (so the search would see one)."""
+    n = probe_ptx[which]
+    assert isinstance(n, int), n
+    if which == 0:
+        assert n > 0
+    else:
+        assert n == 0, f"{PROBES[which]}: {n} ex2.approx"

@@ -13,7 +13,10 @@ blocks alike. ``ACC`` is the accumulation dtype, ``tl.float32`` or ``tl.float64`
 The vocabulary-wide helpers (block_stats, stats_merge, row_stats, row_grad) are the twins of
 csrc/cpu/row_kernels.h and csrc/cuda/row_reduce.cuh: the row statistics (m, rest, t) of
 docs/DESIGN.md ("Row statistics"). tl has no expm1 / log1p in every triton version: expm1,
-expm1_minus_x and log1p below are written from tl.exp / tl.log (accurate, no libdevice).
+expm1_minus_x and log1p below are written here (no libdevice). The per-token exps (the
+ratio, the KL estimators, expm1 beyond its series) use exp_acc, float32 arithmetic within
+1e-7 relative; the vocabulary sweeps keep tl.exp, a GPU's ex2.approx (docs/DESIGN.md,
+"Precision").
 """
 
 import math
@@ -69,6 +72,11 @@ _F9 = tl.constexpr(1.0 / math.factorial(9))
 _F10 = tl.constexpr(1.0 / math.factorial(10))
 _F11 = tl.constexpr(1.0 / math.factorial(11))
 _F12 = tl.constexpr(1.0 / math.factorial(12))
+# exp_split (Cody and Waite 1980; the split of Cephes expf, Moshier 1989): ln 2 = _LN2_HI +
+# _LN2_LO with _LN2_HI = 355/512, 9 significant bits, so n * _LN2_HI is exact for |n| < 2^15.
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2_HI = tl.constexpr(0.693359375)
+_LN2_LO = tl.constexpr(-2.1219444005469057e-04)
 
 
 @triton.jit
@@ -128,7 +136,7 @@ def pg_sapo(rho, clamped, adv, tau_pos, tau_neg):
     else tau_neg; d pg / d logp = -4 s (1 - s) rho A, 0 where the log-ratio was clamped.
     Returns (pg, d pg / d logp, rho, d rho / d logp)."""
     tau = tl.where(adv > 0.0, tau_pos, tau_neg)
-    s = 1.0 / (1.0 + tl.exp(-tau * (rho - 1.0)))
+    s = 1.0 / (1.0 + exp_acc(-tau * (rho - 1.0)))
     grad = tl.where(clamped, 0.0, -4.0 * s * (1.0 - s) * rho * adv)
     return -(4.0 / tau) * s * adv, grad, rho, tl.where(clamped, 0.0, rho)
 
@@ -141,7 +149,7 @@ def log1m_exp(x):
     # each branch's argument kept finite in the lane the other branch takes
     a = tl.where(near, x, -1.0)
     b = tl.where(near, -1.0, x)
-    return tl.where(near, tl.log(0.0 - expm1(a)), log1p(0.0 - tl.exp(b)))
+    return tl.where(near, tl.log(0.0 - expm1(a)), log1p(0.0 - exp_acc(b)))
 
 
 @triton.jit
@@ -152,14 +160,14 @@ def pg_dppo(logp, old_logp, rho, clamped, adv, eps_low, eps_high, dual_c,
     token is masked where A > 0, p > p_old and D > eps_high, or A <= 0, p < p_old and
     D > eps_low. pg = -M sg(min(rho, c)) A logp, d pg / d logp = -M min(rho, c) A (no cap
     without HAS_DUAL). Returns (pg, d pg / d logp, rho, d rho / d logp)."""
-    pn = tl.exp(logp)
-    po = tl.exp(old_logp)
+    pn = exp_acc(logp)
+    po = exp_acc(old_logp)
     if KL:  # log-probs above 0 (rounding) count as 0
         lo = tl.where(old_logp < 0.0, old_logp, 0.0)
         ln = tl.where(logp < 0.0, logp, 0.0)
         q_old = 0.0 - expm1(lo)
         tail = tl.where(q_old == 0.0, 0.0, q_old * (log1m_exp(lo) - log1m_exp(ln)))
-        div = tl.exp(lo) * (lo - ln) + tail
+        div = exp_acc(lo) * (lo - ln) + tail
     else:
         div = tl.where(pn > po, pn - po, po - pn)
     masked = tl.where(adv > 0.0, (pn > po) & (div > eps_high), (pn < po) & (div > eps_low))
@@ -182,7 +190,7 @@ def pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, tau_pos, tau_neg,
     """
     d_raw = logp - old_logp
     clamped = (d_raw < -LOG_RATIO_CLAMP) | (d_raw > LOG_RATIO_CLAMP)
-    rho = tl.exp(clampv(d_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    rho = exp_acc(clampv(d_raw, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     if POLICY_LOSS == PG_CISPO:
         pg, grad, rho, dratio = pg_cispo(logp, rho, clamped, adv, eps_low, eps_high)
     elif POLICY_LOSS == PG_SAPO:
@@ -200,13 +208,79 @@ def pg_term(logp, old_logp, adv, eps_low, eps_high, dual_c, tau_pos, tau_neg,
 
 
 @triton.jit
+def exp_split(x):
+    """float32 x as e^x = (2^a 2^b)(1 + q): the Cody-Waite reduction x = n ln 2 + r,
+    n = floor(x log2(e) + 1/2), |r| <= ln(2) / 2 (r = (x - n _LN2_HI) - n _LN2_LO: the first
+    difference is exact), q = e^r - 1 by its Taylor series to r^7 / 7! (truncation below
+    1e-8 relative), and 2^n = 2^a 2^b (a = n >> 1, b = n - a) as two normal powers of two
+    built from their exponent bits, so that neither over- nor underflows on its own. x is
+    clamped to [-105, 89], where e^x rounds to 0 and overflows; a NaN lane computes on 0
+    (the callers return the NaN). Returns (2^a, 2^b, q).
+
+    Why: fp32 tl.exp lowers on NVIDIA GPUs to ex2.approx.f32 of the rounded product
+    x log2(e), whose rounding alone is up to 2^-24 |x log2(e)| ln 2 relative (9e-7 at
+    |x| = 20, 4e-6 at 80). The per-token terms the contract bounds to 5e-7 (the ratio,
+    the KL estimators, expm1) use this instead: only exact float32 products and sums, the
+    same on a GPU (where fused multiply-adds only remove roundings) and in the interpreter.
+    """
+    xc = tl.where(x != x, 0.0, clampv(x, -105.0, 89.0))
+    n = tl.floor(xc * _LOG2E + 0.5)
+    r = (xc - n * _LN2_HI) - n * _LN2_LO
+    p = _F6 + r * _F7
+    p = _F5 + r * p
+    p = _F4 + r * p
+    p = _F3 + r * p
+    p = _F2 + r * p
+    q = r + (r * r) * p
+    ni = n.to(tl.int32)
+    a = ni >> 1
+    sa = ((a + 127) << 23).to(tl.float32, bitcast=True)
+    sb = ((ni - a + 127) << 23).to(tl.float32, bitcast=True)
+    return sa, sb, q
+
+
+@triton.jit
+def exp_acc(x):
+    """e^x for the once-per-token terms: float32 within 1e-7 relative over |x| <= 88
+    (exp_split; tl.exp's ex2.approx is for the vocabulary sweeps), float64 tl.exp (libdevice
+    __nv_exp on a GPU). NaN stays NaN, -inf gives 0, +inf gives inf."""
+    if x.dtype == tl.float64:
+        return tl.exp(x)
+    else:
+        sa, sb, q = exp_split(x)
+        return tl.where(x != x, x, ((1.0 + q) * sa) * sb)
+
+
+@triton.jit
+def _expm1_big(u):
+    """(e^u - 1, e^u - 1 - u) for |u| >= 1, without tl.exp's approximation in float32:
+    with e^u = s (1 + q) (exp_split), e^u - 1 = (s - 1) + s q and e^u - 1 - u =
+    ((s - 1) - u) + s q, s - 1 exact for the s = 2^n a float32 |u| <= 16 gives. Beyond
+    u = 88, where s may overflow, e^u - 1 rounds to e^u."""
+    if u.dtype == tl.float64:
+        e = tl.exp(u) - 1.0
+        return e, e - u
+    else:
+        sa, sb, q = exp_split(u)
+        s = sa * sb
+        sq = s * q
+        em1 = (s - 1.0) + sq
+        em1_u = ((s - 1.0) - u) + sq
+        huge = u > 88.0
+        e = exp_acc(u)
+        em1 = tl.where(huge, e, em1)
+        em1_u = tl.where(huge, e - u, em1_u)
+        return tl.where(u != u, u, em1), tl.where(u != u, u, em1_u)
+
+
+@triton.jit
 def expm1_minus_x(u):
     """ppo_math.h expm1_minus_x: e^u - 1 - u without cancellation.
 
     |u| < cut: the Taylor series u^2 (1/2! + u (1/3! + ... + u / 12!)) by Horner (11
     coefficients, as ppo_math.h; cut = 1 in float32, where the truncation stays below
     5e-10 relative, and 0.1 in float64, below 1e-20); beyond, (e^u - 1) - u, where nothing
-    cancels badly. Works on 0-d values and blocks alike.
+    cancels badly (_expm1_big: in float32 without tl.exp). Works on 0-d values and blocks.
     """
     p = _F11 + u * _F12
     p = _F10 + u * p
@@ -222,7 +296,8 @@ def expm1_minus_x(u):
         small = (u > -0.1) & (u < 0.1)
     else:
         small = (u > -1.0) & (u < 1.0)
-    return tl.where(small, u * u * p, (tl.exp(u) - 1.0) - u)
+    _, big = _expm1_big(u)
+    return tl.where(small, u * u * p, big)
 
 
 @triton.jit
@@ -231,10 +306,11 @@ def expm1(u):
 
     |u| < 1: u + expm1_minus_x(u), a few ulp: the two terms have the same sign for u > 0,
     and for u < 0 the second is below |u| / 2, so the sum keeps at least half of |u|;
-    beyond, exp(u) - 1.
+    beyond, e^u - 1 (_expm1_big: in float32 without tl.exp).
     """
     small = (u > -1.0) & (u < 1.0)
-    return tl.where(small, u + expm1_minus_x(u), tl.exp(u) - 1.0)
+    big, _ = _expm1_big(u)
+    return tl.where(small, u + expm1_minus_x(u), big)
 
 
 @triton.jit
@@ -479,7 +555,7 @@ def row_grad(in_row, out_row, V, tok_col, logp_tok, row_max, log_sum, ent, dlogp
     if (dlogp == 0.0) & (dent == 0.0):
         row_zero(out_row, V, BLOCK_V)
     else:
-        g_tok = dlogit_token(logp_tok, tl.exp(logp_tok), ent, dlogp, dent)
+        g_tok = dlogit_token(logp_tok, exp_acc(logp_tok), ent, dlogp, dent)
         offs = tl.arange(0, BLOCK_V)
         nblk = tl.cdiv(V, BLOCK_V)
         for i in range(0, nblk):
