@@ -95,6 +95,16 @@ def scale_grad(prefix, dlogits, grad, applied):
     return dlogits
 
 
+def wants_grad(*tensors):
+    """Whether the kernels should write a gradient for these inputs: one requires it and
+    grad mode is on, or a torch.jit.trace records the call (its check re-runs the function
+    under no_grad, and the recorded graph must not depend on that: the trace replays the
+    gradient-writing call whatever the grad mode of its replay)."""
+    if not any(t is not None and t.requires_grad for t in tensors):
+        return False
+    return torch.is_grad_enabled() or torch.jit.is_tracing()
+
+
 def first_order_only(what):
     """Raises in a backward run with create_graph=True (the engine enables grad mode in a
     backward only then): the kernels give first derivatives, and a gradient without its own

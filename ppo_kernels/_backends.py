@@ -10,7 +10,7 @@ import os
 import torch
 
 from . import _torch_impl
-from ._autograd import InplaceLoss, register
+from ._autograd import InplaceLoss, register, wants_grad
 from ._checks import split_temperature
 from ._extension import HAS_CPU, HAS_CUDA, LOAD_ERROR
 from .spec import KL_ESTIMATORS
@@ -42,7 +42,7 @@ class KernelBackend:
         temperatures: the per-row [B, T] temperature, or None (spec.temperature)."""
         tensors = (tokens, mask, old, adv, weights, ref, isw, w_ent)
         scalars, codes = spec.kernel_args(logits.dtype)
-        need_grad = torch.is_grad_enabled() and logits.requires_grad
+        need_grad = wants_grad(logits)
         if spec.inplace_backward and need_grad:
             loss, loss_tok, logp, ent = InplaceLoss.apply(
                 logits, self.op("ppo_loss_fwd_inplace"), tensors, scalars, codes, self.prefix,

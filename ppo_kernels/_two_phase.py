@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import _torch_impl, sampling
-from ._autograd import applied_scale, first_order_only, hand_out
+from ._autograd import applied_scale, first_order_only, hand_out, wants_grad
 from ._checks import split_temperature
 from .vocab_parallel import logits_grad, shard_stats
 
@@ -151,7 +151,7 @@ def ppo_loss(prefix, logits, spec, x, shard=None):
     (x.replay) four more [B, T] tensors follow: the full logp, the kept mass, the kept set's
     size and whether the set lacked the sampled token; logp is then logp_kept and ent the
     entropy spec.entropy_over names."""
-    if not (torch.is_grad_enabled() and logits.requires_grad):
+    if not wants_grad(logits):
         with torch.no_grad():
             out = _passes(logits, spec, x, prefix, False, shard)
             return (*out[:4], *out[6])

@@ -30,30 +30,18 @@ from . import _checks as ck
 from . import _torch_impl, packed
 from . import sampling
 from ._checks import acc_dtype, split_temperature
-from ._autograd import applied_scale, first_order_only, hand_out
+from ._autograd import applied_scale, first_order_only, hand_out, wants_grad
 from ._backends import get_backend
 from ._two_phase import middle_grad
 from .advantages import (packed_rollout_inputs, rollout_from_logprobs, rollout_inputs,
                          rollout_sizes)
-from .lm_head import is_head_module, through_head
+from .lm_head import accepts_head_module
 from .loss import (check_loss, composite_padded, loss_metrics, per_token_loss, two_phase,
                    weigh_loss)
 from .rank_agreement import agreed_sizes, checks_together, groups
 from .vocab_parallel import all_reduce_sum_, logits_grad, require_kernels, shard_of
 
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
-
-
-def _as_head_forward(fn, call):
-    """fn(**call) run as the head module's forward (lm_head.through_head, forward
-    redirection): call is fn's own arguments (its locals() on entry, lm_head_weight the
-    module), every one passed on; the weight and bias are those the module holds inside its
-    forward."""
-    call = dict(call)
-    extra = call.pop("loss_options", {})
-    return through_head(call["lm_head_weight"], call["hidden"], call["lm_head_bias"],
-                        lambda h, w, b: fn(**{**call, **extra, "hidden": h,
-                                              "lm_head_weight": w, "lm_head_bias": b}))
 
 
 # ------------------------------------------------------------------ argument checks
@@ -711,7 +699,7 @@ def replay_from_hidden(be, hidden3, weight, bias, tokens, mask, temperature, rp,
                 shard=shard)
     fn = _ReplayFromHidden if shard is None else _VpReplayFromHidden
     args = (hidden3, weight, bias)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args):
+    if wants_grad(*args):
         return fn.apply(*args, s, rp)
     with torch.no_grad():
         return fn.apply(*args, s, rp)
@@ -739,6 +727,7 @@ def _squeeze(x, flat):
 
 # ------------------------------------------------------------------ public ops
 
+@accepts_head_module  # a head module: the op runs as its forward (lm_head.py)
 def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=None, *,
                                lm_head_bias=None, logit_softcap=None, temperature=1.0,
                                return_entropy=False, chunk_size=None, tp_group=None,
@@ -771,8 +760,6 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     pk.token_logprobs (docs/SAMPLING.md); with tp_group a given sampling_mask only
     (top_k / top_p / min_p with tp_group: NotImplementedError).
     """
-    if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
-        return _as_head_forward(token_logprobs_from_hidden, locals())
     def checks():  # no collective: the ranks of tp_group decide validity together
         h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
                                         vocab_start)
@@ -809,7 +796,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
                     tokens=tokens2, mask=mask, acc=acc_dtype(hidden3), shard=shard,
                     return_entropy=return_entropy, logits_dtype=ldt)
         args = (hidden3, lm_head_weight, lm_head_bias)
-        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args):
+        if wants_grad(*args):
             logp, ent = _LogprobsFromHidden.apply(*args, s)
         else:
             stats = _stats_pass(s, *args, return_entropy)
@@ -821,6 +808,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     return (logp, ent) if return_entropy else logp
 
 
+@accepts_head_module  # a head module: the op runs as its forward (lm_head.py)
 def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages,
                          response_mask=None, ref_logprobs=None, *, lm_head_bias=None,
                          logit_softcap=None, chunk_size=None, tp_group=None, vocab_start=None,
@@ -866,8 +854,6 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         lm_head_bias (those that require it). All of it is computed in the forward; the
         backward only rescales it by grad_output (no pass when grad_output == grad_scale).
     """
-    if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
-        return _as_head_forward(ppo_loss_from_hidden, locals())
     options = dict(loss_options, old_logprobs=old_logprobs, advantages=advantages,
                    response_mask=response_mask, ref_logprobs=ref_logprobs, cp_group=cp_group)
     def checks(options):  # no collective: the ranks of tp_group / cp_group decide together
@@ -931,7 +917,7 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
                      inputs=x, old=k(x.old), adv=k(x.adv), ref=k(x.ref), isw=k(x.isw),
                      weights=k(x.weights), w_ent=k(x.w_ent),
                      gs=spec.effective_grad_scale(hidden3.dtype), logits_dtype=ldt)
-        if torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in diff):
+        if wants_grad(*diff):
             loss, logp, ent = _LossFromHidden.apply(*diff, st)
         else:
             loss, logp, ent, _ = _loss_pass(st, *diff, (False, False, False))
@@ -939,6 +925,7 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
     return loss, loss_metrics(spec, x, logp, ent)
 
 
+@accepts_head_module  # a head module: the op runs as its forward (lm_head.py)
 def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, values, scores,
                               response_mask, *, lm_head_bias=None, logit_softcap=None,
                               chunk_size=None, kl_coef, kl_estimator="k1", gamma=1.0,
@@ -970,8 +957,6 @@ def score_rollout_from_hidden(hidden, lm_head_weight, tokens, ref_logprobs, valu
         Rollout(logprobs, kl, rewards, advantages, returns), float32 [B, T] each, 0 where
         masked.
     """
-    if is_head_module(lm_head_weight):  # the head's forward runs it (lm_head.py)
-        return _as_head_forward(score_rollout_from_hidden, locals())
     opts = dict(kl_coef=kl_coef, kl_estimator=kl_estimator, gamma=gamma, lam=lam,
                 whiten=whiten, value_lam=value_lam, lam_alpha=lam_alpha)
 

@@ -17,9 +17,15 @@ call the wrapper, and let its hooks run around it.
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
-__all__ = ["forward_redirect", "head_parameters", "is_head_module"]
+from ._ddp_unused import after_ddp_forward
+
+__all__ = ["accepts_head_module", "forward_redirect", "head_parameters", "is_head_module",
+           "through_head"]
 
 
 def _inner(wrapper):
@@ -107,3 +113,30 @@ def through_head(module, hidden, bias, op):
     weight and bias the module holds inside its forward (whole under FSDP2 / ZeRO-3)."""
     head_parameters(module, bias)
     return forward_redirect(module, lambda h: op(h, module.weight, module.bias), hidden)
+
+
+def accepts_head_module(op):
+    """Decorates a from-hidden op ``op(hidden, lm_head_weight, ..., lm_head_bias=None, ...)``
+    so that ``lm_head_weight`` may be the head module: the call then runs as the module's
+    forward (through_head) with every argument passed on and the weight and bias the module
+    holds inside its forward. A weight tensor goes straight to ``op`` (one isinstance on the
+    call's path; nothing here for torch.compile to trace, unlike a frame's ``locals()``)."""
+    sig = inspect.signature(op)
+
+    @functools.wraps(op)
+    def call(*args, **kwargs):
+        head = args[1] if len(args) > 1 else kwargs.get("lm_head_weight")
+        hidden = args[0] if args else kwargs.get("hidden")
+        if not is_head_module(head):  # (after DDP's forward: tell DDP the head is used)
+            return after_ddp_forward(hidden, op(*args, **kwargs))
+        given = {}
+        for name, value in sig.bind(*args, **kwargs).arguments.items():
+            if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                given.update(value)
+            else:
+                given[name] = value
+        given.pop("lm_head_weight")
+        return after_ddp_forward(hidden, through_head(
+            head, given.pop("hidden"), given.pop("lm_head_bias", None),
+            lambda h, w, b: op(h, w, lm_head_bias=b, **given)))
+    return call

@@ -260,7 +260,33 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         changed in place before the backward of inplace_backward=True (DESIGN.md,
         "Autograd contract").
     """
-    options = dict(locals())  # every keyword: LossSpec's and the tensors' (check_loss)
+    # every argument by name, for LossSpec and check_loss (written out: dynamo in torch
+    # 2.11 cannot trace locals(); tests/test_tracing.py keeps it complete)
+    options = dict(logits=logits, tokens=tokens, old_logprobs=old_logprobs,
+                   advantages=advantages, response_mask=response_mask,
+                   ref_logprobs=ref_logprobs, policy_loss=policy_loss,
+                   clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
+                   dual_clip_c=dual_clip_c, sapo_tau_pos=sapo_tau_pos,
+                   sapo_tau_neg=sapo_tau_neg, vespo_k_pos=vespo_k_pos,
+                   vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                   vespo_lambda_neg=vespo_lambda_neg, kl_coef=kl_coef,
+                   kl_estimator=kl_estimator,
+                   kl_bias_correction=kl_bias_correction,
+                   entropy_coef=entropy_coef, entropy_agg_mode=entropy_agg_mode,
+                   temperature=temperature, loss_agg_mode=loss_agg_mode,
+                   global_num_tokens=global_num_tokens,
+                   global_num_seqs=global_num_seqs, norm_length=norm_length,
+                   rollout_is_weights=rollout_is_weights,
+                   rollout_logprobs=rollout_logprobs,
+                   rollout_correction=rollout_correction,
+                   rollout_is_threshold=rollout_is_threshold,
+                   off_policy_mask_threshold=off_policy_mask_threshold,
+                   grad_scale=grad_scale, inplace_backward=inplace_backward,
+                   cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, tp_group=tp_group,
+                   vocab_start=vocab_start, cp_group=cp_group,
+                   return_per_token=return_per_token, backend=backend,
+                   sampling_mask=sampling_mask, top_k=top_k, top_p=top_p,
+                   min_p=min_p, kl_logprobs=kl_logprobs, entropy_over=entropy_over)
 
     def checks(options):  # no collective: the ranks of tp_group / cp_group decide together
         local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")

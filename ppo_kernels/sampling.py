@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import _checks as ck
+from ._autograd import wants_grad
 
 
 class SamplingMask(NamedTuple):
@@ -427,7 +428,7 @@ def replay_logprobs(be, logits3, tokens, mask, temperature, rp):
     """(logp_kept, H_kept, logp, H, kept_mass, kept_size, missing) [B, T] on backend be,
     the first four differentiable in logits3 (0 where masked)."""
     if be.is_kernel:
-        if torch.is_grad_enabled() and logits3.requires_grad:
+        if wants_grad(logits3):
             return KernelReplayLogprobs.apply(logits3, tokens, mask, temperature, rp, be.prefix)
         with torch.no_grad():
             return KernelReplayLogprobs.forward(_NoCtx(), logits3, tokens, mask, temperature,
@@ -623,7 +624,7 @@ class _VpReplayLogprobs(torch.autograd.Function):
 
 def vp_replay_logprobs(be, logits3, tokens, mask, temperature, rp, shard):
     """replay_logprobs over a vocabulary split over tp_group (tokens global)."""
-    if torch.is_grad_enabled() and logits3.requires_grad:
+    if wants_grad(logits3):
         return _VpReplayLogprobs.apply(logits3, tokens, mask, temperature, rp, shard, be.prefix)
     with torch.no_grad():
         return _VpReplayLogprobs.forward(_NoCtx(), logits3, tokens, mask, temperature, rp,

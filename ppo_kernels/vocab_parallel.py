@@ -29,7 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ._autograd import first_order_only
+from ._autograd import first_order_only, wants_grad
 from ._checks import host_readable, split_temperature, tensor
 from .context_parallel import check_group
 
@@ -310,7 +310,7 @@ class ShardedLogprobs(torch.autograd.Function):
 
 def token_logprobs(be, logits, tokens, mask, temperature, shard):
     """(logp, H) [B, T] of a vocabulary shard, differentiable in the local logits."""
-    if torch.is_grad_enabled() and logits.requires_grad:
+    if wants_grad(logits):
         return ShardedLogprobs.apply(logits, tokens, mask, temperature, shard, be.prefix)
     with torch.no_grad():
         return shard_stats(logits, tokens, mask, temperature, shard, be.prefix)[:2]

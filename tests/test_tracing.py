@@ -1,0 +1,99 @@
+"""The ops under the tracers of every supported torch (2.6 to the newest): torch.jit.trace
+of a call whose logits require grad records and replays the loss and its gradient; nothing
+in the package calls locals() (dynamo in torch 2.11 cannot trace it: "Unsupported: builtin
+locals"; 2.14 can), and ppo_loss's written-out keyword record stays complete.
+torch.compile itself: tests/test_autograd_contract.py."""
+
+import ast
+import inspect
+import os
+import warnings
+
+import pytest
+import torch
+
+import ppo_kernels as pk
+from ppo_kernels import loss as loss_module
+
+PACKAGE = os.path.dirname(os.path.abspath(pk.__file__))
+
+
+def _package_sources():
+    for root, _, files in os.walk(PACKAGE):
+        for f in sorted(files):
+            if f.endswith(".py"):
+                path = os.path.join(root, f)
+                with open(path) as fh:
+                    yield path, ast.parse(fh.read())
+
+
+def test_no_locals_call_in_the_package():
+    calls = [f"{os.path.relpath(p, PACKAGE)}:{n.lineno}" for p, tree in _package_sources()
+             for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Name) and n.func.id in ("locals", "vars")]
+    assert not calls, calls
+
+
+def test_ppo_loss_option_record_names_every_argument():
+    tree = ast.parse(inspect.getsource(loss_module.ppo_loss))
+    records = [n.value for n in ast.walk(tree) if isinstance(n, ast.Assign)
+               and [getattr(t, "id", None) for t in n.targets] == ["options"]]
+    assert len(records) == 1
+    keys = [k.arg for k in records[0].keywords]
+    assert all(isinstance(k.value, ast.Name) and k.value.id == k.arg
+               for k in records[0].keywords)
+    assert keys == list(inspect.signature(loss_module.ppo_loss).parameters)
+
+
+def _inputs(seed=0, B=2, T=5, V=11):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, T + 1, V, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    old = torch.log_softmax(x[:, :T], -1).gather(-1, tokens[..., None])[..., 0] \
+        + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, T, generator=g, dtype=torch.float64)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 3:] = False
+    return x, tokens, old, adv, mask
+
+
+@pytest.mark.parametrize("policy_loss,kw", [
+    ("vanilla", dict(clip_eps_low=0.1)),                       # the fused single pass
+    ("gspo", dict(clip_eps_low=3e-3, clip_eps_high=4e-3)),     # the two-phase path
+    ("vanilla", dict(inplace_backward=True, clip_eps_low=0.1)),
+])
+def test_jit_trace_with_grad_records_loss_and_gradient(policy_loss, kw):
+    x, tokens, old, adv, mask = _inputs()
+    fresh = lambda: x.clone().requires_grad_(True)  # noqa: E731
+
+    def f(z):
+        return pk.ppo_loss(z * 1.0, tokens, old, adv, mask, backend="cpu",
+                           policy_loss=policy_loss, **kw)[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(f, (fresh(),))  # check_trace on: replayed under no_grad
+    want_in, got_in = fresh(), fresh()
+    want = f(want_in)
+    want.backward()
+    got = traced(got_in)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_in.grad, want_in.grad, rtol=0, atol=0)
+    assert want_in.grad.abs().max() > 0
+
+
+def test_jit_trace_of_token_logprobs_with_grad():
+    x, tokens, _, adv, mask = _inputs(1)
+
+    def f(z):
+        return (pk.token_logprobs(z, tokens, mask, backend="cpu") * adv).sum()
+
+    a = x.clone().requires_grad_(True)
+    b = x.clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(f, (a,))
+    f(a).backward()
+    traced(b).backward()
+    torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
