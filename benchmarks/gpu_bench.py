@@ -8,7 +8,9 @@ masked token mean, nothing else: what a trainer writes by hand), of torch.compil
 plain loss (`compile`), and of Liger-Kernel's `triton_grpo_loss` when importable; and a
 device-to-device copy of the logits in the same run, the practical bandwidth ceiling
 (METHOD.md). Advantages are per sequence (GRPO), so every row computes the same loss,
-Liger's included, and each reports its relative error against the torch backend.
+Liger's included, and each reports its relative error against the torch backend. (The
+first GPU run, 2026-12-04, ran the earlier version; the eager / compile rows, the per-sequence
+advantages and the forward's peak are unrun on a GPU.)
 
 Bytes the op must move: forward reads the logits once (N V 2 bytes); forward+backward also
 writes dlogits once. Achieved bandwidth = bytes / time; "%copy" = that over the copy's.
