@@ -20,6 +20,7 @@ from .distill import _torch_terms, check_call, metrics_of
 from .from_hidden import (_Grads, _LossFromHidden, _flat_hidden, _head_options,
                           _hidden_and_tokens, _hidden_rows, _rows, _softcap_factor_,
                           chunk_logits, materialised_logits)
+from .lm_head import accepts_head_module
 
 
 @dataclasses.dataclass
@@ -117,6 +118,7 @@ def placeholder_tokens(hidden, teacher):
     return tokens
 
 
+@accepts_head_module  # a head module: the op runs as its forward (lm_head.py)
 def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None, *,
                              lm_head_bias=None, logit_softcap=None, chunk_size=None,
                              tail=True, temperature=1.0, loss_agg_mode="token-mean",
@@ -131,7 +133,11 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
 
     Args:
         hidden: [B, T, H], [B, T + 1, H] or [N, H]; float32, bfloat16, float16 or float64.
-        lm_head_weight: [V, H] of hidden's dtype. lm_head_bias: [V] or None.
+        lm_head_weight: [V, H] of hidden's dtype; or the head module (a torch.nn.Linear,
+            plain, FSDP2- or ZeRO-3-wrapped; lm_head_bias None, its own bias is used): the
+            op then runs as its forward, inside the framework's hooks, as
+            ppo_loss_from_hidden (ppo_kernels/lm_head.py, docs/DISTRIBUTED.md); another
+            module is a TypeError naming lm_head_weight. lm_head_bias: [V] or None.
         teacher, response_mask and the keywords: as pk.distill_loss (the CSR over the
             B * T positions). loss_agg_mode="none" runs only on backend="torch" (the chunked
             kernels write a gradient weighted before the backward).

@@ -100,3 +100,45 @@ def test_bad_arguments(gen):
     raises_naming(lambda: pk.distill_loss_from_hidden(hidden, w, te._replace(
         token_ids=te.token_ids + 100)), "teacher.token_ids")
     raises_naming(lambda: pk.distill_loss_from_hidden(hidden, w, (1, 2)), "teacher")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("mode", ["token-mean", "none"])
+def test_head_module_equals_the_tensors(bias, mode, gen):
+    """The head given as a torch.nn.Linear (the op runs as its forward, lm_head.py): the same
+    loss, metrics and gradients (hidden, weight, bias) as its weight and bias as tensors;
+    a module whose forward is not Linear's, or a separate lm_head_bias, a TypeError naming
+    the argument."""
+    hidden, w, b, te, mask = _inputs(gen)
+    head = torch.nn.Linear(w.shape[1], w.shape[0], bias=bias)
+    with torch.no_grad():
+        head.weight.copy_(w)
+        if bias:
+            head.bias.copy_(b)
+    backend = "torch" if mode == "none" else "auto"
+    out = []
+    for as_module in (True, False):
+        head.zero_grad()
+        h = hidden.clone().requires_grad_()
+        wt = head if as_module else head.weight
+        kw = {} if as_module else dict(lm_head_bias=head.bias)
+        loss, m = pk.distill_loss_from_hidden(h, wt, te, mask, chunk_size=2,
+                                              loss_agg_mode=mode, backend=backend, **kw)
+        (loss.sum() if loss.dim() else loss).backward()
+        grads = [h.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
+        out.append((loss.detach(), m, [g.clone() for g in grads]))
+    (l1, m1, g1), (l2, m2, g2) = out
+    assert torch.equal(l1, l2)
+    assert m1.keys() == m2.keys() and all(torch.equal(m1[k], m2[k]) for k in m1)
+    for a, c in zip(g1, g2):
+        assert torch.equal(a, c)
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    raises_naming(lambda: pk.distill_loss_from_hidden(hidden, Scaled(6, 23), te, mask),
+                  "lm_head_weight", (TypeError,))
+    raises_naming(lambda: pk.distill_loss_from_hidden(hidden, head, te, mask,
+                                                      lm_head_bias=torch.zeros(23)),
+                  "lm_head_bias", (TypeError,))
