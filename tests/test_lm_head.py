@@ -3,7 +3,9 @@ forward_redirect, on one process (equal to the tensor form, errors naming the ar
 the module's forward restored), and inside DDP (find_unused_parameters False and True),
 FSDP2 (the head its own unit or in the root unit, reshard_after_forward True and False,
 after reshard()) and DeepSpeed ZeRO-3 on 2 gloo processes (tests/trainer_cases.py): loss
-and every gradient equal to the single-process run on the concatenated batch."""
+and every gradient equal to the single-process run on the concatenated batch; and the head
+used after the forward of DDP(find_unused_parameters=True) (tests/ddp_after_forward_cases.py,
+ppo_kernels/_ddp_unused.py), exact as well."""
 
 import os
 
@@ -175,11 +177,43 @@ def test_exact_inside_the_framework(trainer_ranks, framework):
         assert err["loss"] < TOL and err["grad"] < TOL, (rank, name, err)
 
 
-def test_the_traps_the_redirection_removes(trainer_ranks):
+def test_the_trap_the_redirection_removes(trainer_ranks):
     for res in trainer_ranks:
-        # DDP(find_unused_parameters=True) with the head used after its forward
-        assert "Expected to mark a variable ready only once" in \
-            res["ddp/trap_without_redirection"]
         # FSDP2, the head in the root unit after reshard(): its weight is a shard
         msg = res["fsdp2/root_unit/resharded_module_form"]
         assert msg.startswith("ValueError") and "lm_head_weight" in msg
+
+
+@pytest.fixture(scope="module")
+def ddp_after_forward_ranks(tmp_path_factory):
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                          "ddp_after_forward_cases.py")
+    return run_ranks(script, tmp_path_factory.mktemp("ddp_after"), timeout=300)
+
+
+def test_ddp_find_unused_head_after_the_forward_is_exact(ddp_after_forward_ranks):
+    """DDP(find_unused_parameters=True), hidden = ddp(ids), then the from-hidden op with
+    ddp.module.lm_head (or its weight and bias), two iterations (DDP's own error, "Expected
+    to mark a variable ready only once", before): ppo_loss (vanilla, gspo),
+    token_logprobs and distill_loss from hidden, with and without a bias, the hidden states
+    a few autograd nodes past DDP's output, a value head used inside the forward, a
+    no_sync() micro-batch first: the loss and every gradient equal the single-process run
+    on the whole batch (tests/ddp_after_forward_cases.py)."""
+    want = 4 * 2 * 2 + 4
+    for rank, res in enumerate(ddp_after_forward_ranks):
+        assert len(res) == want, sorted(res)
+        for name, err in res.items():
+            assert isinstance(err, dict), f"rank {rank} {name}: {err}"
+            assert err["loss"] < TOL and err["grad"] < TOL, (rank, name, err)
+
+
+def test_after_ddp_forward_is_a_no_op_outside_ddp():
+    """Without a process group, or with hidden states from no DDP forward, the op's result
+    comes back untouched (and nothing is looked at under no_grad)."""
+    from ppo_kernels._ddp_unused import _sink_ddp, after_ddp_forward
+
+    hidden, head, tok, old, adv, mask = _inputs()
+    h = hidden.clone().requires_grad_()
+    out = pk.ppo_loss_from_hidden(h * 2, head, tok, old, adv, mask)
+    assert after_ddp_forward(h * 2, out) is out
+    assert _sink_ddp((h * 2).grad_fn) is None

@@ -146,23 +146,6 @@ def ddp_case(model, kind, batch, rank, find_unused, head_as):
     return loss, {k: p.grad for k, p in ddp.module.named_parameters()}
 
 
-def ddp_trap(model, batch, rank):
-    """The trap the redirection removes: the head used after DDP's forward with
-    find_unused_parameters=True. Returns the error message (or "trained")."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(copy.deepcopy(model), find_unused_parameters=True)
-    ids, tok, old, adv, mask, ref, n_tok, n_seq = local(batch, rank)
-    try:
-        for _ in range(2):
-            hidden = ddp(ids)
-            loss = op_loss("vanilla", hidden, ddp.module.lm_head, tok, old, adv, mask, ref,
-                           n_tok, n_seq)
-            loss.backward()
-    except RuntimeError as e:
-        return str(e).splitlines()[0]
-    return "trained"
-
-
 def fsdp_case(model, kind, batch, rank, layout, reshard):
     from torch.distributed.fsdp import fully_shard
     m = copy.deepcopy(model)
@@ -284,8 +267,6 @@ def worker(rank, port, out, which="all"):
         models[True], batch, rank), models[True], "vanilla")
     res["fsdp2/root_unit/resharded_module_form"] = fsdp_resharded_root(models[False], batch,
                                                                       rank)
-    dist.barrier()
-    res["ddp/trap_without_redirection"] = ddp_trap(models[False], batch, rank)
     dist.barrier()
     if which == "all":
         zero3_cases(rank, models, batch, res, case)
