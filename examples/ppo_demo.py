@@ -336,9 +336,14 @@ def format_row(h: dict) -> str:
     return " ".join(fmt.format(h[key]) for key, _, fmt in COLUMNS)
 
 
-def plot(history: list[dict], path: str, title: str) -> None:
-    """Six panels: reward, KL to the reference, clip fraction, entropy, the two losses."""
-    import matplotlib
+def plot(history: list[dict], path: str, title: str) -> str:
+    """Six panels: reward, KL to the reference, clip fraction, entropy, the two losses.
+    Returns what became of the plot: its path, or why there is none (matplotlib is the
+    demo's only optional package: `pip install matplotlib` for the plot)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "skipped (matplotlib is not installed: pip install matplotlib)"
 
     matplotlib.use("Agg")              # no display needed (CI, ssh)
     import matplotlib.pyplot as plt
@@ -364,6 +369,7 @@ def plot(history: list[dict], path: str, title: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return os.path.abspath(path)
 
 
 def show_samples(label: str, vocab, seq, n: int = 4) -> None:
@@ -494,14 +500,14 @@ def main(argv=None) -> dict:
     title = (f"PPO on a tiny GPT-2 (ppo_kernels backend={backend}, seed={args.seed}): reward "
              f"{summary['reward_start']:.2f} -> {summary['reward_end']:.2f}, "
              f"KL {summary['kl_end']:.2f} nats")
-    plot(history, args.out, title)
+    where = plot(history, args.out, title)
     summary["total_seconds"] = time.perf_counter() - t_start
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
     ok = all(math.isfinite(h["kl_ref"]) for h in history) and math.isfinite(after["kl_ref"])
-    print(f"plot: {args.out}")
+    print(f"plot: {where}")
     print(f"summary ({s.eval_batch} fixed prompts, same sampling seed): reward "
           f"{summary['reward_start']:.3f} before PPO -> {summary['reward_end']:.3f} after; "
           f"KL to ref {summary['kl_end']:.3f} nats/seq (max during training "

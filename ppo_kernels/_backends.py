@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 
 import torch
 
 from . import _torch_impl
 from ._autograd import InplaceLoss, register, wants_grad
 from ._checks import split_temperature
-from ._extension import HAS_CPU, HAS_CUDA, LOAD_ERROR
+from ._extension import HAS_CPU, HAS_CUDA, LOAD_ERROR, not_built_hint
 from .spec import KL_ESTIMATORS
 
 
@@ -118,6 +119,24 @@ def _outside_functorch(name):
             f"composite, which they differentiate exactly)")
 
 
+_WARNED = set()
+
+
+def _warn_eager_fallback(dev):
+    """One warning per device type when backend="auto" runs the eager composite because no
+    kernel backend is there: a silent fallback is about 10x slower."""
+    if dev in _WARNED:
+        return
+    _WARNED.add(dev)
+    why = (not_built_hint() if dev != "cuda" else
+           "the extension has no CUDA kernels here and triton is not importable "
+           "(pip install triton, or build with a CUDA toolkit)")
+    warnings.warn(f"ppo_kernels: backend='auto' runs the eager PyTorch composite on {dev} "
+                  f"tensors (correct, but about 10x slower than the kernels): {why}. "
+                  f"backend='torch' asks for the composite without this warning.",
+                  RuntimeWarning, stacklevel=3)
+
+
 def get_backend(backend, device):
     """The backend object for `backend` and the tensors' device, or a ValueError (a
     NotImplementedError for a kernel backend under a torch.func transform)."""
@@ -127,6 +146,8 @@ def get_backend(backend, device):
             backend = "cuda" if HAS_CUDA else ("triton" if _triton_importable() else "torch")
         else:
             backend = "cpu" if HAS_CPU else "torch"
+        if backend == "torch":
+            _warn_eager_fallback(dev)
     if backend == "torch":
         return TorchBackend()
     if backend in ("cpu", "cuda", "triton"):

@@ -14,6 +14,7 @@ them. PPO_KERNELS_NO_EXTENSION=1 skips the compiled kernels even when they are t
 
 from __future__ import annotations
 
+import glob
 import importlib
 import importlib.machinery
 import importlib.util
@@ -177,17 +178,46 @@ def _backends():
     return out + ["torch"]
 
 
+def built_copies_elsewhere():
+    """Folders on sys.path, other than the imported one, that hold a built ppo_kernels (a
+    compiled _C module): an installed copy that a source checkout shadows when Python runs
+    inside the checkout, say."""
+    out = []
+    for entry in sys.path:
+        d = os.path.join(os.path.abspath(entry or os.getcwd()), "ppo_kernels")
+        if os.path.realpath(d) == os.path.realpath(_PKG_DIR) or d in out:
+            continue
+        if glob.glob(os.path.join(d, "_C.*")):
+            out.append(d)
+    return out
+
+
+def not_built_hint():
+    """Why the compiled kernels are not here and what to do, in one sentence or two."""
+    elsewhere = built_copies_elsewhere()
+    if elsewhere and SOURCE_CHECKOUT:
+        return (f"ppo_kernels was imported from the unbuilt source tree {_PKG_DIR}, which "
+                f"shadows the built copy in {elsewhere[0]}: run Python outside the "
+                f"checkout, or build the checkout in place with `{rebuild_command()}`")
+    return f"{LOAD_ERROR}; build them with `{rebuild_command()}`"
+
+
 def build_info():
     """What was compiled and what runs here: `built` (the C++ kernels are loaded), `cuda`
     (compiled with the CUDA kernels; `cuda_skipped` says why not), `cpu` and the SIMD
-    variant loaded, `backends` (those usable in this process for backend=), the torch it
-    was built for and the running one, and, when not built, `how_to_build`."""
+    variant loaded (`cpu_capabilities_built`: those compiled), `backends` (those usable in
+    this process for backend=), the torch it was built for and the running one, `path`
+    (the folder ppo_kernels was imported from) and `built_elsewhere` (other folders on
+    sys.path with a built copy, which this one shadows), and, when not built,
+    `load_error` and `how_to_build`."""
     info = dict(_C.build_info()) if _C is not None else {"cuda": False}
     meta = BUILD_META or {}
     info.update(built=_C is not None, cpu=HAS_CPU, cpu_capability=CPU_CAPABILITY,
+                cpu_capabilities_built=meta.get("cpu_capabilities"),
                 num_threads=torch.get_num_threads(), backends=_backends(),
                 torch=torch.__version__, built_for_torch=meta.get("torch_version"),
-                cuda_skipped=meta.get("cuda_skipped"), cuda_arch_list=meta.get("cuda_arch_list"))
+                cuda_skipped=meta.get("cuda_skipped"), cuda_arch_list=meta.get("cuda_arch_list"),
+                path=_PKG_DIR, built_elsewhere=built_copies_elsewhere())
     if _C is None:
-        info.update(load_error=str(LOAD_ERROR), how_to_build=rebuild_command())
+        info.update(load_error=str(LOAD_ERROR), how_to_build=not_built_hint())
     return info

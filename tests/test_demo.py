@@ -165,3 +165,17 @@ def test_update_loss_from_hidden_matches_the_logits():
         else:
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
     assert ga[0] is not None and ga[0].abs().sum() > 0  # the tied embedding / head gets one
+
+
+def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
+    """In an environment without matplotlib the demo skips its plot with a message (the
+    summary line still prints); with it, plot returns the file it wrote."""
+    demo = _load_demo()
+    history = [dict(iter=i, reward=0.1 * i, kl_ref=0.0, clip_frac=0.0, entropy=1.0,
+                    pg_loss=0.0, v_loss=0.0, grammatical=1.0) for i in range(3)]
+    out = tmp_path / "p.png"
+    assert demo.plot(history, str(out), "t") == str(out.resolve()) and out.is_file()
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
+    where = demo.plot(history, str(tmp_path / "q.png"), "t")
+    assert where.startswith("skipped") and "pip install matplotlib" in where
+    assert not (tmp_path / "q.png").exists()

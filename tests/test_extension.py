@@ -125,6 +125,43 @@ def test_never_built_checkout_imports_with_the_torch_backend(checkout, tmp_path_
     assert f"ok {checkout / 'ppo_kernels' / '__init__.py'}" in r.stdout
 
 
+def test_a_shadowed_build_is_named_and_auto_warns_once(checkout, tmp_path_factory):
+    """Python run inside an unbuilt checkout imports it ahead of a built copy further down
+    sys.path: build_info names both folders, and backend="auto" says once, in a warning,
+    that it runs the eager composite and why (a silent fallback is about 10x slower)."""
+    built = os.path.dirname(PKG)
+    r = run_py("""
+        import warnings, torch
+        import ppo_kernels as pk
+        info = pk.build_info()
+        print("path", info["path"])
+        print("elsewhere", info["built_elsewhere"])
+        print("hint", info["how_to_build"])
+        x = torch.randn(1, 3, 5, dtype=torch.float64)
+        t = torch.zeros(1, 2, dtype=torch.long)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for backend in ("auto", "auto", "torch"):
+                pk.ppo_loss(x, t, torch.zeros(1, 2), torch.ones(1, 2), backend=backend)
+        print("warnings", len(w))
+        print("warning", w[0].message if w else None)
+        """, cwd=str(tmp_path_factory.mktemp("cwd")),
+        path=os.pathsep.join([str(checkout), built]))
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    assert out["path"] == str(checkout / "ppo_kernels")
+    assert os.path.join(built, "ppo_kernels") in out["elsewhere"]
+    assert "shadows the built copy" in out["hint"] and "outside the checkout" in out["hint"]
+    assert out["warnings"] == "1"
+    assert "eager PyTorch composite" in out["warning"] and "shadows" in out["warning"]
+
+
+def test_build_info_names_its_folder():
+    info = pk.build_info()
+    assert info["path"] == PKG
+    assert PKG not in info["built_elsewhere"]
+
+
 def test_recorded_build_without_its_modules_is_reported(checkout):
     (checkout / "ppo_kernels" / "_build_meta.py").write_text(
         f"BUILD = {dict(RUNNING, cuda=False, cpu_capabilities=['default'])!r}\n")
