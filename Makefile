@@ -1,26 +1,52 @@
 # The two commands of the README:
-#   make demo   set everything up on a fresh machine and run the PPO demo (the main job)
+#   make demo   set up what the demo needs on a fresh machine and run the PPO demo
 #   make test   set everything up and run the test suite
-.PHONY: setup demo test bench report check-install
+# Each set-up step runs only when its inputs changed (scripts/setup.sh).
+.PHONY: setup setup-demo demo test test-capabilities bench report check-install mutate
+
+PY = .venv/bin/python
+
+setup-demo:
+	./scripts/setup.sh demo
 
 setup:
-	./scripts/setup.sh
+	./scripts/setup.sh test
 
-demo: setup
-	.venv/bin/python examples/ppo_demo.py --out out/ppo_demo.png
+demo: setup-demo
+	$(PY) examples/ppo_demo.py --out out/ppo_demo.png
 
+# one pytest-xdist worker per core; --dist loadgroup keeps the tests that read one
+# multi-process launch on one worker (tests/conftest.py, exclusive_cores)
 test: setup
-	.venv/bin/python -m pytest -q --durations=10
+	$(PY) -m pytest -q -n auto --dist loadgroup --durations=10
 
-bench: setup
-	.venv/bin/python benchmarks/cpu_bench.py
+# The tests whose results depend on the CPU's SIMD level, again under the lower
+# capabilities this machine can force (ATen and the CPU kernels both follow
+# ATEN_CPU_CAPABILITY): what `make test` checks on an AVX2 or a plain x86-64 CPU.
+CAPABILITY_TESTS = tests/test_golden.py tests/test_reference.py tests/test_loss.py \
+  tests/test_loss_precision.py tests/test_loss_token_logprobs.py tests/test_seed_sheet.py \
+  tests/test_batch_invariance.py tests/test_distill.py tests/test_distill_tp.py
+test-capabilities: setup
+	for cap in avx2 default; do \
+	  echo "== ATEN_CPU_CAPABILITY=$$cap"; \
+	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -n auto --dist loadgroup \
+	    -k "not triton" $(CAPABILITY_TESTS) || exit 1; \
+	done
+
+bench: setup-demo
+	$(PY) benchmarks/cpu_bench.py
 
 # CPU benchmarks of every op over sizes: CSV and plots in benchmarks/results/ (~10 min);
 # REPORT_ARGS="--quick" for a smoke run
-report: setup
-	.venv/bin/python benchmarks/report.py $(REPORT_ARGS)
+report: setup-demo
+	$(PY) benchmarks/report.py $(REPORT_ARGS)
 
 # CI's install checks (after make test): the wheel installed into a second venv with the
 # same torch, and the oldest supported torch, each running a fast subset of the tests
 check-install: setup
 	bash scripts/check_install.sh all
+
+# single-point mutations of the formula modules against the fast tier (docs/TESTING.md);
+# on demand, outside CI's time
+mutate: setup
+	$(PY) scripts/mutate.py --all

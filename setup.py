@@ -15,6 +15,8 @@ environment variable is needed; each choice below can be overridden:
   CUDA major version; when no such toolkit exists, or torch is a CPU-only build, the CPU
   kernels are built alone (the Triton backend still runs on GPUs) and
   `ppo_kernels.build_info()["cuda_skipped"]` says why. PPO_KERNELS_NO_CUDA=1 skips CUDA.
+- PPO_KERNELS_CPU_CAPABILITIES: all (default: the CPU kernels once per SIMD capability,
+  for any x86-64 CPU), native (this processor's alone) or a comma list.
 - TORCH_CUDA_ARCH_LIST: with a visible GPU torch's own default (that GPU); without one
   DEFAULT_ARCHS, the architecture the CUDA kernels are written for, plus PTX.
 - MAX_JOBS: the cores this process may use, at most one job per 2 GiB of available memory
@@ -217,10 +219,27 @@ def rel(pattern):
 
 
 def simd_caps():
+    """The CPU modules to build: every SIMD capability of the platform, or with
+    PPO_KERNELS_CPU_CAPABILITIES=native the one this processor runs (ATen's own choice,
+    torch.backends.cpu.get_cpu_capability(); what `make demo` builds: a third of the CPU
+    build), or a comma list of default / avx2 / avx512."""
     caps = ["default"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         caps += ["avx2", "avx512"]
-    return caps
+    want = os.environ.get("PPO_KERNELS_CPU_CAPABILITIES", "all").strip().lower()
+    if want in ("", "all"):
+        return caps
+    if want == "native":
+        import torch
+
+        native = torch.backends.cpu.get_cpu_capability().lower()
+        return [native if native in caps else "default"]
+    chosen = [c.strip() for c in want.split(",") if c.strip()]
+    unknown = sorted(set(chosen) - set(caps))
+    if unknown or not chosen:
+        fail(f"PPO_KERNELS_CPU_CAPABILITIES={want!r}: expected all, native or a comma list "
+             f"of {', '.join(caps)} (this platform's)")
+    return [c for c in caps if c in chosen]
 
 
 def extensions(cpp_extension, cuda):

@@ -1,39 +1,99 @@
 #!/usr/bin/env bash
-# Sets up everything for working on the project on a fresh machine: a virtual environment
-# in .venv with torch 2.14.1 (a CUDA 13.0 build that also runs on the CPU; it matches the
-# nvcc 13.0 of the build machines so the CUDA kernels compile and link), the test and demo
-# dependencies, and the extension built in place. Safe to run again: it rebuilds only after
-# csrc/ or the build files changed. (Installing into an environment of your own needs none
-# of this: README, "Install into your own environment".)
+# Sets up the project on a fresh machine, and does nothing that is already done:
+#
+#   scripts/setup.sh demo   .venv with torch 2.14.1 and the demo's packages
+#                           (requirements-demo.txt), the CPU kernels for this processor
+#                           alone (PPO_KERNELS_CPU_CAPABILITIES=native, no CUDA): what
+#                           `make demo` runs
+#   scripts/setup.sh test   the same, plus the test packages (requirements.txt, verl without
+#                           its dependency tree, DeepSpeed) and the whole build (the CUDA
+#                           kernels when nvcc 13.x is there, every CPU SIMD variant): what
+#                           `make test` and CI run
+#
+# torch 2.14.1 is a CUDA 13.0 build that also runs on the CPU; it matches the nvcc 13.0 of
+# the build machines. Each step runs only when its inputs changed since it last ran (a stamp
+# in .venv per step); the build is ninja's, which keeps its objects in build/ and recompiles
+# only what changed (ccache too, where it is installed). Installing into an environment of
+# your own needs none of this: README, "Install into your own environment".
 set -euo pipefail
 cd "$(dirname "$0")/.."
+MODE=${1:-test}
+case "$MODE" in demo|test) ;; *) echo "usage: $0 [demo|test]" >&2; exit 2 ;; esac
 PY=${PYTHON:-python3}
+T0=$SECONDS
+
+step() { printf '[setup %3ss] %s\n' "$((SECONDS - T0))" "$*"; }
+# pip without the local mirror's "Location ... is ignored" lines, keeping pip's status
+quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
+digest() { cat "$@" | sha256sum | cut -d' ' -f1; }
+# stamp NAME DIGEST: whether step NAME last ran with these inputs
+current() { [ -f ".venv/.stamp-$1" ] && [ "$(cat ".venv/.stamp-$1")" = "$2" ]; }
+done_with() { echo "$2" > ".venv/.stamp-$1"; }
+
 if [ ! -x .venv/bin/python ]; then
+  step "creating .venv ($("$PY" --version))"
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -r requirements.txt
-# The build needs no environment variable: setup.py finds the toolkit, the arch list and
-# MAX_JOBS itself (docs/DESIGN.md, build notes). The editable build below is the one a
-# developer works with; ninja keeps its objects in build/, so a rebuild compiles only what
-# changed, and it runs only when the kernel sources or the build files changed.
-stamp=.venv/.ppo_kernels_build
-sources=$(find csrc -type f | LC_ALL=C sort | xargs cat setup.py pyproject.toml | sha256sum)
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$sources" ] && ls ppo_kernels/_C*.so > /dev/null 2>&1; then
-  echo "ppo_kernels extension up to date"
+
+req=$(digest requirements-demo.txt)
+if ! current demo-packages "$req"; then
+  step "installing torch 2.14.1 and the demo's packages (requirements-demo.txt; about 2 min" \
+    "on a fresh machine, mostly torch's CUDA libraries)"
+  quiet .venv/bin/python -m pip install -q -r requirements-demo.txt
+  done_with demo-packages "$req"
+fi
+
+if [ "$MODE" = test ]; then
+  req=$(digest requirements.txt requirements-demo.txt scripts/install_verl.sh scripts/setup.sh)
+  if ! current test-packages "$req"; then
+    step "installing the test packages (requirements.txt: pytest, hypothesis, TRL; about 1 min)"
+    quiet .venv/bin/python -m pip install -q -r requirements.txt
+    # verl for its integration tests, without its dependency tree (scripts/install_verl.sh)
+    step "installing verl 0.9.1 without its dependency tree (about 1 min)"
+    quiet bash scripts/install_verl.sh
+    # DeepSpeed for the ZeRO-3 tests of the LM head (tests/test_lm_head.py): a source
+    # package whose build imports torch, hence --no-build-isolation; its ops compile at
+    # first use (DS_BUILD_OPS=0), none of which the CPU tests use
+    step "installing DeepSpeed 0.19.8 (its ops are compiled at first use: none here)"
+    DS_BUILD_OPS=0 quiet .venv/bin/python -m pip install -q --no-build-isolation deepspeed==0.19.8
+    done_with test-packages "$req"
+  fi
+fi
+
+# The build: `make demo` compiles the CPU kernels for this processor alone; `make test`
+# every variant and the CUDA kernels. A full build serves the demo too.
+sources=$(find csrc -type f | LC_ALL=C sort | xargs cat setup.py pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ "$MODE" = demo ] && { current build "full $sources" || current build "demo $sources"; } \
+    && ls ppo_kernels/_C*.so > /dev/null 2>&1; then
+  step "ppo_kernels extension up to date"
+elif [ "$MODE" = test ] && current build "full $sources" && ls ppo_kernels/_C*.so > /dev/null 2>&1; then
+  step "ppo_kernels extension up to date"
 else
-  .venv/bin/python -m pip install -q --no-build-isolation -e .
-  echo "$sources" > "$stamp"
+  if command -v ccache > /dev/null 2>&1; then
+    export CC="ccache ${CC:-gcc}" CXX="ccache ${CXX:-g++}" PYTORCH_NVCC="ccache nvcc"
+  fi
+  if [ "$MODE" = demo ]; then
+    step "building the CPU kernels for this processor (about 1 min on 2 cores; the other" \
+      "SIMD variants and the CUDA kernels come with \`make test\`)"
+    export PPO_KERNELS_NO_CUDA=1 PPO_KERNELS_CPU_CAPABILITIES=native
+  else
+    step "building the extension: the CUDA kernels (with nvcc 13.x), the three CPU SIMD" \
+      "variants (about 4 min on 2 cores from scratch; ninja reuses what an earlier build left)"
+  fi
+  # one line per compiled file (ninja's [i/n] and the object), and setup.py's own notes
+  .venv/bin/python -m pip install -v --no-build-isolation -e . 2>&1 | awk '
+    /ppo_kernels setup:/ { print "  " $0; fflush(); next }
+    /^\[[0-9]+\/[0-9]+\]/ {
+      src = ""; ext = ""
+      for (i = 2; i <= NF; i++) {
+        if ($i ~ /\/csrc\/.*\.(cpp|cu)$/) { src = $i; sub(/.*\/csrc\//, "csrc/", src) }
+        if ($i ~ /\/temp\/[^\/]+\//) { ext = $i; sub(/.*\/temp\//, "", ext); sub(/\/.*/, "", ext) }
+      }
+      if (src != "") { printf "  %s %s %s\n", $1, ext, src; fflush() }
+      next }
+    /^ERROR|error:|Error/ { print; fflush() }'
+  [ "${PIPESTATUS[0]}" = 0 ] || { echo "the build failed: run .venv/bin/python -m pip install -v --no-build-isolation -e . for the whole log" >&2; exit 1; }
+  if [ "$MODE" = demo ]; then done_with build "demo $sources"; else done_with build "full $sources"; fi
 fi
-.venv/bin/python -c "import ppo_kernels as pk; print('ppo_kernels built:', pk.build_info())"
-# verl for its integration tests, without its dependency tree (scripts/install_verl.sh);
-# only once: it is slow to re-resolve
-if ! .venv/bin/python -c "import verl" > /dev/null 2>&1; then
-  bash scripts/install_verl.sh
-fi
-# DeepSpeed for the ZeRO-3 tests of the LM head (tests/test_lm_head.py): a source package
-# whose build imports torch, hence --no-build-isolation; its ops compile at first use
-# (DS_BUILD_OPS=0), none of which the CPU tests use
-if ! .venv/bin/python -c "import deepspeed" > /dev/null 2>&1; then
-  DS_BUILD_OPS=0 .venv/bin/python -m pip install -q --no-build-isolation deepspeed==0.19.8
-fi
+.venv/bin/python -c "import ppo_kernels as pk; i = pk.build_info(); print('[setup] ppo_kernels built:', i['built'], '| CPU', i['cpu_capability'], 'of', i['cpu_capabilities_built'], '| CUDA', i['cuda'], '| from', i['path'])"
+step "set-up done ($MODE)"

@@ -26,13 +26,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
+import fcntl  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 import zlib  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -583,9 +586,40 @@ def group1():
     assert not dist.is_initialized()
 
 
+@contextlib.contextmanager
+def exclusive_cores():
+    """Held while a test runs processes of its own (gloo ranks, torchrun): under
+    pytest-xdist (`make test` runs `pytest -n auto`) one worker at a time launches them, so
+    that the ranks of one test never share the cores with another worker's ranks (on 2
+    cores, 4 ranks at once time out). The lock is the run's (xdist's run id), a file in the
+    temporary folder."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID", f"solo{os.getpid()}")
+    path = os.path.join(tempfile.gettempdir(), f"ppo_kernels_tests_{run}.lock")
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist with --dist loadgroup, the tests that read the session's one
+    2-process launch (the two_ranks fixture) go to one worker, so it launches once."""
+    for item in items:
+        if "two_ranks" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("two_ranks"))
+
+
 def run_ranks(script, out, n=2, timeout=180):
     """Runs ``python script RANK PORT OUT`` as n processes (a gloo group the script makes)
-    and returns the ranks' OUT/rank<r>.json dicts, in rank order."""
+    and returns the ranks' OUT/rank<r>.json dicts, in rank order (one launch at a time
+    over the xdist workers: exclusive_cores)."""
+    with exclusive_cores():
+        return _run_ranks(script, out, n, timeout)
+
+
+def _run_ranks(script, out, n, timeout):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(out)],

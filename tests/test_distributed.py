@@ -21,16 +21,18 @@ import torch.distributed as dist
 import distributed_cases as cases
 import ppo_kernels as pk
 
-from conftest import PK_CU, PK_H, PK_S, PK_V, packed_batch, raises_naming
+from conftest import (PK_CU, PK_H, PK_S, PK_V, exclusive_cores, packed_batch,
+                      raises_naming)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _launch(world, out_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "distributed_cases.py"),
-                           "--world", str(world), "--out", str(out_dir)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    with exclusive_cores():
+        proc = subprocess.run([sys.executable, os.path.join(HERE, "distributed_cases.py"),
+                               "--world", str(world), "--out", str(out_dir)],
+                              capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = []
     for r in range(world):

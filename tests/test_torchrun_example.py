@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import exclusive_cores
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "ppo_demo.py"
 EXAMPLE = ROOT / "examples" / "ppo_torchrun.py"
@@ -35,8 +37,9 @@ RTOL = ATOL = 1e-5
 
 
 def _run(cmd, cwd):
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300,
-                          check=False)
+    with exclusive_cores():
+        proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300,
+                              check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
 
