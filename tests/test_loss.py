@@ -352,16 +352,28 @@ def test_no_grad_and_detached_logits(be, gen):
                              be.t(inp["mask"]), backend=be.name)
     assert not l1.requires_grad and not l2.requires_grad
     assert float(l1) == pytest.approx(float(l2), rel=1e-6)
+    assert set(m1) == set(m2)
+    for k in m1:
+        assert float(m1[k]) == pytest.approx(float(m2[k]), rel=1e-6, abs=1e-7), k
     assert leaf.grad is None
 
 
 def test_backends_agree_with_each_other(gen):
-    """cpu and torch on the same larger input (V = 32000 not a multiple of any block)."""
+    """cpu and torch on the same larger input (V = 32000 not a multiple of any block):
+    loss, metrics and gradient agree with each other and with the reference."""
     inp = make_inputs(2, 6, 32003, gen, padding="random")
-    l1, m1, g1, _ = run(CPU, inp, use_ref=True, kl_coef=0.1, entropy_coef=0.01)
+    l1, m1, g1, (e_loss, e_met, e_grad) = run(CPU, inp, use_ref=True, kl_coef=0.1,
+                                              entropy_coef=0.01)
     l2, m2, g2, _ = run(TORCH, inp, use_ref=True, kl_coef=0.1, entropy_coef=0.01)
     assert float(l1.detach()) == pytest.approx(float(l2.detach()), rel=5e-6, abs=1e-7)
     assert_grad_close(g1, to_np(g2), 1e-5)
+    assert set(m1) == set(m2)
+    for k in m1:
+        assert float(m1[k]) == pytest.approx(float(m2[k]), rel=5e-6, abs=1e-7), k
+    for loss, met, grad in ((l1, m1, g1), (l2, m2, g2)):
+        assert_close_np(loss.detach(), e_loss, rtol=5e-6, atol=1e-7, what="loss")
+        assert_metrics(met, e_met, rtol=5e-6, atol=2e-6)
+        assert_grad_close(grad, e_grad, 1e-5)
 
 
 # ------------------------------------------------------------------ gradcheck
@@ -426,7 +438,7 @@ def test_empty_batch_ppo_loss_and_logprobs(be, B, T):
 @pytest.mark.parametrize("be", BACKENDS_CPU)
 def test_nan_logits_on_masked_rows_are_never_read(be):
     """NaN logits on masked positions are never read: loss, metrics and gradient are
-    finite, the masked rows' gradient is 0."""
+    those of the clean call (and of the reference), the masked rows' gradient is 0."""
     d = small_inputs()
     logits = d["logits"].clone()
     logits[~SMALL_MASK] = float("nan")
@@ -434,25 +446,49 @@ def test_nan_logits_on_masked_rows_are_never_read(be):
     loss, metrics = pk.ppo_loss(logits, d["tokens"], d["old"], d["adv"], SMALL_MASK,
                                 entropy_coef=0.01, backend=be.name)
     loss.backward()
+    clean = d["logits"].clone().requires_grad_()
+    c_loss, c_met = pk.ppo_loss(clean, d["tokens"], d["old"], d["adv"], SMALL_MASK,
+                                entropy_coef=0.01, backend=be.name)
+    c_loss.backward()
     assert math.isfinite(loss.item())
     assert all(math.isfinite(v.item()) for v in metrics.values())
     assert torch.isfinite(logits.grad).all()
     assert (logits.grad[~SMALL_MASK] == 0).all()
+    assert loss.item() == pytest.approx(c_loss.item(), rel=1e-6, abs=1e-7)
+    assert set(metrics) == set(c_met)
+    for k in metrics:
+        assert metrics[k].item() == pytest.approx(c_met[k].item(), rel=1e-6, abs=1e-7), k
+    torch.testing.assert_close(logits.grad, clean.grad, rtol=1e-6, atol=1e-8)
+    e_loss, e_met, e_grad = ref.ppo_loss(d["logits"].double(), d["tokens"], d["old"], d["adv"],
+                                         SMALL_MASK, entropy_coef=0.01)
+    assert loss.item() == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
+    assert_metrics(metrics, e_met, rtol=2e-5, atol=2e-6)
+    assert_grad_close(logits.grad, e_grad, 3e-6)
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
 def test_metrics_ignore_nan_on_masked_positions(be):
     """NaN old / ref logprobs on masked positions reach neither the loss nor any
-    metric."""
+    metric: both are those of the clean call (and of the reference)."""
     d = small_inputs()
-    old, ref = d["old"].clone(), d["ref"].clone()
+    old, ref_lp = d["old"].clone(), d["ref"].clone()
     old[~SMALL_MASK] = float("nan")
-    ref[~SMALL_MASK] = float("nan")
-    loss, m = pk.ppo_loss(d["logits"], d["tokens"], old, d["adv"], SMALL_MASK, ref_logprobs=ref,
-                          kl_coef=0.1, backend=be.name)
+    ref_lp[~SMALL_MASK] = float("nan")
+    loss, m = pk.ppo_loss(d["logits"], d["tokens"], old, d["adv"], SMALL_MASK,
+                          ref_logprobs=ref_lp, kl_coef=0.1, backend=be.name)
     assert math.isfinite(loss.item())
     bad = [k for k, v in m.items() if not math.isfinite(v.item())]
     assert not bad, bad
+    c_loss, c_m = pk.ppo_loss(d["logits"], d["tokens"], d["old"], d["adv"], SMALL_MASK,
+                              ref_logprobs=d["ref"], kl_coef=0.1, backend=be.name)
+    assert loss.item() == pytest.approx(c_loss.item(), rel=1e-6, abs=1e-7)
+    assert set(m) == set(c_m)
+    for k in m:
+        assert m[k].item() == pytest.approx(c_m[k].item(), rel=1e-6, abs=1e-7), k
+    e_loss, e_met, _ = ref.ppo_loss(d["logits"].double(), d["tokens"], d["old"], d["adv"],
+                                    SMALL_MASK, d["ref"], kl_coef=0.1)
+    assert loss.item() == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
+    assert_metrics(m, e_met, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
@@ -475,7 +511,8 @@ def test_all_neginf_row_except_token(be):
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
 def test_token_own_logit_neginf(be):
-    """logp = -inf; the log-ratio clamp keeps the loss and gradient finite."""
+    """logp = -inf; the log-ratio clamp keeps the loss and gradient finite, with the
+    reference's values (ratio e^-20, the entropy of the remaining entries)."""
     d = small_inputs(1, 3, 7)
     logits = d["logits"][:1].clone()
     logits[0, torch.arange(3), d["tokens"][0]] = float("-inf")
@@ -486,13 +523,18 @@ def test_token_own_logit_neginf(be):
     assert math.isfinite(loss.item())
     assert torch.isfinite(logits.grad).all()
     assert math.isfinite(m["approx_kl"].item()) and math.isfinite(m["ratio_max"].item())
+    e_loss, e_met, e_grad = ref.ppo_loss(logits.detach().double(), d["tokens"][:1],
+                                         d["old"][:1], d["adv"][:1], entropy_coef=0.1)
+    assert loss.item() == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
+    assert_metrics(m, e_met, rtol=2e-5, atol=2e-6)
+    assert_grad_close(logits.grad, e_grad, 3e-6)
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
 @pytest.mark.parametrize("old", [1e30, -1e30, float("inf"), float("-inf")])
 def test_extreme_old_logprobs_are_clamped(be, old):
     """old_logprobs of +-1e30 and +-inf: the clamped log-ratio keeps the loss finite
-    and equal to the eager composite's, and gives no gradient (the clamp is active on every
+    and equal to the reference's, and gives no gradient (the clamp is active on every
     token)."""
     d = small_inputs()
     logits = d["logits"].requires_grad_()
@@ -502,9 +544,9 @@ def test_extreme_old_logprobs_are_clamped(be, old):
     assert math.isfinite(loss.item())
     assert torch.isfinite(logits.grad).all()
     assert (logits.grad == 0).all()  # the log-ratio clamp is active everywhere: no gradient
-    ref, _ = pk.ppo_loss(d["logits"].detach(), d["tokens"], torch.full((2, 3), old), d["adv"],
-                         backend="torch")
-    torch.testing.assert_close(loss.detach(), ref, rtol=1e-5, atol=1e-6)
+    e_loss, _, _ = ref.ppo_loss(d["logits"].detach().double(), d["tokens"],
+                                torch.full((2, 3), old, dtype=torch.float64), d["adv"])
+    assert loss.item() == pytest.approx(e_loss, rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
@@ -552,15 +594,16 @@ def test_non_contiguous_tokens_and_mask(be):
     d = small_inputs()
     tokT = d["tokens"].t().contiguous().t()
     maskT = SMALL_MASK.t().contiguous().t()
-    ref, _ = pk.ppo_loss(d["logits"], d["tokens"], d["old"], d["adv"], SMALL_MASK, backend="torch")
+    e_loss, _, _ = ref.ppo_loss(d["logits"].double(), d["tokens"], d["old"], d["adv"],
+                                SMALL_MASK)
     loss, _ = pk.ppo_loss(d["logits"], tokT, d["old"], d["adv"], maskT, backend=be.name)
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    assert loss.item() == pytest.approx(e_loss, rel=1e-5, abs=1e-6)
     lp = pk.token_logprobs(d["logits"], tokT, maskT, backend=be.name)
-    torch.testing.assert_close(lp, pk.token_logprobs(d["logits"], d["tokens"], SMALL_MASK,
-                                                     backend="torch"), rtol=1e-5, atol=1e-6)
+    e_lp, _ = ref.token_logprobs(d["logits"].double(), d["tokens"], SMALL_MASK)
+    assert_close_np(lp, e_lp * SMALL_MASK.numpy(), rtol=1e-5, atol=1e-6)
     adv, _ = pk.gae(torch.ones(3, 2).t(), torch.zeros(3, 2).t(), maskT, backend=be.name)
-    torch.testing.assert_close(adv, pk.gae(torch.ones(2, 3), torch.zeros(2, 3), SMALL_MASK,
-                                           backend="torch")[0])
+    e_adv, _ = ref.gae(torch.ones(2, 3), torch.zeros(2, 3), SMALL_MASK)
+    assert_close_np(adv, e_adv, rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------ value_loss
