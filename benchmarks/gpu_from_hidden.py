@@ -222,9 +222,9 @@ def main():
             del inputs
             if gpu:
                 torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            if a.json:  # after every configuration: a timeout keeps what was measured
+                with open(a.json, "w") as f:
+                    json.dump(rows, f, indent=1)
     print(f"{fails} FAIL")
     return 1 if fails else 0
 
