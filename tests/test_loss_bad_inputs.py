@@ -431,19 +431,18 @@ def test_bad_menu_arguments_name_themselves(be, name, kw):
 @pytest.mark.parametrize("tau", [1e-40, 1e39])
 def test_sapo_tau_outside_float32(be, tau):
     """sapo_tau_pos / sapo_tau_neg outside float32's range (1e-40, 1e39): a ValueError
-    naming sapo_tau, or a finite loss and gradient (never a -inf loss, a NaN gradient or a
-    RuntimeError from the float conversion)."""
+    naming sapo_tau_pos and the range (never a -inf loss, a NaN gradient or a RuntimeError
+    from the float conversion). Refusing is the contract: the kernels take the scalars as
+    float32 (DESIGN.md, "Bad input": a ValueError naming the argument, what was expected
+    and what was given), where 1e-40 is subnormal and 1e39 overflows to inf, so no loss
+    computed with them would be SAPO's."""
     inp = seeded_inputs(2, 3, 5, 34)
     x = inp["full"][:, :3].clone().requires_grad_(True)
-    try:
-        loss, _ = pk.ppo_loss(x, inp["tokens"], None, inp["adv"], inp["mask"],
-                              policy_loss="sapo", sapo_tau_pos=tau, sapo_tau_neg=tau,
-                              backend=be.name)
-    except ValueError as e:
-        assert "sapo_tau" in str(e)
-        return
-    loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+    with pytest.raises(ValueError, match=r"sapo_tau_pos: .*float32") as info:
+        pk.ppo_loss(x, inp["tokens"], None, inp["adv"], inp["mask"], policy_loss="sapo",
+                    sapo_tau_pos=tau, sapo_tau_neg=tau, backend=be.name)
+    assert repr(tau) in str(info.value)
+    assert x.grad is None
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
@@ -451,13 +450,11 @@ def test_sapo_tau_outside_float32(be, tau):
                                       ("global_num_seqs", "seq-mean-token-sum")])
 def test_global_count_number_underflowing_float32(be, name, agg):
     """global_num_tokens / global_num_seqs as a Python number below float32's range
-    (1e-50): a ValueError naming it (as for the same value as a tensor), or a finite loss;
-    never a NaN loss."""
+    (1e-50): a ValueError naming it and the range, as for the same value as a tensor
+    (never a NaN or inf loss). Refusing is the contract: the count rounds to 0 in float32,
+    a non-positive count (DESIGN.md, "Bad input")."""
     inp = seeded_inputs(2, 3, 5, 35)
-    try:
-        loss, _ = pk.ppo_loss(inp["full"][:, :3], inp["tokens"], inp["old"], inp["adv"],
-                              inp["mask"], loss_agg_mode=agg, backend=be.name, **{name: 1e-50})
-    except ValueError as e:
-        assert name in str(e)
-        return
-    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match=name + r": .*float32") as info:
+        pk.ppo_loss(inp["full"][:, :3], inp["tokens"], inp["old"], inp["adv"], inp["mask"],
+                    loss_agg_mode=agg, backend=be.name, **{name: 1e-50})
+    assert "1e-50" in str(info.value)
