@@ -699,6 +699,17 @@ def test_base_calls_are_valid():
 
 @pytest.mark.parametrize("gamma,lam", [(0.0, 0.0), (1.0, 1.0), (0, 1)])
 def test_gae_boundaries_accepted(gamma, lam):
-    """gamma and lam at the ends of [0, 1] are accepted."""
-    adv, _ = pk.gae(**base_gae(), gamma=gamma, lam=lam)
+    """gamma and lam at the ends of [0, 1] are accepted, with the exact values there
+    (Schulman et al. 2016, eqs. 17-18): gamma lam = 0 is TD(0), A_t = r_t - V_t (gamma = 0:
+    returns r_t); gamma = lam = 1 is Monte Carlo, A_t = sum_{s >= t} r_s - V_t, returns the
+    reward-to-go (no bootstrap: V = 0 after the last token)."""
+    base = base_gae()
+    adv, ret = pk.gae(**base, gamma=gamma, lam=lam)
     assert torch.isfinite(adv).all()
+    r, v = base["rewards"].double(), base["values"].double()
+    if gamma == 0:
+        e_ret = r
+    else:  # gamma = lam = 1: the reward-to-go
+        e_ret = r.flip(1).cumsum(1).flip(1)
+    torch.testing.assert_close(adv.double(), e_ret - v, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ret.double(), e_ret, rtol=1e-6, atol=1e-6)

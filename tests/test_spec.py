@@ -29,8 +29,22 @@ def test_cpp_slots_mirror_spec():
     assert _cpp_enum("Int") == list(spec.INT_SLOTS) + ["kNumInt"]
 
 
+def _cpp_enum_values(name):
+    """{enumerator: value} of `enum <name> : int { ... }` where the values are written."""
+    body = re.search(r"enum\s+" + name + r"\s*:\s*int\s*\{([^}]*)\}", MATH_H).group(1)
+    pairs = re.findall(r"(\w+)\s*=\s*(\d+)", re.sub(r"//[^\n]*", "", body))
+    return {k: int(v) for k, v in pairs}
+
+
 def test_cpp_enums_mirror_spec():
-    assert len(_cpp_enum("KlEstimator")) == len(spec.KL_ESTIMATORS)
+    # KlEstimator by order (and by value where written): kK1 <-> "k1", kAbs <-> "abs",
+    # kK1Plus <-> "k1+"; the kernels take spec.KL_ESTIMATORS.index(name) as the code
+    assert spec.KL_ESTIMATORS == ("k1", "k2", "k3", "abs", "k1+", "k3+")
+    kl = ["k" + n[0].upper() + n[1:].replace("+", "Plus") for n in spec.KL_ESTIMATORS]
+    assert kl == ["kK1", "kK2", "kK3", "kAbs", "kK1Plus", "kK3Plus"]
+    assert _cpp_enum("KlEstimator") == kl
+    values = _cpp_enum_values("KlEstimator")
+    assert all(values.get(n, i) == i for i, n in enumerate(kl)), values
     assert _cpp_enum("PolicyLoss") == ["kVanilla", "kCispo", "kSapo", "kDppoTv", "kDppoKl",
                                        "kGspo", "kGspoToken", "kVespo"]
     assert spec.POLICY_LOSSES == ("vanilla", "cispo", "sapo", "dppo-tv", "dppo-kl", "gspo",
