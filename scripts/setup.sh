@@ -82,8 +82,9 @@ else
   fi
   # one line per compiled file (ninja's [i/n] and the object), and setup.py's own notes
   .venv/bin/python -m pip install -v --no-build-isolation -e . 2>&1 | awk '
-    /ppo_kernels setup:/ { print "  " $0; fflush(); next }
-    /^\[[0-9]+\/[0-9]+\]/ {
+    /ppo_kernels setup:/ { sub(/^ +/, ""); if (!seen[$0]++) { print "  " $0; fflush() }; next }
+    /^ *\[[0-9]+\/[0-9]+\]/ {
+      sub(/^ +/, "")
       src = ""; ext = ""
       for (i = 2; i <= NF; i++) {
         if ($i ~ /\/csrc\/.*\.(cpp|cu)$/) { src = $i; sub(/.*\/csrc\//, "csrc/", src) }
