@@ -19,9 +19,9 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as R
 
-from conftest import (BACKENDS, BACKENDS_CPU, NO_DUAL_CLIP, POLICY_LOSSES, TOKEN_LOSSES, TOL,
-                      assert_active, assert_grad_close, assert_metrics, compare_with_reference,
-                      make_inputs, one_token_rows, seeded_inputs, to_np)
+from conftest import (BACKENDS, BACKENDS_CPU, CPU, NO_DUAL_CLIP, POLICY_LOSSES, TOKEN_LOSSES,
+                      TOL, assert_active, assert_grad_close, assert_metrics,
+                      compare_with_reference, make_inputs, one_token_rows, seeded_inputs, to_np)
 
 
 # ------------------------------------------------------------------ the reference itself
@@ -155,6 +155,49 @@ def test_dppo_kl_hand_case():
         True, True, False, False]
 
 
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("policy_loss,eps", [("dppo-tv", (0.1, 0.2)), ("dppo-kl", (0.03, 0.06))])
+@pytest.mark.parametrize("swap", [False, True], ids=["low-high", "swapped"])
+def test_dppo_low_and_high_thresholds_hand_case(be, policy_loss, eps, swap):
+    """DPPO's two thresholds (Qi et al. 2026, eqs. 12-14; verl dppo_tv / dppo_kl): the
+    A <= 0 side is masked past clip_eps_low, the A > 0 side past clip_eps_high. Token 0:
+    A = -1, p falls 0.45 -> 0.3 (TV 0.15, binary KL 0.0498); token 1: A = +1, p rises
+    0.35 -> 0.5 (TV 0.15, binary KL 0.0457). With (low, high) = (0.1, 0.2) (KL: (0.03,
+    0.06)) token 0 is masked and token 1 kept: loss -(0.5 / 0.35) log 0.5; swapped, token 0
+    is kept and token 1 masked: loss (0.3 / 0.45) log 0.3. d loss / d logp = -M rho A."""
+    p, p_old = np.array([0.3, 0.5]), np.array([0.45, 0.35])
+    tv = np.abs(p - p_old)
+    kl = p_old * np.log(p_old / p) + (1 - p_old) * np.log((1 - p_old) / (1 - p))
+    div = kl if policy_loss == "dppo-kl" else tv
+    lo, hi = eps[::-1] if swap else eps
+    assert div[0] > min(eps) and div[0] < max(eps) and div[1] > min(eps) and div[1] < max(eps)
+    masked = np.array([div[0] > lo, div[1] > hi])  # token 0: A < 0 side, token 1: A > 0
+    assert masked.tolist() == ([False, True] if swap else [True, False])
+    adv = np.array([[-1.0, 1.0]])
+    rho = p / p_old
+    e_dlogp = np.where(masked, 0.0, -rho * adv[0])
+    e_loss = float((e_dlogp * np.log(p)).sum())
+    x, tok = one_token_rows(np.log(p))
+    old = np.log(p_old)[None]
+    kw = dict(policy_loss=policy_loss, clip_eps_low=lo, clip_eps_high=hi,
+              loss_agg_mode="token-sum")
+    xg = torch.tensor(x).requires_grad_(True)
+    loss, met = pk.ppo_loss(xg, torch.tensor(tok), torch.tensor(old), torch.tensor(adv),
+                            backend=be.name, **kw)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(e_loss, rel=1e-12)
+    assert float(met["clip_frac_low"]) == (0.0 if swap else 0.5)
+    assert float(met["clip_frac_high"]) == (0.5 if swap else 0.0)
+    # d loss / d logit_tok = dlogp (1 - p) for the two-entry rows
+    np.testing.assert_allclose(xg.grad[0, :, 0].numpy() / (1 - p), e_dlogp, rtol=1e-10,
+                               atol=1e-15)
+    r_loss, r_met, r_grad = R.ppo_loss(x, tok, old, adv, **kw)
+    assert r_loss == pytest.approx(e_loss, rel=1e-12)
+    assert (r_met["clip_frac_low"], r_met["clip_frac_high"]) == (
+        (0.0, 0.5) if swap else (0.5, 0.0))
+    np.testing.assert_allclose(xg.grad.numpy(), r_grad, rtol=1e-10, atol=1e-15)
+
+
 def test_vespo_hand_case():
     """VESPO (TRL get_gamma_weights): w = exp(sum_t (logp - old)); two tokens with
     log-ratios 0.1 and 0.3: w = e^0.4; A = 1: phi = e^(3 + 2 * 0.4 - 3 e^0.4) (k_pos 2,
@@ -244,10 +287,9 @@ def _case_id(c):
         " ", "") or "default"
 
 
-@pytest.mark.parametrize("be", BACKENDS)
-@pytest.mark.parametrize("case", OPTION_CASES, ids=[f"{c['policy_loss']}-{_case_id(c)}"
-                                                    for c in OPTION_CASES])
-def test_backend_matches_reference(be, case, gen):
+def _run_option_case(be, case, gen):
+    """One OPTION_CASES case on backend ``be``: (loss, metrics, dlogits, the reference's
+    (loss, metrics, dlogits), the ppo_loss keywords with old)."""
     case = dict(case)
     B, T, V = (2, 4, 37) if be.small else (3, 6, 50)
     inp = make_inputs(B, T, V, gen, padding="mixed")
@@ -269,11 +311,20 @@ def test_backend_matches_reference(be, case, gen):
                                        inp["old"] if use_old else None, adv, inp["mask"],
                                        inp["ref"], rollout_is_weights=inp["isw"] if use_isw
                                        else None, **kw)
+    return loss, met, leaf.grad, (e_loss, e_met, e_grad), dict(kw, old=inp["old"] if use_old
+                                                                else None)
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("case", OPTION_CASES, ids=[f"{c['policy_loss']}-{_case_id(c)}"
+                                                    for c in OPTION_CASES])
+def test_backend_matches_reference(be, case, gen):
+    loss, met, grad, (e_loss, e_met, e_grad), kw = _run_option_case(be, case, gen)
     assert float(loss.detach()) == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
     assert_metrics(met, e_met, rtol=2e-5, atol=2e-6)
-    assert_grad_close(leaf.grad, e_grad, 3e-6)
+    assert_grad_close(grad, e_grad, 3e-6)
     # the options the case names acted on its inputs (dual clip, DPPO trust region)
-    assert_active(met, dict(kw, old=inp["old"] if use_old else None))
+    assert_active(met, kw)
 
 
 @pytest.mark.parametrize("be", BACKENDS)
@@ -299,32 +350,113 @@ def test_on_policy_equals_old_logprobs_as_data(be, policy_loss, gen):
     assert_grad_close(grads[0], grads[1].double().cpu().numpy(), 1e-6)
 
 
+# The sets whose loss value is differentiable with its gradient as derivative: vanilla,
+# sapo and gspo with k3 and the bias correction (rho k3, rho not detached), old_logprobs
+# given. Every other set is not: cispo, dppo-tv / dppo-kl, vespo and gspo-token detach a
+# weight (stop-gradient); k1+ has k1's value and k2's gradient (straight-through, verl);
+# old_logprobs=None has rho = exp(logp - sg(logp)), 1 in value with d rho / d logp = 1.
+GRADCHECK_VALUE = ("vanilla", "sapo", "gspo")
+FD_H = 1e-6  # central differences in float64: truncation ~H^2, rounding ~1e-16 / H
+
+
+def _fd_grad(f, x, h=FD_H):
+    """Central finite differences of the scalar f at x (numpy float64 array)."""
+    g = np.zeros_like(x)
+    for i in np.ndindex(*x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[i] += h
+        xm[i] -= h
+        g[i] = (f(xp) - f(xm)) / (2 * h)
+    return g
+
+
+def _frozen_surrogate(x0, tok, m, old, adv, refl, *, policy_loss, kl_coef, kl_estimator,
+                      kl_bias_correction=False, entropy_coef=0.0, loss_agg_mode="token-mean",
+                      entropy_agg_mode=None):
+    """f(z): the loss with every stop-gradient quantity frozen at the logits x0 (numpy,
+    from the reference's primitives), whose derivative at x0 is the loss's gradient
+    (test_reference.py builds the same per policy loss). Default clip band 0.2, no dual
+    clip, no IS weights."""
+    m = np.asarray(m, dtype=np.float64)
+    a = np.broadcast_to(np.asarray(adv, dtype=np.float64), m.shape)
+    lp0, _ = R.token_logprobs(x0, tok, m)
+    o = lp0 if old is None else np.asarray(old, dtype=np.float64)  # on-policy: sg(logp)
+    clamp = R.LOG_RATIO_CLAMP
+    rho0 = np.exp(np.clip(lp0 - o, -clamp, clamp))
+    s0 = np.exp(np.clip(R.seq_mean(lp0 - o, m), -clamp, clamp))
+    if policy_loss == "cispo":
+        c0 = np.clip(rho0, 0.8, 1.2)
+    elif policy_loss in ("dppo-tv", "dppo-kl"):
+        c0 = np.where(R.dppo_masked(lp0, o, a, 0.2, 0.2, policy_loss == "dppo-kl"), 0.0, rho0)
+    elif policy_loss == "vespo":
+        c0 = R.pg_terms(lp0, o, a, policy_loss="vespo", response_mask=m)["vespo_phi"]
+    w = R.agg_weights(m, loss_agg_mode)
+    w_ent = w if entropy_agg_mode is None else R.agg_weights(m, entropy_agg_mode)
+
+    def pg_and_ratio(lp):
+        if policy_loss in ("vanilla", "sapo", "gspo"):
+            g = R.pg_terms(lp, o, a, policy_loss=policy_loss, response_mask=m)
+            return g["pg"], g["ratio"]
+        if policy_loss == "gspo-token":  # s_t = sg(s) exp(logp_t - sg(logp_t))
+            r = s0 * np.exp(lp - lp0)
+            return R._clip_surrogate(r, a, 0.2, 0.2, None)[0], r
+        return -c0 * a * lp, np.exp(np.clip(lp - o, -clamp, clamp))  # -sg(c) A logp
+
+    _, r0 = pg_and_ratio(lp0)
+    kl_val0 = R.kl_terms(lp0, refl, kl_estimator)[0]
+
+    def f(z):
+        lp, ent = R.token_logprobs(z, tok, m)
+        pg, r = pg_and_ratio(lp)
+        if kl_estimator in ("k1+", "k3+"):  # the value of k1 / k3, the gradient of k2
+            k2 = 0.5 * (lp - refl) ** 2
+            kl = kl_val0 * r + k2 * r0 if kl_bias_correction else k2
+        else:
+            kl = R.kl_terms(lp, refl, kl_estimator)[0]
+            kl = kl * r if kl_bias_correction else kl
+        return float((w * m * (pg + kl_coef * kl)).sum() - entropy_coef * (w_ent * m * ent).sum())
+
+    return f
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("old", ["given", None], ids=["off-policy", "on-policy"])
 @pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 @pytest.mark.parametrize("opts", [dict(kl_estimator="k3", kl_bias_correction=True),
                                   dict(kl_estimator="k1+", entropy_agg_mode="token-mean")],
                          ids=["k3-bias", "k1plus-entropy-agg"])
-def test_gradcheck_float64(policy_loss, opts, gen):
+def test_gradcheck_float64(backend, old, policy_loss, opts, gen):
+    """float64 gradients of every policy loss, off- and on-policy, with a KL term (k3 with
+    the bias correction, or k1+) and an entropy term: torch.autograd.gradcheck where the
+    loss value is differentiable (GRADCHECK_VALUE, off-policy, k3-bias: 3 of the 32 sets);
+    for the others, whose gradient is not the value's derivative (stop-gradient weights,
+    the straight-through k1+, on-policy's sg(logp): see GRADCHECK_VALUE), the gradient is
+    the central finite difference of the loss with those quantities frozen at the current
+    logits, built from the reference (_frozen_surrogate), not another backend."""
     B, T, V = 2, 3, 5
     inp = make_inputs(B, T, V, gen, dtype=torch.float64)
     x = inp["full"][:, :T].clone().requires_grad_(True)
+    old_lp = inp["old"] if old == "given" else None
+    kw = dict(policy_loss=policy_loss, kl_coef=0.2, entropy_coef=0.05,
+              loss_agg_mode="seq-mean-token-mean", **opts)
 
     def f(z):
-        return pk.ppo_loss(z, inp["tokens"], inp["old"], inp["adv"], inp["mask"], inp["ref"],
-                           policy_loss=policy_loss, kl_coef=0.2, entropy_coef=0.05,
-                           loss_agg_mode="seq-mean-token-mean", backend="cpu", **opts)[0]
+        return pk.ppo_loss(z, inp["tokens"], old_lp, inp["adv"], inp["mask"], inp["ref"],
+                           backend=backend, **kw)[0]
 
-    if policy_loss in ("cispo", "gspo-token", "dppo-tv", "dppo-kl", "vespo") or \
-            opts["kl_estimator"] == "k1+":
-        # stop-gradient losses: their gradient is not the value's derivative; compare with
-        # the eager composite's autograd (explicit detach) instead
-        f(x).backward()
-        y = inp["full"][:, :T].clone().requires_grad_(True)
-        pk.ppo_loss(y, inp["tokens"], inp["old"], inp["adv"], inp["mask"], inp["ref"],
-                    policy_loss=policy_loss, kl_coef=0.2, entropy_coef=0.05,
-                    loss_agg_mode="seq-mean-token-mean", backend="torch", **opts)[0].backward()
-        torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-12)
-    else:
+    value_differentiable = (policy_loss in GRADCHECK_VALUE and old_lp is not None
+                            and opts["kl_estimator"] == "k3")
+    if value_differentiable:
         assert torch.autograd.gradcheck(f, (x,), eps=1e-6, atol=1e-8, rtol=1e-6)
+        return
+    f(x).backward()
+    x0 = inp["full"][:, :T].numpy()
+    sur = _frozen_surrogate(x0, inp["tokens"].numpy(), inp["mask"].numpy(),
+                            None if old_lp is None else old_lp.numpy(), inp["adv"].numpy(),
+                            inp["ref"].numpy(), **kw)
+    num = _fd_grad(sur, x0)
+    assert np.abs(num).max() > 0
+    assert np.abs(to_np(x.grad) - num).max() <= 1e-6 * np.abs(num).max()
 
 
 def test_trl_grpo_counts_empty_completions():
@@ -358,11 +490,23 @@ def test_token_sum_and_per_sequence_weights(be, gen):
 
 
 def test_menu_cases_cover_every_option():
+    """OPTION_CASES name every option of the menu and every policy loss, and each case's
+    options act on its inputs (assert_active: the dual clip reaches its cap, the DPPO trust
+    region trips), here on inputs of a fixed seed, on the cpu backend."""
     seen = set(itertools.chain.from_iterable(c.keys() for c in OPTION_CASES))
     assert {"policy_loss", "dual_clip_c", "kl_estimator", "kl_bias_correction",
             "entropy_agg_mode", "old", "seq_adv", "isw", "global_num_seqs",
             "global_num_tokens", "sapo_tau_pos"} <= seen
     assert {c["policy_loss"] for c in OPTION_CASES} == set(R.POLICY_LOSSES)
+    checked = set()
+    for case in OPTION_CASES:
+        _, met, _, _, kw = _run_option_case(CPU, case, torch.Generator().manual_seed(0))
+        assert_active(met, kw)
+        if kw.get("dual_clip_c") is not None:
+            checked.add("dual_clip_c")
+        if kw["policy_loss"].startswith("dppo") and kw["old"] is not None:
+            checked.add("dppo")
+    assert checked == {"dual_clip_c", "dppo"}
 
 
 # ------------------------------------------------------------------ odd inputs
@@ -374,15 +518,31 @@ def test_menu_cases_cover_every_option():
 @pytest.mark.parametrize("agg", ["token-sum", "seq-mean-token-sum-norm", "none"])
 def test_every_loss_with_every_option_at_once(be, policy_loss, agg):
     """k3+ with the bias correction, a separate entropy aggregation, per-sequence
-    advantages [B, 1] and IS weights [B, 1]: all at once, per aggregation."""
+    advantages [B, 1] and IS weights [B, 1]: all at once, per aggregation. The inputs make
+    the options bite: sequence 0 has A < 0 and every ratio (and its sequence ratio) e^1.5 >
+    3, so the dual clip caps all its tokens and none of sequence 1's (A > 0); there, the
+    first token's p rose by e^0.5, past DPPO's small thresholds: its trust region trips on
+    that token only (assert_active)."""
     inp = seeded_inputs(2, 4, 19, 11)
+    lp, _ = R.token_logprobs(inp["base"], inp["tokens"], inp["mask"])
+    old = inp["old"].clone()
+    old[0] = torch.from_numpy(lp[0]).float() - 1.5
+    t1 = int(torch.nonzero(inp["mask"][1])[0])
+    old[1, t1] = float(lp[1, t1]) - 0.5
+    adv = inp["adv"][:, :1].abs() + 0.3
+    adv[0] = -adv[0]
+    eps = {"dppo-tv": dict(clip_eps_low=0.001, clip_eps_high=0.002),
+           "dppo-kl": dict(clip_eps_low=2e-4, clip_eps_high=5e-4)}.get(policy_loss, {})
     kw = dict(policy_loss=policy_loss, loss_agg_mode=agg, kl_coef=0.15, kl_estimator="k3+",
               kl_bias_correction=True, entropy_coef=0.03,
               entropy_agg_mode=None if agg == "none" else "token-mean",
               rollout_is_weights=inp["isw"][:, :1], sapo_tau_pos=2.0, sapo_tau_neg=0.5,
-              dual_clip_c=3.0 if policy_loss not in NO_DUAL_CLIP else None)
-    compare_with_reference(be, inp["full"][:, :4], inp["tokens"], inp["old"], inp["adv"][:, :1],
-                           inp["mask"], inp["ref"], **kw)
+              dual_clip_c=3.0 if policy_loss not in NO_DUAL_CLIP else None, **eps)
+    _, met, _ = compare_with_reference(be, inp["full"][:, :4], inp["tokens"], old, adv,
+                                       inp["mask"], inp["ref"], active=(), **kw)
+    if kw["dual_clip_c"] is not None:  # exactly sequence 0's tokens are capped
+        m = inp["mask"]
+        assert float(met["dual_clip_frac"]) == pytest.approx(float(m[0].sum() / m.sum()))
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
@@ -422,16 +582,39 @@ def test_logits_dtypes(be, policy_loss, dtype):
                                    (2, 3, 1, "mixed")], ids=["empty-row", "all-masked", "T1", "V1"])
 def test_degenerate_shapes(be, policy_loss, shape):
     """An empty row, an all-masked batch, T = 1 and V = 1, for every policy loss with
-    the menu's options and a global_num_seqs."""
+    the menu's options and a global_num_seqs. The options act: the rollout log-probs are
+    the current ones plus 0.5 on sequences 0 and 1 (their k1 KL, 0.5, passes the off-policy
+    threshold 0.1) and plus 0 elsewhere; A < 0 on even sequences, A > 0 on odd ones: the
+    off-policy mask drops sequence 0 only (DeepSeek-V3.2, eq. 9: A < 0 and KL > threshold),
+    and off_policy_masked_frac is 1 over the non-empty sequences (the empty row does not
+    count); one token's pi_old / pi_rollout is e > 2, so tis truncates it."""
     B, T, V, padding = shape
     inp = seeded_inputs(B, T, V, 16, padding=padding)
-    compare_with_reference(be, inp["full"][:, :T], inp["tokens"], inp["old"], inp["adv"][:, 0],
-                           inp["mask"], inp["ref"], policy_loss=policy_loss, kl_coef=0.1,
-                           kl_bias_correction=True, entropy_coef=0.01, entropy_agg_mode="token-sum",
-                           loss_agg_mode="seq-mean-token-mean", rollout_logprobs=inp["old"] + 0.2,
-                           # (VESPO refuses a rollout correction: TRL folds it into phi)
-                           rollout_correction=None if policy_loss == "vespo" else "tis",
-                           off_policy_mask_threshold=0.1, global_num_seqs=torch.tensor(5))
+    m = inp["mask"]
+    lp = torch.from_numpy(R.token_logprobs(inp["base"], inp["tokens"], m)[0]).float()
+    shift = torch.tensor([0.5 if b < 2 else 0.0 for b in range(B)])[:, None]
+    roll = lp + shift
+    old = inp["old"] + shift  # old - roll = the inputs' noise
+    if m.any():
+        b0, t0 = torch.nonzero(m)[0].tolist()
+        old[b0, t0] = roll[b0, t0] + 1.0
+    adv = inp["adv"][:, 0].abs() + 0.3
+    adv[0::2] = -adv[0::2]
+    # (VESPO refuses a rollout correction: TRL folds it into phi)
+    rc = None if policy_loss == "vespo" else "tis"
+    _, met, _ = compare_with_reference(
+        be, inp["full"][:, :T], inp["tokens"], old, adv, m, inp["ref"],
+        policy_loss=policy_loss, kl_coef=0.1, kl_bias_correction=True, entropy_coef=0.01,
+        entropy_agg_mode="token-sum", loss_agg_mode="seq-mean-token-mean",
+        rollout_logprobs=roll, rollout_correction=rc, off_policy_mask_threshold=0.1,
+        global_num_seqs=torch.tensor(5))
+    nonempty = int((m.sum(1) > 0).sum())
+    if nonempty:
+        assert bool(m[0].any())
+        assert_active(met, dict(off_policy_mask_threshold=0.1, rollout_correction=rc))
+        assert float(met["off_policy_masked_frac"]) == pytest.approx(1.0 / nonempty)
+    else:
+        assert float(met["off_policy_masked_frac"]) == 0.0
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
@@ -506,11 +689,18 @@ def test_nan_on_masked_positions_token_losses(be, policy_loss, field):
     loss, met = pk.ppo_loss(x, inp["tokens"], dirty["old"], dirty["adv"], m, dirty["ref"],
                             rollout_is_weights=dirty["isw"], backend=be.name, **kw)
     loss.backward()
-    e_loss, _, e_grad = R.ppo_loss(inp["base"], inp["tokens"], clean["old"], clean["adv"], m,
-                                   clean["ref"], rollout_is_weights=clean["isw"], **kw)
+    e_loss, e_met, e_grad = R.ppo_loss(inp["base"], inp["tokens"], clean["old"], clean["adv"],
+                                       m, clean["ref"], rollout_is_weights=clean["isw"], **kw)
     assert float(loss.detach()) == pytest.approx(e_loss, rel=2e-6, abs=2e-6)
     assert all(math.isfinite(float(v)) for v in met.values())
     assert np.abs(to_np(x.grad) - e_grad).max() <= 3e-6 * np.abs(e_grad).max()
+    # the metrics are the clean call's (same backend) and the reference's
+    _, c_met = pk.ppo_loss(inp["full"][:, :4], inp["tokens"], clean["old"], clean["adv"], m,
+                           clean["ref"], rollout_is_weights=clean["isw"], backend=be.name, **kw)
+    assert set(met) == set(c_met)
+    for k in met:
+        assert float(met[k]) == pytest.approx(float(c_met[k]), rel=1e-6, abs=1e-7), k
+    assert_metrics(met, e_met, rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("be", BACKENDS_CPU)
