@@ -11,6 +11,9 @@ With l_t = clamp(old_logp_t - rollout_logp_t, -20, 20) (log pi_old / pi_rollout)
   mis       w_t = exp(l_t) where lo <= exp(l_t) <= hi, else 0           masked IS (IcePop)
   mis-seq   w_i = exp(sum_t l_t) where inside [lo, hi], else 0 (the whole sequence)
   geo-seq   w_i = 1 where the geometric mean exp(mean_t l_t) is inside [lo, hi], else 0
+A NaN in old_logprobs or rollout_logprobs on a valid token gives a NaN weight in every mode
+(its token's, or its whole sequence's for the sequence modes): the loss is NaN, never a
+silent mask. On masked positions they are never read.
 off-policy mask (threshold delta): a sequence with A < 0 whose mean over its tokens of
   (rollout_logp - sg(logp)) (k1 of KL(pi_rollout || pi_theta); old_logp stands in for
   rollout_logp when there is none) exceeds delta gets 0 (TRL off_policy_mask_threshold).
@@ -69,6 +72,11 @@ def weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi, group=None):
         w = inside.to(r.dtype)
     else:
         w = torch.where(inside, r, 0.0)
+    # a NaN log-prob on a valid token is bad data, not a ratio outside the bounds: its
+    # weight stays NaN in every mode, so the loss and that token's gradient row are NaN
+    # (DESIGN.md, "A NaN on a valid token"), as truncation (tis) and old_logprobs give;
+    # a comparison with NaN is False, which the masking modes would turn into a silent 0
+    w = torch.where(torch.isnan(r), r, w)
     return torch.where(mask, w, 0.0)
 
 
