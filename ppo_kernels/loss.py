@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import torch
@@ -14,7 +15,7 @@ from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
 from ._backends import get_backend
 from .rank_agreement import agreed_sizes, checks_together, groups
-from .spec import LOSS_AGG_MODES, LossSpec
+from .spec import KERNEL_POLICY_LOSSES, LOSS_AGG_MODES, LossSpec
 
 
 def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
@@ -201,9 +202,11 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
             scale would overflow their range; the backward applies the rest).
         inplace_backward: write the gradient into the logits' storage (the logits must not
             be used afterwards; their entries must not share memory); saves one [N, V]
-            buffer. Kernel backends, scalar modes and token-level policy losses only
-            ("torch", "none", gspo and gspo-token, packed sequences with those, and a
-            split vocabulary allocate as usual).
+            buffer. Kernel backends, scalar modes and the token-level policy losses
+            (vanilla, cispo, sapo, dppo-tv, dppo-kl) only: "torch" and "none" allocate as
+            usual; the two-phase path (gspo, gspo-token, vespo, off_policy_mask_threshold,
+            a kept set, a split vocabulary; packed sequences with those) allocates as usual
+            and warns (UserWarning naming inplace_backward) when the logits require grad.
         cu_seqlens: int [S + 1], packed sequences (verl's / OpenRLHF's remove-padding
             layout): logits [1, total, V] or [total, V], tokens and the per-token inputs
             [1, total] or [total] (advantages and rollout_is_weights may be per sequence,
@@ -305,11 +308,37 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         groups(tp_group=tp_group, cp_group=cp_group), checks, lambda r: agreed_sizes(r[3]),
         options)
     x = weigh_loss(spec, x, pending)
+    if spec.inplace_backward:
+        _warn_inplace_ignored(spec, x, shard, logits3)
     if x.replay is not None:
         loss, logp, ent, aux = _replay_loss_of_logits(spec, x, logits3, shard)
         return loss, loss_metrics(spec, x, logp, ent, aux)
     loss, logp, ent = _loss_of_logits(spec, x, logits3, shard)
     return loss, loss_metrics(spec, x, logp, ent)
+
+
+def _warn_inplace_ignored(spec, x, shard, logits3):
+    """inplace_backward=True on a kernel backend where the loss takes the two-phase path
+    (its gradient sweep writes a fresh [N, V] buffer): said once per call site, never
+    silently ignored. The fused single pass (the token-level policy losses) honours it."""
+    if not (x.be.is_kernel and x.weights is not None and two_phase(spec, x, shard)):
+        return
+    if not (logits3.requires_grad and torch.is_grad_enabled()):
+        return
+    if spec.sequence_loss:
+        why = f"policy_loss={spec.policy_loss!r} (a sequence-level loss)"
+    elif x.behaviour is not None:
+        why = "off_policy_mask_threshold"
+    elif x.replay is not None:
+        why = "a kept set (sampling_mask / top_k / top_p / min_p)"
+    else:
+        why = "a vocabulary split over tp_group"
+    warnings.warn(f"inplace_backward=True is ignored with {why}: that loss runs the two-phase "
+                  f"path, whose gradient pass writes a fresh [N, V] buffer. The gradient is "
+                  f"written over the logits only by the fused single pass: policy_loss in "
+                  f"{KERNEL_POLICY_LOSSES} on a kernel backend, with a loss_agg_mode other "
+                  f"than 'none' (pass inplace_backward=False to silence this)",
+                  UserWarning, stacklevel=3)
 
 
 def _replay_loss_of_logits(spec, x, logits3, shard):
