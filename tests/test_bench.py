@@ -1,0 +1,104 @@
+"""The benchmark entry point (ppo_kernels/bench.py) on tiny shapes: it runs for several ops,
+reports the agreement check and writes the JSON / CSV fields docs/BENCHMARKING.md lists.
+No time is asserted (timings are not tests)."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ppo_kernels import bench
+
+TINY = ["--B", "2", "--T", "8", "--V", "64", "--H", "16", "--reps", "1", "--warmup", "0",
+        "--no-compile", "--no-memory", "--quiet"]
+ROW_FIELDS = {"variant", "kind", "min_ms", "median_ms", "max_ms", "reps", "peak_extra_bytes",
+              "vs"}
+
+
+def run_json(tmp_path, *args):
+    path = tmp_path / "out.json"
+    res = bench.run([*TINY, *args, "--json", str(path)])
+    with open(path) as f:
+        data = json.load(f)
+    assert data["op"] == res["op"]
+    return data
+
+
+@pytest.mark.parametrize("op, args, baselines", [
+    ("ppo_loss", ["--opt", "kl_coef=0.05", "--opt", "kl_estimator=k3", "--opt",
+                  "entropy_coef=0.01", "--opt", "dual_clip_c=3"],
+     {"plain composite", "F.cross_entropy", "eager composite"}),
+    ("ppo_loss", ["--opt", "policy_loss=gspo"], {"plain composite", "eager composite"}),
+    ("ppo_loss_from_hidden", [], {"plain composite", "eager composite", "materialised"}),
+    ("token_logprobs", ["--opt", "return_entropy=true"], {"plain composite"}),
+    ("score_rollout", [], {"plain composite", "eager composite"}),
+    ("gae", [], {"plain composite", "eager composite"}),
+    ("distill_loss", ["--teacher-k", "4"], {"plain composite", "eager composite"}),
+    ("ppo_loss", ["--opt", "top_k=8", "--opt", "top_p=0.9"], {"eager composite"}),
+])
+def test_ops_json(tmp_path, op, args, baselines):
+    data = run_json(tmp_path, "--op", op, *args)
+    assert data["all_agree"] is True
+    (point,) = data["points"]
+    assert (point["B"], point["T"], point["V"], point["N"]) == (2, 8, 64, 16)
+    assert baselines <= set(point["agreement"])
+    for d in point["agreement"].values():
+        assert d["agrees"] is True and d["value_max_abs_diff"] is not None
+    assert "torch.compile" in point["skipped"] and "liger" in point["skipped"]
+    want_modes = ["fwd"] if op in bench.NO_BACKWARD else ["fwd", "fwd+bwd"]
+    assert list(point["modes"]) == want_modes == data["modes"]
+    for rows in point["modes"].values():
+        names = [r["variant"] for r in rows]
+        assert names[0] == "fused" and "floor" in names and baselines <= set(names)
+        for r in rows:
+            assert ROW_FIELDS <= set(r) and r["reps"] == 1
+            assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+            assert r["peak_extra_bytes"] is None  # (--no-memory)
+
+
+def test_options_header_and_csv(tmp_path, capsys):
+    cfg = tmp_path / "loss.yaml"
+    cfg.write_text("kl_coef: 0.05\nkl_estimator: k3\n")
+    path = tmp_path / "out.csv"
+    res = bench.run([*TINY[:-1], "--config", str(cfg), "--opt", "entropy_coef=0.01",
+                     "--mode", "fwd", "--V", "32,64", "--csv", str(path)])
+    out = capsys.readouterr().out
+    assert "options: kl_coef=0.05 kl_estimator=k3 entropy_coef=0.01" in out
+    assert "agreement with the fused output" in out and "plain composite" in out
+    assert res["options"] == {"kl_coef": 0.05, "kl_estimator": "k3", "entropy_coef": 0.01}
+    assert [p["V"] for p in res["points"]] == [32, 64]
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["V"] for r in rows} == {"32", "64"} and {r["mode"] for r in rows} == {"fwd"}
+    assert {"fused", "plain composite", "floor"} <= {r["variant"] for r in rows}
+
+
+def test_extra_rows_and_disagreement_flag(tmp_path):
+    data = run_json(tmp_path, "--mode", "fwd+bwd",
+                    "--extra", "inplace:inplace_backward=true",
+                    "--extra", "scaled:grad_scale=1/3,backward_scale=1/3",
+                    "--extra", "gspo:policy_loss=gspo")
+    agree = data["points"][0]["agreement"]
+    assert agree["inplace"]["agrees"] and agree["scaled"]["agrees"]
+    assert "gspo" not in agree  # other loss options: timed, not compared
+    assert "gspo" in [r["variant"] for r in data["points"][0]["modes"]["fwd+bwd"]]
+
+
+def test_parse_value():
+    assert bench.parse_value("0.05") == 0.05 and bench.parse_value("k3") == "k3"
+    assert bench.parse_value("true") is True and bench.parse_value("None") is None
+    assert bench.parse_value("1/3") == 1 / 3
+
+
+def test_module_entry_point(tmp_path):
+    """python -m ppo_kernels.bench, as a user runs it (the re-exec with the mmap threshold
+    included)."""
+    path = tmp_path / "out.json"
+    out = subprocess.run([sys.executable, "-m", "ppo_kernels.bench", *TINY[:-1],
+                          "--mode", "fwd", "--json", str(path)],
+                         capture_output=True, text=True, check=True, timeout=600)
+    assert "agreement with the fused output" in out.stdout and "median ms" in out.stdout
+    data = json.loads(path.read_text())
+    assert data["points"][0]["agreement"]["plain composite"]["agrees"] is True
