@@ -9,6 +9,8 @@ second backward through a retained graph and of logits sharing memory, the versi
 counter it bumps, no_grad / inference_mode leaving the logits alone; retained graphs
 replayed with other grad_outputs; the per-token inputs receive no gradient."""
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -387,17 +389,20 @@ def test_no_grad_sequence_loss_skips_the_gradient_pass(be, kw):
 @pytest.mark.parametrize("be", KERNELS_CPU)
 @pytest.mark.parametrize("policy_loss", ["gspo", "gspo-token"])
 def test_inplace_backward_sequence_losses_match_reference(be, policy_loss):
-    """inplace_backward=True with gspo / gspo-token: accepted (DESIGN.md: inplace_backward
-    is a memory option of every path; the two-phase path allocates as usual), with the
-    reference's gradient, on the kernel backends and the eager composite alike."""
+    """inplace_backward=True with gspo / gspo-token: accepted (DESIGN.md: the two-phase
+    path allocates as usual, a kernel backend with a UserWarning naming inplace_backward:
+    tests/test_loss_inplace_warning.py), with the reference's gradient, on the kernel
+    backends and the eager composite alike."""
     inp = seeded_inputs(2, 4, 11, 32)
     args = (inp["tokens"], inp["old"], inp["adv"], inp["mask"])
     _, _, e_grad = ref.ppo_loss(inp["base"], *args, policy_loss=policy_loss)
     for backend in (be.name, "torch"):
         leaf = inp["full"][:, :4].clone().requires_grad_(True)
         # a refusal (ValueError) fails the test: accepting it is the contract
-        loss, _ = pk.ppo_loss(leaf * 1, *args, policy_loss=policy_loss,
-                              inplace_backward=True, backend=backend)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "inplace_backward", UserWarning)
+            loss, _ = pk.ppo_loss(leaf * 1, *args, policy_loss=policy_loss,
+                                  inplace_backward=True, backend=backend)
         loss.backward()
         assert_grad_close(leaf.grad, e_grad, 3e-6)
 
