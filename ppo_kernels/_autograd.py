@@ -7,6 +7,8 @@ are ppo_kernels/_backends.py.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ._checks import acc_dtype
@@ -130,7 +132,7 @@ def applied_scale(grad_scale, like):
     return torch.full((), grad_scale, dtype=acc_dtype(like), device=like.device)
 
 
-def hand_out(prefix, buf, grad_output, applied, shape3=None):
+def hand_out(prefix, buf, grad_output, applied, shape3=None, held=None):
     """grad_output * d loss / d x from buf, the gradient the forward wrote pre-scaled by
     ``applied`` (0-d, the accumulation dtype): the one place every fused backward gives its
     gradient. A backward that frees the graph (the plain loss.backward()) rescales buf in
@@ -139,11 +141,16 @@ def hand_out(prefix, buf, grad_output, applied, shape3=None):
     retain_graph=True)) returns a fresh copy and leaves buf and applied as they were, so
     every backward gives exactly its own gradient and their sum is exact (also with
     copying saved-tensor hooks: nothing the next backward reads is changed). shape3: the
-    [B, Tl, V]-like view scale_grad_ takes, when buf is not 3-D."""
+    [B, Tl, V]-like view scale_grad_ takes, when buf is not 3-D. held: a weak reference to
+    the op output that buf aliases (the raw op's dlogits): while the caller still holds that
+    output, buf is theirs too, and the rescale goes to a fresh copy (a backward must not
+    change a tensor the forward returned; the public ops drop that output, so their
+    backward stays in place; under AOT autograd an output changed by the backward is a
+    graph the partitioner refuses)."""
     if buf is None or grad_output is None:
         return None
     out, ap = buf, applied
-    if _graph_retained():
+    if _graph_retained() or (held is not None and held() is not None):
         out, ap = buf.clone(), applied.clone()
     scale_grad(prefix, out if shape3 is None else out.view(shape3), grad_output, ap)
     return out
@@ -196,6 +203,9 @@ def _loss_autograd_for(prefix):
         # of its own, so with retain_graph autograd would make the buffer the logits' .grad
         # and the next backward would rescale that .grad in place
         ctx.save_for_backward(output[4].detach())
+        # the dlogits output itself: the backward rescales in place only once the caller
+        # has let go of it (hand_out)
+        ctx.held = weakref.ref(output[4])
         # the other outputs carry no gradient: materialising zeros for them would allocate a
         # second [N, V] buffer (for the dlogits output) in every backward
         ctx.set_materialize_grads(False)
@@ -203,7 +213,8 @@ def _loss_autograd_for(prefix):
     def backward(ctx, grad_loss, *_):
         first_order_only("ppo_loss")
         (dlogits,) = ctx.saved_tensors
-        return (hand_out(prefix, dlogits, grad_loss, ctx.applied),) + (None,) * (n_args - 1)
+        return (hand_out(prefix, dlogits, grad_loss, ctx.applied, held=ctx.held),) + (
+            None,) * (n_args - 1)
 
     return setup, backward
 
@@ -316,12 +327,14 @@ def _distill_autograd_for(prefix):
     def setup(ctx, inputs, output):
         ctx.applied = applied_scale(inputs[at_gs], inputs[0])
         ctx.save_for_backward(output[4].detach())  # (a detached alias: see ppo_loss_fwd)
+        ctx.held = weakref.ref(output[4])
         ctx.set_materialize_grads(False)
 
     def backward(ctx, grad_loss, *_):
         first_order_only("distill_loss")
         (dlogits,) = ctx.saved_tensors
-        return (hand_out(prefix, dlogits, grad_loss, ctx.applied),) + (None,) * (n_args - 1)
+        return (hand_out(prefix, dlogits, grad_loss, ctx.applied, held=ctx.held),) + (
+            None,) * (n_args - 1)
 
     return setup, backward
 

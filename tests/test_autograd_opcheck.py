@@ -7,6 +7,7 @@ import torch
 
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
+from ppo_kernels import testing
 
 from conftest import (TRITON_DEVICE, assert_grad_close, kernel_args, make_inputs, slot_args,
                       triton_ops)
@@ -62,17 +63,41 @@ def _loss_args(inp, logits, *, ref_=True, isw=True):
 def test_opcheck_ppo_loss_fwd(case, grad, optional):
     logits = case["logits"].clone().requires_grad_(grad)
     args = _loss_args(case, logits, ref_=optional, isw=optional)
-    utils = ("test_schema", "test_autograd_registration", "test_faketensor",
-             "test_aot_dispatch_dynamic")
-    if grad:
-        # The op's dlogits output is the buffer its backward rescales in place (no [N, V]
-        # allocation in the backward). Called raw, as opcheck does, that output is also
-        # returned to the caller, which AOT autograd refuses to trace ("Node ... was
-        # invalid, but is output"); the public ppo_loss never returns it, and
-        # test_compile_fullgraph_ppo_loss_matches_eager traces that path with a
-        # grad_output != 1.
-        utils = utils[:-1]
-    torch.library.opcheck(OPS.ppo_loss_fwd, args + (grad,), test_utils=utils)
+    # opcheck's default checks, test_aot_dispatch_dynamic included: the backward rescales
+    # the dlogits buffer in place only once the caller has let go of the op's dlogits
+    # output (_autograd.hand_out), so a raw call that keeps it gets a fresh gradient
+    res = torch.library.opcheck(OPS.ppo_loss_fwd, args + (grad,))
+    assert set(res) == set(DEFAULT_UTILS) and all(v == "SUCCESS" for v in res.values()), res
+
+
+DEFAULT_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
+                 "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("name", testing.registered_ops())
+@pytest.mark.parametrize("temps", [False, True], ids=["temperature", "per_row"])
+def test_opcheck_default_checks_every_cpu_op(name, temps):
+    """torch.library.opcheck with its default checks on every op of the compiled extension
+    (listed from the dispatcher), the differentiable ones with logits that require grad,
+    arguments built from public options (ppo_kernels.testing.opcheck_arguments)."""
+    schema = getattr(OPS, name).default._schema
+    if temps and "temperatures" not in [a.name for a in schema.arguments]:
+        pytest.skip(f"{name} takes no per-row temperature")
+    res = testing.opcheck(name, dict(clip_eps_high=0.28, dual_clip_c=3.0, grad_scale=0.5),
+                          temperatures=temps)
+    assert set(res) == set(DEFAULT_UTILS) and all(v == "SUCCESS" for v in res.values()), res
+
+
+def test_ppo_loss_fwd_raw_output_is_not_changed_by_the_backward(case):
+    """The dlogits output a raw caller holds is theirs: the backward hands out a fresh,
+    rescaled gradient instead of rescaling that output in place (what AOT autograd's
+    partitioner refused as "Node ... was invalid, but is output")."""
+    logits = case["logits"].clone().requires_grad_(True)
+    out = OPS.ppo_loss_fwd(*_loss_args(case, logits), True)
+    before = out[4].detach().clone()
+    (out[0] * 3.0).backward()
+    torch.testing.assert_close(out[4].detach(), before, rtol=0, atol=0)
+    torch.testing.assert_close(logits.grad, before * (3.0 / 0.5))  # grad_scale 0.5
 
 
 def test_opcheck_ppo_loss_fwd_inplace(case):
@@ -100,9 +125,8 @@ def test_opcheck_with_per_row_temperatures(case, grad):
     torch.library.opcheck(OPS.token_logprobs_bwd, (g, g.clone(), case["logits"],
                                                    case["tokens"], case["mask"], mx, ls, ent,
                                                    1.0), {"temperatures": tt})
-    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(OPS.ppo_loss_fwd, _loss_args(case, logits) + (grad,),
-                          {"temperatures": tt}, test_utils=utils)
+                          {"temperatures": tt})
     torch.library.opcheck(OPS.ppo_loss_fwd_inplace, _loss_args(case, case["logits"].clone()),
                           {"temperatures": tt})
     torch.library.opcheck(OPS.score_rollout, (case["logits"], case["tokens"], case["mask"],
