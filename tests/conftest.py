@@ -45,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 import ppo_kernels as pk  # noqa: E402
 from ppo_kernels import reference as ref  # noqa: E402
 from ppo_kernels.spec import FLOAT_SLOTS, INT_SLOTS  # noqa: E402
+from ppo_kernels.testing import make_mask, one_token_rows  # noqa: E402,F401
 
 # Hypothesis profiles (docs/TESTING.md): "ci", the default, is derandomized (the same
 # examples every run: CI cannot flake on a new draw); HYPOTHESIS_PROFILE=random draws fresh
@@ -160,36 +161,7 @@ def gen(seed):
 PADDINGS = ("left", "right", "interior", "none", "random", "empty_row", "all")
 
 
-def make_mask(B, T, gen, padding="mixed"):
-    """bool [B, T]. "mixed": rows cycle through left, right and interior padding (at least
-    one valid token each), so every pattern appears whenever B >= 3."""
-    m = torch.ones(B, T, dtype=torch.bool)
-    if T == 1 and padding not in ("all", "empty_row"):
-        return m
-    for b in range(B):
-        kind = padding if padding != "mixed" else ("left", "right", "interior")[b % 3]
-        k = 1 + int(torch.randint(0, max(T - 1, 1), (1,), generator=gen))  # pad length
-        k = min(k, T - 1)
-        if kind == "left":
-            m[b, :k] = False
-        elif kind == "right":
-            m[b, T - k:] = False
-        elif kind == "interior":
-            if T >= 3:
-                lo = 1 + int(torch.randint(0, T - 2, (1,), generator=gen))
-                hi = min(T - 1, lo + max(1, k // 2))
-                m[b, lo:hi] = False
-        elif kind == "random":
-            m[b] = torch.rand(T, generator=gen) > 0.3
-        elif kind in ("none", "empty_row", "all"):
-            pass
-        else:
-            raise AssertionError(kind)
-    if padding == "empty_row":
-        m[B // 2] = False
-    if padding == "all":
-        m[:] = False
-    return m
+# make_mask: ppo_kernels.testing's (public: users draw the same paddings)
 
 
 def make_inputs(B, T, V, gen, *, dtype=torch.float32, padding="mixed", scale=2.0,
@@ -253,15 +225,6 @@ def small_inputs(B=2, T=3, V=5, seed=0):
 
 # a mask of small_inputs' default [2, 3]: a padded position in each row
 SMALL_MASK = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
-
-
-def one_token_rows(logp_values):
-    """Logits [1, T, 2] whose token 0 has the given log-probabilities."""
-    lp = np.asarray(logp_values, dtype=np.float64)
-    # log p0 = -log(1 + e^(x1 - x0)) with x0 = 0: x1 = log(e^(-lp) - 1)
-    x = np.zeros((1, len(lp), 2))
-    x[0, :, 1] = np.log(np.expm1(-lp))
-    return x, np.zeros((1, len(lp)), dtype=np.int64)
 
 
 def logits_for(inp, be, requires_grad=True):
