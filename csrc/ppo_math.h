@@ -188,12 +188,15 @@ PPO_HD PgTerm<T> pg_cispo(T logp, T rho, bool clamped, T adv, const PolicyParams
 // SAPO (soft adaptive policy optimisation; TRL loss_type="sapo", verl loss_mode="sapo"):
 // the hard clip replaced by a sigmoid gate, -(4 / tau) sigmoid(tau (rho - 1)) A with
 // tau = tau_pos where A > 0, else tau_neg; d / d logp = -4 s (1 - s) rho A (s the gate),
-// 0 where the log-ratio was clamped.
+// 0 where the log-ratio was clamped. 1 - s is sigmoid(-z) of its own exp: as 1 - s it
+// cancels where the gate saturates (s = 0.9995 at rho 8.7 loses 11 bits in float32).
 template <typename T>
 PPO_HD PgTerm<T> pg_sapo(T rho, bool clamped, T adv, const PolicyParams& p) {
   const T tau = adv > T(0) ? T(p[slot::sapo_tau_pos]) : T(p[slot::sapo_tau_neg]);
-  const T s = T(1) / (T(1) + ppo_exp(-tau * (rho - T(1))));
-  const T grad = clamped ? T(0) : T(-4) * s * (T(1) - s) * rho * adv;
+  const T z = tau * (rho - T(1));
+  const T s = T(1) / (T(1) + ppo_exp(-z));
+  const T s_minus = T(1) / (T(1) + ppo_exp(z));  // 1 - s
+  const T grad = clamped ? T(0) : T(-4) * s * s_minus * rho * adv;
   return {-(T(4) / tau) * s * adv, grad, rho, clamped ? T(0) : rho};
 }
 

@@ -93,7 +93,9 @@ def pg_terms(logp, old_logprobs, advantages, mask, spec):
         # float passes on CPU
         pos = (advantages > 0).to(advantages.dtype)
         tau = pos * spec.sapo_tau_pos + (1.0 - pos) * spec.sapo_tau_neg
-        gate = torch.sigmoid(tau * (rho - 1.0))
+        # exp(logsigmoid(z)) = sigmoid(z), differentiated as s * sigmoid(-z): sigmoid's own
+        # backward forms s * (1 - s), which cancels where the gate saturates (float32)
+        gate = torch.exp(torch.nn.functional.logsigmoid(tau * (rho - 1.0)))
         out.update(pg=-(4.0 / tau) * gate * advantages, ratio=rho,
                    clip_high=torch.zeros_like(mask), clip_low=torch.zeros_like(mask),
                    dual=torch.zeros_like(mask))

@@ -373,25 +373,22 @@ def test_random_per_row_temperatures_against_reference(problem):
     _check_per_row_temperatures(problem)
 
 
-# A draw of the random profile that fails: one valid token with SAPO's gate
-# s = sigmoid(tau (rho - 1)) = 0.99954 (rho = 8.68). Its gradient -4 s (1 - s) rho A takes
-# 1 - s in float32 with cancellation (csrc/ppo_math.h pg_sapo; torch.sigmoid's backward in
-# the torch backend does the same): a relative error of 9.7e-5 in float32, 2.5e-6 when 1 - s
-# is computed as s e^-z (no cancellation). A precision miss of the kernels, not of the
-# bound: the test keeps its bound and the case stays an expected failure until the kernels
-# compute 1 - s without cancellation (then strict=True turns it into a failure to remove).
+# A draw of the random profile that failed: one valid token with SAPO's gate
+# s = sigmoid(tau (rho - 1)) = 0.99954 (rho = 8.68). Its gradient -4 s (1 - s) rho A took
+# 1 - s in float32 with cancellation: a relative error of 9.7e-5. The kernels (and the
+# eager composite) now take 1 - s as sigmoid(-z) of its own exp (csrc/ppo_math.h pg_sapo):
+# the draw stays here, every run, as the guard of that fix.
 SAPO_SATURATED_GATE = (1, 3, 33, 3628800, "mixed", "token", 0.5, 2.0, 8.0, "sapo")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="SAPO's gate gradient s (1 - s) cancels in float32 near s = 1 "
-                   "(csrc/ppo_math.h pg_sapo): a kernel precision miss")
-def test_per_row_temperatures_sapo_saturated_gate():
-    """The pinned draw above, every run (whatever the hypothesis profile)."""
-    _check_per_row_temperatures(SAPO_SATURATED_GATE)
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+def test_per_row_temperatures_sapo_saturated_gate(be):
+    """The pinned draw above, every run (whatever the hypothesis profile), on every backend
+    (each computes the gate's 1 - s in its own code: ppo_math.h, _math.py, _torch_impl)."""
+    _check_per_row_temperatures(SAPO_SATURATED_GATE, be)
 
 
-def _check_per_row_temperatures(problem):
+def _check_per_row_temperatures(problem, be=CPU):
     B, T, V, seed, padding, per, lo, hi, scale, pl = problem
     inp = make_inputs(B, T, V, torch.Generator().manual_seed(seed), padding=padding,
                       scale=scale)
@@ -399,11 +396,12 @@ def _check_per_row_temperatures(problem):
     shape = (B, T) if per == "token" else (B,)
     temp = torch.exp(math.log(lo) + (math.log(hi) - math.log(lo)) *
                      torch.rand(shape, generator=g, dtype=torch.float64)).float()
-    leaf, logits = logits_for(inp, CPU)
+    leaf, logits = logits_for(inp, be)
     kw = dict(policy_loss=pl, entropy_coef=0.01, kl_coef=0.05)
-    loss, met = pk.ppo_loss(logits, inp["tokens"], inp["old"], inp["adv"], inp["mask"],
-                            inp["ref"], temperature=temp, return_per_token=True,
-                            backend="cpu", **kw)
+    loss, met = pk.ppo_loss(logits, *(be.t(inp[k]) for k in ("tokens", "old", "adv", "mask",
+                                                             "ref")),
+                            temperature=be.t(temp), return_per_token=True,
+                            backend=be.name, **kw)
     loss.backward()
     m = inp["mask"].numpy()
     e_lp, e_h = ref.token_logprobs(inp["base"], inp["tokens"].numpy(), m, temp.numpy())
@@ -412,7 +410,7 @@ def _check_per_row_temperatures(problem):
                                      temperature=temp.numpy(), **kw)
     # logp and H are O(|x| / T) here: relative to the largest entry, as the precision tests
     for got, want in ((met["per_token_logprobs"], e_lp), (met["per_token_entropy"], e_h)):
-        err = float(np.abs(got.double().numpy() - want).max()) if want.size else 0.0
+        err = float(np.abs(got.double().cpu().numpy() - want).max()) if want.size else 0.0
         assert err <= 3e-6 * max(1.0, float(np.abs(want).max())), (err, per, lo, hi)
     assert abs(float(loss.detach()) - e_loss) <= 3e-5 * max(1.0, abs(e_loss))
     assert_grad_close(logits.grad, e_grad, 3e-5)

@@ -133,11 +133,14 @@ def pg_cispo(logp, rho, clamped, adv, eps_low, eps_high):
 def pg_sapo(rho, clamped, adv, tau_pos, tau_neg):
     """ppo_math.h pg_sapo: the hard clip replaced by a sigmoid gate,
     pg = -(4 / tau) s A, s = 1 / (1 + exp(-tau (rho - 1))), tau = tau_pos where A > 0,
-    else tau_neg; d pg / d logp = -4 s (1 - s) rho A, 0 where the log-ratio was clamped.
+    else tau_neg; d pg / d logp = -4 s (1 - s) rho A, 0 where the log-ratio was clamped;
+    1 - s is sigmoid(-z) of its own exp (as 1 - s it cancels where the gate saturates).
     Returns (pg, d pg / d logp, rho, d rho / d logp)."""
     tau = tl.where(adv > 0.0, tau_pos, tau_neg)
-    s = 1.0 / (1.0 + exp_acc(-tau * (rho - 1.0)))
-    grad = tl.where(clamped, 0.0, -4.0 * s * (1.0 - s) * rho * adv)
+    z = tau * (rho - 1.0)
+    s = 1.0 / (1.0 + exp_acc(-z))
+    s_minus = 1.0 / (1.0 + exp_acc(z))
+    grad = tl.where(clamped, 0.0, -4.0 * s * s_minus * rho * adv)
     return -(4.0 / tau) * s * adv, grad, rho, tl.where(clamped, 0.0, rho)
 
 
