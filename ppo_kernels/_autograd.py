@@ -99,12 +99,17 @@ def scale_grad(prefix, dlogits, grad, applied):
 
 def wants_grad(*tensors):
     """Whether the kernels should write a gradient for these inputs: one requires it and
-    grad mode is on, or a torch.jit.trace records the call (its check re-runs the function
-    under no_grad, and the recorded graph must not depend on that: the trace replays the
-    gradient-writing call whatever the grad mode of its replay)."""
-    if not any(t is not None and t.requires_grad for t in tensors):
-        return False
-    return torch.is_grad_enabled() or torch.jit.is_tracing()
+    grad mode is on."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def not_traceable(what):
+    """NotImplementedError for a path that torch.jit.trace cannot record: one that
+    differentiates part of the loss by autograd inside the call, or writes the gradient
+    into its input."""
+    return NotImplementedError(
+        f"ppo_kernels: torch.jit.trace cannot record {what}; use torch.compile "
+        f"(fullgraph=True works), which records every path")
 
 
 def first_order_only(what):

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from . import _torch_impl
-from ._autograd import InplaceLoss, register, wants_grad
+from ._autograd import InplaceLoss, not_traceable, register, wants_grad
 from ._checks import split_temperature
 from ._extension import HAS_CPU, HAS_CUDA, LOAD_ERROR, not_built_hint
 from .spec import KL_ESTIMATORS
@@ -43,8 +43,13 @@ class KernelBackend:
         temperatures: the per-row [B, T] temperature, or None (spec.temperature)."""
         tensors = (tokens, mask, old, adv, weights, ref, isw, w_ent)
         scalars, codes = spec.kernel_args(logits.dtype)
-        need_grad = wants_grad(logits)
-        if spec.inplace_backward and need_grad:
+        # under torch.jit.trace always: its check re-runs the call under no_grad, and the
+        # recorded graph must not depend on that (the replay's autograd uses the gradient)
+        tracing = torch.jit.is_tracing()
+        if tracing and spec.inplace_backward and logits.requires_grad:
+            raise not_traceable("inplace_backward=True")
+        need_grad = wants_grad(logits) or tracing
+        if spec.inplace_backward and need_grad and not tracing:
             loss, loss_tok, logp, ent = InplaceLoss.apply(
                 logits, self.op("ppo_loss_fwd_inplace"), tensors, scalars, codes, self.prefix,
                 temperatures)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from . import _torch_impl, sampling
-from ._autograd import applied_scale, first_order_only, hand_out, wants_grad
+from ._autograd import applied_scale, first_order_only, hand_out, not_traceable, wants_grad
 from ._checks import split_temperature
 from .vocab_parallel import logits_grad, shard_stats
 
@@ -151,6 +151,9 @@ def ppo_loss(prefix, logits, spec, x, shard=None):
     (x.replay) four more [B, T] tensors follow: the full logp, the kept mass, the kept set's
     size and whether the set lacked the sampled token; logp is then logp_kept and ent the
     entropy spec.entropy_over names."""
+    if torch.jit.is_tracing():  # (its middle is differentiated by autograd, even without grad)
+        raise not_traceable("the two-phase path (gspo, gspo-token, vespo, the off-policy "
+                            "mask, a kept set, a split vocabulary)")
     if not wants_grad(logits):
         with torch.no_grad():
             out = _passes(logits, spec, x, prefix, False, shard)

@@ -12,9 +12,11 @@
 #   oldest  a venv with the oldest torch the project claims (setup.py's OLDEST_TORCH; a CUDA
 #           12 build there, so with nvcc 13 this is also the "no matching toolkit" path: a
 #           CPU-only build that says why), `pip install --no-build-isolation <checkout>`,
-#           then the smoke check and FAST_TESTS.
+#           then the smoke check, FAST_TESTS and TRACE_TESTS.
+#   middle  a venv with torch MIDDLE_TORCH (the first GPU image's), this processor's CPU
+#           kernels alone, the smoke check and TRACE_TESTS.
 #
-# Usage: scripts/check_install.sh [wheel|oldest|all] (default all). KEEP_VENVS=1 keeps the
+# Usage: scripts/check_install.sh [wheel|oldest|middle|all] (default all). KEEP_VENVS=1 keeps the
 # temporary venvs (5 GB each) and prints where they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +27,12 @@ PY=${PYTHON:-python3}
 # none needs TRL, verl or transformers
 FAST_TESTS="tests/test_reference.py tests/test_loss.py tests/test_loss_token_logprobs.py
   tests/test_seed_sheet.py tests/test_extension.py tests/test_install.py"
+# what differs between torch releases: torch.compile (fullgraph, dynamic), opcheck of every
+# registered op, the operator schemas and torch.jit.trace
+TRACE_TESTS="tests/test_tracing.py tests/test_autograd_contract.py tests/test_autograd_opcheck.py"
+# a torch release between the oldest and CI's own (the one of the first GPU image), for
+# TRACE_TESTS: CPU kernels of this processor only (the tests need no more)
+MIDDLE_TORCH=2.11
 TMP=$(mktemp -d /tmp/ppo-kernels-install.XXXXXX)
 cleanup() {
   if [ "${KEEP_VENVS:-0}" = 1 ]; then echo "kept: $TMP"; else rm -rf "$TMP"; fi
@@ -39,11 +47,11 @@ unset CUDA_HOME CUDA_PATH TORCH_CUDA_ARCH_LIST MAX_JOBS PPO_KERNELS_NO_CUDA \
 quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
 minutes() { awk -v s="$1" 'BEGIN { printf "%.1f", s / 60 }'; }
 
-# smoke_and_tests VENV: from a folder outside the checkout, check that ppo_kernels is the
-# installed copy, run ppo_loss forward and backward on the CPU kernels against the
-# reference, then FAST_TESTS
+# smoke_and_tests VENV [TESTS]: from a folder outside the checkout, check that ppo_kernels
+# is the installed copy, run ppo_loss forward and backward on the CPU kernels against the
+# reference, then TESTS (default FAST_TESTS)
 smoke_and_tests() {
-  local venv=$1 work
+  local venv=$1 tests=${2:-$FAST_TESTS} work
   work=$(mktemp -d "$TMP/tests.XXXXXX")
   cp -r "$ROOT/tests" "$work/"
   printf '[pytest]\naddopts = -ra\nmarkers =\n    slow: larger shapes\n    gpu: needs a CUDA device\n' \
@@ -80,7 +88,7 @@ assert err_l < 1e-12 and err_g < 1e-12, (err_l, err_g)
 PYEOF
   ) || return 1
   # shellcheck disable=SC2086
-  (cd "$work" && nice -n 10 "$venv/bin/python" -m pytest -q -p no:cacheprovider $FAST_TESTS)
+  (cd "$work" && nice -n 10 "$venv/bin/python" -m pytest -q -p no:cacheprovider $tests)
 }
 
 check_wheel() {
@@ -129,13 +137,30 @@ print('.'.join(map(str, ast.literal_eval(re.search(r'^OLDEST_TORCH = (.+)$', src
   grep "ppo_kernels setup:" "$TMP/build-oldest.log" | sort -u
   echo "built in $(minutes $((SECONDS - t1))) min"
   quiet nice -n 10 "$venv/bin/python" -m pip install -q pytest hypothesis expecttest
-  smoke_and_tests "$venv"
+  smoke_and_tests "$venv" "$FAST_TESTS $TRACE_TESTS"
   echo "== oldest torch check: $(minutes $((SECONDS - t0))) min"
+}
+
+check_middle() {
+  local t0=$SECONDS venv="$TMP/venv-middle"
+  echo "== torch $MIDDLE_TORCH: a venv with torch==$MIDDLE_TORCH.*, this processor's CPU kernels, $TRACE_TESTS"
+  "$PY" -m venv "$venv"
+  quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$MIDDLE_TORCH.*" numpy \
+    "setuptools>=77" ninja pytest hypothesis expecttest
+  echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
+  local t1=$SECONDS
+  (cd "$TMP" && PPO_KERNELS_NO_CUDA=1 PPO_KERNELS_CPU_CAPABILITIES=native nice -n 10 \
+    "$venv/bin/python" -m pip install -v --no-build-isolation "$ROOT" \
+    > "$TMP/build-middle.log" 2>&1) || { tail -50 "$TMP/build-middle.log"; return 1; }
+  echo "built in $(minutes $((SECONDS - t1))) min"
+  smoke_and_tests "$venv" "$TRACE_TESTS"
+  echo "== torch $MIDDLE_TORCH check: $(minutes $((SECONDS - t0))) min"
 }
 
 case "$WHAT" in
   wheel) check_wheel ;;
   oldest) check_oldest ;;
-  all) check_wheel; check_oldest ;;
-  *) echo "usage: $0 [wheel|oldest|all]" >&2; exit 2 ;;
+  middle) check_middle ;;
+  all) check_wheel; check_oldest; check_middle ;;
+  *) echo "usage: $0 [wheel|oldest|middle|all]" >&2; exit 2 ;;
 esac

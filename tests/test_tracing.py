@@ -57,22 +57,20 @@ def _inputs(seed=0, B=2, T=5, V=11):
     return x, tokens, old, adv, mask
 
 
-@pytest.mark.parametrize("policy_loss,kw", [
-    ("vanilla", dict(clip_eps_low=0.1)),                       # the fused single pass
-    ("gspo", dict(clip_eps_low=3e-3, clip_eps_high=4e-3)),     # the two-phase path
-    ("vanilla", dict(inplace_backward=True, clip_eps_low=0.1)),
-])
-def test_jit_trace_with_grad_records_loss_and_gradient(policy_loss, kw):
+@pytest.mark.parametrize("kw", [dict(clip_eps_low=0.1), dict(kl_coef=0.1, entropy_coef=0.01)])
+def test_jit_trace_with_grad_records_loss_and_gradient(kw):
+    """The fused single pass: the trace's check re-runs the call under no_grad, where the
+    logits made inside it do not require grad; the recorded call writes the gradient all
+    the same, and the replay's backward gives the eager gradient."""
     x, tokens, old, adv, mask = _inputs()
     fresh = lambda: x.clone().requires_grad_(True)  # noqa: E731
 
     def f(z):
-        return pk.ppo_loss(z * 1.0, tokens, old, adv, mask, backend="cpu",
-                           policy_loss=policy_loss, **kw)[0]
+        return pk.ppo_loss(z * 1.0, tokens, old, adv, mask, old, backend="cpu", **kw)[0]
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        traced = torch.jit.trace(f, (fresh(),))  # check_trace on: replayed under no_grad
+        traced = torch.jit.trace(f, (fresh(),))  # check_trace on
     want_in, got_in = fresh(), fresh()
     want = f(want_in)
     want.backward()
@@ -81,6 +79,38 @@ def test_jit_trace_with_grad_records_loss_and_gradient(policy_loss, kw):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(got_in.grad, want_in.grad, rtol=0, atol=0)
     assert want_in.grad.abs().max() > 0
+
+
+def test_jit_trace_of_the_two_phase_path_says_so():
+    """The two-phase path (here GSPO) differentiates its [B, T] middle by autograd inside
+    the call, with or without grad: torch.jit.trace cannot record that, so a
+    NotImplementedError names the path and torch.compile (not a TracingCheckError)."""
+    x, tokens, old, adv, mask = _inputs()
+
+    def f(z):
+        return pk.ppo_loss(z * 1.0, tokens, old, adv, mask, backend="cpu", policy_loss="gspo",
+                           clip_eps_low=3e-3, clip_eps_high=4e-3)[0]
+
+    for z in (x.clone().requires_grad_(True), x.clone()):
+        with pytest.raises(NotImplementedError, match="two-phase.*torch.compile"):
+            torch.jit.trace(f, (z,))
+
+
+def test_jit_trace_of_inplace_backward():
+    """inplace_backward=True writes the gradient into the logits: with grad, a trace says
+    it cannot record that; without grad it records the ordinary call."""
+    x, tokens, old, adv, mask = _inputs()
+
+    def f(z):
+        return pk.ppo_loss(z * 1.0, tokens, old, adv, mask, backend="cpu",
+                           inplace_backward=True)[0]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        with pytest.raises(NotImplementedError, match="inplace_backward.*torch.compile"):
+            torch.jit.trace(f, (x.clone().requires_grad_(True),))
+        traced = torch.jit.trace(f, (x.clone(),))
+    torch.testing.assert_close(traced(x.clone()), f(x.clone()), rtol=0, atol=0)
 
 
 def test_jit_trace_of_token_logprobs_with_grad():
