@@ -118,6 +118,11 @@ PYEOF
   quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$torch_version" numpy
   quiet nice -n 10 "$venv/bin/python" -m pip install -q "$whl[test]"
   smoke_and_tests "$venv"
+  echo "== wheel: a user's CI file (examples/user_ci, ppo_kernels.testing) from outside the checkout"
+  local user
+  user=$(mktemp -d "$TMP/user_ci.XXXXXX")
+  cp "$ROOT/examples/user_ci/test_my_config.py" "$user/"
+  (cd "$user" && nice -n 10 "$venv/bin/python" -m pytest -q -p no:cacheprovider test_my_config.py)
   echo "== wheel check: $(minutes $((SECONDS - t0))) min"
 }
 
