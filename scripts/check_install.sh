@@ -11,7 +11,8 @@
 #           and runs the smoke check and FAST_TESTS.
 #   oldest  a venv with the oldest torch the project claims (setup.py's OLDEST_TORCH; a CUDA
 #           12 build there, so with nvcc 13 this is also the "no matching toolkit" path: a
-#           CPU-only build that says why), `pip install --no-build-isolation <checkout>`,
+#           CPU-only build that says why), `pip install --no-build-isolation <checkout>`
+#           (this processor's CPU kernels: the wheel check builds every SIMD level),
 #           then the smoke check, FAST_TESTS and TRACE_TESTS.
 #   middle  a venv with torch MIDDLE_TORCH (the first GPU image's), this processor's CPU
 #           kernels alone, the smoke check and TRACE_TESTS.
@@ -137,8 +138,10 @@ print('.'.join(map(str, ast.literal_eval(re.search(r'^OLDEST_TORCH = (.+)$', src
   quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$oldest.*" numpy "setuptools>=77"
   echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
   local t1=$SECONDS
-  (cd "$TMP" && nice -n 10 "$venv/bin/python" -m pip install -v --no-build-isolation "$ROOT" \
-    > "$TMP/build-oldest.log" 2>&1) || { tail -50 "$TMP/build-oldest.log"; return 1; }
+  # (this processor's CPU kernels: the default build of every SIMD level is the wheel check's)
+  (cd "$TMP" && PPO_KERNELS_CPU_CAPABILITIES=native nice -n 10 "$venv/bin/python" -m pip \
+    install -v --no-build-isolation "$ROOT" > "$TMP/build-oldest.log" 2>&1) \
+    || { tail -50 "$TMP/build-oldest.log"; return 1; }
   grep "ppo_kernels setup:" "$TMP/build-oldest.log" | sort -u
   echo "built in $(minutes $((SECONDS - t1))) min"
   quiet nice -n 10 "$venv/bin/python" -m pip install -q pytest hypothesis expecttest
