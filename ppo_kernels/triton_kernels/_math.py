@@ -461,6 +461,16 @@ def stats_merge(m_a, r_a, t_a, m_b, r_b, t_b, inv_temp):
     or -inf and dm * s_lo = -inf) contributes exactly 0 to t, never 0 * inf = NaN. An
     empty side (m = -inf, rest = -1) gets dm = -inf without forming -inf - -inf, so merging
     it changes nothing, and two empty sides stay empty.
+
+    The shift is exact before it is rounded: dm is formed in float64 and al = exp_acc(dm)
+    (1 + dm_err), dm_err the float32 rounding error of dm. A float32 dm is off by up to
+    2^-24 |dm| (9.5e-7 at |dm| = 16), one error shared by every entry of the low side, so
+    a confident row (the mass in blocks 16-30 below the top) had logp and H 3x less
+    accurate than its entries' own exps allow (tests/test_triton_precision.py): the
+    entries' d = x - (block max) are small, and nearly exact, for the entries that carry
+    the mass. exp_acc, not tl.exp: a GPU's ex2.approx of the rounded dm log2(e) would add
+    the same kind of error (9e-7 at |dm| = 20). Once per merge (per BLOCK_V entries): no
+    cost in the sweep.
     """
     a_hi = m_a >= m_b
     m_hi = tl.where(a_hi, m_a, m_b)
@@ -470,8 +480,15 @@ def stats_merge(m_a, r_a, t_a, m_b, r_b, t_b, inv_temp):
     t_hi = tl.where(a_hi, t_a, t_b)
     t_lo = tl.where(a_hi, t_b, t_a)
     # an empty low side: -inf - 0 = -inf, never -inf - -inf
-    dm = (m_lo - tl.where(m_lo == float("-inf"), 0.0, m_hi)) * inv_temp
-    al = tl.exp(dm)
+    sub = tl.where(m_lo == float("-inf"), 0.0, m_hi)
+    # the shift in float64 (exact for the difference of two float32 maxes a float32 al can
+    # see), then rounded to ACC with its rounding error kept: al = e^dm (1 + dm_err)
+    dm64 = (m_lo.to(tl.float64) - sub.to(tl.float64)) * inv_temp.to(tl.float64)
+    dm = dm64.to(m_hi.dtype)
+    # 0 where the rounded shift is not finite (an empty side, an inf or NaN max, or a shift
+    # past the float32 range, as finfo.min - m at temperature 0.7): al is 0, 1 or NaN alone
+    dm_err = tl.where(dm - dm == 0.0, (dm64 - dm.to(tl.float64)).to(m_hi.dtype), 0.0)
+    al = exp_acc(dm) * (1.0 + dm_err)
     s_lo = 1.0 + r_lo
     rest = tl.where(dm == 0.0, r_hi + r_lo + 1.0, r_hi + al * s_lo)
     # the C1 guard; selecting the shift too keeps even the discarded lane finite
