@@ -60,12 +60,15 @@ def number(name, value, *, lo=None, hi=None, lo_open=False, hi_open=False):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
     v = float(value)
     # (v - v is 0 exactly for a finite v, NaN for inf and NaN: plain arithmetic, which
-    # torch.compile(dynamic=True) traces on a symbolic float, unlike math.isfinite)
-    bad = not (v - v == 0.0)
+    # torch.compile(dynamic=True) traces on a symbolic float, unlike math.isfinite.) No
+    # augmented assignment: where dynamo has folded `bad` to a constant, torch 2.11's FX
+    # codegen writes `bad |= x` on a symbolic bool as `False |= x`, a SyntaxError
+    # (torch/fx/graph.py inplace_methods); `bad = bad | x` is emitted as `False | x`.
+    bad = v - v != 0.0
     if lo is not None:
-        bad |= v <= lo if lo_open else v < lo
+        bad = bad | (v <= lo if lo_open else v < lo)
     if hi is not None:
-        bad |= v >= hi if hi_open else v > hi
+        bad = bad | (v >= hi if hi_open else v > hi)
     if bad:
         lo_s = "-inf" if lo is None else f"{lo}"
         hi_s = "inf" if hi is None else f"{hi}"

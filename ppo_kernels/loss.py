@@ -417,6 +417,15 @@ def composite_padded(spec, x, logits3):
     return loss, logp.detach(), ent.detach()
 
 
+def _replaced(x, **changes):
+    """x._replace(**changes) for a LossInputs, built field by field: torch 2.6's dynamo does
+    not trace a NamedTuple's _replace (torch.compile(fullgraph=True) stops with "inline in
+    skipfiles: LossInputs._replace": collections/__init__.py is in its SKIP_DIRS); later
+    releases inline it."""
+    return LossInputs(*[changes[f] if f in changes else getattr(x, f)
+                        for f in LossInputs._fields])
+
+
 class LossInputs(NamedTuple):
     """The checked tensors of a loss call, [B, T] (padded [S, max_seqlen] with cu_seqlens),
     and the backend: prepare_loss's second result beside the LossSpec (a NamedTuple:
@@ -605,7 +614,7 @@ def weigh_loss(spec, x, pending):
         weights = weights_of(spec.loss_agg_mode)
         w_ent = None if spec.entropy_agg_mode in (None, spec.loss_agg_mode) else weights_of(
             spec.entropy_agg_mode)
-    return x._replace(isw=isw, rc_w=rc_w, weights=weights, w_ent=w_ent)
+    return _replaced(x, isw=isw, rc_w=rc_w, weights=weights, w_ent=w_ent)
 
 
 def prepare_loss(like, vocab, tokens2, flat, options):

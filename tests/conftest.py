@@ -76,6 +76,47 @@ def _triton_ok():
 
 TRITON_OK = _triton_ok()
 
+if TRITON_OK and INTERPRET and not HAS_CUDA_DEVICE:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402
+
+    @triton.jit
+    def _interpreter_probe_kernel(out_ptr, n):
+        """A loop over a runtime bound, as every row kernel has (range(0, V, BLOCK_V))."""
+        acc = tl.zeros([], tl.int32)
+        for _ in range(0, n, 1):
+            acc += 1
+        tl.store(out_ptr, acc)
+
+
+def _interpreter_broken():
+    """None, or why triton's interpreter cannot run the kernels in this environment.
+
+    Triton 3.6's interpreter converts a runtime integer argument to a Python int with
+    int() of a 1-element array (its tensor __index__), which NumPy >= 2.4 rejects ("only
+    0-dimensional arrays can be converted to Python scalars": the NumPy 1.25 deprecation
+    expired), so every kernel's `range(0, V, BLOCK_V)` fails:
+    https://github.com/triton-lang/triton/issues/9171, fixed upstream by
+    https://github.com/triton-lang/triton/pull/9172 (triton 3.8 has it). The kernels on a
+    GPU are not affected. Found by running a one-loop kernel, not by version numbers."""
+    if not (TRITON_OK and INTERPRET and not HAS_CUDA_DEVICE):
+        return None
+    import triton
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        _interpreter_probe_kernel[(1,)](out, 3)
+    except Exception as e:  # triton.runtime.errors.InterpreterError
+        return (f"the triton {triton.__version__} interpreter cannot run a loop over a runtime "
+                f"bound with numpy {np.__version__} ({e}; "
+                f"https://github.com/triton-lang/triton/issues/9171): use numpy<2.4 or a "
+                f"triton whose interpreter has the fix")
+    if int(out.item()) != 3:
+        return f"the triton {triton.__version__} interpreter ran a 3-step loop {int(out.item())} times"
+    return None
+
+
+INTERP_BROKEN = _interpreter_broken()
+
 
 @dataclasses.dataclass(frozen=True)
 class Backend:
@@ -101,9 +142,10 @@ TRITON_INTERP = Backend("triton", "cpu", small=True)
 CUDA = Backend("cuda", "cuda")
 TRITON_CUDA = Backend("triton", "cuda")
 
-_SKIP_INTERP = not (TRITON_OK and INTERPRET and not HAS_CUDA_DEVICE)
-_INTERP_REASON = ("triton interpreter unavailable (ppo_kernels.triton_kernels.library does not "
-                  "import, TRITON_INTERPRET != 1, or a GPU is present and triton runs there)")
+_SKIP_INTERP = not (TRITON_OK and INTERPRET and not HAS_CUDA_DEVICE) or bool(INTERP_BROKEN)
+_INTERP_REASON = INTERP_BROKEN or (
+    "triton interpreter unavailable (ppo_kernels.triton_kernels.library does not "
+    "import, TRITON_INTERPRET != 1, or a GPU is present and triton runs there)")
 
 
 # marks a test that calls backend="triton" on CPU tensors itself
@@ -627,8 +669,10 @@ def raises_naming(fn, name, types=(ValueError, TypeError)):
 # 8-long GAE chunk (ppo_kernels/triton_kernels/_config.py) V = 100, 257 and T = 20 cross.
 
 TRITON_DEVICE = "cuda" if HAS_CUDA_DEVICE else "cpu"
-triton_ops = pytest.mark.skipif(not TRITON_OK, reason="ppo_kernels.triton_kernels.library "
-                                "does not import")
+# (on CPU the raw ops run under the interpreter: skipped where it is broken, with its reason)
+triton_ops = pytest.mark.skipif(
+    not TRITON_OK or bool(INTERP_BROKEN),
+    reason=INTERP_BROKEN or "ppo_kernels.triton_kernels.library does not import")
 KL_CODES = ("k1", "k2", "k3", "abs", "k1+", "k3+")  # index = the kl_estimator code of the ops
 # numpy (the interpreter) warns about overflows to -inf that some inputs produce on purpose
 GENUINE_INF = pytest.mark.filterwarnings("ignore::RuntimeWarning")

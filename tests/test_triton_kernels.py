@@ -32,7 +32,11 @@ from ppo_kernels.spec import KERNEL_POLICY_LOSSES
 
 from conftest import (GENUINE_INF, KL_CODES, TOK_TOL, TRITON_DEVICE, acc_of, assert_close_np,
                       check_ppo, expm1_minus_x64, grad_tol, k3_deltas, make_case, make_mask,
-                      per_token, ppo_inputs, rand_tok, ref_ppo, rel_err, run_ppo, slot_args)
+                      per_token, ppo_inputs, rand_tok, ref_ppo, rel_err, run_ppo, slot_args,
+                      triton_ops)
+
+# (on CPU: skipped, with the reason, where triton's interpreter cannot run the kernels)
+pytestmark = triton_ops
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 OPS = torch.ops.ppo_kernels

@@ -82,3 +82,31 @@ def gae_block_t(T):
     if INTERPRET:
         return INTERPRET_BLOCK_T
     return max(16, min(1024, triton.next_power_of_2(max(int(T), 1))))
+
+
+def wrap(kernel):
+    """torch.library.wrap_triton(kernel), except for a kernel the interpreter runs (an
+    InterpretedFunction, or an autotuner around one), which is returned as it is: torch
+    2.14's wrap_triton does the same, while up to torch 2.11 wrap_triton raises
+    "wrap_triton only works on functions annotated with triton.jit or triton.autotune" for a
+    plain @triton.jit kernel under TRITON_INTERPRET=1 (triton.jit returns an
+    InterpretedFunction there, not a JITFunction), and wraps an interpreted autotuner in a
+    TraceableTritonKernelWrapper that lacks the JIT metadata it needs. Launch sites call
+    wrap(k)[grid](...) wherever they would call wrap_triton(k)[grid](...)."""
+    if INTERPRET and _interpreted(kernel):
+        return kernel
+    from torch.library import wrap_triton
+    return wrap_triton(kernel)
+
+
+def _interpreted(kernel):
+    try:
+        from triton.runtime.autotuner import Autotuner, Heuristics
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    for _ in range(8):  # an autotuner / heuristics chain around the function
+        if not isinstance(kernel, (Autotuner, Heuristics)):
+            break
+        kernel = kernel.fn
+    return isinstance(kernel, InterpretedFunction)

@@ -20,7 +20,6 @@ gradient) writes alpha p_v on the row, then the set's entries from their own for
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from . import _config
 from ._math import as_acc, round_to, row_stats, row_zero
@@ -163,7 +162,7 @@ def distill_fwd(logits, mask, offsets, token_ids, teacher_logprobs, weights, tem
     if rows > 0:
         gp = grad if compute_grad else logits
         with device_guard(logits):
-            wrap_triton(_distill_kernel)[(rows,)](
+            _config.wrap(_distill_kernel)[(rows,)](
                 logits, logits.stride(0), logits.stride(1), mask, offsets.contiguous(),
                 token_ids.contiguous(), teacher_logprobs, weights, kl, ps, tt,
                 gp, gp.stride(0), gp.stride(1), T, TL if compute_grad else T, V, inv, g,

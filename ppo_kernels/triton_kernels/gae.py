@@ -26,7 +26,6 @@ Shapes/dtypes (csrc/ops.cpp): rewards, values [B, T], bootstrap_values [B] and l
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from . import _config
 from ._math import as_acc
@@ -120,7 +119,7 @@ def _launch_gae(rewards, values, mask, bootstrap_values, scores, rew_out, gamma,
     ret = torch.empty_like(rewards)
     if B * T > 0:
         with device_guard(rewards):
-            wrap_triton(_gae_kernel)[(B,)](
+            _config.wrap(_gae_kernel)[(B,)](
                 rewards, values, mask,
                 bootstrap_values if bootstrap_values is not None else rewards,
                 scores if scores is not None else rewards,
@@ -191,7 +190,7 @@ def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, k
     rewards = torch.empty((B, T), dtype=acc, device=dev)
     if B * T > 0:
         with device_guard(logits):
-            wrap_triton(logprobs_fwd_kernel)[(B * T,)](
+            _config.wrap(logprobs_fwd_kernel)[(B * T,)](
                 logits, logits.stride(0), logits.stride(1), tokens, mask,
                 logp, logp, logp, logp,  # entropy / row_max / log_sum: unused with SCORE
                 ref_logprobs, kl, rewards, invt if row_temp else logp,

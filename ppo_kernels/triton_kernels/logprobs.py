@@ -18,7 +18,6 @@ import contextlib
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from . import _config
 from ._math import (as_acc, kl_term, row_grad, row_stats, row_zero, token_col, token_logit,
@@ -245,7 +244,7 @@ def token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy, temper
            else torch.empty((0,), dtype=acc, device=dev))
     if B * T > 0:
         with device_guard(logits):
-            wrap_triton(logprobs_fwd_kernel)[(B * T,)](
+            _config.wrap(logprobs_fwd_kernel)[(B * T,)](
                 logits, logits.stride(0), logits.stride(1), tokens, mask,
                 logp, ent if return_entropy else logp, row_max, log_sum,
                 logp, logp, logp,  # ref / kl / rewards: unused without SCORE
@@ -277,7 +276,7 @@ def token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_ma
     grad = torch.empty((B, TL, V), dtype=logits.dtype, device=logits.device)
     if B * TL > 0:
         with device_guard(logits):
-            wrap_triton(_logprobs_bwd_kernel)[(B * TL,)](
+            _config.wrap(_logprobs_bwd_kernel)[(B * TL,)](
                 logits, logits.stride(0), logits.stride(1), tokens, mask, row_max, log_sum,
                 entropy if has_gent else log_sum, grad_logprobs,
                 grad_entropy if has_gent else grad_logprobs,

@@ -27,7 +27,6 @@ read and one write for the gradient, no [N, V] intermediate.
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from . import _config
 from ..spec import FLOAT_SLOTS, INT_SLOTS, KERNEL_POLICY_LOSSES, POLICY_LOSSES, F, I
@@ -185,7 +184,7 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
             kernel, launch = _ppo_loss_jit, _config.inplace_row_config(V)
         g = grad if compute_grad else logits
         with device_guard(logits):
-            wrap_triton(kernel)[(rows,)](
+            _config.wrap(kernel)[(rows,)](
                 logits, logits.stride(0), logits.stride(1),
                 # an absent optional tensor is never read: any pointer stands in for it
                 tokens, mask, old_logprobs if old_logprobs is not None else advantages,
@@ -290,8 +289,8 @@ def scale_grad_(grad, grad_output, applied):
     for name, x in (("grad_output", grad_output), ("applied", applied)):
         check_per_token(name, x, (), acc, grad.device)
     traced = _traced(grad, grad_output, applied)
-    scale = wrap_triton(_scale_grad_kernel) if traced else _scale_grad_kernel
-    commit = wrap_triton(_scale_grad_commit_kernel) if traced else _scale_grad_commit_kernel
+    scale = _config.wrap(_scale_grad_kernel) if traced else _scale_grad_kernel
+    commit = _config.wrap(_scale_grad_commit_kernel) if traced else _scale_grad_commit_kernel
     with device_guard(grad):
         if B * TL * V > 0:
             scale[(B * TL,)](grad, grad.stride(0), grad.stride(1), grad_output, applied, TL, V,

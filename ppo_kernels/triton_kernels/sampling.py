@@ -20,8 +20,8 @@ Every op takes the optional per-row `temperatures` [B, T] (csrc/ops.cpp): row r 
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from . import _config
 from ._math import as_acc, expm1, log1p
 from .logprobs import acc_dtype, device_guard, inv_temperature, inv_temperatures, tl_acc
 
@@ -224,7 +224,7 @@ def kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets,
     miss = torch.empty(B, T, dtype=torch.bool, device=logits.device)
     if B * T:
         with device_guard(logits):
-            wrap_triton(_kept_fwd_kernel)[(B * T,)](
+            _config.wrap(_kept_fwd_kernel)[(B * T,)](
                 logits, logits.stride(0), logits.stride(1), tokens.contiguous(),
                 mask.contiguous(), ids, offs, thr, *outs, size, miss, invt, T,
                 logits.shape[2], inv, ACC=tl_acc(acc), CSR=csr, ROW_TEMP=row_temp,
@@ -245,7 +245,7 @@ def kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_m
     gent = grad_entropy.contiguous() if has_gent else grad_logprobs
     if B * T:
         with device_guard(logits):
-            wrap_triton(_kept_bwd_kernel)[(B * T,)](
+            _config.wrap(_kept_bwd_kernel)[(B * T,)](
                 logits, logits.stride(0), logits.stride(1), tokens.contiguous(),
                 mask.contiguous(), ids, offs, thr, kept_max, kept_log_sum, entropy,
                 grad_logprobs.contiguous(), gent, dlogits, invt, T, logits.shape[1],
