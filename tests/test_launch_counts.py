@@ -1,0 +1,86 @@
+"""The fixed per-call cost of ppo_loss on the CPU kernels: the eager aten ops one forward +
+backward dispatches beside the kernel ops (ppo_kernels::*), counted with a
+TorchDispatchMode (views and detach not counted). Each one is a kernel launch on a device,
+so their number is the floor of a small call's time. Run with -s to see the counts."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ppo_kernels as pk
+from ppo_kernels._extension import HAS_CPU
+
+pytestmark = pytest.mark.skipif(not HAS_CPU, reason="the C++ extension is not built")
+
+B, T, V = 2, 8, 64
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that reach the dispatcher's Python mode (each a launch on a
+    device), leaving out views, detach, the wrapping of a Python number as a 0-d tensor
+    (scalar_tensor: no launch) and the extension's own ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.namespace == "ppo_kernels" or func.is_view
+                or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten.lift_fresh,
+                                        torch.ops.aten.scalar_tensor)):
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g).requires_grad_()
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    old = -torch.rand(B, T, generator=g) * 3
+    adv = torch.randn(B, T, generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 5:] = False
+    ref = -torch.rand(B, T, generator=g) * 3
+    roll = old + 0.05 * torch.randn(B, T, generator=g)
+    return logits, tokens, old, adv, mask, ref, roll
+
+
+CONFIGS = {  # name: (keywords of ppo_loss, the most ops fwd + bwd may dispatch)
+    "default": (lambda ref, roll: {}, 12),
+    "kl-k3": (lambda ref, roll: dict(ref_logprobs=ref, kl_coef=0.1), 12),
+    "entropy": (lambda ref, roll: dict(entropy_coef=0.01), 12),
+    "tis": (lambda ref, roll: dict(rollout_logprobs=roll, rollout_correction="tis"), 12),
+    "gspo": (lambda ref, roll: dict(policy_loss="gspo"), 20),
+}
+
+
+def count_ops(name):
+    """(forward ops, backward ops, the forward's Counter) of one call of configuration
+    name, after a warm-up call (caches filled, as in a training loop)."""
+    logits, tokens, old, adv, mask, ref, roll = _inputs()
+    kw = CONFIGS[name][0](ref, roll)
+    for _ in range(2):
+        logits.grad = None
+        with OpCounter() as fwd:
+            loss, metrics = pk.ppo_loss(logits, tokens, old, adv, mask, backend="cpu", **kw)
+        with OpCounter() as bwd:
+            loss.backward()
+    return sum(fwd.ops.values()), sum(bwd.ops.values()), fwd.ops + bwd.ops
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_launch_counts(name):
+    n_fwd, n_bwd, ops = count_ops(name)
+    print(f"\n{name}: forward {n_fwd} + backward {n_bwd} = {n_fwd + n_bwd} aten ops: "
+          f"{dict(ops)}")
+    assert n_fwd + n_bwd <= CONFIGS[name][1], dict(ops)
+
+
+if __name__ == "__main__":
+    for name in CONFIGS:
+        f, b, ops = count_ops(name)
+        print(f"{name:8s} fwd {f:4d} bwd {b:3d} total {f + b:4d}  {dict(ops)}")
