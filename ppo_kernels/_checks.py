@@ -191,6 +191,8 @@ def response_mask(mask, like, flat, like_name="tokens"):
         raise ValueError(f"response_mask: expected shape {list(like.shape[1:] if flat else like.shape)},"
                          f" got {list(mask.shape[1:] if flat else mask.shape)}"
                          f"{_aligned_hint(mask, like, like_name)}")
+    if mask.dtype == torch.bool and mask.is_contiguous():
+        return mask  # (as it is: nothing writes into it)
     return (mask != 0).contiguous()  # != keeps the input's strides; kernels index flat
 
 
