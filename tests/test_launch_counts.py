@@ -90,3 +90,62 @@ if __name__ == "__main__":
     for name in CONFIGS:
         f, b, ops = count_ops(name)
         print(f"{name:8s} fwd {f:4d} bwd {b:3d} total {f + b:4d}  {dict(ops)}")
+
+
+# ------------------------------------------------------------------ the metrics op's values
+
+POLICY_CASES = [("vanilla", dict(dual_clip_c=3.0)), ("cispo", {}), ("sapo", {}),
+                ("dppo-tv", dict(clip_eps_low=0.05, dual_clip_c=2.0)),
+                ("dppo-kl", dict(clip_eps_low=0.05)), ("gspo", dict(dual_clip_c=3.0)),
+                ("gspo-token", {}), ("vespo", {})]
+
+
+def _eager_metrics(monkeypatch, *args, **kw):
+    from ppo_kernels import loss as loss_mod
+    with monkeypatch.context() as mp:
+        mp.setattr(loss_mod, "_host_metrics", lambda spec, x: False)
+        return pk.ppo_loss(*args, **kw)
+
+
+@pytest.mark.parametrize("policy,extra", POLICY_CASES, ids=[p for p, _ in POLICY_CASES])
+@pytest.mark.parametrize("inputs", ["plain", "on-policy", "tis", "mis", "nan", "empty"])
+def test_metrics_op_matches_the_eager_formulas(monkeypatch, policy, extra, inputs):
+    """ppo_kernels::ppo_loss_metrics (the cpu backend) gives the eager formulas' metrics
+    (_torch_impl.metrics, rollout_correction.metrics): the same keys in the same order,
+    0-d float32, values equal up to the summation order; the loss is the same bits. NaN on
+    masked positions stays out; a NaN on a valid token reaches the means it enters; an
+    all-masked batch gives 0."""
+    g = torch.Generator().manual_seed(len(policy) + len(inputs))
+    b, t, v = 3, 7, 20
+    logits = torch.randn(b, t, v, generator=g) * 2
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    old = -torch.rand(b, t, generator=g) * 3
+    adv = torch.randn(b, t, generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.3
+    mask[2] = False
+    ref = -torch.rand(b, t, generator=g) * 3
+    roll = old + 0.2 * torch.randn(b, t, generator=g)
+    kw = dict(policy_loss=policy, ref_logprobs=ref, kl_coef=0.1, entropy_coef=0.01,
+              backend="cpu", **extra)
+    if inputs == "on-policy":
+        old = None
+    if inputs in ("tis", "mis"):
+        if policy == "vespo":
+            pytest.skip("VESPO takes no rollout_correction")
+        kw.update(rollout_logprobs=roll, rollout_correction=inputs,
+                  rollout_is_threshold=1.1 if inputs == "mis" else 2.0)
+    if inputs == "nan":
+        old = old.masked_fill(~mask, float("nan"))
+        adv = adv.masked_fill(~mask, float("nan"))
+        logits[0, 1, 3] = float("nan") if mask[0, 1] else logits[0, 1, 3]
+        kw["rollout_logprobs"] = roll.masked_fill(~mask, float("nan"))
+    if inputs == "empty":
+        mask[:] = False
+    loss, got = pk.ppo_loss(logits, tokens, old, adv, mask, **kw)
+    e_loss, want = _eager_metrics(monkeypatch, logits, tokens, old, adv, mask, **kw)
+    assert torch.equal(loss, e_loss) or (loss.isnan() and e_loss.isnan())
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == torch.float32 and got[name].shape == (), name
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6,
+                                   equal_nan=True, msg=name)
