@@ -4,7 +4,8 @@
 // those backends keep the eager torch formulas (ppo_kernels/_torch_impl.py), whose values
 // these ops give up to the summation order.
 //   ppo_loss_metrics: the metrics of ppo_loss (docs/DESIGN.md, Metrics) as one float32
-//   [K] vector in the order of ppo_kernels/loss.py METRIC_SLOTS, from logp, entropy
+//   [len(slots)] vector, entry k the metric slots[k] of ppo_kernels/loss.py METRIC_SLOTS
+//   (each slot in [0, len(METRIC_SLOTS))), from logp, entropy
 //   (the per-token outputs of the loss, [B, T] of the accumulation dtype), mask bool
 //   [B, T], the per-token inputs (old_logprobs None: on-policy), rollout_logprobs and
 //   rollout_is_weights for the rollout_* metrics (read only with old_logprobs; weights
@@ -22,6 +23,6 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
   m.def(
       "ppo_loss_metrics(Tensor logprobs, Tensor entropy, Tensor mask, Tensor? old_logprobs, "
       "Tensor advantages, Tensor? ref_logprobs, Tensor? rollout_logprobs, "
-      "Tensor? rollout_is_weights, float[] scalars, int[] codes) -> Tensor");
+      "Tensor? rollout_is_weights, float[] scalars, int[] codes, int[] slots) -> Tensor");
   m.def("agg_weights(Tensor mask, int mode, float denom, bool float64) -> Tensor");
 }

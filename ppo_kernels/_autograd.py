@@ -52,9 +52,8 @@ def _fake_scale_grad_(grad, grad_output, applied):
 
 
 def _fake_ppo_loss_metrics(logprobs, entropy, mask, old_logprobs, advantages, ref_logprobs,
-                           rollout_logprobs, rollout_is_weights, scalars, codes):
-    from .loss import METRIC_SLOTS  # (loss.py imports this module)
-    return mask.new_empty((len(METRIC_SLOTS),), dtype=torch.float32)
+                           rollout_logprobs, rollout_is_weights, scalars, codes, slots):
+    return mask.new_empty((len(slots),), dtype=torch.float32)
 
 
 def _fake_agg_weights(mask, mode, denom, float64):

@@ -681,11 +681,12 @@ _METRIC_INDEX = {name: i for i, name in enumerate(METRIC_SLOTS)}
 
 
 def _metric_names(spec, rollout):
-    """The metrics a call reports, in the order of _torch_impl.metrics and
-    rollout_correction.metrics (cached by the few option values it depends on)."""
+    """(names, slots): the metrics a call reports, in the order of _torch_impl.metrics and
+    rollout_correction.metrics, and their METRIC_SLOTS indices (cached by the few option
+    values they depend on)."""
     key = (spec.policy_loss, rollout)
-    names = _METRIC_NAMES.get(key)
-    if names is None:
+    got = _METRIC_NAMES.get(key)
+    if got is None:
         names = list(METRIC_SLOTS[:11])
         if spec.policy_loss == "cispo":
             names.append("cispo_clip_frac")
@@ -695,8 +696,8 @@ def _metric_names(spec, rollout):
             names += ["seq_ratio_mean", "seq_ratio_max"]
         if rollout:
             names += list(METRIC_SLOTS[15:])
-        names = _METRIC_NAMES[key] = tuple((n, _METRIC_INDEX[n]) for n in names)
-    return names
+        got = _METRIC_NAMES[key] = (tuple(names), [_METRIC_INDEX[n] for n in names])
+    return got[0], list(got[1])
 
 
 _METRIC_NAMES = {}
@@ -715,18 +716,18 @@ def loss_metrics(spec, x, logp, ent, aux=None):
     aux: with a kept set (sampling replay), (full logp, kept mass, kept size, missing)
     [B, T]; logp is then logp_kept. On the cpu backend one op computes them all (the
     values of the eager formulas up to the summation order; the dict's tensors are views
-    of its one [K] result)."""
+    of its one [K] result, K the number of metrics reported)."""
     logp_kl = None
     if aux is not None and spec.kl_logprobs != "kept":
         logp_kl = aux[0]
     rollout = x.rollout is not None and x.old is not None
     if _host_metrics(spec, x) and aux is None:
         scalars, codes = spec.kernel_args(torch.float32)
+        names, slots = _metric_names(spec, rollout)
         vec = torch.ops.ppo_kernels.ppo_loss_metrics(
             logp.detach(), ent.detach(), x.mask, x.old, x.adv, x.ref, x.rollout, x.rc_w,
-            scalars, codes)
-        parts = vec.unbind()
-        metrics = {name: parts[i] for name, i in _metric_names(spec, rollout)}
+            scalars, codes, slots)
+        metrics = dict(zip(names, vec.unbind()))
         rollout = False  # (in the vector already)
     else:
         metrics = _torch_impl.metrics(logp, ent, x.old, x.adv, x.ref, x.mask, spec, logp_kl)

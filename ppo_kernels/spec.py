@@ -99,7 +99,7 @@ class LossSpec:
         if torch.compiler.is_compiling():  # (traced: no cache to consult or fill)
             return cls._build(dtype, **options)
         try:
-            key = (dtype, *((k, type(v), v) for k, v in options.items()))
+            key = (dtype, tuple(options.items()), tuple(map(type, options.values())))
             spec = _BUILT.get(key)
         except TypeError:  # an unhashable value (a list of thresholds): no cache
             return cls._build(dtype, **options)

@@ -215,7 +215,8 @@ at::Tensor ppo_loss_metrics(const at::Tensor& logp_in, const at::Tensor& ent_in,
                             const at::Tensor& adv_in, const std::optional<at::Tensor>& ref,
                             const std::optional<at::Tensor>& roll,
                             const std::optional<at::Tensor>& isw,
-                            c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes) {
+                            c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
+                            c10::ArrayRef<int64_t> slots) {
   TORCH_CHECK(mask_in.dim() == 2 && mask_in.scalar_type() == at::kBool,
               "mask: expected bool [B, T], got ", mask_in.scalar_type(), " ", mask_in.sizes());
   TORCH_CHECK(scalars.size() == static_cast<size_t>(ppo::slot::kNumFloat) &&
@@ -235,15 +236,21 @@ at::Tensor ppo_loss_metrics(const at::Tensor& logp_in, const at::Tensor& ent_in,
     TORCH_CHECK(x->sizes() == mask.sizes() && x->scalar_type() == acc,
                 "logprobs / entropy / advantages: expected ", acc, " of the mask's shape ",
                 mask.sizes(), ", got ", x->scalar_type(), " ", x->sizes());
-  at::Tensor out = at::empty({kNumMetrics}, mask.options().dtype(at::kFloat));
+  for (const int64_t k : slots)
+    TORCH_CHECK(k >= 0 && k < kNumMetrics, "slots: expected indices in [0, ", int(kNumMetrics),
+                "), got ", k);
+  float all[kNumMetrics];
   const auto c = [](const std::optional<at::Tensor>& t) {
     return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : t;
   };
   AT_DISPATCH_FLOATING_TYPES(acc, "ppo_loss_metrics", [&] {
     metrics_impl<scalar_t>(logp_in.contiguous(), ent_in.contiguous(), mask, c(old),
-                           adv_in.contiguous(), c(ref), c(roll), c(isw), p,
-                           out.data_ptr<float>());
+                           adv_in.contiguous(), c(ref), c(roll), c(isw), p, all);
   });
+  at::Tensor out = at::empty({static_cast<int64_t>(slots.size())},
+                             mask.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  for (size_t k = 0; k < slots.size(); ++k) o[k] = all[slots[k]];
   return out;
 }
 
