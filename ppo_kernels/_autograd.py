@@ -102,7 +102,10 @@ def scale_grad(prefix, dlogits, grad, applied):
         # bump dlogits' version counter, and a retained graph's second backward would
         # refuse the saved (rescaled) tensor; the C++ ops do not bump it either
         from .triton_kernels import scale_grad_ as op
-    op(dlogits, grad.detach().to(applied.dtype).reshape(()), applied)
+    g = grad.detach()
+    if g.dtype != applied.dtype:
+        g = g.to(applied.dtype)
+    op(dlogits, g if g.dim() == 0 else g.reshape(()), applied)
     return dlogits
 
 

@@ -301,7 +301,8 @@ def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens",
                          f"{_aligned_hint(x, like, like_name)}")
     # inputs from the rollout: they are data, not parameters, and get no gradient on any
     # backend
-    return x.detach().to(dtype).contiguous()
+    x = x.detach()
+    return (x if x.dtype == dtype else x.to(dtype)).contiguous()
 
 
 def acc_dtype(x):
