@@ -51,6 +51,15 @@ def _fake_scale_grad_(grad, grad_output, applied):
     return None
 
 
+def _fake_ppo_loss_metrics(logprobs, entropy, mask, old_logprobs, advantages, ref_logprobs,
+                           rollout_logprobs, rollout_is_weights, scalars, codes, slots):
+    return mask.new_empty((len(slots),), dtype=torch.float32)
+
+
+def _fake_agg_weights(mask, mode, denom, float64):
+    return mask.new_empty(mask.shape, dtype=torch.float64 if float64 else torch.float32)
+
+
 def _fake_sampling_threshold(logits, mask, temperature, top_k, top_p, min_p,
                              temperatures=None):
     return mask.new_empty(mask.shape, dtype=torch.float64)
@@ -93,7 +102,10 @@ def scale_grad(prefix, dlogits, grad, applied):
         # bump dlogits' version counter, and a retained graph's second backward would
         # refuse the saved (rescaled) tensor; the C++ ops do not bump it either
         from .triton_kernels import scale_grad_ as op
-    op(dlogits, grad.detach().to(applied.dtype).reshape(()), applied)
+    g = grad.detach()
+    if g.dtype != applied.dtype:
+        g = g.to(applied.dtype)
+    op(dlogits, g if g.dim() == 0 else g.reshape(()), applied)
     return dlogits
 
 
@@ -250,8 +262,11 @@ def register(prefix):
              "ppo_loss_fwd_inplace": _fake_ppo_loss_fwd_inplace,
              "scale_grad_": _fake_scale_grad_,
              "gae": _fake_gae, "score_rollout": _fake_score_rollout}
-    # sampling replay's ops (ppo_kernels/sampling.py), where this backend has them
-    for name, fn in (("sampling_threshold", _fake_sampling_threshold),
+    # sampling replay's ops (ppo_kernels/sampling.py), and the CPU-only [B, T] ops
+    # (csrc/ops_host.cpp), where this backend has them
+    for name, fn in (("ppo_loss_metrics", _fake_ppo_loss_metrics),
+                     ("agg_weights", _fake_agg_weights),
+                     ("sampling_threshold", _fake_sampling_threshold),
                      ("kept_logprobs_fwd", _fake_kept_logprobs_fwd),
                      ("kept_logprobs_bwd_", _fake_kept_logprobs_bwd_)):
         if hasattr(torch.ops.ppo_kernels, prefix + name):
@@ -270,6 +285,36 @@ def register(prefix):
 if HAS_SCHEMAS:
     register("")
 
+
+
+class FusedLoss(torch.autograd.Function):
+    """The public ppo_loss's eager call of a ppo_loss_fwd op with a gradient: the autograd
+    formula registered for the op (_loss_autograd_for), without the per-call Python of
+    torch.library's generated wrapper (it binds every schema argument again). The op's
+    dlogits output never reaches the caller, so the backward rescales it in place (no
+    ``held`` reference to respect). torch.compile and torch.jit.trace record the op
+    itself, with its registered formula."""
+
+    @staticmethod
+    def forward(ctx, logits, op, tensors, scalars, codes, prefix, temperatures=None):
+        # (straight to the device kernel: the op's own autograd kernel would only redispatch,
+        # grad mode being off here)
+        with torch._C._AutoDispatchBelowAutograd():
+            loss, loss_tok, logp, ent, dlogits = op(logits, *tensors, scalars, codes, True,
+                                                    temperatures=temperatures)
+        ctx.prefix = prefix
+        ctx.applied = applied_scale(scalars[F["grad_scale"]], logits)
+        ctx.save_for_backward(dlogits)
+        ctx.mark_non_differentiable(loss_tok, logp, ent)
+        ctx.set_materialize_grads(False)
+        return loss, loss_tok, logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        first_order_only("ppo_loss")
+        (dlogits,) = ctx.saved_tensors
+        return (hand_out(ctx.prefix, dlogits, grad_loss, ctx.applied),
+                None, None, None, None, None, None)
 
 
 class InplaceLoss(torch.autograd.Function):

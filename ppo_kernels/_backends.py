@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from . import _torch_impl
-from ._autograd import InplaceLoss, not_traceable, register, wants_grad
+from ._autograd import FusedLoss, InplaceLoss, not_traceable, register, wants_grad
 from ._checks import split_temperature
 from ._extension import HAS_CPU, HAS_CUDA, LOAD_ERROR, not_built_hint
 from .spec import KL_ESTIMATORS
@@ -52,6 +52,10 @@ class KernelBackend:
         if spec.inplace_backward and need_grad and not tracing:
             loss, loss_tok, logp, ent = InplaceLoss.apply(
                 logits, self.op("ppo_loss_fwd_inplace"), tensors, scalars, codes, self.prefix,
+                temperatures)
+        elif need_grad and not tracing and not torch.compiler.is_compiling():
+            loss, loss_tok, logp, ent = FusedLoss.apply(
+                logits, self.op("ppo_loss_fwd"), tensors, scalars, codes, self.prefix,
                 temperatures)
         else:
             loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(

@@ -194,6 +194,8 @@ def response_mask(mask, like, flat, like_name="tokens"):
         raise ValueError(f"response_mask: expected shape {list(like.shape[1:] if flat else like.shape)},"
                          f" got {list(mask.shape[1:] if flat else mask.shape)}"
                          f"{_aligned_hint(mask, like, like_name)}")
+    if mask.dtype == torch.bool and mask.is_contiguous():
+        return mask  # (as it is: nothing writes into it)
     return (mask != 0).contiguous()  # != keeps the input's strides; kernels index flat
 
 
@@ -302,7 +304,8 @@ def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens",
                          f"{_aligned_hint(x, like, like_name)}")
     # inputs from the rollout: they are data, not parameters, and get no gradient on any
     # backend
-    return x.detach().to(dtype).contiguous()
+    x = x.detach()
+    return (x if x.dtype == dtype else x.to(dtype)).contiguous()
 
 
 def acc_dtype(x):

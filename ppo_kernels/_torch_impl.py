@@ -39,13 +39,19 @@ def token_logprobs(logits, tokens, mask, temperature, return_entropy):
     return logp, torch.where(mask, ent, 0.0)
 
 
-def _clip_surrogate(r, advantages, clip_eps_low, clip_eps_high, dual_clip_c):
+def _clip_surrogate(r, advantages, clip_eps_low, clip_eps_high, dual_clip_c, flags=True):
     """PPO's clipped surrogate of a ratio r (Schulman et al. 2017, eq. 7) with the dual clip
-    (Ye et al. 2020, eq. 5). Returns (pg, clip_high, clip_low, dual)."""
+    (Ye et al. 2020, eq. 5). Returns (pg, clip_high, clip_low, dual); flags=False: (pg,
+    None, None, None), the same pg without the metrics' masks."""
     unclipped = -r * advantages
     clipped = -torch.clamp(r, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * advantages
     # the unclipped branch is the active one on ties, as in ppo_math.h
     pg = torch.where(unclipped >= clipped, unclipped, clipped)
+    if not flags:
+        if dual_clip_c is not None:
+            cap = -dual_clip_c * advantages
+            pg = torch.where((advantages < 0) & (pg > cap), cap, pg)
+        return pg, None, None, None
     neg = advantages < 0  # (once: the dual clip and clip_low read it)
     dual = torch.zeros_like(pg, dtype=torch.bool)
     if dual_clip_c is not None:
@@ -64,12 +70,14 @@ def seq_mean(x, mask, group=None):
     return seq_sum(torch.where(mask, x, 0.0), group) / seq_sum(m, group).clamp(min=1)
 
 
-def pg_terms(logp, old_logprobs, advantages, mask, spec):
+def pg_terms(logp, old_logprobs, advantages, mask, spec, flags=True):
     """Policy-gradient term per token for spec.policy_loss (reference.pg_terms documents
     each formula and its source). Returns a dict: pg (keeps logp's autograd graph), ratio
     (the ratio the loss uses, with its graph: the KL bias correction multiplies by it),
     log_ratio (clamped token log-ratio), clip_high, clip_low, dual (bool [B, T]) and, for
-    the sequence losses, seq_ratio [B] (no graph)."""
+    the sequence losses, seq_ratio [B] (no graph). flags=False: for the loss alone (the
+    same pg and ratio): vanilla, gspo and gspo-token leave out the metrics' masks and
+    seq_ratio (None)."""
     old = logp.detach() if old_logprobs is None else old_logprobs  # on-policy: rho = 1
     d = torch.clamp(logp - old, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     rho = torch.exp(d)
@@ -77,7 +85,8 @@ def pg_terms(logp, old_logprobs, advantages, mask, spec):
     eps_low, eps_high = spec.clip_eps_low, spec.clip_eps_high
     out = {"log_ratio": d.detach()}
     if kind == "vanilla":
-        pg, ch, cl, dual = _clip_surrogate(rho, advantages, eps_low, eps_high, spec.dual_clip_c)
+        pg, ch, cl, dual = _clip_surrogate(rho, advantages, eps_low, eps_high, spec.dual_clip_c,
+                                           flags)
         out.update(pg=pg, ratio=rho, clip_high=ch, clip_low=cl, dual=dual)
     elif kind == "cispo":
         w = torch.clamp(rho, 1.0 - eps_low, 1.0 + eps_high).detach()
@@ -130,9 +139,10 @@ def pg_terms(logp, old_logprobs, advantages, mask, spec):
             # where the sequence's log-ratio was clamped, as for every clamped ratio)
             live = (ls_raw.detach().abs() <= LOG_RATIO_CLAMP).to(logp.dtype)
             s = torch.exp((logp - logp.detach()) * live + ls.detach())
-        pg, ch, cl, dual = _clip_surrogate(s, advantages, eps_low, eps_high, spec.dual_clip_c)
+        pg, ch, cl, dual = _clip_surrogate(s, advantages, eps_low, eps_high, spec.dual_clip_c,
+                                           flags)
         out.update(pg=pg, ratio=s, clip_high=ch, clip_low=cl, dual=dual,
-                   seq_ratio=torch.exp(ls.detach())[:, 0])
+                   seq_ratio=torch.exp(ls.detach())[:, 0] if flags else None)
     return out
 
 
@@ -267,7 +277,8 @@ def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_
     caller has it already (its metrics read the same terms). logp is the ratio's log-prob;
     logp_kl the KL's (sampling replay: logp over the kept set, logp_kl over the full
     vocabulary unless kl_logprobs="kept"; None: logp)."""
-    pt = pg_terms(logp, old_logprobs, advantages, mask, spec) if terms is None else terms
+    pt = pg_terms(logp, old_logprobs, advantages, mask, spec, flags=False) if terms is None \
+        else terms
     loss = pt["pg"]
     if rollout_is_weights is not None:
         loss = loss * rollout_is_weights

@@ -118,8 +118,10 @@ def _passes(logits, spec, x, prefix, need_grad, shard=None):
     gs = spec.effective_grad_scale(logits.dtype)
     dlogits = None
     if need_grad:  # else no second pass over the logits
-        g_lp = x.kernel(dlogp * gs).contiguous()
-        g_ent = x.kernel(dent * gs).contiguous() if spec.entropy_coef != 0.0 else None
+        # (x * 1.0 is x: no multiply for the default grad_scale)
+        g_lp = x.kernel(dlogp if gs == 1.0 else dlogp * gs).contiguous()
+        g_ent = (x.kernel(dent if gs == 1.0 else dent * gs).contiguous()
+                 if spec.entropy_coef != 0.0 else None)
         dlogits = logits_grad(prefix, g_lp, g_ent, logits, tok, msk, row_max, log_sum, ent,
                               temp, shard, own)
     ent_p = x.padded(ent)

@@ -295,7 +295,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
         local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
         logits3, tokens2, flat = ck.logits_and_tokens(local, tokens)
         spec, x, pending = check_loss(logits3, None if shard else logits3.shape[2], tokens2,
-                                      flat, options)
+                                      flat, options, single_pass=shard is None)
         if inplace_backward and not ck.rows_disjoint(logits3):
             raise ValueError("logits: inplace_backward=True writes the gradient into the "
                              "logits, which needs entries that do not share memory; got "
@@ -474,9 +474,10 @@ _TENSOR_OPTIONS = ("old_logprobs", "advantages", "response_mask", "ref_logprobs"
 # per-token inputs)
 # the arguments ppo_loss reads itself (the logits' path, the split vocabulary)
 _CALL_ARGUMENTS = ("logits", "tokens", "tp_group", "vocab_start")
+_NOT_SPEC_OPTIONS = frozenset(_TENSOR_OPTIONS + _CALL_ARGUMENTS)
 
 
-def check_loss(like, vocab, tokens2, flat, options):
+def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
     """Every check of a loss call's arguments but the logits themselves, shared by ppo_loss
     and ppo_loss_from_hidden, with no collective (so that the ranks of a group can decide
     validity together first, rank_agreement.py): (LossSpec, LossInputs without their
@@ -487,13 +488,17 @@ def check_loss(like, vocab, tokens2, flat, options):
 
     With cu_seqlens the per-token inputs are those of the packed layout (advantages and
     rollout_is_weights may be per sequence, [S]); the LossInputs hold their padded
-    [S, max_seqlen] copies (packed.py) and LossInputs.kernel() packs them again."""
+    [S, max_seqlen] copies (packed.py) and LossInputs.kernel() packs them again.
+
+    single_pass: the caller runs the fused single pass whenever the options allow it
+    (ppo_loss on whole-vocabulary logits): then, where they do, the per-token inputs are
+    kept as given on masked positions (no kernel and no metric reads them there), and on
+    the cpu backend the kernel itself checks the token ids (the same ValueError)."""
     t = {k: options.get(k) for k in _TENSOR_OPTIONS}
     t["backend"] = options.get("backend", "auto")
     acc = ck.acc_dtype(like)
     temperature = options.get("temperature")
-    spec_options = {k: v for k, v in options.items()
-                    if k not in _TENSOR_OPTIONS + _CALL_ARGUMENTS}
+    spec_options = {k: v for k, v in options.items() if k not in _NOT_SPEC_OPTIONS}
     if isinstance(temperature, torch.Tensor):  # per row: LossSpec keeps the default 1
         spec_options.pop("temperature")
         if temperature.dim() == 0:  # one value, left on its device
@@ -544,12 +549,18 @@ def check_loss(like, vocab, tokens2, flat, options):
                            optional=True)
     if temperature is not None:
         temperature = ck.temperature(temperature, like, tokens2, flat, mask)
-    # masked positions hold anything (NaN included); the [B, T] formulas that reduce over
-    # a sequence (GSPO's ratio, the off-policy mask) would carry 0 * NaN into the valid
-    # tokens' gradient, so they are set apart here, before any of them (the kernels never
-    # read them anyway)
-    old, adv, ref, isw, rollout = (None if v is None else torch.where(mask, v, 0.0)
-                                   for v in (old, adv, ref, isw, rollout))
+    be = get_backend(t["backend"], like.device)
+    replay = _sampling.check_replay(t["sampling_mask"], t["top_k"], t["top_p"], t["min_p"],
+                                    tokens_k, vocab, packing)
+    # the fused single pass: the kernels and the metrics read valid positions alone
+    fused = (single_pass and be.is_kernel and replay is None and not spec.sequence_loss
+             and spec.off_policy_mask_threshold is None and spec.loss_agg_mode != "none")
+    if not fused:
+        # masked positions hold anything (NaN included); the [B, T] formulas that reduce
+        # over a sequence (GSPO's ratio, the off-policy mask) would carry 0 * NaN into the
+        # valid tokens' gradient, so they are set apart here, before any of them
+        old, adv, ref, isw, rollout = (None if v is None else torch.where(mask, v, 0.0)
+                                       for v in (old, adv, ref, isw, rollout))
     bounds = None
     if spec.rollout_correction is not None:
         if rollout is None or old is None:
@@ -573,17 +584,20 @@ def check_loss(like, vocab, tokens2, flat, options):
         global_num_tokens = ck.count("global_num_tokens", global_num_tokens, like, acc)
     if global_num_seqs is not None:
         global_num_seqs = ck.count("global_num_seqs", global_num_seqs, like, acc)
-    be = get_backend(t["backend"], like.device)
-    if vocab is not None:
+    # the cpu kernels that read the logits first (ppo_loss_fwd, token_logprobs_fwd) check
+    # the ids of valid rows themselves, before they compute anything (csrc/cpu/common.h
+    # Rows::check_tokens: the ValueError token_range raises); outside a context-parallel
+    # group, whose ranks must agree on validity before any collective
+    kernel_checks = (single_pass and be.name == "cpu" and replay is None and packing is None
+                     and spec.cp_group is None and ck.host_readable(tokens2))
+    if vocab is not None and not kernel_checks:
         tokens2 = ck.token_range(tokens2, mask, vocab)
-    replay = _sampling.check_replay(t["sampling_mask"], t["top_k"], t["top_p"], t["min_p"],
-                                    tokens_k, vocab, packing)
     x = LossInputs(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref, isw=isw,
                    rollout=rollout, rc_w=None, behaviour=behaviour, weights=None, w_ent=None,
                    be=be, flat=out_flat if packing is not None else flat, packing=packing,
                    temperature=temperature, replay=replay)
     return spec, x, dict(bounds=bounds, global_num_tokens=global_num_tokens,
-                         global_num_seqs=global_num_seqs, norm_length=norm_length)
+                         global_num_seqs=global_num_seqs, norm_length=norm_length, fused=fused)
 
 
 def weigh_loss(spec, x, pending):
@@ -594,7 +608,8 @@ def weigh_loss(spec, x, pending):
     isw, rc_w = x.isw, None
     if pending["bounds"] is not None:
         lo, hi = pending["bounds"]
-        rc_w = _rc.weights(x.old, x.rollout, x.mask, spec.rollout_correction, lo, hi, group)
+        rc_w = _rc.weights(x.old, x.rollout, x.mask, spec.rollout_correction, lo, hi, group,
+                           valid_only=pending.get("fused", False) and _host_metrics(spec, x))
         isw = rc_w if isw is None else isw * rc_w
     norm_length = pending["norm_length"]
     if x.packing is not None and norm_length is None and "seq-mean-token-sum-norm" in (
@@ -607,6 +622,10 @@ def weigh_loss(spec, x, pending):
     weights = w_ent = None
     if spec.loss_agg_mode != "none":
         def weights_of(mode):
+            w = _host_weights(x, mode, pending["global_num_tokens"], norm_length,
+                              pending["global_num_seqs"], group)
+            if w is not None:
+                return w
             return _torch_impl.agg_weights(x.mask, mode, pending["global_num_tokens"],
                                            norm_length, dtype=x.acc,
                                            global_num_seqs=pending["global_num_seqs"],
@@ -615,6 +634,32 @@ def weigh_loss(spec, x, pending):
         w_ent = None if spec.entropy_agg_mode in (None, spec.loss_agg_mode) else weights_of(
             spec.entropy_agg_mode)
     return _replaced(x, isw=isw, rc_w=rc_w, weights=weights, w_ent=w_ent)
+
+
+def _host_weights(x, mode, global_num_tokens, norm_length, global_num_seqs, group):
+    """_torch_impl.agg_weights's w [B, T] from the one CPU op ppo_kernels::agg_weights (the
+    same bits: the counts are exact and each weight is one division in the accumulation
+    dtype), on the cpu backend when every denominator is a number (none is a tensor and
+    no context-parallel group sums them); else None."""
+    if x.be.name != "cpu" or group is not None or not hasattr(torch.ops.ppo_kernels,
+                                                                 "agg_weights"):
+        return None
+    if any(isinstance(v, torch.Tensor) for v in (global_num_tokens, norm_length,
+                                                 global_num_seqs)):
+        return None
+    b, t = x.mask.shape
+    if mode == "token-mean":
+        code, denom = 0, 0.0 if global_num_tokens is None else float(global_num_tokens)
+    elif mode == "token-sum":
+        code, denom = 1, 0.0
+    elif mode == "seq-mean-token-sum":
+        code, denom = 2, float(b if global_num_seqs is None else global_num_seqs)
+    elif mode == "seq-mean-token-mean":
+        code, denom = 3, 0.0 if global_num_seqs is None else float(global_num_seqs)
+    else:  # seq-mean-token-sum-norm: (n * length) in Python arithmetic, as agg_weights
+        n = b if global_num_seqs is None else global_num_seqs
+        code, denom = 2, float(n * (t if norm_length is None else norm_length))
+    return torch.ops.ppo_kernels.agg_weights(x.mask, code, denom, x.acc == torch.float64)
 
 
 def prepare_loss(like, vocab, tokens2, flat, options):
@@ -633,17 +678,71 @@ def per_token_loss(spec, x, logp, ent, logp_kl=None):
     return loss[0] if x.flat else loss
 
 
+# The slots of the CPU op ppo_kernels::ppo_loss_metrics's [K] vector (csrc/ops_host.cpp,
+# csrc/cpu/metrics.cpp enum Metric: the same order)
+METRIC_SLOTS = ("num_tokens", "num_seqs", "clip_frac", "clip_frac_high", "clip_frac_low",
+                "dual_clip_frac", "approx_kl", "kl_ref", "entropy", "ratio_mean", "ratio_max",
+                "cispo_clip_frac", "seq_clip_frac", "seq_ratio_mean", "seq_ratio_max",
+                "rollout_ratio_mean", "rollout_ratio_max", "rollout_ratio_min",
+                "rollout_ratio_outside_frac", "rollout_kl_k3", "rollout_chi2",
+                "rollout_is_mean", "rollout_is_max", "rollout_masked_frac")
+_METRIC_INDEX = {name: i for i, name in enumerate(METRIC_SLOTS)}
+
+
+def _metric_names(spec, rollout):
+    """(names, slots): the metrics a call reports, in the order of _torch_impl.metrics and
+    rollout_correction.metrics, and their METRIC_SLOTS indices (cached by the few option
+    values they depend on)."""
+    key = (spec.policy_loss, rollout)
+    got = _METRIC_NAMES.get(key)
+    if got is None:
+        names = list(METRIC_SLOTS[:11])
+        if spec.policy_loss == "cispo":
+            names.append("cispo_clip_frac")
+        if spec.policy_loss in ("gspo", "gspo-token"):
+            names.append("seq_clip_frac")
+        if spec.sequence_loss:
+            names += ["seq_ratio_mean", "seq_ratio_max"]
+        if rollout:
+            names += list(METRIC_SLOTS[15:])
+        got = _METRIC_NAMES[key] = (tuple(names), [_METRIC_INDEX[n] for n in names])
+    return got[0], list(got[1])
+
+
+_METRIC_NAMES = {}
+
+
+def _host_metrics(spec, x):
+    """Whether the metrics come from the one CPU op (ppo_kernels::ppo_loss_metrics) rather
+    than the eager formulas: the cpu backend, outside a context-parallel group (whose
+    sequence reductions are collectives)."""
+    return (x.be.name == "cpu" and spec.cp_group is None
+            and hasattr(torch.ops.ppo_kernels, "ppo_loss_metrics"))
+
+
 def loss_metrics(spec, x, logp, ent, aux=None):
     """ppo_loss's metrics dict from the per-token logp and entropy (DESIGN.md, Metrics).
     aux: with a kept set (sampling replay), (full logp, kept mass, kept size, missing)
-    [B, T]; logp is then logp_kept."""
+    [B, T]; logp is then logp_kept. On the cpu backend one op computes them all (the
+    values of the eager formulas up to the summation order; the dict's tensors are views
+    of its one [K] result, K the number of metrics reported)."""
     logp_kl = None
     if aux is not None and spec.kl_logprobs != "kept":
         logp_kl = aux[0]
-    metrics = _torch_impl.metrics(logp, ent, x.old, x.adv, x.ref, x.mask, spec, logp_kl)
+    rollout = x.rollout is not None and x.old is not None
+    if _host_metrics(spec, x) and aux is None:
+        scalars, codes = spec.kernel_args(torch.float32)
+        names, slots = _metric_names(spec, rollout)
+        vec = torch.ops.ppo_kernels.ppo_loss_metrics(
+            logp.detach(), ent.detach(), x.mask, x.old, x.adv, x.ref, x.rollout, x.rc_w,
+            scalars, codes, slots)
+        metrics = dict(zip(names, vec.unbind()))
+        rollout = False  # (in the vector already)
+    else:
+        metrics = _torch_impl.metrics(logp, ent, x.old, x.adv, x.ref, x.mask, spec, logp_kl)
     if aux is not None:
         metrics.update(_sampling.replay_metrics(aux[1], aux[2], aux[3], x.mask))
-    if x.rollout is not None and x.old is not None:
+    if rollout:
         metrics.update(_rc.metrics(x.old, x.rollout, x.mask, torch.ones_like(x.old)
                                    if x.rc_w is None else x.rc_w))
     if spec.return_per_token:

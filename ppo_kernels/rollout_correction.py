@@ -53,9 +53,16 @@ def bounds(mode, threshold):
 
 
 @torch.no_grad()
-def weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi, group=None):
+def weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi, group=None, valid_only=False):
     """w [B, T] (0 where masked) of a rollout_correction mode (module docstring); group: a
-    context-parallel group (the sequence modes reduce over the whole sequences)."""
+    context-parallel group (the sequence modes reduce over the whole sequences).
+    valid_only: the caller reads the valid positions alone (the fused single pass and the
+    CPU metrics op): "tis" then leaves the masked ones unset (anything, NaN included) and
+    costs four element-wise ops; the valid ones are the same bits."""
+    if valid_only and mode == "tis":
+        # (clamp propagates a NaN ratio, as the where below does for the other modes)
+        return torch.clamp(torch.exp(torch.clamp(old_logprobs - rollout_logprobs,
+                                                 -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), lo, hi)
     l_tok = torch.where(mask, torch.clamp(old_logprobs - rollout_logprobs, -LOG_RATIO_CLAMP,
                                           LOG_RATIO_CLAMP), 0.0)
     if mode in ("tis", "mis"):

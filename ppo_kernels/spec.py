@@ -94,7 +94,24 @@ class LossSpec:
     def build(cls, dtype=torch.float32, **options):
         """The checked record of ppo_loss's keywords (unknown ones a TypeError). dtype: the
         accumulation dtype, in which grad_scale and the SAPO temperatures must stay
-        positive normal numbers."""
+        positive normal numbers. A record is immutable, so one built from the same keyword
+        values (each of the same type) is reused: a training loop checks its options once."""
+        if torch.compiler.is_compiling():  # (traced: no cache to consult or fill)
+            return cls._build(dtype, **options)
+        try:
+            key = (dtype, tuple(options.items()), tuple(map(type, options.values())))
+            spec = _BUILT.get(key)
+        except TypeError:  # an unhashable value (a list of thresholds): no cache
+            return cls._build(dtype, **options)
+        if spec is None:
+            spec = cls._build(dtype, **options)
+            if len(_BUILT) >= _BUILT_MAX:
+                _BUILT.clear()
+            _BUILT[key] = spec
+        return spec
+
+    @classmethod
+    def _build(cls, dtype=torch.float32, **options):
         unknown = sorted(set(options) - set(_DEFAULTS))
         if unknown:
             raise TypeError(f"{unknown[0]}: not an option of ppo_loss (the options: "
@@ -184,7 +201,20 @@ class LossSpec:
 
     def kernel_args(self, dtype):
         """(scalars, codes): the float[] and int[] the ppo_loss kernel ops take, in the slot
-        order of FLOAT_SLOTS / INT_SLOTS; dtype: the logits' (or hidden states') dtype."""
+        order of FLOAT_SLOTS / INT_SLOTS; dtype: the logits' (or hidden states') dtype.
+        (Fresh lists each call; made once per record and dtype.)"""
+        if torch.compiler.is_compiling():
+            return self._kernel_args(dtype)
+        cache = self.__dict__.get("_kernel_args_cache")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_kernel_args_cache", cache)  # (a frozen record)
+        got = cache.get(dtype)
+        if got is None:
+            got = cache[dtype] = self._kernel_args(dtype)
+        return list(got[0]), list(got[1])
+
+    def _kernel_args(self, dtype):
         values = dict(
             clip_eps_low=self.clip_eps_low, clip_eps_high=self.clip_eps_high,
             dual_clip_c=self.dual_clip_c or 0.0, kl_coef=self.kl_coef,
@@ -195,6 +225,10 @@ class LossSpec:
                      kl_bias_correction=int(self.kl_bias_correction))
         return [float(values[n]) for n in FLOAT_SLOTS], [int(codes[n]) for n in INT_SLOTS]
 
+
+# LossSpec.build's records by their keyword values (cleared when full)
+_BUILT = {}
+_BUILT_MAX = 256
 
 # ppo_loss's defaults, by option (read by LossSpec.build, where torch.compile cannot trace
 # dataclasses.fields)

@@ -736,6 +736,14 @@ def opcheck_arguments(op, options=None, *, shape=(3, 5, 37), seed=0, requires_gr
                                                         thr, **kw)
         return (rnd(B, T), rnd(B, T), logits, tok, mask, kmax, kls, ent, temp, None, None,
                 thr, torch.zeros_like(logits)), kw
+    if op == "ppo_loss_metrics":  # (the loss's per-token outputs stand in as a batch's)
+        from .loss import METRIC_SLOTS
+        lp, ent, _, _ = ops.token_logprobs_fwd(logits, tok, mask, temp, True, **kw)
+        return (lp, ent, mask, b["old_logprobs"], b["advantages"], b["ref_logprobs"],
+                b["old_logprobs"] + 0.1 * rnd(B, T), w * 0.5 + 0.5, scalars, codes,
+                list(range(len(METRIC_SLOTS)))), {}
+    if op == "agg_weights":
+        return (mask, 3, 0.0, False), {}
     if op == "distill_fwd":
         from . import _autograd
         _autograd.register_distill("")

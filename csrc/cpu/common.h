@@ -34,10 +34,13 @@ struct Rows {
   }
   int64_t offset(int64_t i) const { return (i / T) * sB + (i % T) * sT; }
   // Valid rows must hold an id in [0, V); masked rows are never read.
+  // A ValueError with the message of ppo_kernels/_checks.py token_range, which the Python
+  // layer leaves to this check on the fused CPU path (one pass over the ids, no eager ops).
   void check_tokens(const int64_t* tok, const bool* m) const {
     for (int64_t i = 0; i < B * T; ++i)
-      TORCH_CHECK(!m[i] || (tok[i] >= 0 && tok[i] < V), "tokens: id ", tok[i],
-                  " out of [0, ", V, ") at flat position ", i);
+      TORCH_CHECK_VALUE(!m[i] || (tok[i] >= 0 && tok[i] < V), "tokens: ids must lie in [0, ",
+                        V, ") on valid positions; got ", tok[i], " at position [", i / T, ", ",
+                        i % T, "]");
   }
 };
 

@@ -1,0 +1,28 @@
+// Schemas of the ops that only the CPU kernels implement: the [B, T]-sized work of a
+// ppo_loss call beside the fused pass (ppo_kernels/loss.py), in one op each so that a small
+// call dispatches no chain of eager element-wise ops. They have no Triton / CUDA twin:
+// those backends keep the eager torch formulas (ppo_kernels/_torch_impl.py), whose values
+// these ops give up to the summation order.
+//   ppo_loss_metrics: the metrics of ppo_loss (docs/DESIGN.md, Metrics) as one float32
+//   [len(slots)] vector, entry k the metric slots[k] of ppo_kernels/loss.py METRIC_SLOTS
+//   (each slot in [0, len(METRIC_SLOTS))), from logp, entropy
+//   (the per-token outputs of the loss, [B, T] of the accumulation dtype), mask bool
+//   [B, T], the per-token inputs (old_logprobs None: on-policy), rollout_logprobs and
+//   rollout_is_weights for the rollout_* metrics (read only with old_logprobs; weights
+//   None: 1), and scalars / codes as ppo_loss_fwd's (every policy_loss id, the
+//   sequence-level ones included). Only valid positions are read. Means over valid tokens
+//   (or non-empty sequences) are summed in double, divided in the accumulation dtype.
+//   agg_weights: the loss_agg_mode weights w [B, T] of the accumulation dtype (0 where
+//   masked): mode 0 token-mean (w = 1 / denom, or 1 / max(valid tokens, 1) for
+//   denom <= 0), 1 token-sum (w = 1), 2 a constant denominator (w = 1 / denom, denom
+//   rounded once to the dtype), 3 seq-mean-token-mean (w = 1 / (max(len_b, 1) * n),
+//   n = denom, or max(non-empty sequences, 1) for denom <= 0).
+#include <torch/library.h>
+
+TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
+  m.def(
+      "ppo_loss_metrics(Tensor logprobs, Tensor entropy, Tensor mask, Tensor? old_logprobs, "
+      "Tensor advantages, Tensor? ref_logprobs, Tensor? rollout_logprobs, "
+      "Tensor? rollout_is_weights, float[] scalars, int[] codes, int[] slots) -> Tensor");
+  m.def("agg_weights(Tensor mask, int mode, float denom, bool float64) -> Tensor");
+}

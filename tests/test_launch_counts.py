@@ -1,0 +1,151 @@
+"""The fixed per-call cost of ppo_loss on the CPU kernels: the eager aten ops one forward +
+backward dispatches beside the kernel ops (ppo_kernels::*), counted with a
+TorchDispatchMode (views and detach not counted). Each one is a kernel launch on a device,
+so their number is the floor of a small call's time. Run with -s to see the counts."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ppo_kernels as pk
+from ppo_kernels._extension import HAS_CPU
+
+pytestmark = pytest.mark.skipif(not HAS_CPU, reason="the C++ extension is not built")
+
+B, T, V = 2, 8, 64
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that reach the dispatcher's Python mode (each a launch on a
+    device), leaving out views, detach, the wrapping of a Python number as a 0-d tensor
+    (scalar_tensor: no launch) and the extension's own ops."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not (func.namespace == "ppo_kernels" or func.is_view
+                or func.overloadpacket in (torch.ops.aten.detach, torch.ops.aten.lift_fresh,
+                                        torch.ops.aten.scalar_tensor)):
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=g).requires_grad_()
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    old = -torch.rand(B, T, generator=g) * 3
+    adv = torch.randn(B, T, generator=g)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 5:] = False
+    ref = -torch.rand(B, T, generator=g) * 3
+    roll = old + 0.05 * torch.randn(B, T, generator=g)
+    return logits, tokens, old, adv, mask, ref, roll
+
+
+# name: (keywords of ppo_loss, the most ops fwd + bwd may dispatch). Before the metrics,
+# checks and weights moved into CPU ops: 100, 136, 100, 185 and 194. The fused single pass
+# now dispatches 2 (autograd's ones_like and the saved scale's full), tis 6 (its four
+# element-wise weight ops). GSPO's two-phase [B, T] middle stays eager (it is
+# differentiated by autograd, and its loss and gradient must keep their bits; it leaves
+# out the metrics' masks now): 63, above the goal of 20 that a fused middle op would reach.
+CONFIGS = {
+    "default": (lambda ref, roll: {}, 12),
+    "kl-k3": (lambda ref, roll: dict(ref_logprobs=ref, kl_coef=0.1), 12),
+    "entropy": (lambda ref, roll: dict(entropy_coef=0.01), 12),
+    "tis": (lambda ref, roll: dict(rollout_logprobs=roll, rollout_correction="tis"), 12),
+    "gspo": (lambda ref, roll: dict(policy_loss="gspo"), 63),
+}
+
+
+def count_ops(name):
+    """(forward ops, backward ops, the forward's Counter) of one call of configuration
+    name, after a warm-up call (caches filled, as in a training loop)."""
+    logits, tokens, old, adv, mask, ref, roll = _inputs()
+    kw = CONFIGS[name][0](ref, roll)
+    for _ in range(2):
+        logits.grad = None
+        with OpCounter() as fwd:
+            loss, metrics = pk.ppo_loss(logits, tokens, old, adv, mask, backend="cpu", **kw)
+        with OpCounter() as bwd:
+            loss.backward()
+    return sum(fwd.ops.values()), sum(bwd.ops.values()), fwd.ops + bwd.ops
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_launch_counts(name):
+    n_fwd, n_bwd, ops = count_ops(name)
+    print(f"\n{name}: forward {n_fwd} + backward {n_bwd} = {n_fwd + n_bwd} aten ops: "
+          f"{dict(ops)}")
+    assert n_fwd + n_bwd <= CONFIGS[name][1], dict(ops)
+
+
+if __name__ == "__main__":
+    for name in CONFIGS:
+        f, b, ops = count_ops(name)
+        print(f"{name:8s} fwd {f:4d} bwd {b:3d} total {f + b:4d}  {dict(ops)}")
+
+
+# ------------------------------------------------------------------ the metrics op's values
+
+POLICY_CASES = [("vanilla", dict(dual_clip_c=3.0)), ("cispo", {}), ("sapo", {}),
+                ("dppo-tv", dict(clip_eps_low=0.05, dual_clip_c=2.0)),
+                ("dppo-kl", dict(clip_eps_low=0.05)), ("gspo", dict(dual_clip_c=3.0)),
+                ("gspo-token", {}), ("vespo", {})]
+
+
+def _eager_metrics(monkeypatch, *args, **kw):
+    from ppo_kernels import loss as loss_mod
+    with monkeypatch.context() as mp:
+        mp.setattr(loss_mod, "_host_metrics", lambda spec, x: False)
+        return pk.ppo_loss(*args, **kw)
+
+
+@pytest.mark.parametrize("policy,extra", POLICY_CASES, ids=[p for p, _ in POLICY_CASES])
+@pytest.mark.parametrize("inputs", ["plain", "on-policy", "tis", "mis", "nan", "empty"])
+def test_metrics_op_matches_the_eager_formulas(monkeypatch, policy, extra, inputs):
+    """ppo_kernels::ppo_loss_metrics (the cpu backend) gives the eager formulas' metrics
+    (_torch_impl.metrics, rollout_correction.metrics): the same keys in the same order,
+    0-d float32, values equal up to the summation order; the loss is the same bits. NaN on
+    masked positions stays out; a NaN on a valid token reaches the means it enters; an
+    all-masked batch gives 0."""
+    g = torch.Generator().manual_seed(len(policy) + len(inputs))
+    b, t, v = 3, 7, 20
+    logits = torch.randn(b, t, v, generator=g) * 2
+    tokens = torch.randint(0, v, (b, t), generator=g)
+    old = -torch.rand(b, t, generator=g) * 3
+    adv = torch.randn(b, t, generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.3
+    mask[2] = False
+    ref = -torch.rand(b, t, generator=g) * 3
+    roll = old + 0.2 * torch.randn(b, t, generator=g)
+    kw = dict(policy_loss=policy, ref_logprobs=ref, kl_coef=0.1, entropy_coef=0.01,
+              backend="cpu", **extra)
+    if inputs == "on-policy":
+        old = None
+    if inputs in ("tis", "mis"):
+        if policy == "vespo":
+            pytest.skip("VESPO takes no rollout_correction")
+        kw.update(rollout_logprobs=roll, rollout_correction=inputs,
+                  rollout_is_threshold=1.1 if inputs == "mis" else 2.0)
+    if inputs == "nan":
+        old = old.masked_fill(~mask, float("nan"))
+        adv = adv.masked_fill(~mask, float("nan"))
+        logits[0, 1, 3] = float("nan") if mask[0, 1] else logits[0, 1, 3]
+        kw["rollout_logprobs"] = roll.masked_fill(~mask, float("nan"))
+    if inputs == "empty":
+        mask[:] = False
+    loss, got = pk.ppo_loss(logits, tokens, old, adv, mask, **kw)
+    e_loss, want = _eager_metrics(monkeypatch, logits, tokens, old, adv, mask, **kw)
+    assert torch.equal(loss, e_loss) or (loss.isnan() and e_loss.isnan())
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == torch.float32 and got[name].shape == (), name
+        torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6,
+                                   equal_nan=True, msg=name)
