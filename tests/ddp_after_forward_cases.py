@@ -14,6 +14,7 @@ single-process run on the whole batch. Each rank writes OUT_DIR/rank<r>.json:
 
 import copy
 import datetime
+import gc
 import json
 import os
 import sys
@@ -143,6 +144,11 @@ def worker(rank, port, out):
     case("distill/value_head_in_forward/tensors", valued, "distill", "tensors")
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
+    # the DDP wrappers (reference cycles) freed while the group still exists: a reducer
+    # collected at interpreter exit, after the group is gone, aborted a rank
+    # ("terminate called without an active exception") on a loaded machine
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
