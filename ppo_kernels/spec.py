@@ -51,6 +51,14 @@ F = {name: i for i, name in enumerate(FLOAT_SLOTS)}
 I = {name: i for i, name in enumerate(INT_SLOTS)}  # noqa: E741
 
 
+def _plain(v):
+    """Whether an option value may key LossSpec.build's cache: None, a bool, a number, a
+    string, or a tuple of those."""
+    if isinstance(v, tuple):
+        return all(_plain(u) for u in v)
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSpec:
     """Every non-tensor option of a ppo_loss call, checked (pk.ppo_loss documents each).
@@ -97,6 +105,11 @@ class LossSpec:
         positive normal numbers. A record is immutable, so one built from the same keyword
         values (each of the same type) is reused: a training loop checks its options once."""
         if torch.compiler.is_compiling():  # (traced: no cache to consult or fill)
+            return cls._build(dtype, **options)
+        # only plain values are keys: a process group or a tensor (cp_group, a tensor
+        # global_num_tokens) kept alive by the cache would outlive its group (a gloo group
+        # destroyed at interpreter exit aborts the process) or pin a step's tensor
+        if not all(_plain(v) for v in options.values()):
             return cls._build(dtype, **options)
         try:
             key = (dtype, tuple(options.items()), tuple(map(type, options.values())))
