@@ -286,4 +286,6 @@ def zero3_cases(rank, models, batch, res, case):
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
+    from rank_exit import run_then_exit
+
+    run_then_exit(worker, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])

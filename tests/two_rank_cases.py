@@ -117,4 +117,6 @@ def worker(rank, port, out):
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    from rank_exit import run_then_exit
+
+    run_then_exit(worker, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
