@@ -17,7 +17,7 @@
 #   middle  a venv with torch MIDDLE_TORCH (the first GPU image's), this processor's CPU
 #           kernels alone, the smoke check and TRACE_TESTS.
 #
-# Usage: scripts/check_install.sh [wheel|oldest|middle|all] (default all). KEEP_VENVS=1 keeps the
+# Usage: scripts/check_install.sh [wheel|oldest|middle|prefetch|all] (default all). KEEP_VENVS=1 keeps the
 # temporary venvs (5 GB each) and prints where they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -127,10 +127,25 @@ PYEOF
   echo "== wheel check: $(minutes $((SECONDS - t0))) min"
 }
 
+# the oldest torch the project claims: setup.py's OLDEST_TORCH, as "2.6"
+oldest_torch() {
+  "$PY" -c "import ast, re; src = open('setup.py').read(); \
+print('.'.join(map(str, ast.literal_eval(re.search(r'^OLDEST_TORCH = (.+)$', src, re.M).group(1)))))"
+}
+
+# the torch wheels of the oldest and middle checks (with their CUDA libraries, about 3 GB)
+# into pip's cache: .ci/run starts it in the background while the set-up and the suite run
+# (network time, not cores)
+prefetch() {
+  local t
+  for t in "$(oldest_torch)" "$MIDDLE_TORCH"; do
+    nice -n 19 "$PY" -m pip download -q -d "$TMP/prefetch" "torch==$t.*" > /dev/null 2>&1 || true
+  done
+}
+
 check_oldest() {
   local t0=$SECONDS venv="$TMP/venv-oldest" oldest
-  oldest=$("$PY" -c "import ast, re; src = open('setup.py').read(); \
-print('.'.join(map(str, ast.literal_eval(re.search(r'^OLDEST_TORCH = (.+)$', src, re.M).group(1)))))")
+  oldest=$(oldest_torch)
   echo "== oldest torch: a venv with torch==$oldest.*, pip install --no-build-isolation <checkout>"
   "$PY" -m venv "$venv"
   # setuptools >= 77 for pyproject.toml: torch 2.6 does not bring it on Python 3.11 (a
@@ -172,6 +187,7 @@ case "$WHAT" in
   wheel) check_wheel ;;
   oldest) check_oldest ;;
   middle) check_middle ;;
+  prefetch) prefetch ;;
   all) check_wheel; check_oldest; check_middle ;;
-  *) echo "usage: $0 [wheel|oldest|middle|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [wheel|oldest|middle|prefetch|all]" >&2; exit 2 ;;
 esac
