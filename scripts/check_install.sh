@@ -89,7 +89,9 @@ assert err_l < 1e-12 and err_g < 1e-12, (err_l, err_g)
 PYEOF
   ) || return 1
   # shellcheck disable=SC2086
-  (cd "$work" && nice -n 10 "$venv/bin/python" -m pytest -q -p no:cacheprovider $tests)
+  # one xdist worker per core, as make test (--dist loadgroup: tests/conftest.py)
+  (cd "$work" && nice -n 10 "$venv/bin/python" -m pytest -q -p no:cacheprovider -n auto \
+    --dist loadgroup $tests)
 }
 
 check_wheel() {
@@ -150,7 +152,9 @@ check_oldest() {
   "$PY" -m venv "$venv"
   # setuptools >= 77 for pyproject.toml: torch 2.6 does not bring it on Python 3.11 (a
   # fresh venv has setuptools 65; torch 2.14 requires setuptools >= 77 itself)
-  quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$oldest.*" numpy "setuptools>=77"
+  # ninja: setuptools compiles file after file without it (2.5 min here instead of 1)
+  quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$oldest.*" numpy "setuptools>=77" \
+    ninja
   echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
   local t1=$SECONDS
   # (this processor's CPU kernels: the default build of every SIMD level is the wheel check's)
@@ -159,7 +163,7 @@ check_oldest() {
     || { tail -50 "$TMP/build-oldest.log"; return 1; }
   grep "ppo_kernels setup:" "$TMP/build-oldest.log" | sort -u
   echo "built in $(minutes $((SECONDS - t1))) min"
-  quiet nice -n 10 "$venv/bin/python" -m pip install -q pytest hypothesis expecttest
+  quiet nice -n 10 "$venv/bin/python" -m pip install -q pytest pytest-xdist hypothesis expecttest
   smoke_and_tests "$venv" "$FAST_TESTS $TRACE_TESTS"
   echo "== oldest torch check: $(minutes $((SECONDS - t0))) min"
 }
@@ -172,7 +176,7 @@ check_middle() {
   # fails with NumPy 2.4 (https://github.com/triton-lang/triton/issues/9171); with it the
   # cases would only skip (tests/conftest.py _interpreter_broken)
   quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$MIDDLE_TORCH.*" "numpy<2.4" \
-    "setuptools>=77" ninja pytest hypothesis expecttest
+    "setuptools>=77" ninja pytest pytest-xdist hypothesis expecttest
   echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
   local t1=$SECONDS
   (cd "$TMP" && PPO_KERNELS_NO_CUDA=1 PPO_KERNELS_CPU_CAPABILITIES=native nice -n 10 \
