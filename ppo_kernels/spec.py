@@ -106,18 +106,18 @@ class LossSpec:
         values (each of the same type) is reused: a training loop checks its options once."""
         if torch.compiler.is_compiling():  # (traced: no cache to consult or fill)
             return cls._build(dtype, **options)
+        try:  # (looked up first: the check of every value below costs more than a hit)
+            key = (dtype, tuple(options.items()), tuple(map(type, options.values())))
+            spec = _BUILT.get(key)
+        except (TypeError, RuntimeError):  # unhashable (a list), or a tensor compared
+            return cls._build(dtype, **options)
+        if spec is not None:
+            return spec
+        spec = cls._build(dtype, **options)
         # only plain values are keys: a process group or a tensor (cp_group, a tensor
         # global_num_tokens) kept alive by the cache would outlive its group (a gloo group
         # destroyed at interpreter exit aborts the process) or pin a step's tensor
-        if not all(_plain(v) for v in options.values()):
-            return cls._build(dtype, **options)
-        try:
-            key = (dtype, tuple(options.items()), tuple(map(type, options.values())))
-            spec = _BUILT.get(key)
-        except TypeError:  # an unhashable value (a list of thresholds): no cache
-            return cls._build(dtype, **options)
-        if spec is None:
-            spec = cls._build(dtype, **options)
+        if all(_plain(v) for v in options.values()):
             if len(_BUILT) >= _BUILT_MAX:
                 _BUILT.clear()
             _BUILT[key] = spec
