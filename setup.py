@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # The oldest torch this source builds against and passes the tests with: CI builds it
@@ -62,6 +63,27 @@ def say(msg):
     # pip shows a build's output only when it fails or with -v; what a user must know
     # after a successful build is also in ppo_kernels.build_info()
     print(f"ppo_kernels setup: {msg}", file=sys.stderr, flush=True)
+
+
+def progress(msg):
+    """A build step for the person waiting: on stderr (pip shows it with -v), and, when pip
+    captures stderr, on the terminal the install runs in (/dev/tty), so that a plain `pip
+    install` says what it compiles and for how long instead of a bare spinner."""
+    say(msg)
+    if sys.stderr.isatty():
+        return
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(f"ppo_kernels setup: {msg}\n")
+    except OSError:  # no terminal (CI, a batch job): stderr alone
+        pass
+
+
+# What each extension usually takes to compile from scratch on 2 cores (CI's machine, torch
+# 2.14.1, 2026-12-05: the whole build 4.2 min)
+USUAL = {"_C": "the operator schemas and the CUDA kernels (from scratch on 2 cores: about "
+               "2.5 min, 20 s without CUDA)",
+         "_cpu": "the CPU kernels for {} processors (from scratch on 2 cores: about 40 s)"}
 
 
 def fail(msg):
@@ -308,11 +330,17 @@ def build_ext_class(cpp_extension, torch, meta):
 
         def build_extension(self, ext):
             base = self.build_temp
-            self.build_temp = os.path.join(base, ext.name.rsplit(".", 1)[-1])
+            name = ext.name.rsplit(".", 1)[-1]
+            self.build_temp = os.path.join(base, name)
+            usual = USUAL["_C"] if name == "_C" else USUAL["_cpu"].format(name[5:])
+            progress(f"compiling {ext.name}, {len(ext.sources)} files: {usual}; ninja "
+                     f"recompiles only what changed")
+            t0 = time.monotonic()
             try:
                 super().build_extension(ext)
             finally:
                 self.build_temp = base
+            progress(f"{ext.name} done in {time.monotonic() - t0:.0f} s")
 
         def run(self):
             super().run()

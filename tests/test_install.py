@@ -196,3 +196,35 @@ def test_no_top_level_module_but_ppo_kernels():
             and f.parts[0] not in ("..", "__pycache__")
             and not f.parts[0].startswith("__editable__")}
     assert tops <= {"ppo_kernels"}, tops
+
+
+def test_build_progress_reaches_the_terminal_under_pip(setup_py, monkeypatch, capsys):
+    """pip captures a build's stderr (shown only with -v or on failure): each compile step
+    also goes to the terminal the install runs in, /dev/tty, and only to stderr without
+    one (CI)."""
+    written = []
+
+    class Tty:
+        def __init__(self, path, mode):
+            assert (path, mode) == ("/dev/tty", "w")
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def write(self, text):
+            written.append(text)
+
+    monkeypatch.setattr(setup_py, "open", Tty, raising=False)
+    setup_py.progress("compiling ppo_kernels._C")
+    assert written == ["ppo_kernels setup: compiling ppo_kernels._C\n"]
+    assert "compiling ppo_kernels._C" in capsys.readouterr().err
+
+    def no_tty(path, mode):
+        raise OSError("no controlling terminal")
+
+    monkeypatch.setattr(setup_py, "open", no_tty, raising=False)
+    setup_py.progress("done")
+    assert "ppo_kernels setup: done" in capsys.readouterr().err
