@@ -60,17 +60,23 @@ def status_kb(key):
     raise KeyError(key)
 
 
-def wall_times_s(step, prepare=None, reps=5, warmup=2):
-    """Wall times in seconds of reps calls of step(prepare()) (step() without prepare), after
-    warmup untimed ones; prepare's work is not timed."""
+# the clocks of --clock: wall time, or the CPU time of the calling thread (user + system,
+# page faults included), which other jobs on a shared machine do not inflate; it equals
+# the wall time of a one-thread call on an idle machine, and needs --threads 1
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def wall_times_s(step, prepare=None, reps=5, warmup=2, clock=time.perf_counter):
+    """Times in seconds (clock: wall time by default) of reps calls of step(prepare())
+    (step() without prepare), after warmup untimed ones; prepare's work is not timed."""
     for _ in range(warmup):
         step(prepare()) if prepare else step()
     times = []
     for _ in range(reps):
         ready = prepare() if prepare else None
-        t0 = time.perf_counter()
+        t0 = clock()
         step(ready) if prepare else step()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return times
 
 
@@ -132,15 +138,19 @@ class CopyFloor:
 
 
 class CpuMeter:
-    """Times in seconds (perf_counter), peaks in bytes (VmHWM)."""
+    """Times in seconds (clock: "wall", perf_counter, or "cpu", the calling thread's CPU
+    time), peaks in bytes (VmHWM)."""
 
     name = "cpu"
 
+    def __init__(self, clock="wall"):
+        self.clock = CLOCKS[clock]
+
     def times_s(self, step, prepare=None, reps=5, warmup=1):
-        return wall_times_s(step, prepare, reps, warmup)
+        return wall_times_s(step, prepare, reps, warmup, self.clock)
 
     def median_s(self, step, prepare=None, reps=5, warmup=1):
-        return median_s(step, prepare, reps, warmup)
+        return statistics.median(self.times_s(step, prepare, reps, warmup))
 
     def peak_extra_bytes(self, run):
         return peak_extra_bytes(run)
@@ -1013,6 +1023,10 @@ def build_parser():
                          "hidden states and the head); both does each.")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads for the CPU (default: torch's own choice).")
+    ap.add_argument("--clock", default="wall", choices=list(CLOCKS),
+                    help="CPU timings: wall time, or cpu, the CPU time of the calling thread "
+                         "(user + system), which other jobs on a shared machine do not "
+                         "inflate; cpu needs --threads 1 (every op then runs in that thread).")
     ap.add_argument("--reps", type=int, default=10, help="Timed calls of each variant.")
     ap.add_argument("--warmup", type=int, default=2,
                     help="Untimed calls of each variant first (torch.compile compiles here).")
@@ -1053,7 +1067,10 @@ def run(argv=None):
     device = a.device
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device here")
-    meter = CudaMeter() if device == "cuda" else CpuMeter()
+    if a.clock == "cpu" and (device == "cuda" or torch.get_num_threads() != 1):
+        raise SystemExit("--clock cpu times the calling thread: it needs --device cpu and "
+                         "--threads 1 (other threads' work would not be counted)")
+    meter = CudaMeter() if device == "cuda" else CpuMeter(a.clock)
     memory = not a.no_memory and (device == "cuda" or os.path.exists("/proc/self/clear_refs"))
     mem_method = ("torch.cuda.max_memory_allocated minus memory_allocated" if device == "cuda"
                   else "VmHWM minus VmRSS (glibc mmap threshold "
@@ -1068,7 +1085,9 @@ def run(argv=None):
               "torch": torch.__version__, "cpu_capability": info.get("cpu_capability"),
               "memory": mem_method if memory else "n/a", "timer":
                   "CUDA events, 256 MiB L2 flush before each call" if device == "cuda"
-                  else "time.perf_counter", "points": []}
+                  else {"wall": "time.perf_counter (wall)",
+                        "cpu": "time.thread_time (the calling thread's CPU time)"}[a.clock],
+              "points": []}
     if not a.quiet:
         print(f"{op}: {a.dtype} on {device}, fused backend {a.backend}, "
               f"{torch.get_num_threads()} threads, SIMD {info.get('cpu_capability')}, "

@@ -102,3 +102,20 @@ def test_module_entry_point(tmp_path):
     assert "agreement with the fused output" in out.stdout and "median ms" in out.stdout
     data = json.loads(path.read_text())
     assert data["points"][0]["agreement"]["plain composite"]["agrees"] is True
+
+
+def test_cpu_clock_times_the_calling_thread(tmp_path):
+    """--clock cpu: the calling thread's CPU time (robust on a shared machine), which only
+    counts a call's whole work on one thread: refused without --threads 1."""
+    import torch
+    threads = torch.get_num_threads()
+    try:
+        data = run_json(tmp_path, "--threads", "1", "--clock", "cpu", "--mode", "fwd")
+        assert data["timer"].startswith("time.thread_time") and data["threads"] == 1
+        rows = data["points"][0]["modes"]["fwd"]
+        assert all(r["min_ms"] > 0 for r in rows)
+        torch.set_num_threads(2)
+        with pytest.raises(SystemExit, match="--threads 1"):
+            bench.run([*TINY, "--threads", "2", "--clock", "cpu"])
+    finally:
+        torch.set_num_threads(threads)
