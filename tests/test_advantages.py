@@ -15,10 +15,13 @@ from hypothesis import strategies as st
 
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
+from ppo_kernels.testing import make_mask
 
-from conftest import (BAD_B, BAD_T, BAD_V, KERNELS_CPU, META, PUBLIC_FUNCS, SMALL_MASK,
-                      assert_bad_input_raises, assert_close_np, bad_row_id, base_gae, make_inputs,
-                      make_mask, oob, small_inputs)
+from helpers.asserts import assert_close_np
+from helpers.backends import KERNELS_CPU
+from helpers.bad_inputs import (BAD_B, BAD_T, BAD_V, META, PUBLIC_FUNCS, assert_bad_input_raises,
+                                bad_row_id, base_gae, oob)
+from helpers.inputs import SMALL_MASK, make_inputs, small_inputs
 
 KL = ["k1", "k2", "k3", "abs"]
 
@@ -496,7 +499,7 @@ def test_score_rollout_value_lam_none_is_bit_identical(be, gen):
 @pytest.mark.parametrize("padding", ["left", "interior", "empty_row", "all"])
 def test_score_rollout_layouts_and_padding(be, layout, padding, gen):
     inp, values, scores = _rollout_case(gen, padding=padding, layout=layout)
-    from conftest import logits_for
+    from helpers.inputs import logits_for
     _, logits = logits_for(inp, be, requires_grad=False)
     out = pk.score_rollout(logits, be.t(inp["tokens"]), be.t(inp["ref"]), be.t(values),
                            be.t(scores), be.t(inp["mask"]), kl_coef=0.1, backend=be.name)

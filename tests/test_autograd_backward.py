@@ -20,9 +20,10 @@ import ppo_kernels as pk
 from ppo_kernels import _checks
 from ppo_kernels import reference as ref
 
-from conftest import (BACKENDS, BACKENDS_CPU, KERNELS_CPU, POLICY_LOSSES, TOKEN_LOSSES, TORCH,
-                      assert_grad_close, base_ppo, make_inputs, seeded_inputs, small_inputs,
-                      to_np)
+from helpers.asserts import assert_grad_close, to_np
+from helpers.backends import BACKENDS, BACKENDS_CPU, KERNELS_CPU, POLICY_LOSSES, TOKEN_LOSSES, TORCH
+from helpers.bad_inputs import base_ppo
+from helpers.inputs import make_inputs, seeded_inputs, small_inputs
 
 CASES = [(1.0, 1.0), (1.0, 1 / 3), (1 / 3, 1 / 3), (1 / 3, 1.0), (0.5, 2.0)]
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import ppo_kernels as pk
-from conftest import BACKENDS_NO_INTERP, backend_params, make_inputs
+from helpers.backends import BACKENDS_NO_INTERP, backend_params
+from helpers.inputs import make_inputs
 
 B, T, V, H = 3, 5, 13, 8
 BACKENDS = backend_params(cuda=True)  # triton under the interpreter at these small shapes

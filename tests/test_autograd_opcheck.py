@@ -9,8 +9,10 @@ import ppo_kernels as pk
 from ppo_kernels import reference as ref
 from ppo_kernels import testing
 
-from conftest import (TRITON_DEVICE, assert_grad_close, kernel_args, make_inputs, slot_args,
-                      triton_ops)
+from helpers.asserts import assert_grad_close
+from helpers.backends import TRITON_DEVICE, triton_ops
+from helpers.inputs import make_inputs
+from helpers.raw_ops import kernel_args, slot_args
 
 OPS = torch.ops.ppo_kernels
 DEV = TRITON_DEVICE  # the Triton ops' tensors

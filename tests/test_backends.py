@@ -8,7 +8,9 @@ import torch
 
 import ppo_kernels as pk
 
-from conftest import HAS_CUDA_DEVICE, base_tlp, make_inputs
+from helpers.backends import HAS_CUDA_DEVICE
+from helpers.bad_inputs import base_tlp
+from helpers.inputs import make_inputs
 
 
 def test_auto_backend_is_cpu_for_cpu_tensors(gen):

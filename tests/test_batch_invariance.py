@@ -11,8 +11,9 @@ import torch
 
 from ppo_kernels import _backends
 
-from conftest import (BACKENDS, loss_params, make_case, make_inputs, ppo_inputs, run_ppo,
-                      triton_ops)
+from helpers.backends import BACKENDS, triton_ops
+from helpers.inputs import make_case, make_inputs, ppo_inputs
+from helpers.raw_ops import loss_params, run_ppo
 
 OPS = torch.ops.ppo_kernels
 

@@ -8,7 +8,8 @@ import pytest
 
 import ppo_kernels as pk
 
-from conftest import packed_batch, raises_naming
+from helpers.asserts import raises_naming
+from helpers.inputs import packed_batch
 
 
 @pytest.mark.parametrize("bad", ["x", 5])

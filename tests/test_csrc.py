@@ -36,7 +36,8 @@ import torch.utils.cpp_extension as cpp
 
 import ppo_kernels as pk
 
-from conftest import kernel_args, small_inputs
+from helpers.inputs import small_inputs
+from helpers.raw_ops import kernel_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

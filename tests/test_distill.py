@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-from conftest import BACKENDS_CPU, KERNELS_CPU, raises_naming
+from helpers.asserts import raises_naming
+from helpers.backends import BACKENDS_CPU, KERNELS_CPU
 from ppo_kernels import reference as ref
 
 MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",

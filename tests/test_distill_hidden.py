@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import ppo_kernels as pk
-from conftest import BACKENDS_CPU, KERNELS_CPU, raises_naming
+from helpers.asserts import raises_naming
+from helpers.backends import BACKENDS_CPU, KERNELS_CPU
 from ppo_kernels import reference as ref
 from test_distill import make_teacher, on
 

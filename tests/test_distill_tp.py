@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import ppo_kernels as pk
-from conftest import raises_naming, run_ranks
+from helpers.asserts import raises_naming
+from helpers.ranks import run_ranks
 from test_distill import make_teacher
 
 

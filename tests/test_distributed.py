@@ -21,8 +21,9 @@ import torch.distributed as dist
 import distributed_cases as cases
 import ppo_kernels as pk
 
-from conftest import (PK_CU, PK_H, PK_S, PK_V, exclusive_cores, packed_batch,
-                      raises_naming)
+from helpers.asserts import raises_naming
+from helpers.inputs import PK_CU, PK_H, PK_S, PK_V, packed_batch
+from helpers.ranks import exclusive_cores
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

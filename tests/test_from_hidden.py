@@ -13,7 +13,7 @@ import ppo_kernels as pk
 from ppo_kernels import from_hidden as fh
 from ppo_kernels import reference as ref
 
-from conftest import triton_interpreter
+from helpers.backends import triton_interpreter
 
 POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token", "dppo-tv", "dppo-kl",
                  "vespo")
@@ -906,7 +906,7 @@ def test_replay_tensor_parallel_head_two_ranks(tmp_path):
     re-derived sets stay NotImplementedError; an id outside the vocabulary a ValueError."""
     import pathlib
 
-    from conftest import run_ranks
+    from helpers.ranks import run_ranks
     script = pathlib.Path(__file__).parent / "replay_hidden_rank_cases.py"
     ranks = run_ranks(script, tmp_path, n=2)
     for rank, res in enumerate(ranks):

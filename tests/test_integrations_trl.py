@@ -519,7 +519,7 @@ def test_trains_under_accelerate_ddp(tmp_path):
     after the model's forward fails ("Expected to mark a variable ready only once"); the
     fused loss runs inside the model's forward, so both settings train, and the logs and
     parameters after 2 SGD steps equal stock TRL's on every rank."""
-    from conftest import run_ranks
+    from helpers.ranks import run_ranks
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trl_ddp_cases.py")
     ranks = run_ranks(script, tmp_path, timeout=480)
     for rank, res in enumerate(ranks):

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import ppo_kernels as pk
-from conftest import raises_naming, run_ranks
+from helpers.asserts import raises_naming
+from helpers.ranks import run_ranks
 
 B, T, V, H = 2, 5, 11, 4
 TOL = 1e-5

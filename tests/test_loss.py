@@ -17,10 +17,12 @@ import torch
 
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
+from ppo_kernels.testing import make_mask
 
-from conftest import (BACKENDS, BACKENDS_CPU, CPU, METRIC_KEYS, SMALL_MASK, TOL, TORCH,
-                      assert_close_np, assert_grad_close, assert_metrics, combine, logits_for,
-                      make_inputs, make_mask, small_inputs, to_np)
+from helpers.asserts import (METRIC_KEYS, TOL, assert_close_np, assert_grad_close, assert_metrics,
+                             to_np)
+from helpers.backends import BACKENDS, BACKENDS_CPU, CPU, TORCH, combine
+from helpers.inputs import SMALL_MASK, logits_for, make_inputs, small_inputs
 
 AGG = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 

@@ -13,9 +13,10 @@ import torch
 
 import ppo_kernels as pk
 
-from conftest import (BACKENDS_CPU, BAD_B, BAD_T, BAD_V, HAS_CUDA_DEVICE, META, PUBLIC_FUNCS,
-                      assert_bad_input_raises, bad_row_id, base_gae, base_ppo, base_vl, oob,
-                      seeded_inputs)
+from helpers.backends import BACKENDS_CPU, HAS_CUDA_DEVICE
+from helpers.bad_inputs import (BAD_B, BAD_T, BAD_V, META, PUBLIC_FUNCS, assert_bad_input_raises,
+                                bad_row_id, base_gae, base_ppo, base_vl, oob)
+from helpers.inputs import seeded_inputs
 
 B, T, V = BAD_B, BAD_T, BAD_V
 FUNCS = {k: PUBLIC_FUNCS[k] for k in ("ppo_loss", "token_logprobs", "value_loss")}

@@ -18,10 +18,12 @@ import torch
 
 import ppo_kernels as pk
 from ppo_kernels import reference as R
+from ppo_kernels.testing import one_token_rows
 
-from conftest import (BACKENDS, BACKENDS_CPU, CPU, NO_DUAL_CLIP, POLICY_LOSSES, TOKEN_LOSSES,
-                      TOL, assert_active, assert_grad_close, assert_metrics,
-                      compare_with_reference, make_inputs, one_token_rows, seeded_inputs, to_np)
+from helpers.asserts import (TOL, assert_active, assert_grad_close, assert_metrics,
+                             compare_with_reference, to_np)
+from helpers.backends import BACKENDS, BACKENDS_CPU, CPU, NO_DUAL_CLIP, POLICY_LOSSES, TOKEN_LOSSES
+from helpers.inputs import make_inputs, seeded_inputs
 
 
 # ------------------------------------------------------------------ the reference itself

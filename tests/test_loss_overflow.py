@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ppo_kernels as pk
-from conftest import BACKENDS
+from helpers.backends import BACKENDS
 from ppo_kernels import reference as ref
 
 F16_MAX = float(torch.finfo(torch.float16).max)

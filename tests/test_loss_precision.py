@@ -26,10 +26,10 @@ import ppo_kernels as pk
 from ppo_kernels import _backends
 from ppo_kernels import reference as ref
 
-from conftest import (BACKENDS, BACKENDS_CPU, GENUINE_INF, TRITON_DEVICE, assert_close_np,
-                      assert_grad_close, check_ppo, expm1_minus_x64, grad_tol, k3_deltas,
-                      loss_params, make_case, ppo_inputs, rand_tok, ref_ppo, rel_err, run_ppo,
-                      slot_args, triton_ops)
+from helpers.asserts import assert_close_np, assert_grad_close, expm1_minus_x64, grad_tol, rel_err
+from helpers.backends import BACKENDS, BACKENDS_CPU, GENUINE_INF, TRITON_DEVICE, triton_ops
+from helpers.inputs import k3_deltas, make_case, ppo_inputs, rand_tok
+from helpers.raw_ops import check_ppo, loss_params, ref_ppo, run_ppo, slot_args
 
 KERNELS = [p for p in BACKENDS if p.values[0].name != "torch"]
 OPS = torch.ops.ppo_kernels

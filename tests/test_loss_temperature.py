@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import (BACKENDS_CPU, CPU, KERNELS_CPU, assert_close_np, assert_grad_close,
-                      logits_for, make_inputs, seeded_inputs, triton_interpreter)
+from helpers.asserts import assert_close_np, assert_grad_close
+from helpers.backends import BACKENDS_CPU, CPU, KERNELS_CPU, triton_interpreter
+from helpers.inputs import logits_for, make_inputs, seeded_inputs
 
 # float32-representable temperatures (a per-row float32 value then is the Python number)
 TEMPS = np.array([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 0.625], dtype=np.float64)

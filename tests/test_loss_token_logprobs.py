@@ -10,8 +10,9 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import (BACKENDS, BACKENDS_CPU, SMALL_MASK, assert_close_np, assert_grad_close,
-                      combine, logits_for, make_inputs, small_inputs)
+from helpers.asserts import assert_close_np, assert_grad_close
+from helpers.backends import BACKENDS, BACKENDS_CPU, combine
+from helpers.inputs import SMALL_MASK, logits_for, make_inputs, small_inputs
 
 # per-token outputs are float32 from float32 accumulation whatever the logits' dtype; the
 # reference sees the same rounded logits

@@ -25,8 +25,9 @@ from hypothesis import strategies as st
 import ppo_kernels as pk
 from ppo_kernels import reference as R
 
-from conftest import (PK_CU, PK_H, PK_S, PK_TOTAL, PK_V, TRITON_INTERP, backend_params,
-                      packed_batch, raises_naming)
+from helpers.asserts import raises_naming
+from helpers.backends import TRITON_INTERP, backend_params
+from helpers.inputs import PK_CU, PK_H, PK_S, PK_TOTAL, PK_V, packed_batch
 
 EXAMPLES = int(os.environ.get("PPO_HYPOTHESIS_EXAMPLES", 60))
 # derandomize comes from the conftest hypothesis profile ("ci" derandomized, the default;

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import assert_close_np, assert_grad_close, make_inputs
+from helpers.asserts import assert_close_np, assert_grad_close
+from helpers.inputs import make_inputs
 
 SETTINGS = settings(max_examples=int(__import__("os").environ.get("PPO_HYPOTHESIS_EXAMPLES", 60)),
                     deadline=None,

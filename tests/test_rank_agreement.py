@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import run_ranks
+from helpers.ranks import run_ranks
 
 _SCRIPT = r'''
 import datetime, json, os, sys, time

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ppo_kernels import reference as ref
+from ppo_kernels.testing import make_mask
 
-from conftest import make_mask
 
 H = 1e-6  # central differences in float64: truncation ~H^2, rounding ~1e-16 / H
 

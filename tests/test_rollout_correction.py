@@ -14,10 +14,12 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as R
 from ppo_kernels import rollout_correction as rc
+from ppo_kernels.testing import one_token_rows
 
-from conftest import (BACKENDS, BACKENDS_CPU, POLICY_LOSSES, assert_active, assert_grad_close,
-                      base_ppo, compare_with_reference, make_inputs, one_token_rows,
-                      seeded_inputs, to_np)
+from helpers.asserts import assert_active, assert_grad_close, compare_with_reference, to_np
+from helpers.backends import BACKENDS, BACKENDS_CPU, POLICY_LOSSES
+from helpers.bad_inputs import base_ppo
+from helpers.inputs import make_inputs, seeded_inputs
 
 # VESPO folds the train / inference ratio into its own sequence weight (TRL): it refuses
 # rollout_correction (test_vespo_refuses_rollout_correction)

@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-from conftest import BACKENDS_CPU, CPU, TORCH, TRITON_DEVICE, assert_close_np, assert_grad_close
+from helpers.asserts import assert_close_np, assert_grad_close
+from helpers.backends import BACKENDS_CPU, CPU, TORCH, TRITON_DEVICE
 from ppo_kernels import reference as ref
 from ppo_kernels.sampling import SamplingMask
 
@@ -583,7 +584,7 @@ def test_tensor_parallel_vocabulary_two_ranks(tmp_path):
     of both halves), each rank's gradient is its slice of the whole gradient."""
     import pathlib
 
-    from conftest import run_ranks
+    from helpers.ranks import run_ranks
     script = pathlib.Path(__file__).parent / "replay_rank_cases.py"
     ranks = run_ranks(script, tmp_path, n=2)
     for res in ranks:

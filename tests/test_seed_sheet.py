@@ -15,7 +15,7 @@ import torch
 
 import ppo_kernels as pk
 
-from conftest import BACKENDS
+from helpers.backends import BACKENDS
 
 pytestmark = pytest.mark.parametrize("be", BACKENDS)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import exclusive_cores
+from helpers.ranks import exclusive_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "ppo_demo.py"

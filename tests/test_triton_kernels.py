@@ -29,11 +29,12 @@ from ppo_kernels import reference as ref
 from ppo_kernels.triton_kernels._math import (exp_acc, expm1, expm1_minus_x, kl_term,
                                               log1p)
 from ppo_kernels.spec import KERNEL_POLICY_LOSSES
+from ppo_kernels.testing import make_mask
 
-from conftest import (GENUINE_INF, KL_CODES, TOK_TOL, TRITON_DEVICE, acc_of, assert_close_np,
-                      check_ppo, expm1_minus_x64, grad_tol, k3_deltas, make_case, make_mask,
-                      per_token, ppo_inputs, rand_tok, ref_ppo, rel_err, run_ppo, slot_args,
-                      triton_ops)
+from helpers.asserts import TOK_TOL, assert_close_np, expm1_minus_x64, grad_tol, rel_err
+from helpers.backends import GENUINE_INF, KL_CODES, TRITON_DEVICE, triton_ops
+from helpers.inputs import acc_of, k3_deltas, make_case, per_token, ppo_inputs, rand_tok
+from helpers.raw_ops import check_ppo, ref_ppo, run_ppo, slot_args
 
 # (on CPU: skipped, with the reason, where triton's interpreter cannot run the kernels)
 pytestmark = triton_ops

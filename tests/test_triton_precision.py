@@ -21,7 +21,7 @@ import torch
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
-from conftest import TRITON_DEVICE, triton_ops
+from helpers.backends import TRITON_DEVICE, triton_ops
 
 DEV = TRITON_DEVICE
 

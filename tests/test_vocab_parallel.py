@@ -11,7 +11,8 @@ import torch
 
 import ppo_kernels as pk
 
-from conftest import PK_TOTAL, PK_V, packed_batch, raises_naming
+from helpers.asserts import raises_naming
+from helpers.inputs import PK_TOTAL, PK_V, packed_batch
 
 
 def test_vocab_start_without_tp_group():
