@@ -1,35 +1,30 @@
 """The two-process cases of sampling replay over a tensor-parallel vocabulary, run by
 tests/test_sampling.py on 2 gloo processes (CPU):
 
-    python tests/replay_rank_cases.py RANK PORT OUT_DIR
+    python tests/replay_rank_cases.py RANK PORT OUT_DIR   (helpers/ranks.py)
 
 Each rank writes OUT_DIR/rank<r>.json: {case: max relative error against the unsharded op,
 or "raised <message>"}. Tensor parallel: the vocabulary [0, 13) is split [0, 6) / [6, 13);
 context parallel ("cp/..."): the positions [0, 2) / [2, 4) of every sequence.
 """
 
-import datetime
-import json
-import os
-import sys
+import types
 
 import torch
 import torch.distributed as dist
 
 import ppo_kernels as pk
 
+from helpers.asserts import max_rel_err
+from helpers.inputs import random_csr
+from helpers.ranks import rank_main
 
-def rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+B, T, V, CUT = 2, 4, 13, 6
 
 
-def worker(rank, port, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=datetime.timedelta(seconds=60))
+def setup(r):
+    """The inputs every rank draws alike, and this rank's vocabulary slice."""
     g = torch.Generator().manual_seed(0)
-    B, T, V, cut = 2, 4, 13, 6
     lg = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2
     tok = torch.randint(0, V, (B, T), generator=g)
     mask = torch.ones(B, T, dtype=torch.bool)
@@ -37,19 +32,17 @@ def worker(rank, port, out):
     old = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3 - 1.0
     adv = torch.randn(B, T, generator=g, dtype=torch.float64)
     ref = torch.randn(B, T, generator=g, dtype=torch.float64) - 2
-    ids, offs = [], [0]
-    for i in range(B * T):
-        k = int(torch.randint(1, 8, (), generator=g))
-        row = torch.randperm(V, generator=g)[:k]
-        if i % 3:  # every third set lacks its token
-            row = torch.cat([row[row != tok.view(-1)[i]], tok.view(-1)[i:i + 1]])
-        else:
-            row = row[row != tok.view(-1)[i]]
-        ids.append(row)
-        offs.append(offs[-1] + len(row))
-    sm = pk.SamplingMask(torch.cat(ids), torch.tensor(offs))
-    sl = slice(0, cut) if rank == 0 else slice(cut, V)
-    res = {}
+    sm, _ = random_csr(B, T, V, g, kmax=7, tokens=tok, lacks_token=lambda i: i % 3 == 0)
+    temp_tok = 0.5 + torch.rand(B, T, generator=g, dtype=torch.float64)
+    sl = slice(0, CUT) if r.rank == 0 else slice(CUT, V)
+    return types.SimpleNamespace(lg=lg, tok=tok, mask=mask, old=old, adv=adv, ref=ref, sm=sm,
+                                 temp_tok=temp_tok, sl=sl)
+
+
+def tp_ppo_loss(r):
+    d, res = r.state, {}
+    lg, tok, mask, old, adv, ref, sm, sl = (d.lg, d.tok, d.mask, d.old, d.adv, d.ref,
+                                            d.sm, d.sl)
     for case, kw in (("vanilla", dict(kl_coef=0.1)),
                      ("gspo_kept", dict(policy_loss="gspo", kl_coef=0.1, kl_logprobs="kept",
                                         entropy_coef=0.01, entropy_over="kept")),
@@ -61,9 +54,7 @@ def worker(rank, port, out):
                                                  temperature=torch.tensor([0.6, 1.4],
                                                                           dtype=torch.float64))),
                      ("vanilla_token_temp", dict(kl_coef=0.1, entropy_coef=0.02,
-                                                 temperature=0.5 + torch.rand(
-                                                     B, T, generator=g,
-                                                     dtype=torch.float64)))):
+                                                 temperature=d.temp_tok))):
         x = lg.clone().requires_grad_(True)
         loss, m = pk.ppo_loss(x, tok, old, adv, mask, ref, sampling_mask=sm, backend="cpu",
                               **kw)
@@ -73,9 +64,15 @@ def worker(rank, port, out):
                                   tp_group=dist.group.WORLD, vocab_start=sl.start, backend="cpu",
                                   **kw)
         loss_s.backward()
-        res[f"{case}/loss"] = rel(loss_s.detach(), loss.detach())
-        res[f"{case}/grad"] = rel(xs.grad, x.grad[..., sl])
+        res[f"{case}/loss"] = max_rel_err(loss_s.detach(), loss.detach())
+        res[f"{case}/grad"] = max_rel_err(xs.grad, x.grad[..., sl])
         res[f"{case}/metrics"] = max(abs(float(m_s[k]) - float(m[k])) for k in m)
+    return res
+
+
+def tp_token_logprobs(r):
+    d, res = r.state, {}
+    lg, tok, mask, sm, sl = d.lg, d.tok, d.mask, d.sm, d.sl
     x = lg.clone().requires_grad_(True)
     a = pk.token_logprobs(x, tok, mask, sampling_mask=sm, return_full=True,
                           return_entropy=True, entropy_over="kept", backend="cpu")
@@ -85,8 +82,9 @@ def worker(rank, port, out):
                           return_entropy=True, entropy_over="kept",
                           tp_group=dist.group.WORLD, vocab_start=sl.start, backend="cpu")
     sum(v.sum() * (i + 1) for i, v in enumerate(b)).backward()
-    res["token_logprobs/values"] = max(rel(u.detach(), v.detach()) for u, v in zip(b, a))
-    res["token_logprobs/grad"] = rel(xs.grad, x.grad[..., sl])
+    res["token_logprobs/values"] = max(max_rel_err(u.detach(), v.detach())
+                                       for u, v in zip(b, a))
+    res["token_logprobs/grad"] = max_rel_err(xs.grad, x.grad[..., sl])
     temp = torch.tensor([0.7, 1.3], dtype=torch.float64)
     x = lg.clone().requires_grad_(True)
     a = pk.token_logprobs(x, tok, mask, sampling_mask=sm, return_full=True, temperature=temp,
@@ -97,9 +95,15 @@ def worker(rank, port, out):
                           return_entropy=True, entropy_over="kept",
                           tp_group=dist.group.WORLD, vocab_start=sl.start, backend="cpu")
     sum(v.sum() * (i + 1) for i, v in enumerate(b)).backward()
-    res["token_logprobs_seq_temp/values"] = max(rel(u.detach(), v.detach())
+    res["token_logprobs_seq_temp/values"] = max(max_rel_err(u.detach(), v.detach())
                                                 for u, v in zip(b, a))
-    res["token_logprobs_seq_temp/grad"] = rel(xs.grad, x.grad[..., sl])
+    res["token_logprobs_seq_temp/grad"] = max_rel_err(xs.grad, x.grad[..., sl])
+    return res
+
+
+def tp_out_of_range(r):
+    d, res = r.state, {}
+    lg, tok, mask, sl = d.lg, d.tok, d.mask, d.sl
     bad = pk.SamplingMask(torch.tensor([0, V]), torch.tensor([0, 2] + [2] * (B * T - 1)))
     try:
         pk.token_logprobs(lg[..., sl], tok, mask, sampling_mask=bad,
@@ -107,6 +111,12 @@ def worker(rank, port, out):
         res["out_of_range"] = "no error"
     except ValueError as e:
         res["out_of_range"] = f"raised {e}"
+    return res
+
+
+def cp_ppo_loss(r):
+    d, res, rank = r.state, {}, r.rank
+    lg, tok, mask, old, adv, ref, sm = d.lg, d.tok, d.mask, d.old, d.adv, d.ref, d.sm
     # context parallel: each rank holds positions [2 r, 2 r + 2) of every sequence, and the
     # CSR rows of those positions; the ranks' losses add up to the whole batch's
     t0, t1 = 2 * rank, 2 * rank + 2
@@ -128,16 +138,12 @@ def worker(rank, port, out):
         loss_c.backward()
         total = loss_c.detach().clone()
         dist.all_reduce(total)
-        res[f"{case}/loss"] = rel(total, loss.detach())
-        res[f"{case}/grad"] = rel(xc.grad, x.grad[:, t0:t1])
+        res[f"{case}/loss"] = max_rel_err(total, loss.detach())
+        res[f"{case}/grad"] = max_rel_err(xc.grad, x.grad[:, t0:t1])
         # (a rank's own loss is its part only: the reductions did run over the group)
         res[f"{case}/own_part"] = "partial" if float(abs(loss_c - total)) > 0 else "whole"
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    dist.destroy_process_group()
+    return res
 
 
 if __name__ == "__main__":
-    from rank_exit import run_then_exit
-
-    run_then_exit(worker, int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    rank_main([tp_ppo_loss, tp_token_logprobs, tp_out_of_range, cp_ppo_loss], setup=setup)

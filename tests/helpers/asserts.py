@@ -148,6 +148,28 @@ def rel_err(actual, expected):
     return float(np.max(np.abs(a - e) / np.maximum(np.abs(e), 1e-300)))
 
 
+def max_rel_err(actual, expected, *, floor=1e-30, nonfinite=False):
+    """max |actual - expected| / max(max |expected|, floor), in float64 (tensors): the error
+    relative to the largest reference entry, which one small entry cannot inflate (the
+    multi-process cases compare a sharded op with the whole one this way). The shapes must
+    agree; empty tensors give 0. ``floor``: 1e-30 keeps it relative everywhere, a larger
+    one makes it absolute below that scale. ``nonfinite``: the reference may hold +-inf
+    (masked -inf logits): entries equal there count as 0, and the scale is then 1."""
+    a = torch.as_tensor(actual).detach().double().cpu()
+    e = torch.as_tensor(expected).detach().double().cpu()
+    if a.shape != e.shape:
+        raise AssertionError(f"shape {list(a.shape)} vs {list(e.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    d = (a - e).abs()
+    scale = float(e.abs().max())
+    if nonfinite:
+        d = d.nan_to_num(0.0)
+        if not torch.isfinite(e).all():
+            scale = 1.0
+    return float(d.max()) / max(scale, floor)
+
+
 def expm1_minus_x64(u):
     """e^u - 1 - u in float64 to ~1e-16 relative: a 25-term series below |u| = 0.5."""
     u = np.asarray(u, dtype=np.float64)

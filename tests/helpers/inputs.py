@@ -10,6 +10,7 @@ on (ppo_kernels.testing.make_batch draws differently)."""
 import numpy as np
 import torch
 
+import ppo_kernels as pk
 from ppo_kernels import reference as ref
 from ppo_kernels.testing import make_mask
 
@@ -227,3 +228,35 @@ def packed_batch(seed=0, total=PK_TOTAL):
         weight=torch.randn(PK_V, PK_H, generator=g),
         scores=torch.randn(PK_S, generator=g),
     )
+
+
+# ------------------------------------------------------------------ kept sets (sampling replay)
+
+def random_csr(B, T, V, gen, *, kmax=6, tokens=None, drop_token_frac=0.0, empty_frac=0.0,
+               lacks_token=None):
+    """A random SamplingMask over B * T rows and the dense bool [B, T, V] it encodes.
+
+    Per row: a set of 1..kmax random ids. With ``tokens``, the sampled token is put in its
+    row's set (last) unless the row drops it. ``lacks_token`` None: each row draws whether it
+    is empty (``empty_frac``) and whether it drops its token (``drop_token_frac``);
+    otherwise a function of the row index says which rows lack their token, no row is
+    empty and neither is drawn (the rank scripts' sets: every third lacks its token)."""
+    ids, offs, dense = [], [0], torch.zeros(B * T, V, dtype=torch.bool)
+    for i in range(B * T):
+        if lacks_token is None and torch.rand((), generator=gen) < empty_frac:
+            offs.append(offs[-1])
+            continue
+        k = int(torch.randint(1, min(kmax, V) + 1, (), generator=gen))
+        row = torch.randperm(V, generator=gen)[:k]
+        if tokens is not None:
+            y = int(tokens.reshape(-1)[i])
+            drop = lacks_token(i) if lacks_token is not None else \
+                torch.rand((), generator=gen) < drop_token_frac
+            row = row[row != y]
+            if not drop:
+                row = torch.cat([row, torch.tensor([y])])
+        ids.append(row)
+        offs.append(offs[-1] + len(row))
+        dense[i, row] = True
+    ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
+    return pk.SamplingMask(ids, torch.tensor(offs)), dense.view(B, T, V)
