@@ -1,5 +1,5 @@
 """The two-process cases of tests/test_distill_tp.py, run as a script on 2 gloo processes
-(tests/conftest.py run_ranks):
+(helpers/ranks.py):
 
     python tests/distill_rank_cases.py RANK PORT OUT_DIR
 
@@ -14,37 +14,16 @@ cap), "bf16", "packed/<mode>" (cu_seqlens), "random_splits" (the worst float64 e
 error), "bad/..." (bad inputs, on one rank or all) and "after" (the group still works).
 """
 
-import datetime
-import json
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 
 import ppo_kernels as pk
 
+from helpers.asserts import max_rel_err
+from helpers.inputs import teacher_of
+from helpers.ranks import rank_main
 
-def teacher_of(b, t, v, g, dtype):
-    """A teacher's sets over b * t positions: variable sizes (empty, 1, 3, 5, the whole
-    vocabulary), log-probs of a teacher softmax (mass <= 1), one confident position."""
-    tl = torch.log_softmax(torch.randn(b * t, v, generator=g, dtype=torch.float64) * 2, -1)
-    tl[1] = torch.log_softmax(torch.tensor([30.0] + [0.0] * (v - 1), dtype=torch.float64), -1)
-    ids, lps, off = [], [], [0]
-    sizes = [0, 1, 3, 5, v]
-    for i in range(b * t):
-        k = sizes[i % len(sizes)] if i != 1 else 2
-        sel = torch.randperm(v, generator=g)[:k] if i != 1 else torch.tensor([0, 7])
-        ids.append(sel)
-        lps.append(tl[i, sel])
-        off.append(off[-1] + k)
-    return pk.SparseLogprobs(torch.cat(ids), torch.tensor(off), torch.cat(lps).to(dtype))
-
-
-def rel(a, b):
-    d = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
-    s = float(b.double().abs().max()) if b.numel() else 0.0
-    return d / max(s, 1e-30)
+B, T, V, CUT = 3, 5, 13, 5
 
 
 def compare(res, name, full, teacher, mask, v0, v1, group, kw, shard_fn=None, raw=False):
@@ -58,15 +37,15 @@ def compare(res, name, full, teacher, mask, v0, v1, group, kw, shard_fn=None, ra
         w = torch.linspace(0.5, 1.5, a_loss.numel(), dtype=a_loss.dtype).view_as(a_loss)
         (a_loss * w).sum().backward()
         (b_loss * w).sum().backward()
-        errs = [rel(b_loss.detach(), a_loss.detach())]
-        errs += [rel(b_m[k], a_m[k]) for k in ("kl", "student_mass", "teacher_tail_mass",
+        errs = [max_rel_err(b_loss.detach(), a_loss.detach())]
+        errs += [max_rel_err(b_m[k], a_m[k]) for k in ("kl", "student_mass", "teacher_tail_mass",
                                                "num_tokens", "num_seqs")]
         if shard_fn is None:
             gl = loc.grad
         else:
             gl = x.grad.to_local() if hasattr(x.grad, "to_local") else x.grad
             gl = gl[..., v0:v1] if gl.shape[-1] == full.shape[-1] else gl
-        errs.append(rel(gl, a_in.grad[..., v0:v1]))
+        errs.append(max_rel_err(gl, a_in.grad[..., v0:v1]))
         errs.append(float(a_in.grad[..., v0:v1].abs().max()))  # (a nonzero gradient)
         res[name] = [e if e == e else 1e30 for e in errs]
     except Exception as e:  # reported, the test fails on it
@@ -81,23 +60,24 @@ def raises(res, name, fn):
         res[name] = f"raised {type(e).__name__}: {e}"
 
 
-def worker(rank, port, out):
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                            init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=datetime.timedelta(seconds=60))
-    group = dist.group.WORLD
-    res = {}
-    B, T, V, cut = 3, 5, 13, 5
+def _start(r):
+    return r.rank, dist.group.WORLD, {}
+
+
+def uneven_and_even_raw(r):
+    """The uneven split (per dtype, tail, mode) and an even split of the raw [B, T + 1, V]
+    output with the default vocab_start."""
+    rank, group, res = _start(r)
     for dtype in (torch.float32, torch.float64):
         g = torch.Generator().manual_seed(0)
         lg = (torch.randn(B, T, V, generator=g, dtype=torch.float64) * 3).to(dtype)
         lg[0, 1, 0] = 40.0  # a confident token (the teacher's confident id 0)
-        lg[1, 0, cut:] = float("-inf")  # a whole shard banned on a row
-        lg[2, 2, :cut] = float("-inf")
+        lg[1, 0, CUT:] = float("-inf")  # a whole shard banned on a row
+        lg[2, 2, :CUT] = float("-inf")
         teacher = teacher_of(B, T, V, g, dtype)
         # the banned rows' sets hold ids of the live shard only
         ids = teacher.token_ids.clone()
-        for (bb, tt, lo, hi) in ((1, 0, 0, cut), (2, 2, cut, V)):
+        for (bb, tt, lo, hi) in ((1, 0, 0, CUT), (2, 2, CUT, V)):
             i = bb * T + tt
             s, e = int(teacher.offsets[i]), int(teacher.offsets[i + 1])
             ids[s:e] = torch.arange(lo, hi)[:e - s] if e - s <= hi - lo else ids[s:e]
@@ -107,7 +87,7 @@ def worker(rank, port, out):
         mask[2, 4] = False
         # the banned rows are sized 0 / 1 / 3 / 5 / V by position: position 5 (b 1, t 0) has
         # size 0, position 12 (b 2, t 2) size 3; both fit their live shard
-        v0, v1 = ((0, cut), (cut, V))[rank]
+        v0, v1 = ((0, CUT), (CUT, V))[rank]
         d = str(dtype).split(".")[-1]
         for tail in (True, False):
             for mode in ("token-mean", "seq-mean-token-sum", "none"):
@@ -126,11 +106,16 @@ def worker(rank, port, out):
             lb, _ = pk.distill_loss(loc, t2, None, tp_group=group)
             la.backward()
             lb.backward()
-            res[f"even_raw/{d}"] = [rel(lb.detach(), la.detach()),
-                                    rel(loc.grad, a_in.grad[..., e0:e1]),
+            res[f"even_raw/{d}"] = [max_rel_err(lb.detach(), la.detach()),
+                                    max_rel_err(loc.grad, a_in.grad[..., e0:e1]),
                                     float(loc.grad[:, -1].abs().max())]
         except Exception as e:
             res[f"even_raw/{d}"] = f"raised {type(e).__name__}: {e}"
+    return res
+
+
+def dtensor(r):
+    rank, group, res = _start(r)
     # a DTensor sharded on the vocabulary (torch.chunk's split of 12: 6 / 6)
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -146,10 +131,15 @@ def worker(rank, port, out):
         la.backward()
         lb.backward()
         e0 = rank * 6
-        res["dtensor"] = [rel(lb.detach(), la.detach()), rel(mb["kl"], ma["kl"]),
-                          rel(leaf.grad.to_local(), full.grad[..., e0:e0 + 6])]
+        res["dtensor"] = [max_rel_err(lb.detach(), la.detach()), max_rel_err(mb["kl"], ma["kl"]),
+                          max_rel_err(leaf.grad.to_local(), full.grad[..., e0:e0 + 6])]
     except Exception as e:
         res["dtensor"] = f"raised {type(e).__name__}: {e}"
+    return res
+
+
+def hidden(r):
+    rank, group, res = _start(r)
     # from hidden states: the LM head's rows split [0, 5) / [5, 13), with a bias and a
     # soft cap; d hidden summed over the group
     for dtype in (torch.float32, torch.float64):
@@ -162,7 +152,7 @@ def worker(rank, port, out):
         t5 = teacher_of(B, T, V5, g5, dtype)
         m5 = torch.ones(B, T, dtype=torch.bool)
         m5[0, 3] = False
-        v0, v1 = ((0, cut), (cut, V5))[rank]
+        v0, v1 = ((0, CUT), (CUT, V5))[rank]
         for cap in (None, 4.0):
             name = f"hidden/{d}/cap={cap}"
             try:
@@ -176,8 +166,9 @@ def worker(rank, port, out):
                                                     tp_group=group, vocab_start=v0)
                 la.backward()
                 lb.backward()
-                res[name] = [rel(lb.detach(), la.detach()), rel(hb.grad, ha.grad),
-                             rel(wb.grad, wa.grad[v0:v1]), rel(bb.grad, ba.grad[v0:v1])]
+                res[name] = [max_rel_err(lb.detach(), la.detach()), max_rel_err(hb.grad, ha.grad),
+                             max_rel_err(wb.grad, wa.grad[v0:v1]),
+                             max_rel_err(bb.grad, ba.grad[v0:v1])]
             except Exception as e:
                 res[name] = f"raised {type(e).__name__}: {e}"
     # from hidden states, loss_agg_mode="none" (the torch path runs it with tp_group)
@@ -193,16 +184,21 @@ def worker(rank, port, out):
         wn = torch.linspace(0.5, 1.5, la.numel(), dtype=la.dtype).view_as(la)
         (la * wn).sum().backward()
         (lb * wn).sum().backward()
-        res["hidden/none"] = [rel(lb.detach(), la.detach()), rel(hb.grad, ha.grad),
-                              rel(wb.grad, wa.grad[v0:v1])]
+        res["hidden/none"] = [max_rel_err(lb.detach(), la.detach()), max_rel_err(hb.grad, ha.grad),
+                              max_rel_err(wb.grad, wa.grad[v0:v1])]
     except Exception as e:
         res["hidden/none"] = f"raised {type(e).__name__}: {e}"
+    return res
+
+
+def bf16_and_packed(r):
+    rank, group, res = _start(r)
     # bfloat16 logits (the partials in float32, as the kernels), and packed sequences
     # (cu_seqlens, the seq-mean modes read them) on the uneven split
     g8 = torch.Generator().manual_seed(7)
     x8 = torch.randn(1, 10, V, generator=g8) * 3
     t8 = teacher_of(1, 10, V, g8, torch.float32)
-    v0, v1 = ((0, cut), (cut, V))[rank]
+    v0, v1 = ((0, CUT), (CUT, V))[rank]
     compare(res, "bf16", x8.bfloat16(), t8, None, v0, v1, group, dict(tail=True))
     cu = torch.tensor([0, 3, 3, 7, 10])
     # (a float64 teacher: the float32 one's whole-vocabulary set has a mass of 1 + 3e-8,
@@ -211,7 +207,12 @@ def worker(rank, port, out):
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
         compare(res, f"packed/{mode}", x8.double(), t8d, None, v0, v1, group,
                 dict(loss_agg_mode=mode, cu_seqlens=cu, max_seqlen=4))
-    # random splits: V in [2, 40] cut anywhere (a shard of one entry included), random set
+    return res
+
+
+def random_splits(r):
+    rank, group, res = _start(r)
+    # random splits: V in [2, 40] CUT anywhere (a shard of one entry included), random set
     # sizes 0..V, masks, temperatures, float64 against the single-process kernel
     g7 = torch.Generator().manual_seed(6)
     worst = 0.0
@@ -243,6 +244,11 @@ def worker(rank, port, out):
             break
         worst = max(worst, max(sub["r"][:-1]))
     res["random_splits"] = worst
+    return res
+
+
+def confident(r):
+    rank, group, res = _start(r)
     # float32 at a larger vocabulary (1000 = 500 / 500, top-20 sets): confident rows, a
     # teacher close to the student on half of the rows (a tiny kl), against float64: the
     # split's error next to the single-process kernel's own
@@ -271,9 +277,14 @@ def worker(rank, port, out):
         g64 = x64.grad[..., rank * 500:(rank + 1) * 500]
         res["confident"] = [float((la.detach().double() - l64).abs().max()),
                             float((lb.detach().double() - l64).abs().max()),
-                            rel(xa.grad[..., rank * 500:(rank + 1) * 500], g64), rel(xb.grad, g64)]
+                            max_rel_err(xa.grad[..., rank * 500:(rank + 1) * 500], g64), max_rel_err(xb.grad, g64)]
     except Exception as e:
         res["confident"] = f"raised {type(e).__name__}: {e}"
+    return res
+
+
+def bad_inputs(r):
+    rank, group, res = _start(r)
     # bad inputs: an id outside every shard (V) on both ranks, a negative id on both;
     # a teacher log-prob > 0 on rank 1 only; ranks with different ids, different masks;
     # shards that overlap
@@ -316,12 +327,9 @@ def worker(rank, port, out):
     x = torch.ones(1)
     dist.all_reduce(x, group=group)
     res["after"] = float(x)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    dist.destroy_process_group()
+    return res
 
 
 if __name__ == "__main__":
-    from rank_exit import run_then_exit
-
-    run_then_exit(worker, int(sys.argv[1]), sys.argv[2], sys.argv[3])
+    rank_main([uneven_and_even_raw, dtensor, hidden, bf16_and_packed, random_splits, confident,
+               bad_inputs])

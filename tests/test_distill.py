@@ -13,33 +13,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
+from ppo_kernels import reference as ref
+
 from helpers.asserts import raises_naming
 from helpers.backends import BACKENDS_CPU, KERNELS_CPU
-from ppo_kernels import reference as ref
+from helpers.inputs import make_teacher
 
 MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
          "seq-mean-token-sum-norm"]
-
-
-def make_teacher(n, v, gen, sizes=None, dtype=torch.float32, full_mass=False, tscale=2.0):
-    """A random teacher CSR over n positions: set sizes (default random in [0, v]), each
-    set the teacher's top-|S| of a random softmax (full_mass: renormalised on the set)."""
-    ids, lps, off = [], [], [0]
-    for i in range(n):
-        k = int(torch.randint(0, v + 1, (1,), generator=gen)) if sizes is None else sizes[i]
-        lp_full = torch.log_softmax(torch.randn(v, generator=gen, dtype=torch.float64) * tscale,
-                                    0)
-        top = torch.argsort(lp_full, descending=True)[:k]
-        perm = top[torch.randperm(k, generator=gen)]
-        lp = lp_full[perm]
-        if full_mass and k:
-            lp = lp - torch.logsumexp(lp, 0)
-        ids.append(perm)
-        lps.append(lp)
-        off.append(off[-1] + k)
-    return pk.SparseLogprobs(torch.cat(ids).long() if ids else torch.zeros(0, dtype=torch.long),
-                             torch.tensor(off, dtype=torch.long),
-                             torch.cat(lps).to(dtype) if lps else torch.zeros(0, dtype=dtype))
 
 
 def on(be, teacher):

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 import ppo_kernels as pk
+from ppo_kernels import reference as ref
+
 from helpers.asserts import raises_naming
 from helpers.backends import BACKENDS_CPU, KERNELS_CPU
-from ppo_kernels import reference as ref
-from test_distill import make_teacher, on
+from helpers.inputs import make_teacher
+from test_distill import on
 
 
 def _inputs(gen, b=2, t=3, h=6, v=23, dtype=torch.float32, raw=True):

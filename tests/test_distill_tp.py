@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import ppo_kernels as pk
+
 from helpers.asserts import raises_naming
+from helpers.inputs import make_teacher
 from helpers.ranks import run_ranks
-from test_distill import make_teacher
 
 
 @pytest.fixture(scope="module")

@@ -260,3 +260,42 @@ def random_csr(B, T, V, gen, *, kmax=6, tokens=None, drop_token_frac=0.0, empty_
         dense[i, row] = True
     ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
     return pk.SamplingMask(ids, torch.tensor(offs)), dense.view(B, T, V)
+
+
+# ------------------------------------------------------------------ teachers (distillation)
+
+def make_teacher(n, v, gen, sizes=None, dtype=torch.float32, full_mass=False, tscale=2.0):
+    """A random teacher CSR over n positions: set sizes (default random in [0, v]), each
+    set the teacher's top-|S| of a random softmax (full_mass: renormalised on the set)."""
+    ids, lps, off = [], [], [0]
+    for i in range(n):
+        k = int(torch.randint(0, v + 1, (1,), generator=gen)) if sizes is None else sizes[i]
+        lp_full = torch.log_softmax(torch.randn(v, generator=gen, dtype=torch.float64) * tscale,
+                                    0)
+        top = torch.argsort(lp_full, descending=True)[:k]
+        perm = top[torch.randperm(k, generator=gen)]
+        lp = lp_full[perm]
+        if full_mass and k:
+            lp = lp - torch.logsumexp(lp, 0)
+        ids.append(perm)
+        lps.append(lp)
+        off.append(off[-1] + k)
+    return pk.SparseLogprobs(torch.cat(ids).long() if ids else torch.zeros(0, dtype=torch.long),
+                             torch.tensor(off, dtype=torch.long),
+                             torch.cat(lps).to(dtype) if lps else torch.zeros(0, dtype=dtype))
+
+
+def teacher_of(b, t, v, g, dtype):
+    """A teacher's sets over b * t positions: variable sizes (empty, 1, 3, 5, the whole
+    vocabulary), log-probs of a teacher softmax (mass <= 1), one confident position."""
+    tl = torch.log_softmax(torch.randn(b * t, v, generator=g, dtype=torch.float64) * 2, -1)
+    tl[1] = torch.log_softmax(torch.tensor([30.0] + [0.0] * (v - 1), dtype=torch.float64), -1)
+    ids, lps, off = [], [], [0]
+    sizes = [0, 1, 3, 5, v]
+    for i in range(b * t):
+        k = sizes[i % len(sizes)] if i != 1 else 2
+        sel = torch.randperm(v, generator=g)[:k] if i != 1 else torch.tensor([0, 7])
+        ids.append(sel)
+        lps.append(tl[i, sel])
+        off.append(off[-1] + k)
+    return pk.SparseLogprobs(torch.cat(ids), torch.tensor(off), torch.cat(lps).to(dtype))
