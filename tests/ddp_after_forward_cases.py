@@ -1,7 +1,7 @@
 """The two-process cases of tests/test_lm_head.py for the LM head used after the forward of
 DistributedDataParallel(find_unused_parameters=True), on 2 gloo processes (CPU):
 
-    python tests/ddp_after_forward_cases.py RANK PORT OUT_DIR
+    python tests/ddp_after_forward_cases.py RANK PORT OUT_DIR   (helpers/ranks.py)
 
 The loop people write: ``hidden = ddp(ids)`` (the wrapped model returns the last hidden
 states), then the from-hidden op with ``ddp.module.lm_head`` (or its weight and bias),
@@ -13,18 +13,13 @@ single-process run on the whole batch. Each rank writes OUT_DIR/rank<r>.json:
 """
 
 import copy
-import datetime
-import gc
-import json
-import os
-import sys
-import traceback
 
 import torch
-import torch.distributed as dist
 
 import ppo_kernels as pk
-from trainer_cases import (B, H, T, V, WORLD, Policy, compare, data, local, op_loss)
+
+from helpers.ranks import case, rank_main
+from trainer_cases import B, H, T, V, WORLD, Policy, compare, data, local, op_loss
 
 
 class ValuePolicy(Policy):
@@ -114,45 +109,36 @@ def _head(ddp, head_as):
                                                       inner.lm_head.bias)
 
 
-def worker(rank, port, out):
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                            init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=datetime.timedelta(seconds=60))
-    torch.manual_seed(0)
-    models = {b: Policy(bias=b) for b in (False, True)}
-    valued = ValuePolicy(bias=True)
-    batch = data()
-    te = teacher()
-    res = {}
+def setup(r):
+    """The models (without and with a bias, and with a value head), built alike on every
+    rank after the seed, the batch and the teacher."""
+    return ({b: Policy(bias=b) for b in (False, True)}, ValuePolicy(bias=True), data(),
+            teacher())
 
-    def case(name, model, kind, head_as, variant="plain"):
-        try:
-            loss, grads = ddp_after_forward(model, kind, batch, te, rank, head_as, variant)
-            res[name] = compare(loss, grads, reference(model, kind, batch, te, variant))
-        except Exception as e:  # recorded, the test fails on it
-            res[name] = f"error: {type(e).__name__}: {e} " + traceback.format_exc()[-1500:]
-        dist.barrier()
+
+def against_reference(model, kind, batch, te, rank, head_as, variant):
+    loss, grads = ddp_after_forward(model, kind, batch, te, rank, head_as, variant)
+    return compare(loss, grads, reference(model, kind, batch, te, variant))
+
+
+def cases(r):
+    models, valued, batch, te = r.state
+    out = []
+
+    def add(name, model, kind, head_as, variant="plain"):
+        out.append(case(name, against_reference, model, kind, batch, te, r.rank, head_as,
+                        variant))
 
     for kind in ("vanilla", "gspo", "logprobs", "distill"):
         for bias in (False, True):
             for head_as in ("module", "tensors"):
-                case(f"{kind}/bias={bias}/{head_as}", models[bias], kind, head_as)
-    case("vanilla/derived_hidden/module", models[True], "vanilla", "module", "derived")
-    case("vanilla/value_head_in_forward/module", valued, "vanilla", "module")
-    case("vanilla/no_sync_then_sync/module", models[True], "vanilla", "module", "no_sync")
-    case("distill/value_head_in_forward/tensors", valued, "distill", "tensors")
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
-    # the DDP wrappers (reference cycles) freed while the group still exists: a reducer
-    # collected at interpreter exit, after the group is gone, aborted a rank
-    # ("terminate called without an active exception") on a loaded machine
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+                add(f"{kind}/bias={bias}/{head_as}", models[bias], kind, head_as)
+    add("vanilla/derived_hidden/module", models[True], "vanilla", "module", "derived")
+    add("vanilla/value_head_in_forward/module", valued, "vanilla", "module")
+    add("vanilla/no_sync_then_sync/module", models[True], "vanilla", "module", "no_sync")
+    add("distill/value_head_in_forward/tensors", valued, "distill", "tensors")
+    return out
 
 
 if __name__ == "__main__":
-    from rank_exit import run_then_exit
-
-    run_then_exit(worker, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    rank_main(cases, seed=0, setup=setup, barrier_each=True)

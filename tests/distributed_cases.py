@@ -1,8 +1,9 @@
 """The multi-process checks of tests/test_distributed.py, run as a script:
 
-    python tests/distributed_cases.py --world 2 --out DIR
+    python tests/distributed_cases.py --world 2 --out DIR [--device cuda --backend nccl]
 
-spawns ``world`` processes on the gloo backend (CPU). Every rank draws the same inputs
+starts ``world`` processes (helpers/ranks.run_ranks; each runs its suites through
+rank_main) on the gloo backend (CPU). Every rank draws the same inputs
 (same seed), computes the single-process op on the whole batch / vocabulary / sequence
 itself, then the distributed op on its own part, and writes {check: [error, tolerance]}
 (errors relative to the largest reference entry) or {check: "error: ..."} to
@@ -12,17 +13,17 @@ DIR/rank<r>.json. The test file asserts every entry of every rank.
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import socket
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import ppo_kernels as pk
+
+from helpers.asserts import max_rel_err
+from helpers.ranks import rank_main, run_ranks
 
 F32, BF16 = 1e-5, 2e-2  # relative to the largest reference entry
 DEVICE = "cpu"  # --device cuda: each rank on GPU (rank % device_count), e.g. gpu_check.sh
@@ -43,15 +44,9 @@ AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-me
              "seq-mean-token-sum-norm"]
 
 
-def err(a, b):
-    """max |a - b| over max |b| (1 where b is all 0)."""
-    a, b = a.detach().double(), b.detach().double()
-    if a.shape != b.shape:
-        raise AssertionError(f"shape {list(a.shape)} vs {list(b.shape)}")
-    if a.numel() == 0:
-        return 0.0
-    scale = max(float(b.abs().max()), 1e-30) if torch.isfinite(b).all() else 1.0
-    return float((a - b).abs().nan_to_num(0.0).max()) / max(scale, 1e-6)
+# max |a - b| over max |b|, absolute below a scale of 1e-6; a reference holding +-inf (masked
+# logits) compares those entries equal and takes a scale of 1
+err = functools.partial(max_rel_err, floor=1e-6, nonfinite=True)
 
 
 def batch(b=7, t=9, v=53, h=12, dtype=torch.float32, seed=0):
@@ -551,52 +546,61 @@ SUITES = {
 }
 
 
-def worker(rank, world, port, out_dir, device="cpu", backend="gloo"):
+def suite(fn):
+    """A suite fn(rank, world) as rank_main's case function (its errors under its name)."""
+    def run(r):
+        return fn(r.rank, r.world)
+    run.__name__ = fn.__name__
+    return run
+
+
+def setup(device, r):
     global DEVICE
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(r.rank % torch.cuda.device_count())
         DEVICE = f"cuda:{torch.cuda.current_device()}"
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    results = {}
-    for fn in SUITES[world]:
-        try:
-            results.update(fn(rank, world))
-        except Exception:  # reported per suite, so one failure does not hide the others
-            results[fn.__name__] = "error: " + traceback.format_exc()
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def options(argv):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2, choices=sorted(SUITES))
+    ap.add_argument("--out")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
+    return ap.parse_args(argv)
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
-    a = ap.parse_args(argv)
-    mp.spawn(worker, args=(a.world, free_port(), a.out, a.device, a.backend), nprocs=a.world)
+    """The command line (benchmarks/gpu_check.sh): every suite of --world ranks, launched by
+    helpers/ranks.run_ranks, and a summary for logs (tests/test_distributed.py asserts each
+    entry itself)."""
+    a = options(argv)
+    if not a.out:
+        raise SystemExit("--out: the folder for the ranks' results is required")
+    try:
+        results = run_ranks(os.path.abspath(__file__), a.out, n=a.world, timeout=600,
+                            args=["--device", a.device, "--backend", a.backend])
+    except AssertionError as e:  # a rank failed, or a suite raised: its message says which
+        print(f"FAIL {e}")
+        return 1
     bad = total = 0
-    for r in range(a.world):  # a summary for logs (the test file asserts each entry)
-        with open(os.path.join(a.out, f"rank{r}.json")) as f:
-            for name, val in json.load(f).items():
-                total += 1
-                if isinstance(val, str) or not val[0] <= val[1]:
-                    bad += 1
-                    print(f"FAIL rank {r} {name}: {val if isinstance(val, list) else val[-800:]}")
+    for r, res in enumerate(results):
+        for name, val in res.items():
+            total += 1
+            if isinstance(val, str) or not val[0] <= val[1]:
+                bad += 1
+                print(f"FAIL rank {r} {name}: {val if isinstance(val, list) else val[-800:]}")
     print(f"distributed_cases world={a.world} device={a.device} backend={a.backend}: "
           f"{total - bad} of {total} checks within tolerance")
     return 1 if bad else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if len(sys.argv) > 1 and sys.argv[1].isdigit():  # one rank, started by run_ranks
+        opts = options(sys.argv[4:])
+        rank_main(lambda r: [suite(fn) for fn in SUITES[r.world]], world=None,
+                  setup=functools.partial(setup, opts.device), backend=opts.backend,
+                  timeout_s=None)
+    else:
+        sys.exit(main())

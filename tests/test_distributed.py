@@ -9,10 +9,7 @@ cp_group, tp_group or DTensor logits giving the plain op's results."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,23 +20,13 @@ import ppo_kernels as pk
 
 from helpers.asserts import raises_naming
 from helpers.inputs import PK_CU, PK_H, PK_S, PK_V, packed_batch
-from helpers.ranks import exclusive_cores
+from helpers.ranks import run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _launch(world, out_dir):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    with exclusive_cores():
-        proc = subprocess.run([sys.executable, os.path.join(HERE, "distributed_cases.py"),
-                               "--world", str(world), "--out", str(out_dir)],
-                              capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = []
-    for r in range(world):
-        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
-            results.append(json.load(f))
-    return results
+    return run_ranks(os.path.join(HERE, "distributed_cases.py"), out_dir, n=world, timeout=600)
 
 
 @pytest.fixture(scope="module", params=sorted(cases.SUITES))

@@ -1,7 +1,7 @@
 """The two-process cases of tests/test_lm_head.py: the from-hidden ops inside the trainers
 people run (DDP, FSDP2, DeepSpeed ZeRO-3), on 2 gloo processes (CPU):
 
-    python tests/trainer_cases.py RANK PORT OUT_DIR [all | torch]
+    python tests/trainer_cases.py RANK PORT OUT_DIR [all | torch]   (helpers/ranks.py)
 
 Every rank builds the same tiny model (embedding -> linear + tanh backbone -> LM head) and
 the same batch of 2 * B sequences; rank r trains on rows [r B, (r + 1) B). Each case runs
@@ -15,16 +15,17 @@ Each rank writes OUT_DIR/rank<r>.json: {case: {"loss": rel err, "grad": max rel 
 
 import contextlib
 import copy
-import datetime
-import json
+import functools
 import os
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 
 import ppo_kernels as pk
+
+from helpers.asserts import max_rel_err
+from helpers.ranks import case, rank_main
 
 B, T, V, H, VOCAB_IN = 3, 5, 13, 6, 17
 WORLD = 2
@@ -97,10 +98,6 @@ def reference(model, kind, batch):
     return loss.detach(), {k: p.grad.clone() for k, p in m.named_parameters()}
 
 
-def rel(a, b):
-    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
-
-
 def full_grad(p):
     g = p.grad
     if g is None:
@@ -114,11 +111,11 @@ def compare(loss_share, grads, want):
     tot = loss_share.detach().clone() / WORLD
     dist.all_reduce(tot)
     loss_ref, grads_ref = want
-    err = {"loss": rel(tot, loss_ref)}
+    err = {"loss": max_rel_err(tot, loss_ref)}
     missing = [k for k in grads_ref if grads.get(k) is None]
     if missing:
         raise AssertionError(f"no gradient for {missing}")
-    err["grad"] = max(rel(grads[k], grads_ref[k]) for k in grads_ref)
+    err["grad"] = max(max_rel_err(grads[k], grads_ref[k]) for k in grads_ref)
     return err
 
 
@@ -226,66 +223,57 @@ def zero3_case(model, kind, batch, rank):
     return loss, grads
 
 
-def worker(rank, port, out, which="all"):
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      DS_ACCELERATOR="cpu")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD,
-                            init_method=f"tcp://127.0.0.1:{port}",
-                            timeout=datetime.timedelta(seconds=60))
-    torch.manual_seed(0)
-    models = {b: Policy(bias=b) for b in (False, True)}
-    batch = data()
-    res = {}
+def against_reference(fn, model, kind, batch):
+    """The framework's run (fn) against the single-process run on the whole batch."""
+    loss, grads = fn()
+    return compare(loss, grads, reference(model, kind, batch))
 
-    def case(name, fn, model, kind):
-        try:
-            loss, grads = fn()
-            res[name] = compare(loss, grads, reference(model, kind, batch))
-        except Exception as e:  # recorded, the test fails on it
-            res[name] = f"error: {type(e).__name__}: {e} " + traceback.format_exc()[-1500:]
-        dist.barrier()
 
-    def save():
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(res, f)
+def setup(r):
+    """The two models (without and with a bias), built alike on every rank after the seed,
+    and the batch."""
+    return {b: Policy(bias=b) for b in (False, True)}, data()
 
+
+def cases(r):
+    """Every framework x op x layout (r.args[0] "torch": without DeepSpeed ZeRO-3)."""
+    (models, batch), rank = r.state, r.rank
+    out = []
     for kind in ("vanilla", "gspo", "logprobs"):
         for bias in (False, True):
             mdl = models[bias]
             tag = f"{kind}/bias={bias}"
             for fu in (False, True):
                 for head_as in ("module", "tensors"):
-                    case(f"ddp/find_unused={fu}/{head_as}/{tag}",
-                         lambda: ddp_case(mdl, kind, batch, rank, fu, head_as), mdl, kind)
+                    out.append(case(f"ddp/find_unused={fu}/{head_as}/{tag}", against_reference,
+                                    functools.partial(ddp_case, mdl, kind, batch, rank, fu,
+                                                      head_as), mdl, kind, batch))
             for layout in ("own_unit", "root_unit"):
                 for reshard in (True, False):
-                    case(f"fsdp2/{layout}/reshard={reshard}/{tag}",
-                         lambda: fsdp_case(mdl, kind, batch, rank, layout, reshard), mdl,
-                         kind)
-    case("fsdp2/root_unit/after_forward", lambda: fsdp_root_after_forward(
-        models[True], batch, rank), models[True], "vanilla")
-    res["fsdp2/root_unit/resharded_module_form"] = fsdp_resharded_root(models[False], batch,
-                                                                      rank)
-    dist.barrier()
-    if which == "all":
-        zero3_cases(rank, models, batch, res, case)
-    save()
-    dist.destroy_process_group()
+                    out.append(case(f"fsdp2/{layout}/reshard={reshard}/{tag}",
+                                    against_reference,
+                                    functools.partial(fsdp_case, mdl, kind, batch, rank,
+                                                      layout, reshard), mdl, kind, batch))
+    out.append(case("fsdp2/root_unit/after_forward", against_reference,
+                    functools.partial(fsdp_root_after_forward, models[True], batch, rank),
+                    models[True], "vanilla", batch))
+    out.append(case("fsdp2/root_unit/resharded_module_form", fsdp_resharded_root,
+                    models[False], batch, rank))
+    if (r.args or ["all"])[0] == "all":
+        out += zero3_cases(rank, models, batch)
+    return out
 
 
-def zero3_cases(rank, models, batch, res, case):
+def zero3_cases(rank, models, batch):
     try:
         import deepspeed  # noqa: F401
     except Exception as e:
-        res["deepspeed"] = f"absent: {type(e).__name__}: {e}"
-        return
-    for kind in ("vanilla", "gspo", "logprobs"):
-        mdl = models[True]
-        case(f"zero3/{kind}", lambda: zero3_case(mdl, kind, batch, rank), mdl, kind)
+        msg = f"absent: {type(e).__name__}: {e}"
+        return [case("deepspeed", lambda: msg)]
+    return [case(f"zero3/{kind}", against_reference,
+                 functools.partial(zero3_case, models[True], kind, batch, rank), models[True],
+                 kind, batch) for kind in ("vanilla", "gspo", "logprobs")]
 
 
 if __name__ == "__main__":
-    from rank_exit import run_then_exit
-
-    run_then_exit(worker, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], *sys.argv[4:])
+    rank_main(cases, seed=0, setup=setup, barrier_each=True, env=dict(DS_ACCELERATOR="cpu"))

@@ -1,7 +1,7 @@
 """The two-process case of tests/test_integrations_trl.py: TRL's GRPOTrainer and
 FusedGRPOTrainer trained under accelerate's DDP on CPU (gloo), 2 processes:
 
-    python tests/trl_ddp_cases.py RANK PORT OUT_DIR
+    python tests/trl_ddp_cases.py RANK PORT OUT_DIR   (helpers/ranks.py)
 
 For gradient_checkpointing False (transformers then wraps the model in DDP with
 find_unused_parameters=True, where a head used after the model's forward fails with
@@ -11,12 +11,12 @@ OUT_DIR/rank<r>.json: {"gc=<bool>": {"stock": ..., "fused": ...}} with the logs 
 dropped), the final parameters' checksum vector and the wrapper seen, or an error message.
 """
 
-import json
 import os
-import sys
 import traceback
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from helpers.ranks import case, rank_main  # noqa: E402
 
 
 def run(cls, out_dir, path, gc, **kw):
@@ -43,30 +43,32 @@ def run(cls, out_dir, path, gc, **kw):
             "processes": tr.accelerator.num_processes}
 
 
-def worker(rank, port, out):
+def save_model(r):
+    """The tiny model, saved where TRL loads the reference model from (before the
+    distributed environment is set)."""
     from test_integrations_trl import tiny_model
-    path = os.path.join(out, f"model{rank}")  # a path: TRL loads the reference model from it
-    tiny_model().save_pretrained(path)  # (before the distributed environment is set)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
-                      OMP_NUM_THREADS="1")
+    path = os.path.join(r.out, f"model{r.rank}")
+    tiny_model().save_pretrained(path)
+    return path
+
+
+def train(r, name, gc):
     from trl import GRPOTrainer
 
     from ppo_kernels.integrations.trl import FusedGRPOTrainer
-    res = {}
-    for gc in (False, True):
-        case = {}
-        for name, cls in (("stock", GRPOTrainer), ("fused", FusedGRPOTrainer)):
-            try:
-                case[name] = run(cls, os.path.join(out, f"{name}{gc}{rank}"), path, gc)
-            except Exception as e:  # recorded, the test fails on it
-                case[name] = f"error: {type(e).__name__}: {e} {traceback.format_exc()[-2500:]}"
-        res[f"gc={gc}"] = case
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(res, f)
+    cls = {"stock": GRPOTrainer, "fused": FusedGRPOTrainer}[name]
+    try:
+        return run(cls, os.path.join(r.out, f"{name}{gc}{r.rank}"), r.state, gc)
+    except Exception as e:  # recorded beside the other trainer's result, the test fails on it
+        return f"error: {type(e).__name__}: {e} {traceback.format_exc()[-2500:]}"
+
+
+def cases(r):
+    return [case(f"gc={gc}", lambda gc=gc: {name: train(r, name, gc)
+                                           for name in ("stock", "fused")})
+            for gc in (False, True)]
 
 
 if __name__ == "__main__":
-    from rank_exit import run_then_exit
-
-    run_then_exit(worker, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    # accelerate makes the process group itself, from the environment rank_main sets
+    rank_main(cases, prepare=save_model, group=False)

@@ -55,7 +55,7 @@ def run_ranks(script, out, n=2, timeout=180, args=()):
 
 
 def _run_ranks(script, out, n, timeout, args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WORLD_SIZE=str(n))
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, str(script), str(r), port, str(out),
                                *map(str, args)],
@@ -93,24 +93,27 @@ class Rank:
     state: object = None
 
 
-def case(name, fn):
-    """A case function for a result made elsewhere: ``fn(r)``'s value under ``name`` (its
-    error, if it raises, under the same name)."""
+def case(name, fn, *args, **kwargs):
+    """A case function whose one result is ``fn(*args, **kwargs)`` (bound now, run later),
+    recorded under ``name`` (its error too, if it raises)."""
     def run(r):
-        return {name: fn(r)}
+        return {name: fn(*args, **kwargs)}
     run.__name__ = name
     return run
 
 
 def rank_main(cases, *, world=2, seed=None, setup=None, group=True, backend="gloo",
-              timeout_s=60, barrier_each=False, env=None):
+              timeout_s=60, barrier_each=False, env=None, prepare=None):
     """The whole of a rank script's ``if __name__ == "__main__"``: reads ``RANK PORT OUT
     [ARGS]`` from sys.argv and runs this rank (tests/rank_exit.run_then_exit: the process
     leaves by os._exit once its results are written).
 
-    The rank sets OMP_NUM_THREADS=1, the torch.distributed environment variables (for the
-    frameworks that read them: accelerate, DeepSpeed) and ``env``; joins a ``backend``
-    process group of ``world`` ranks (``group``; ``timeout_s``: None for torch's default);
+    The rank runs ``prepare(r)`` into ``r.state`` first (what must happen before the
+    distributed environment exists: TRL's model saved to disk), then sets
+    OMP_NUM_THREADS=1, the torch.distributed environment variables (for the frameworks
+    that read them: accelerate, DeepSpeed) and ``env``; joins a ``backend`` process group
+    of ``world`` ranks (None: run_ranks' n, from WORLD_SIZE) when ``group`` is set
+    (``timeout_s``: None for torch's default);
     seeds torch's global generator (``seed``); runs ``setup(r)`` into ``r.state``; then
     each case: ``cases`` is a list of functions, or a function of r giving that list.
     Each case function returns a dict of results; an exception is recorded as
@@ -122,15 +125,18 @@ def rank_main(cases, *, world=2, seed=None, setup=None, group=True, backend="glo
     first."""
     from rank_exit import run_then_exit
 
+    world = int(os.environ["WORLD_SIZE"]) if world is None else world
     r = Rank(int(sys.argv[1]), world, sys.argv[3], sys.argv[4:])
     run_then_exit(_rank, r, int(sys.argv[2]), cases, seed, setup, group, backend, timeout_s,
-                  barrier_each, env or {})
+                  barrier_each, env or {}, prepare)
 
 
-def _rank(r, port, cases, seed, setup, group, backend, timeout_s, barrier_each, env):
+def _rank(r, port, cases, seed, setup, group, backend, timeout_s, barrier_each, env, prepare):
     import torch
     import torch.distributed as dist
 
+    if prepare is not None:
+        r.state = prepare(r)
     os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(r.rank), LOCAL_RANK=str(r.rank), WORLD_SIZE=str(r.world),
                       LOCAL_WORLD_SIZE=str(r.world), **env)
