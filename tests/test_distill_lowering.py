@@ -4,14 +4,9 @@ PTX and a cubin for sm_90 (catches what the interpreter lets through), for float
 bfloat16 and float64 logits, with and without the tail and the gradient. The compiler
 child is that of tests/test_triton_kernels_lowering.py."""
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-
 import pytest
 
+from helpers.child import run_child
 from test_triton_kernels_lowering import CHILD, ROOT, SMEM_LIMIT
 
 pytest.importorskip("triton")
@@ -38,16 +33,7 @@ for dt, acc in (("fp32", "fp32"), ("bf16", "fp32"), ("fp64", "fp64")):
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    if "TRITON_PTXAS_PATH" not in env and shutil.which("ptxas") is None and \
-            os.path.exists("/usr/local/cuda/bin/ptxas"):
-        env["TRITON_PTXAS_PATH"] = "/usr/local/cuda/bin/ptxas"
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(ROOT)], input=json.dumps(VARIANTS),
-                          capture_output=True, text=True, env=env, timeout=600)
-    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@JSON@@")]
-    assert marker, f"compiler child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(marker[-1][len("@@JSON@@"):])
+    return run_child(CHILD, ROOT, stdin=VARIANTS, what="compiler child")
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))

@@ -12,14 +12,11 @@ it set, by conftest.py). One child compiles every variant and reports
 JSON; the tests below assert on its report.
 """
 
-import json
-import os
 import pathlib
-import shutil
-import subprocess
-import sys
 
 import pytest
+
+from helpers.child import run_child
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 232448  # max dynamic shared memory per block on sm_90 (227 KiB)
@@ -224,19 +221,9 @@ print("@@JSON@@" + json.dumps(out))
 
 @pytest.fixture(scope="module")
 def compiled():
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    if "TRITON_PTXAS_PATH" not in env and shutil.which("ptxas") is None and \
-            os.path.exists("/usr/local/cuda/bin/ptxas"):
-        # triton ships a ptxas; this is only a fallback for installs without one
-        env["TRITON_PTXAS_PATH"] = "/usr/local/cuda/bin/ptxas"
     spec = {n: (*v, False) for n, v in VARIANTS.items()}
     spec.update({n: (*VARIANTS[base], True) for n, base in ALIGNED.items()})
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(ROOT)], input=json.dumps(spec),
-                          capture_output=True, text=True, env=env, timeout=600)
-    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@JSON@@")]
-    assert marker, f"compiler child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(marker[-1][len("@@JSON@@"):])
+    return run_child(CHILD, ROOT, stdin=spec, what="compiler child")
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -394,16 +381,7 @@ def launched():
 
     if not hasattr(jit, "create_function_from_signature"):
         pytest.skip("this triton has no create_function_from_signature binder")
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    if "TRITON_PTXAS_PATH" not in env and shutil.which("ptxas") is None and \
-            os.path.exists("/usr/local/cuda/bin/ptxas"):
-        env["TRITON_PTXAS_PATH"] = "/usr/local/cuda/bin/ptxas"
-    proc = subprocess.run([sys.executable, "-c", LAUNCH_CHILD, str(ROOT)], capture_output=True,
-                          text=True, env=env, timeout=600)
-    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@JSON@@")]
-    assert marker, f"launch child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return json.loads(marker[-1][len("@@JSON@@"):])
+    return run_child(LAUNCH_CHILD, ROOT, what="launch child")
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
@@ -505,17 +483,9 @@ PROBES = {0: "tl.exp (control)", 1: "exp_acc", 2: "expm1", 3: "expm1_minus_x", 4
 
 @pytest.fixture(scope="module")
 def probe_ptx(tmp_path_factory):
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    if "TRITON_PTXAS_PATH" not in env and shutil.which("ptxas") is None and \
-            os.path.exists("/usr/local/cuda/bin/ptxas"):
-        env["TRITON_PTXAS_PATH"] = "/usr/local/cuda/bin/ptxas"
-    proc = subprocess.run([sys.executable, "-c", PROBE_CHILD, str(ROOT),
-                           str(tmp_path_factory.mktemp("exp_probe"))], input=PROBE_SRC,
-                          capture_output=True, text=True, env=env, timeout=600)
-    marker = [ln for ln in proc.stdout.splitlines() if ln.startswith("@@JSON@@")]
-    assert marker, f"probe child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return {int(k): v for k, v in json.loads(marker[-1][len("@@JSON@@"):]).items()}
+    res = run_child(PROBE_CHILD, ROOT, tmp_path_factory.mktemp("exp_probe"), stdin=PROBE_SRC,
+                    what="probe child")
+    return {int(k): v for k, v in res.items()}
 
 
 @pytest.mark.parametrize("which", sorted(PROBES), ids=[PROBES[k] for k in sorted(PROBES)])
