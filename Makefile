@@ -16,7 +16,8 @@ demo: setup-demo
 	$(PY) examples/ppo_demo.py --out out/ppo_demo.png
 
 # one pytest-xdist worker per core; --dist loadgroup keeps the tests that read one
-# multi-process launch on one worker (tests/conftest.py, exclusive_cores)
+# multi-process launch on one worker (tests/conftest.py; tests/helpers/ranks.py,
+# exclusive_cores)
 test: setup
 	$(PY) -m pytest -q -n auto --dist loadgroup --durations=10
 

@@ -174,7 +174,7 @@ check_middle() {
   "$PY" -m venv "$venv"
   # numpy<2.4: torch 2.11 brings triton 3.6, whose interpreter (the Triton cases on CPU)
   # fails with NumPy 2.4 (https://github.com/triton-lang/triton/issues/9171); with it the
-  # cases would only skip (tests/conftest.py _interpreter_broken)
+  # cases would only skip (tests/helpers/backends.py _interpreter_broken)
   quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$MIDDLE_TORCH.*" "numpy<2.4" \
     "setuptools>=77" ninja pytest pytest-xdist hypothesis expecttest
   echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"

@@ -14,42 +14,10 @@ from ppo_kernels import from_hidden as fh
 from ppo_kernels import reference as ref
 
 from helpers.backends import triton_interpreter
+from helpers.inputs import head_inputs, head_logits
 
 POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token", "dppo-tv", "dppo-kl",
                  "vespo")
-
-
-def make(B=3, T=5, H=6, V=13, *, dtype=torch.float32, seed=0, extra_pos=False, bias=False,
-         scale=0.7):
-    g = torch.Generator().manual_seed(seed)
-    Tl = T + 1 if extra_pos else T
-    hidden = torch.randn(B, Tl, H, generator=g, dtype=torch.float64)
-    W = torch.randn(V, H, generator=g, dtype=torch.float64) * scale
-    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.3 if bias else None
-    tokens = torch.randint(0, V, (B, T), generator=g)
-    mask = torch.rand(B, T, generator=g) > 0.25
-    mask[0, :2] = False  # left padding
-    if B > 2:
-        mask[2] = False  # an empty row
-        mask[1] = True
-    with torch.no_grad():
-        logits = torch.nn.functional.linear(hidden[:, :T], W, b)
-        lp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
-    old = (lp + 0.15 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
-    refl = (lp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
-    roll = (old + 0.1 * torch.randn(B, T, generator=g)).float()
-    adv = torch.randn(B, T, generator=g)
-    hidden = hidden.to(dtype).requires_grad_()
-    W = W.to(dtype).requires_grad_()
-    if b is not None:
-        b = b.to(dtype).requires_grad_()
-    return dict(hidden=hidden, W=W, b=b, tokens=tokens, mask=mask, old=old, ref=refl,
-                roll=roll, adv=adv)
-
-
-def logits_of(hidden, W, b=None, cap=None):
-    x = torch.nn.functional.linear(hidden, W, b)
-    return x if cap is None else cap * torch.tanh(x / cap)
 
 
 def params(d):
@@ -76,7 +44,7 @@ def run_pair(d, *, cap=None, chunk_size=3, layout="btH", **kw):
                                       lm_head_bias=d["b"], logit_softcap=cap,
                                       chunk_size=chunk_size, **kw)
     g = grads(loss if loss.dim() == 0 else loss.sum(), d)
-    loss2, m2 = pk.ppo_loss(logits_of(hh, d["W"], d["b"], cap), tok, old, adv, mask, rl,
+    loss2, m2 = pk.ppo_loss(head_logits(hh, d["W"], d["b"], cap), tok, old, adv, mask, rl,
                             backend="cpu", **kw)
     g2 = grads(loss2 if loss2.dim() == 0 else loss2.sum(), d)
     return (loss, m, g), (loss2, m2, g2)
@@ -104,7 +72,7 @@ KL_ENT = dict(kl_coef=0.1, ref_logprobs=None, entropy_coef=0.01)
 @pytest.mark.parametrize("policy_loss", POLICY_LOSSES)
 @pytest.mark.parametrize("chunk", ["1", "3", "N", "N+5"])
 def test_every_policy_loss_every_chunking(policy_loss, chunk):
-    d = make(seed=POLICY_LOSSES.index(policy_loss))
+    d = head_inputs(seed=POLICY_LOSSES.index(policy_loss))
     n = d["tokens"].numel()
     c = {"1": 1, "3": 3, "N": n, "N+5": n + 5}[chunk]
     assert_pair(*run_pair(d, chunk_size=c, policy_loss=policy_loss, kl_coef=0.1,
@@ -128,7 +96,7 @@ def test_every_policy_loss_every_chunking(policy_loss, chunk):
     dict(old_logprobs=None),
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_options(kw):
-    d = make(seed=11)
+    d = head_inputs(seed=11)
     kw = dict(kw)
     if "rollout_correction" in kw or "off_policy_mask_threshold" in kw:
         kw["rollout_logprobs"] = d["roll"]
@@ -138,7 +106,7 @@ def test_options(kw):
 
 
 def test_rollout_is_weights_per_sequence():
-    d = make(seed=12)
+    d = head_inputs(seed=12)
     isw = torch.rand(3) + 0.5
     assert_pair(*run_pair(d, rollout_is_weights=isw, kl_coef=0.1))
 
@@ -146,7 +114,7 @@ def test_rollout_is_weights_per_sequence():
 @pytest.mark.parametrize("layout", ["btH", "bt1H", "NH"])
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 def test_layouts(layout, policy_loss):
-    d = make(seed=3, extra_pos=layout == "bt1H")
+    d = head_inputs(seed=3, extra_pos=layout == "bt1H")
     (loss, m, g), b = run_pair(d, layout=layout, policy_loss=policy_loss, entropy_coef=0.01)
     assert_pair((loss, m, g), b)
     if layout == "bt1H":
@@ -155,7 +123,7 @@ def test_layouts(layout, policy_loss):
 
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo-token"])
 def test_masked_rows_get_zero_gradient(policy_loss):
-    d = make(seed=4)
+    d = head_inputs(seed=4)
     a, b = run_pair(d, policy_loss=policy_loss, kl_coef=0.1, entropy_coef=0.02)
     assert_pair(a, b)
     assert (a[2][0][~d["mask"]] == 0).all()
@@ -164,7 +132,7 @@ def test_masked_rows_get_zero_gradient(policy_loss):
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 @pytest.mark.parametrize("cap", [None, 2.5])
 def test_bias_and_softcap_against_unfused(policy_loss, cap):
-    d = make(seed=5, bias=True)
+    d = head_inputs(seed=5, bias=True)
     assert_pair(*run_pair(d, cap=cap, policy_loss=policy_loss, kl_coef=0.1, entropy_coef=0.03,
                           temperature=0.9))
 
@@ -174,7 +142,7 @@ def test_bias_and_softcap_against_unfused(policy_loss, cap):
 def test_nan_on_masked_positions_stays_out(policy_loss, backend):
     """NaN hidden states and per-token inputs on padded positions: the result is that of
     the same batch with them zeroed (the unfused op would carry the NaN hidden into dW)."""
-    d = make(seed=28, bias=True)
+    d = head_inputs(seed=28, bias=True)
     pad = ~d["mask"]
     kw = dict(policy_loss=policy_loss, kl_coef=0.1, entropy_coef=0.01, chunk_size=4,
               backend=backend)
@@ -202,7 +170,7 @@ def test_softcap_against_numpy_reference(policy_loss):
     """The fused result in float64 against ppo_kernels.reference on z = cap * tanh(h W^T /
     cap), its gradient chained by hand: dx = dz (1 - tanh^2), dh = dx W, dW = dx^T h."""
     cap = 1.5
-    d = make(seed=6, dtype=torch.float64, bias=True, scale=1.2)
+    d = head_inputs(seed=6, dtype=torch.float64, bias=True, scale=1.2)
     loss, m = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"], d["adv"],
                                       d["mask"], d["ref"], lm_head_bias=d["b"],
                                       logit_softcap=cap, chunk_size=4, policy_loss=policy_loss,
@@ -227,7 +195,7 @@ def test_softcap_against_numpy_reference(policy_loss):
 
 @pytest.mark.parametrize("frozen", ["W", "hidden", "bias", "W+bias"])
 def test_frozen_inputs(frozen):
-    d = make(seed=7, bias=True)
+    d = head_inputs(seed=7, bias=True)
     if "W" in frozen:
         d["W"].requires_grad_(False)
     if "bias" in frozen:
@@ -240,19 +208,19 @@ def test_frozen_inputs(frozen):
 
 
 def test_everything_frozen_and_no_grad():
-    d = make(seed=8)
+    d = head_inputs(seed=8)
     with torch.no_grad():
         loss, m = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"], d["adv"],
                                           d["mask"], chunk_size=2, policy_loss="gspo")
     assert not loss.requires_grad
-    loss2, m2 = pk.ppo_loss(logits_of(d["hidden"], d["W"]).detach(), d["tokens"], d["old"],
+    loss2, m2 = pk.ppo_loss(head_logits(d["hidden"], d["W"]).detach(), d["tokens"], d["old"],
                             d["adv"], d["mask"], policy_loss="gspo", backend="cpu")
     torch.testing.assert_close(loss, loss2)
 
 
 def test_tied_embeddings():
     """W shared with the input embedding: both paths' gradients add up on W."""
-    d = make(seed=9)
+    d = head_inputs(seed=9)
     W = d["W"]
     ids = torch.randint(0, W.shape[0], d["hidden"].shape[:2])
 
@@ -262,7 +230,7 @@ def test_tied_embeddings():
     loss, _ = pk.ppo_loss_from_hidden(model(), W, d["tokens"], d["old"], d["adv"], d["mask"],
                                       chunk_size=4)
     g = torch.autograd.grad(loss, (W, d["hidden"]))
-    loss2, _ = pk.ppo_loss(logits_of(model(), W), d["tokens"], d["old"], d["adv"], d["mask"],
+    loss2, _ = pk.ppo_loss(head_logits(model(), W), d["tokens"], d["old"], d["adv"], d["mask"],
                            backend="cpu")
     g2 = torch.autograd.grad(loss2, (W, d["hidden"]))
     torch.testing.assert_close(loss, loss2)
@@ -272,7 +240,7 @@ def test_tied_embeddings():
 
 def test_transposed_weight_view():
     """W given as E.t() of an [H, V] matrix (strides (1, V)): the gradient reaches E."""
-    d = make(seed=27)
+    d = head_inputs(seed=27)
     E = d["W"].detach().t().contiguous().requires_grad_()
     args = (d["tokens"], d["old"], d["adv"], d["mask"])
     loss, _ = pk.ppo_loss_from_hidden(d["hidden"], E.t(), *args, chunk_size=4)
@@ -300,14 +268,14 @@ def test_bf16(policy_loss, cap):
     """bf16 hidden and W: gradients in bf16, within 2e-2 (relative to the gradient's scale)
     of the unfused bf16 op, and no further from the float64 result than the unfused bf16
     op is (both are about 1e-2 off it: bf16 logits)."""
-    d = make(B=4, T=6, H=16, V=40, seed=10, dtype=torch.bfloat16, bias=True)
+    d = head_inputs(B=4, T=6, H=16, V=40, seed=10, dtype=torch.bfloat16, bias=True)
     kw = dict(policy_loss=policy_loss, kl_coef=0.05, entropy_coef=0.01)
     a, b = run_pair(d, cap=cap, chunk_size=5, **kw)
     for x, p in zip(a[2], params(d)):
         assert x.dtype == torch.bfloat16 and x.shape == p.shape
     assert_pair(a, b, rtol=1e-2, atol=1e-3, grad_rtol=2e-2)
     p64 = [p.detach().double().requires_grad_() for p in params(d)]
-    loss64, _ = pk.ppo_loss(logits_of(*p64, cap), d["tokens"], d["old"], d["adv"], d["mask"],
+    loss64, _ = pk.ppo_loss(head_logits(*p64, cap), d["tokens"], d["old"], d["adv"], d["mask"],
                             d["ref"], backend="cpu", **kw)
     for x, y, z in zip(a[2], b[2], torch.autograd.grad(loss64, p64)):
         scale = z.abs().max()
@@ -320,13 +288,13 @@ def test_bf16_dw_accumulates_in_float32():
     """One row per chunk: dW is the float32 sum of the chunks' bf16 products, rounded to
     bf16 once; summing in bf16 would drift."""
     B, T, H, V = 8, 32, 8, 32
-    d = make(B=B, T=T, H=H, V=V, seed=13, dtype=torch.bfloat16)
+    d = head_inputs(B=B, T=T, H=H, V=V, seed=13, dtype=torch.bfloat16)
     d["hidden"].requires_grad_(False)
     loss, _ = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"], d["adv"],
                                       d["mask"], chunk_size=1, loss_agg_mode="token-sum")
     (gw,) = torch.autograd.grad(loss, d["W"])
     assert gw.dtype == torch.bfloat16
-    x = logits_of(d["hidden"], d["W"]).detach().requires_grad_()
+    x = head_logits(d["hidden"], d["W"]).detach().requires_grad_()
     loss2, _ = pk.ppo_loss(x, d["tokens"], d["old"], d["adv"], d["mask"],
                            loss_agg_mode="token-sum", backend="cpu")
     (dx,) = torch.autograd.grad(loss2, x)
@@ -346,8 +314,8 @@ def test_bf16_dw_accumulates_in_float32():
 
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 def test_grad_scale_and_rescaled_backward(policy_loss):
-    d = make(seed=14, bias=True)
-    loss2, _ = pk.ppo_loss(logits_of(d["hidden"], d["W"], d["b"]), d["tokens"], d["old"],
+    d = head_inputs(seed=14, bias=True)
+    loss2, _ = pk.ppo_loss(head_logits(d["hidden"], d["W"], d["b"]), d["tokens"], d["old"],
                            d["adv"], d["mask"], policy_loss=policy_loss, backend="cpu")
     g_ref = torch.autograd.grad(loss2, params(d))
     for gs, div in [(1.0, 3.0), (0.25, 4.0), (0.25, 1.0), (2.0, 0.5)]:
@@ -372,8 +340,8 @@ def test_grad_scale_and_rescaled_backward(policy_loss):
 def test_gradients_accumulate(policy_loss):
     """.grad accumulates over a retained graph's two backwards and over two forwards (the
     saved buffers are not handed out as .grad and then rescaled under it)."""
-    d = make(seed=30, bias=True)
-    loss2, _ = pk.ppo_loss(logits_of(d["hidden"], d["W"], d["b"]), d["tokens"], d["old"],
+    d = head_inputs(seed=30, bias=True)
+    loss2, _ = pk.ppo_loss(head_logits(d["hidden"], d["W"], d["b"]), d["tokens"], d["old"],
                            d["adv"], d["mask"], policy_loss=policy_loss, backend="cpu")
     g_ref = torch.autograd.grad(loss2, params(d))
 
@@ -396,7 +364,7 @@ def test_gradients_accumulate(policy_loss):
 @pytest.mark.parametrize("policy_loss", ["vanilla", "sapo", "gspo"])
 @pytest.mark.parametrize("cap", [None, 2.0])
 def test_gradcheck(policy_loss, cap):
-    d = make(B=2, T=3, H=4, V=5, seed=15, dtype=torch.float64, bias=True)
+    d = head_inputs(B=2, T=3, H=4, V=5, seed=15, dtype=torch.float64, bias=True)
     d["mask"][1, 1] = False
 
     def f(h, w, b):
@@ -413,7 +381,7 @@ def test_gradcheck(policy_loss, cap):
 @pytest.mark.parametrize("layout", ["btH", "bt1H", "NH"])
 @pytest.mark.parametrize("cap", [None, 2.0])
 def test_token_logprobs_from_hidden(layout, cap):
-    d = make(seed=16, extra_pos=layout == "bt1H", bias=True)
+    d = head_inputs(seed=16, extra_pos=layout == "bt1H", bias=True)
     T = d["tokens"].shape[1]
     h, tok, mask = d["hidden"], d["tokens"], d["mask"]
     if layout == "NH":
@@ -423,7 +391,7 @@ def test_token_logprobs_from_hidden(layout, cap):
     lp, ent = pk.token_logprobs_from_hidden(h, d["W"], tok, mask, lm_head_bias=d["b"],
                                             logit_softcap=cap, temperature=0.8,
                                             return_entropy=True, chunk_size=4)
-    lp2, ent2 = pk.token_logprobs(logits_of(h, d["W"], d["b"], cap), tok, mask,
+    lp2, ent2 = pk.token_logprobs(head_logits(h, d["W"], d["b"], cap), tok, mask,
                                   temperature=0.8, return_entropy=True, backend="cpu")
     torch.testing.assert_close(lp, lp2)
     torch.testing.assert_close(ent, ent2)
@@ -434,7 +402,7 @@ def test_token_logprobs_from_hidden(layout, cap):
     # logp only
     lp = pk.token_logprobs_from_hidden(h, d["W"], tok, mask, lm_head_bias=d["b"],
                                        logit_softcap=cap, chunk_size=1)
-    lp2 = pk.token_logprobs(logits_of(h, d["W"], d["b"], cap), tok, mask, backend="cpu")
+    lp2 = pk.token_logprobs(head_logits(h, d["W"], d["b"], cap), tok, mask, backend="cpu")
     ga = torch.autograd.grad((lp * w1).sum(), params(d))
     gb = torch.autograd.grad((lp2 * w1).sum(), params(d))
     for x, y in zip(ga, gb):
@@ -444,7 +412,7 @@ def test_token_logprobs_from_hidden(layout, cap):
 
 
 def test_token_logprobs_from_hidden_gradcheck():
-    d = make(B=2, T=3, H=4, V=5, seed=17, dtype=torch.float64, bias=True)
+    d = head_inputs(B=2, T=3, H=4, V=5, seed=17, dtype=torch.float64, bias=True)
 
     def f(h, w, b):
         lp, ent = pk.token_logprobs_from_hidden(h, w, d["tokens"], d["mask"], lm_head_bias=b,
@@ -457,14 +425,14 @@ def test_token_logprobs_from_hidden_gradcheck():
 
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 def test_loss_agg_mode_none(policy_loss):
-    d = make(seed=18, bias=True)
+    d = head_inputs(seed=18, bias=True)
     assert_pair(*run_pair(d, cap=2.0, loss_agg_mode="none", policy_loss=policy_loss,
                           kl_coef=0.1, entropy_coef=0.01))
 
 
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 def test_torch_backend_is_the_composite(policy_loss):
-    d = make(seed=19, bias=True)
+    d = head_inputs(seed=19, bias=True)
     kw = dict(lm_head_bias=d["b"], logit_softcap=2.0, policy_loss=policy_loss, kl_coef=0.1,
               entropy_coef=0.01)
     args = (d["hidden"], d["W"], d["tokens"], d["old"], d["adv"], d["mask"], d["ref"])
@@ -479,7 +447,7 @@ def test_torch_backend_is_the_composite(policy_loss):
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 def test_triton_backend_interpreter(policy_loss):
     """The Triton ops on the chunks (interpreter: small shapes)."""
-    d = make(B=2, T=5, H=6, V=13, seed=25, bias=True)
+    d = head_inputs(B=2, T=5, H=6, V=13, seed=25, bias=True)
     kw = dict(lm_head_bias=d["b"], logit_softcap=2.0, policy_loss=policy_loss, kl_coef=0.1,
               entropy_coef=0.01, chunk_size=3)
     args = (d["hidden"], d["W"], d["tokens"], d["old"], d["adv"], d["mask"], d["ref"])
@@ -497,7 +465,7 @@ def test_triton_backend_interpreter(policy_loss):
 
 @pytest.mark.parametrize("flat", [False, True])
 def test_torch_backend_token_logprobs_and_none(flat):
-    d = make(seed=26, bias=True)
+    d = head_inputs(seed=26, bias=True)
     h, tok, mask, old, adv = d["hidden"], d["tokens"], d["mask"], d["old"], d["adv"]
     if flat:
         h = h.reshape(-1, h.shape[-1])
@@ -545,7 +513,7 @@ def _largest_vocab_tensor(shapes, V):
 @pytest.mark.parametrize("cap", [None, 2.0])
 def test_no_tensor_larger_than_a_chunk(policy_loss, cap):
     B, T, H, V, c = 4, 16, 2, 50, 3  # N V = 3200 > V H = 100 and N H = 128
-    d = make(B=B, T=T, H=H, V=V, seed=20, bias=True)
+    d = head_inputs(B=B, T=T, H=H, V=V, seed=20, bias=True)
     spy_calls = []
     real = fh.chunk_logits
 
@@ -572,7 +540,7 @@ def test_no_tensor_larger_than_a_chunk(policy_loss, cap):
     assert biggest == c * V, biggest  # the chunk's logits and nothing larger
     # the instrument does see [N, V] when the logits are materialised
     with _Sizes() as sizes2:
-        loss2, _ = pk.ppo_loss(logits_of(d["hidden"], d["W"], d["b"], cap), d["tokens"],
+        loss2, _ = pk.ppo_loss(head_logits(d["hidden"], d["W"], d["b"], cap), d["tokens"],
                                d["old"], d["adv"], d["mask"], policy_loss=policy_loss,
                                entropy_coef=0.01, backend="cpu")
         loss2.backward()
@@ -581,7 +549,7 @@ def test_no_tensor_larger_than_a_chunk(policy_loss, cap):
 
 def test_token_logprobs_no_tensor_larger_than_a_chunk():
     B, T, H, V, c = 4, 16, 2, 50, 5
-    d = make(B=B, T=T, H=H, V=V, seed=21)
+    d = head_inputs(B=B, T=T, H=H, V=V, seed=21)
     with _Sizes() as sizes:
         lp, ent = pk.token_logprobs_from_hidden(d["hidden"], d["W"], d["tokens"], d["mask"],
                                                 return_entropy=True, chunk_size=c)
@@ -593,7 +561,7 @@ def test_default_chunk_size():
     assert fh.default_chunk_size(32000, torch.bfloat16) == (256 << 20) // (32000 * 2)
     assert fh.default_chunk_size(151936, torch.float32) == (256 << 20) // (151936 * 4)
     assert fh.default_chunk_size(1 << 40, torch.float32) == 1
-    d = make(seed=22)
+    d = head_inputs(seed=22)
     assert_pair(*run_pair(d, chunk_size=None))
 
 
@@ -630,19 +598,19 @@ def _call(d, **over):
     (lambda d: dict(backend="nope"), ValueError, "backend"),
 ])
 def test_bad_inputs(over, exc, name):
-    d = make(seed=23)
+    d = head_inputs(seed=23)
     with pytest.raises(exc, match=name):
         _call(d, **over(d))
 
 
 def test_float16_runs_and_matches():
-    d = make(B=2, T=4, H=8, V=20, seed=29, dtype=torch.float16)
+    d = head_inputs(B=2, T=4, H=8, V=20, seed=29, dtype=torch.float16)
     a, b = run_pair(d, grad_scale=1024.0, kl_coef=0.1)
     assert_pair(a, b, rtol=1e-2, atol=1e-3, grad_rtol=2e-2)
 
 
 def test_bad_inputs_token_logprobs():
-    d = make(seed=24)
+    d = head_inputs(seed=24)
     with pytest.raises(ValueError, match="chunk_size"):
         pk.token_logprobs_from_hidden(d["hidden"], d["W"], d["tokens"], chunk_size=0)
     with pytest.raises(ValueError, match="lm_head_weight"):
@@ -673,14 +641,14 @@ def _assert_rollout(a, b, **tol):
 @pytest.mark.parametrize("est,whiten", [("k1", True), ("k3", False), ("k2", True),
                                         ("abs", True)])
 def test_score_rollout_from_hidden(chunk, est, whiten):
-    d = make(B=4, T=6, seed=31)
+    d = head_inputs(B=4, T=6, seed=31)
     values, scores = _rollout_inputs(d)
     kw = dict(kl_coef=0.1, kl_estimator=est, gamma=0.99, lam=0.9, temperature=0.8,
               whiten=whiten)
     got = pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
                                        scores, d["mask"], chunk_size=chunk, **kw)
     with torch.no_grad():
-        logits = logits_of(d["hidden"], d["W"])
+        logits = head_logits(d["hidden"], d["W"])
     want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, d["mask"],
                             backend="cpu", **kw)
     _assert_rollout(got, want)
@@ -689,14 +657,14 @@ def test_score_rollout_from_hidden(chunk, est, whiten):
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_score_rollout_from_hidden_vapo_lambdas(backend):
     """VAPO's decoupled and length-adaptive lambda reach the GAE of the from-hidden path."""
-    d = make(B=4, T=6, seed=32)
+    d = head_inputs(B=4, T=6, seed=32)
     values, scores = _rollout_inputs(d)
     kw = dict(kl_coef=0.1, gamma=0.99, lam="length-adaptive", lam_alpha=0.5, value_lam=1.0,
               whiten=False)
     got = pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
                                        scores, d["mask"], chunk_size=3, backend=backend, **kw)
     with torch.no_grad():
-        logits = logits_of(d["hidden"], d["W"])
+        logits = head_logits(d["hidden"], d["W"])
     want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, d["mask"],
                             backend="cpu", **kw)
     _assert_rollout(got, want)
@@ -712,7 +680,7 @@ def test_score_rollout_from_hidden_vapo_lambdas(backend):
 @pytest.mark.parametrize("extra_pos", [False, True])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_score_rollout_from_hidden_bias_softcap_layouts(cap, extra_pos, backend):
-    d = make(B=3, T=5, seed=32, bias=True, extra_pos=extra_pos)
+    d = head_inputs(B=3, T=5, seed=32, bias=True, extra_pos=extra_pos)
     values, scores = _rollout_inputs(d, seed=33)
     mask = d["mask"].float()  # a float mask, as the demo passes it
     kw = dict(kl_coef=0.05)
@@ -720,7 +688,7 @@ def test_score_rollout_from_hidden_bias_softcap_layouts(cap, extra_pos, backend)
                                        scores, mask, lm_head_bias=d["b"], logit_softcap=cap,
                                        chunk_size=2, backend=backend, **kw)
     with torch.no_grad():
-        logits = logits_of(d["hidden"], d["W"], d["b"], cap)  # [B, T + 1, V] with extra_pos
+        logits = head_logits(d["hidden"], d["W"], d["b"], cap)  # [B, T + 1, V] with extra_pos
     want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, mask,
                             backend="cpu", **kw)
     _assert_rollout(got, want)
@@ -731,14 +699,14 @@ def test_score_rollout_from_hidden_bias_softcap_layouts(cap, extra_pos, backend)
 
 @pytest.mark.parametrize("cap", [None, 3.0])
 def test_score_rollout_from_hidden_bf16(cap):
-    d = make(B=3, T=8, H=16, V=40, seed=34, dtype=torch.bfloat16, bias=True)
+    d = head_inputs(B=3, T=8, H=16, V=40, seed=34, dtype=torch.bfloat16, bias=True)
     values, scores = _rollout_inputs(d, seed=35)
     kw = dict(kl_coef=0.1, kl_estimator="k3", whiten=False)
     got = pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
                                        scores, d["mask"], lm_head_bias=d["b"],
                                        logit_softcap=cap, chunk_size=5, **kw)
     with torch.no_grad():
-        logits = logits_of(d["hidden"], d["W"], d["b"], cap)  # bf16, as the model's
+        logits = head_logits(d["hidden"], d["W"], d["b"], cap)  # bf16, as the model's
     want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, d["mask"],
                             backend="cpu", **kw)
     _assert_rollout(got, want, rtol=1e-2, atol=1e-2)
@@ -753,12 +721,12 @@ def test_score_rollout_from_hidden_bf16(cap):
 
 
 def test_score_rollout_from_hidden_float64_and_no_grad_graph():
-    d = make(B=2, T=4, seed=36, dtype=torch.float64)
+    d = head_inputs(B=2, T=4, seed=36, dtype=torch.float64)
     values, scores = _rollout_inputs(d, seed=37)
     got = pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
                                        scores, d["mask"], kl_coef=0.2, chunk_size=3)
     with torch.no_grad():
-        logits = logits_of(d["hidden"], d["W"])
+        logits = head_logits(d["hidden"], d["W"])
     want = pk.score_rollout(logits, d["tokens"], d["ref"], values, scores, d["mask"],
                             kl_coef=0.2, backend="cpu")
     _assert_rollout(got, want)  # float32 outputs (the inputs require grad: none is tracked)
@@ -767,7 +735,7 @@ def test_score_rollout_from_hidden_float64_and_no_grad_graph():
 
 def test_score_rollout_from_hidden_no_tensor_larger_than_a_chunk():
     B, T, H, V, c = 4, 16, 2, 50, 5
-    d = make(B=B, T=T, H=H, V=V, seed=38, bias=True)
+    d = head_inputs(B=B, T=T, H=H, V=V, seed=38, bias=True)
     values, scores = _rollout_inputs(d, seed=39)
     with _Sizes() as sizes:
         pk.score_rollout_from_hidden(d["hidden"], d["W"], d["tokens"], d["ref"], values,
@@ -801,7 +769,7 @@ def test_score_rollout_from_hidden_no_tensor_larger_than_a_chunk():
     (lambda d, v, s: dict(backend="nope"), ValueError, "backend"),
 ])
 def test_score_rollout_from_hidden_bad_inputs(over, exc, name):
-    d = make(seed=40)
+    d = head_inputs(seed=40)
     values, scores = _rollout_inputs(d, seed=41)
     a = dict(hidden=d["hidden"], lm_head_weight=d["W"], tokens=d["tokens"],
              ref_logprobs=d["ref"], values=values, scores=scores, response_mask=d["mask"],

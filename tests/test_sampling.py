@@ -12,41 +12,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
-from helpers.asserts import assert_close_np, assert_grad_close
-from helpers.backends import BACKENDS_CPU, CPU, TORCH, TRITON_DEVICE
 from ppo_kernels import reference as ref
-from ppo_kernels.sampling import SamplingMask
 
-pk_SamplingMask = getattr(pk, "SamplingMask", SamplingMask)
+from helpers.asserts import assert_close_np, assert_grad_close
+from helpers.backends import BACKENDS_CPU, TRITON_DEVICE
+from helpers.inputs import random_csr
 
 # cpu, torch and triton (the interpreter, small shapes: V <= 300, B * T <= 16)
 REPLAY_BACKENDS = BACKENDS_CPU
 
 
 # ------------------------------------------------------------------ helpers
-
-def random_csr(B, T, V, gen, *, kmax=6, tokens=None, drop_token_frac=0.0, empty_frac=0.0):
-    """A random SamplingMask over B * T rows and the dense bool [B, T, V] it encodes; the
-    sampled token is in its set unless dropped (drop_token_frac of the rows)."""
-    ids, offs, dense = [], [0], torch.zeros(B * T, V, dtype=torch.bool)
-    for i in range(B * T):
-        if torch.rand((), generator=gen) < empty_frac:
-            offs.append(offs[-1])
-            continue
-        k = int(torch.randint(1, min(kmax, V) + 1, (), generator=gen))
-        row = torch.randperm(V, generator=gen)[:k]
-        if tokens is not None:
-            y = int(tokens.reshape(-1)[i])
-            drop = torch.rand((), generator=gen) < drop_token_frac
-            row = row[row != y]
-            if not drop:
-                row = torch.cat([row, torch.tensor([y])])
-        ids.append(row)
-        offs.append(offs[-1] + len(row))
-        dense[i, row] = True
-    ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.long)
-    return pk_SamplingMask(ids, torch.tensor(offs)), dense.view(B, T, V)
-
 
 def inputs(B, T, V, gen, dtype=torch.float64, scale=2.0):
     logits = (torch.randn(B, T, V, generator=gen, dtype=torch.float64) * scale).to(dtype)
@@ -185,17 +161,25 @@ def test_token_logprobs_given_mask(be, dtype):
 
 
 @pytest.mark.parametrize("be", REPLAY_BACKENDS)
-def test_gradcheck_float64(be):
-    gen = torch.Generator().manual_seed(3)
+@pytest.mark.parametrize("temperature", ["scalar", "per_sequence", "per_token"])
+def test_gradcheck_float64(be, temperature):
+    """gradcheck of the kept-set log-probs, full log-probs and both entropies, given and
+    re-derived sets, at a scalar temperature (0.8), a [B] one or a [B, T] one."""
+    gen = torch.Generator().manual_seed(3 if temperature == "scalar" else 23)
     B, T, V = 2, 3, 9
     logits, tokens, mask = inputs(B, T, V, gen)
     sm, _ = random_csr(B, T, V, gen, tokens=tokens, drop_token_frac=0.3)
+    if temperature == "scalar":
+        temp = 0.8
+    else:
+        t_seq, t_tok = _row_temps(B, T, gen)
+        temp = t_seq if temperature == "per_sequence" else t_tok
     for kw in (dict(sampling_mask=sm), dict(top_k=4, top_p=0.8)):
         def f(x):
-            a, b, c = pk.token_logprobs(x, tokens, mask, temperature=0.8, return_full=True,
+            a, b, c = pk.token_logprobs(x, tokens, mask, temperature=temp, return_full=True,
                                         return_entropy=True, backend=be.name, **kw)
-            a2, d = pk.token_logprobs(x, tokens, mask, temperature=0.8, return_entropy=True,
-                                      entropy_over="kept", backend=be.name, **kw)
+            _, d = pk.token_logprobs(x, tokens, mask, temperature=temp, return_entropy=True,
+                                     entropy_over="kept", backend=be.name, **kw)
             return a, b, c, d
         assert torch.autograd.gradcheck(f, (logits.clone().requires_grad_(True),))
 
@@ -206,7 +190,7 @@ def test_full_vocabulary_set_is_no_mask(be):
     gen = torch.Generator().manual_seed(4)
     B, T, V = 2, 4, 11
     logits, tokens, mask = inputs(B, T, V, gen, dtype=torch.float32)
-    sm = pk_SamplingMask(torch.arange(V).repeat(B * T), torch.arange(B * T + 1) * V)
+    sm = pk.SamplingMask(torch.arange(V).repeat(B * T), torch.arange(B * T + 1) * V)
     a = pk.token_logprobs(logits, tokens, mask, sampling_mask=sm, backend=be.name)
     b = pk.token_logprobs(logits, tokens, mask, backend=be.name)
     torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
@@ -221,14 +205,14 @@ def test_one_token_set_and_v1(be):
     gen = torch.Generator().manual_seed(5)
     B, T, V = 2, 3, 8
     logits, tokens, mask = inputs(B, T, V, gen)
-    sm = pk_SamplingMask(tokens.reshape(-1).clone(), torch.arange(B * T + 1))
+    sm = pk.SamplingMask(tokens.reshape(-1).clone(), torch.arange(B * T + 1))
     x = logits.clone().requires_grad_(True)
     lp = pk.token_logprobs(x, tokens, mask, sampling_mask=sm, backend=be.name)
     assert (lp == 0).all()  # a set of one token: log 1
     lp.sum().backward()
     assert (x.grad == 0).all()
     # an empty set on every row: the token alone (added), counted missing
-    empty = pk_SamplingMask(torch.zeros(0, dtype=torch.long), torch.zeros(B * T + 1,
+    empty = pk.SamplingMask(torch.zeros(0, dtype=torch.long), torch.zeros(B * T + 1,
                                                                            dtype=torch.long))
     _, m = pk.ppo_loss(logits, tokens, None, torch.ones(B, T, dtype=torch.float64), mask,
                        sampling_mask=empty, backend=be.name)
@@ -237,7 +221,7 @@ def test_one_token_set_and_v1(be):
     l1 = torch.randn(B, T, 1, generator=gen, dtype=torch.float64)
     t1 = torch.zeros(B, T, dtype=torch.long)
     for kw in (dict(top_p=0.5), dict(top_k=1), dict(min_p=0.5),
-               dict(sampling_mask=pk_SamplingMask(torch.zeros(B * T, dtype=torch.long),
+               dict(sampling_mask=pk.SamplingMask(torch.zeros(B * T, dtype=torch.long),
                                                   torch.arange(B * T + 1)))):
         out = pk.token_logprobs(l1, t1, backend=be.name, **kw)
         assert (out == 0).all(), kw
@@ -453,13 +437,26 @@ def test_metrics_absent_without_a_kept_set():
 
 # ------------------------------------------------------------------ from hidden states
 
+# the two temperatures the from-hidden and packed replays are checked at: a scalar (with a
+# soft cap on the head's logits) and one per sequence; each its own seeded inputs
+ROW_TEMPERATURES = {"scalar": dict(seed=13, B=2, T=5, cap=5.0, temp=0.8, chunk=4),
+                    "per_sequence": dict(seed=26, B=3, T=4, cap=None, chunk=5,
+                                         temp=torch.tensor([0.5, 1.3, 0.9],
+                                                           dtype=torch.float64))}
+
+
 @pytest.mark.parametrize("be", REPLAY_BACKENDS)
 @pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
-def test_from_hidden_matches_the_logits_path(be, given_mask):
+@pytest.mark.parametrize("temperature", sorted(ROW_TEMPERATURES))
+def test_from_hidden_matches_the_logits_path(be, given_mask, temperature):
     """token_logprobs_from_hidden / ppo_loss_from_hidden / score_rollout_from_hidden with a
-    kept set equal the logits ops on hidden @ W^T (chunks of 4 rows, a soft cap)."""
-    gen = torch.Generator().manual_seed(13)
-    B, T, H, V = 2, 5, 6, 19
+    kept set equal the logits ops on hidden @ W^T (chunks of rows: _ReplayFromHidden), with
+    a scalar temperature and a soft cap, or a [B] temperature (then for token_logprobs and
+    score_rollout too, and score_rollout on the logits on ``be`` as well)."""
+    c = ROW_TEMPERATURES[temperature]
+    per_row = temperature != "scalar"
+    gen = torch.Generator().manual_seed(c["seed"])
+    B, T, H, V = c["B"], c["T"], 6, 19
     hidden = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
     weight = torch.randn(V, H, generator=gen, dtype=torch.float64)
     tokens = torch.randint(0, V, (B, T), generator=gen)
@@ -470,7 +467,9 @@ def test_from_hidden_matches_the_logits_path(be, given_mask):
         kw = dict(sampling_mask=sm)
     else:
         kw = dict(top_k=9, top_p=0.8, min_p=0.01)
-    cap = 5.0
+    cap, temp = c["cap"], c["temp"]
+    # the scalar case keeps token_logprobs and score_rollout at temperature 1
+    row_kw = dict(temperature=temp) if per_row else {}
     adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
     ref_lp = torch.randn(B, T, generator=gen, dtype=torch.float64) - 2
     vals = torch.randn(B, T, generator=gen, dtype=torch.float64)
@@ -483,11 +482,11 @@ def test_from_hidden_matches_the_logits_path(be, given_mask):
         return out.detach(), h.grad, w.grad
 
     def logits_of(h, w):
-        return cap * torch.tanh(h @ w.t() / cap)
+        return h @ w.t() if cap is None else cap * torch.tanh(h @ w.t() / cap)
 
-    opts = dict(kl_coef=0.1, entropy_coef=0.01, entropy_over="kept", temperature=0.8)
+    opts = dict(kl_coef=0.1, entropy_coef=0.01, entropy_over="kept", temperature=temp)
     got = grads(lambda h, w: pk.ppo_loss_from_hidden(
-        h, w, tokens, None, adv, mask, ref_lp, logit_softcap=cap, chunk_size=4,
+        h, w, tokens, None, adv, mask, ref_lp, logit_softcap=cap, chunk_size=c["chunk"],
         backend=be.name, **opts, **kw)[0])
     want = grads(lambda h, w: pk.ppo_loss(logits_of(h, w), tokens, None, adv, mask, ref_lp,
                                           backend="torch", **opts, **kw)[0])
@@ -495,39 +494,48 @@ def test_from_hidden_matches_the_logits_path(be, given_mask):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     got = grads(lambda h, w: sum(x.sum() for x in pk.token_logprobs_from_hidden(
         h, w, tokens, mask, logit_softcap=cap, chunk_size=3, return_full=True,
-        return_entropy=True, backend=be.name, **kw)))
+        return_entropy=True, backend=be.name, **row_kw, **kw)))
     want = grads(lambda h, w: sum(x.sum() for x in pk.token_logprobs(
         logits_of(h, w), tokens, mask, return_full=True, return_entropy=True,
-        backend="torch", **kw)))
+        backend="torch", **row_kw, **kw)))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     r1 = pk.score_rollout_from_hidden(hidden, weight, tokens, ref_lp, vals, scores, mask,
                                       logit_softcap=cap, chunk_size=4, kl_coef=0.05,
-                                      backend=be.name, **kw)
+                                      backend=be.name, **row_kw, **kw)
     r2 = pk.score_rollout(logits_of(hidden, weight), tokens, ref_lp, vals, scores, mask,
-                          kl_coef=0.05, backend="torch", **kw)
-    for a, b in zip(r1, r2):
+                          kl_coef=0.05, backend="torch", **row_kw, **kw)
+    r3 = pk.score_rollout(logits_of(hidden, weight), tokens, ref_lp, vals, scores, mask,
+                          kl_coef=0.05, backend=be.name, **row_kw, **kw)
+    for a, b, c_ in zip(r1, r2, r3):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c_, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("be", REPLAY_BACKENDS)
 @pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
-def test_packed_sequences(be, given_mask):
+@pytest.mark.parametrize("temperature", ["none", "per_sequence"])
+def test_packed_sequences(be, given_mask, temperature):
     """cu_seqlens: the CSR rows are the packed positions, per-sequence parameters [S]; GSPO's
-    sequence ratio over the kept-set log-probs equals the reference on the padded batch."""
-    gen = torch.Generator().manual_seed(14)
+    sequence ratio over the kept-set log-probs equals the reference on the padded batch,
+    without a temperature or with a per-sequence [S] one (and then a min_p too)."""
+    per_row = temperature == "per_sequence"
+    gen = torch.Generator().manual_seed(27 if per_row else 14)
     lens, V = [3, 2, 4], 13
     total, S, L = sum(lens), len(lens), max(lens)
     logits = torch.randn(1, total, V, generator=gen, dtype=torch.float64) * 2
     tokens = torch.randint(0, V, (1, total), generator=gen)
     cu = torch.tensor([0, 3, 5, 9])
     adv = torch.randn(S, generator=gen, dtype=torch.float64)
+    temp = torch.tensor([0.6, 1.4, 0.9], dtype=torch.float64) if per_row else None
+    row_kw = dict(temperature=temp) if per_row else {}
+    min_p = dict(min_p=0.02) if per_row else {}
     if given_mask:
         sm, dense = random_csr(1, total, V, gen, kmax=6, tokens=tokens, drop_token_frac=0.3)
         kw = dict(sampling_mask=sm)
     else:
         top_p = torch.tensor([0.6, 0.9, 0.75], dtype=torch.float64)
-        kw = dict(top_p=top_p, top_k=7)
+        kw = dict(top_p=top_p, top_k=7, **min_p)
     # the padded batch the reference sees
     pl = torch.zeros(S, L, V, dtype=torch.float64)
     pt = torch.zeros(S, L, dtype=torch.long)
@@ -537,19 +545,21 @@ def test_packed_sequences(be, given_mask):
         pl[s_, :b - a], pt[s_, :b - a], pm[s_, :b - a] = logits[0, a:b], tokens[0, a:b], True
         if given_mask:
             pk_dense[s_, :b - a] = dense[0, a:b]
+    tn = temp.numpy() if per_row else 1.0
     if given_mask:
         kept, _ = ref.with_token(pk_dense.numpy(), pt, pm)
     else:
-        kept, _ = ref.with_token(ref.sampling_kept(pl, pt, pm, 1.0, top_p=top_p, top_k=7), pt,
-                                 pm)
-    old_p = torch.as_tensor(ref.kept_logprobs(pl, pt, pm, 1.0, kept)[0]) + 0.05
+        kept, _ = ref.with_token(ref.sampling_kept(pl, pt, pm, tn, top_p=top_p, top_k=7,
+                                                   **min_p), pt, pm)
+    old_p = torch.as_tensor(ref.kept_logprobs(pl, pt, pm, tn, kept)[0]) + 0.05
     old = torch.cat([old_p[s_, :n] for s_, n in enumerate(lens)]).view(1, total)
     x = logits.clone().requires_grad_(True)
     loss, _ = pk.ppo_loss(x, tokens, old, adv, cu_seqlens=cu, policy_loss="gspo",
-                          loss_agg_mode="seq-mean-token-mean", backend=be.name, **kw)
+                          loss_agg_mode="seq-mean-token-mean", backend=be.name, **row_kw, **kw)
     loss.backward()
     e_loss, _, e_grad = ref.ppo_loss(pl, pt, old_p, adv, pm, policy_loss="gspo",
-                                     loss_agg_mode="seq-mean-token-mean", kept=kept)
+                                     loss_agg_mode="seq-mean-token-mean",
+                                     **({"temperature": tn} if per_row else {}), kept=kept)
     assert_close_np(loss, e_loss, rtol=1e-11, atol=1e-12)
     g = torch.cat([torch.as_tensor(e_grad)[s_, :n] for s_, n in enumerate(lens)])
     assert_grad_close(x.grad[0], g.numpy(), 1e-10)
@@ -676,7 +686,7 @@ def test_per_row_temperature_token_logprobs(be, given_mask):
         if given_mask:
             o = sm.offsets
             ids = sm.token_ids[o[b * T]:o[(b + 1) * T]]
-            kw_b = dict(sampling_mask=pk_SamplingMask(ids, o[b * T:(b + 1) * T + 1] - o[b * T]))
+            kw_b = dict(sampling_mask=pk.SamplingMask(ids, o[b * T:(b + 1) * T + 1] - o[b * T]))
         lb = logits[b:b + 1]
         one = pk.token_logprobs(lb, tokens[b:b + 1], mask[b:b + 1],
                                 temperature=float(t_seq[b]), return_full=True,
@@ -741,26 +751,6 @@ def test_per_row_temperature_rederived_sets_differ_per_row(be):
 
 
 @pytest.mark.parametrize("be", REPLAY_BACKENDS)
-def test_per_row_temperature_gradcheck_float64(be):
-    gen = torch.Generator().manual_seed(23)
-    B, T, V = 2, 3, 9
-    logits, tokens, mask = inputs(B, T, V, gen)
-    sm, _ = random_csr(B, T, V, gen, tokens=tokens, drop_token_frac=0.3)
-    t_seq, t_tok = _row_temps(B, T, gen)
-    for temp in (t_seq, t_tok):
-        for kw in (dict(sampling_mask=sm), dict(top_k=4, top_p=0.8)):
-            def f(x):
-                a, b, c = pk.token_logprobs(x, tokens, mask, temperature=temp,
-                                            return_full=True, return_entropy=True,
-                                            backend=be.name, **kw)
-                _, d = pk.token_logprobs(x, tokens, mask, temperature=temp,
-                                         return_entropy=True, entropy_over="kept",
-                                         backend=be.name, **kw)
-                return a, b, c, d
-            assert torch.autograd.gradcheck(f, (logits.clone().requires_grad_(True),))
-
-
-@pytest.mark.parametrize("be", REPLAY_BACKENDS)
 @pytest.mark.parametrize("case", [dict(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01),
                                   dict(policy_loss="gspo", kl_coef=0.1, kl_logprobs="kept",
                                        entropy_coef=0.02, entropy_over="kept")],
@@ -820,109 +810,6 @@ def test_per_row_temperature_scalar_bits(be):
                                     return_entropy=True, backend=be.name, **kw)
             for a, e in zip(got, want):
                 assert torch.equal(a, e)
-
-
-@pytest.mark.parametrize("be", REPLAY_BACKENDS)
-@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
-def test_per_row_temperature_from_hidden(be, given_mask):
-    """The from-hidden replay (chunks of rows, _ReplayFromHidden) with a [B] temperature
-    equals the logits ops on hidden @ W^T (loss, gradients, score_rollout)."""
-    gen = torch.Generator().manual_seed(26)
-    B, T, H, V = 3, 4, 6, 19
-    hidden = torch.randn(B, T, H, generator=gen, dtype=torch.float64)
-    weight = torch.randn(V, H, generator=gen, dtype=torch.float64)
-    tokens = torch.randint(0, V, (B, T), generator=gen)
-    mask = torch.ones(B, T, dtype=torch.bool)
-    mask[0, 0] = False
-    if given_mask:
-        sm, _ = random_csr(B, T, V, gen, kmax=7, tokens=tokens, drop_token_frac=0.2)
-        kw = dict(sampling_mask=sm)
-    else:
-        kw = dict(top_k=9, top_p=0.8, min_p=0.01)
-    temp = torch.tensor([0.5, 1.3, 0.9], dtype=torch.float64)
-    adv = torch.randn(B, T, generator=gen, dtype=torch.float64)
-    ref_lp = torch.randn(B, T, generator=gen, dtype=torch.float64) - 2
-    vals = torch.randn(B, T, generator=gen, dtype=torch.float64)
-    scores = torch.randn(B, generator=gen, dtype=torch.float64)
-
-    def grads(f):
-        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        out = f(h, w)
-        out.backward()
-        return out.detach(), h.grad, w.grad
-
-    opts = dict(kl_coef=0.1, entropy_coef=0.01, entropy_over="kept", temperature=temp)
-    got = grads(lambda h, w: pk.ppo_loss_from_hidden(
-        h, w, tokens, None, adv, mask, ref_lp, chunk_size=5, backend=be.name, **opts, **kw)[0])
-    want = grads(lambda h, w: pk.ppo_loss(h @ w.t(), tokens, None, adv, mask, ref_lp,
-                                          backend="torch", **opts, **kw)[0])
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    got = grads(lambda h, w: sum(x.sum() for x in pk.token_logprobs_from_hidden(
-        h, w, tokens, mask, chunk_size=3, return_full=True, return_entropy=True,
-        temperature=temp, backend=be.name, **kw)))
-    want = grads(lambda h, w: sum(x.sum() for x in pk.token_logprobs(
-        h @ w.t(), tokens, mask, return_full=True, return_entropy=True, temperature=temp,
-        backend="torch", **kw)))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
-    r1 = pk.score_rollout_from_hidden(hidden, weight, tokens, ref_lp, vals, scores, mask,
-                                      chunk_size=4, kl_coef=0.05, temperature=temp,
-                                      backend=be.name, **kw)
-    r2 = pk.score_rollout(hidden @ weight.t(), tokens, ref_lp, vals, scores, mask,
-                          kl_coef=0.05, temperature=temp, backend="torch", **kw)
-    r3 = pk.score_rollout(hidden @ weight.t(), tokens, ref_lp, vals, scores, mask,
-                          kl_coef=0.05, temperature=temp, backend=be.name, **kw)
-    for a, b, c in zip(r1, r2, r3):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(c, b, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("be", REPLAY_BACKENDS)
-@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
-def test_per_row_temperature_packed(be, given_mask):
-    """cu_seqlens with a per-sequence [S] temperature: the reference on the padded batch."""
-    gen = torch.Generator().manual_seed(27)
-    lens, V = [3, 2, 4], 13
-    total, S, L = sum(lens), len(lens), max(lens)
-    logits = torch.randn(1, total, V, generator=gen, dtype=torch.float64) * 2
-    tokens = torch.randint(0, V, (1, total), generator=gen)
-    cu = torch.tensor([0, 3, 5, 9])
-    adv = torch.randn(S, generator=gen, dtype=torch.float64)
-    temp = torch.tensor([0.6, 1.4, 0.9], dtype=torch.float64)
-    if given_mask:
-        sm, dense = random_csr(1, total, V, gen, kmax=6, tokens=tokens, drop_token_frac=0.3)
-        kw = dict(sampling_mask=sm)
-    else:
-        top_p = torch.tensor([0.6, 0.9, 0.75], dtype=torch.float64)
-        kw = dict(top_p=top_p, top_k=7, min_p=0.02)
-    pl = torch.zeros(S, L, V, dtype=torch.float64)
-    pt = torch.zeros(S, L, dtype=torch.long)
-    pm = torch.zeros(S, L, dtype=torch.bool)
-    pk_dense = torch.zeros(S, L, V, dtype=torch.bool)
-    for s_, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-        pl[s_, :b - a], pt[s_, :b - a], pm[s_, :b - a] = logits[0, a:b], tokens[0, a:b], True
-        if given_mask:
-            pk_dense[s_, :b - a] = dense[0, a:b]
-    tn = temp.numpy()
-    if given_mask:
-        kept, _ = ref.with_token(pk_dense.numpy(), pt, pm)
-    else:
-        kept, _ = ref.with_token(ref.sampling_kept(pl, pt, pm, tn, top_p=top_p, top_k=7,
-                                                   min_p=0.02), pt, pm)
-    old_p = torch.as_tensor(ref.kept_logprobs(pl, pt, pm, tn, kept)[0]) + 0.05
-    old = torch.cat([old_p[s_, :n] for s_, n in enumerate(lens)]).view(1, total)
-    x = logits.clone().requires_grad_(True)
-    loss, _ = pk.ppo_loss(x, tokens, old, adv, cu_seqlens=cu, policy_loss="gspo",
-                          loss_agg_mode="seq-mean-token-mean", temperature=temp,
-                          backend=be.name, **kw)
-    loss.backward()
-    e_loss, _, e_grad = ref.ppo_loss(pl, pt, old_p, adv, pm, policy_loss="gspo",
-                                     loss_agg_mode="seq-mean-token-mean", temperature=tn,
-                                     kept=kept)
-    assert_close_np(loss, e_loss, rtol=1e-11, atol=1e-12)
-    g = torch.cat([torch.as_tensor(e_grad)[s_, :n] for s_, n in enumerate(lens)])
-    assert_grad_close(x.grad[0], g.numpy(), 1e-10)
 
 
 @pytest.mark.parametrize("be", REPLAY_BACKENDS)

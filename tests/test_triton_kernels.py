@@ -6,8 +6,8 @@ place, with the loss menu, grad_scale and scale_grad_ (ppo_loss.py); gae and sco
 more than 65,535 rows and 64-bit offsets (on a GPU).
 
 Runs on CUDA when a device is present, else on CPU tensors under TRITON_INTERPRET=1 (set
-by conftest.py before triton is imported), where shapes are kept small: the interpreter
-runs the programs one by one. The interpreter runs the kernels with a 32-wide vocabulary
+by tests/helpers/backends.py before triton is imported), where shapes are kept small: the
+interpreter runs the programs one by one. The interpreter runs the kernels with a 32-wide vocabulary
 block and an 8-long GAE chunk (ppo_kernels/triton_kernels/_config.py), so V = 100, 257 and
 T = 20 cross several blocks/chunks with a partial last one. The raw ops' precision, batch
 invariance and opcheck tests sit beside their siblings (test_loss_precision.py,

@@ -8,8 +8,8 @@ kernel goes through triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 
 
 triton.jit decides at decoration time whether it builds an interpreted function, so the
 compilation runs in a child process with TRITON_INTERPRET unset (this process may have
-it set, by conftest.py). One child compiles every variant and reports
-JSON; the tests below assert on its report.
+it set, by tests/helpers/backends.py; helpers/child.run_child). One child compiles every
+variant and reports JSON; the tests below assert on its report.
 """
 
 import pathlib

@@ -1,4 +1,4 @@
-"""The test suite's shared helpers (conftest.py keeps only fixtures, hooks and markers).
+"""The test suite's shared helpers (conftest.py keeps only the fixtures and hooks).
 
 backends.py: the backends, what this machine can run, the test tables' constants;
 inputs.py: seeded random inputs; asserts.py: comparisons, tolerances, rel_err;

@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402
+from ppo_kernels import testing  # noqa: E402
 
 HAS_CUDA_DEVICE = torch.cuda.is_available()
 CUDA_BUILT = bool(pk.build_info().get("cuda", False))
@@ -138,10 +139,10 @@ BACKENDS = backend_params()
 BACKENDS_NO_INTERP = backend_params(interp=False)
 BACKENDS_CPU = backend_params(cuda=False)  # cpu, torch, triton (interpreter): CPU tensors only
 KERNELS_CPU = [p for p in BACKENDS_CPU if p.values[0].name != "torch"]  # the compiled kernels
-POLICY_LOSSES = ["vanilla", "cispo", "sapo", "dppo-tv", "dppo-kl", "gspo", "gspo-token",
-                 "vespo"]
-# the fused kernels' (token-level) policy losses
-TOKEN_LOSSES = ["vanilla", "cispo", "sapo", "dppo-tv", "dppo-kl"]
+# the policy losses and the fused kernels' (token-level) ones: the public testing API's
+# lists (ppo_kernels.testing, from spec.py), as lists so that tests can extend them
+POLICY_LOSSES = list(testing.POLICY_LOSSES)
+TOKEN_LOSSES = list(testing.KERNEL_POLICY_LOSSES)
 # the losses without a dual clip / ratio cap (dual_clip_c must be None)
 NO_DUAL_CLIP = ("cispo", "sapo", "vespo")
 

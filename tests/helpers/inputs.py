@@ -299,3 +299,43 @@ def teacher_of(b, t, v, g, dtype):
         lps.append(tl[i, sel])
         off.append(off[-1] + k)
     return pk.SparseLogprobs(torch.cat(ids), torch.tensor(off), torch.cat(lps).to(dtype))
+
+
+# ------------------------------------------------------------------ the LM head's inputs
+
+def head_inputs(B=3, T=5, H=6, V=13, *, dtype=torch.float32, seed=0, extra_pos=False,
+                bias=False, scale=0.7):
+    """The from-hidden ops' inputs (test_from_hidden.py): hidden [B, T (+ 1 with
+    extra_pos), H], the head W [V, H] (and a bias), tokens, a mask with left padding and
+    an empty row, and old / ref / rollout log-probs near the current ones (float32). The
+    float tensors of the head's side require grad."""
+    g = torch.Generator().manual_seed(seed)
+    Tl = T + 1 if extra_pos else T
+    hidden = torch.randn(B, Tl, H, generator=g, dtype=torch.float64)
+    W = torch.randn(V, H, generator=g, dtype=torch.float64) * scale
+    b = torch.randn(V, generator=g, dtype=torch.float64) * 0.3 if bias else None
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.rand(B, T, generator=g) > 0.25
+    mask[0, :2] = False  # left padding
+    if B > 2:
+        mask[2] = False  # an empty row
+        mask[1] = True
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(hidden[:, :T], W, b)
+        lp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    old = (lp + 0.15 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    refl = (lp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)).float()
+    roll = (old + 0.1 * torch.randn(B, T, generator=g)).float()
+    adv = torch.randn(B, T, generator=g)
+    hidden = hidden.to(dtype).requires_grad_()
+    W = W.to(dtype).requires_grad_()
+    if b is not None:
+        b = b.to(dtype).requires_grad_()
+    return dict(hidden=hidden, W=W, b=b, tokens=tokens, mask=mask, old=old, ref=refl,
+                roll=roll, adv=adv)
+
+
+def head_logits(hidden, W, b=None, cap=None):
+    """The logits the head makes (a soft cap: cap * tanh(x / cap))."""
+    x = torch.nn.functional.linear(hidden, W, b)
+    return x if cap is None else cap * torch.tanh(x / cap)
