@@ -720,12 +720,33 @@ def _host_metrics(spec, x):
             and hasattr(torch.ops.ppo_kernels, "ppo_loss_metrics"))
 
 
+def _device_metrics(spec, x, logp):
+    """Whether the metrics come from the two Triton launches of
+    ppo_kernels/triton_kernels/metrics.py (the CPU op's twin) rather than the ~85 small
+    ops of the eager formulas: the triton or cuda backend on a CUDA device, eager mode (a
+    compiled graph fuses the formulas itself), outside a context-parallel group.
+    Unrun on a GPU since it was added (tests/test_triton_metrics.py runs the kernels under
+    the Triton interpreter)."""
+    return (x.be.name in ("triton", "cuda") and logp.is_cuda and spec.cp_group is None
+            and logp.dtype in (torch.float32, torch.float64)
+            and not torch.compiler.is_compiling() and _triton_importable())
+
+
+def _triton_importable():
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def loss_metrics(spec, x, logp, ent, aux=None):
     """ppo_loss's metrics dict from the per-token logp and entropy (DESIGN.md, Metrics).
     aux: with a kept set (sampling replay), (full logp, kept mass, kept size, missing)
     [B, T]; logp is then logp_kept. On the cpu backend one op computes them all (the
     values of the eager formulas up to the summation order; the dict's tensors are views
-    of its one [K] result, K the number of metrics reported)."""
+    of its one [K] result, K the number of metrics reported), on a CUDA device its Triton
+    twin (two launches)."""
     logp_kl = None
     if aux is not None and spec.kl_logprobs != "kept":
         logp_kl = aux[0]
@@ -738,6 +759,15 @@ def loss_metrics(spec, x, logp, ent, aux=None):
             scalars, codes, slots)
         metrics = dict(zip(names, vec.unbind()))
         rollout = False  # (in the vector already)
+    elif _device_metrics(spec, x, logp) and aux is None:
+        from .triton_kernels import metrics as device_metrics
+        scalars, codes = spec.kernel_args(torch.float32)
+        names, slots = _metric_names(spec, rollout)
+        vec = device_metrics.ppo_loss_metrics(
+            logp.detach(), ent.detach(), x.mask, x.old, x.adv, x.ref, x.rollout, x.rc_w,
+            scalars, codes)
+        metrics = dict(zip(names, vec[slots].unbind()))
+        rollout = False
     else:
         metrics = _torch_impl.metrics(logp, ent, x.old, x.adv, x.ref, x.mask, spec, logp_kl)
     if aux is not None:
