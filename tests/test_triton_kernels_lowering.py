@@ -132,6 +132,29 @@ for acc, flags in (("fp32", dict(HAS_BOOT=True, HAS_SCORES=False)),
     VARIANTS[name] = ("gae", "_gae_kernel", _gae_types(acc),
                       dict(ACC=acc, BLOCK_T=1024, **flags), {"num_warps": 4})
 
+# the metrics' two launches (metrics.py): a token loss with everything on, a sequence loss
+# on-policy, float64; and the reduction
+def _metrics_types(acc):
+    a = f"*{acc}"
+    return {"logp_ptr": a, "ent_ptr": a, "mask_ptr": "*i1", "old_ptr": a, "adv_ptr": a,
+            "ref_ptr": a, "roll_ptr": a, "isw_ptr": a, "part_ptr": "*fp64", "T": "i32",
+            "clip_eps_low": "fp64", "clip_eps_high": "fp64", "dual_clip_c": "fp64"}
+
+
+for acc, pl, flags in (("fp32", 0, dict(HAS_OLD=True, HAS_REF=True, HAS_ROLL=True,
+                                         HAS_ISW=True, HAS_DUAL=True)),
+                       ("fp32", 5, dict(HAS_OLD=False, HAS_REF=True, HAS_ROLL=False,
+                                        HAS_ISW=False, HAS_DUAL=False)),
+                       ("fp64", 7, dict(HAS_OLD=True, HAS_REF=False, HAS_ROLL=True,
+                                        HAS_ISW=False, HAS_DUAL=False))):
+    VARIANTS[f"metrics_rows-pl{pl}-{acc}"] = (
+        "metrics", "_rows_kernel", _metrics_types(acc),
+        dict(ACC=acc, PL=pl, KL_EST=2, BLOCK=1024, **flags), {"num_warps": 4})
+for acc in ("fp32", "fp64"):
+    VARIANTS[f"metrics_finish-{acc}"] = (
+        "metrics", "_finish_kernel", {"part_ptr": "*fp64", "out_ptr": "*fp32", "B": "i32"},
+        dict(ACC=acc, SEQ=True, HAS_REF=True, HAS_ROLL=True, BLOCK=1024), {"num_warps": 4})
+
 # the loss menu: each policy loss, the KL bias correction, on-policy (no
 # old_logprobs), separate entropy weights, the straight-through KL estimators
 for dt in ("fp32", "bf16"):
