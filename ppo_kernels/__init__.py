@@ -16,7 +16,8 @@ from .lm_head import forward_redirect
 from .loss import ppo_loss, token_logprobs, value_loss
 from .sampling import SamplingMask
 from .spec import LossSpec
-from .distill import SparseLogprobs, distill_loss
+from .distill import SparseLogprobs
+from .distill_api import distill_loss
 from .distill_hidden import distill_loss_from_hidden
 from . import distributed  # noqa: E402  (pk.distributed.reduce_metrics)
 

@@ -293,51 +293,46 @@ class FusedLoss(torch.autograd.Function):
     torch.library's generated wrapper (it binds every schema argument again). The op's
     dlogits output never reaches the caller, so the backward rescales it in place (no
     ``held`` reference to respect). torch.compile and torch.jit.trace record the op
-    itself, with its registered formula."""
+    itself, with its registered formula.
+
+    inplace=True: op is ppo_loss_fwd_inplace, whose gradient is written over the logits
+    (inplace_backward=True): the one [N, V] buffer is the logits, kept as a ctx attribute;
+    the caller promised not to use the logits afterwards."""
 
     @staticmethod
-    def forward(ctx, logits, op, tensors, scalars, codes, prefix, temperatures=None):
-        # (straight to the device kernel: the op's own autograd kernel would only redispatch,
-        # grad mode being off here)
-        with torch._C._AutoDispatchBelowAutograd():
-            loss, loss_tok, logp, ent, dlogits = op(logits, *tensors, scalars, codes, True,
-                                                    temperatures=temperatures)
+    def forward(ctx, logits, op, tensors, scalars, codes, prefix, temperatures=None,
+                inplace=False):
         ctx.prefix = prefix
         ctx.applied = applied_scale(scalars[F["grad_scale"]], logits)
-        ctx.save_for_backward(dlogits)
-        ctx.mark_non_differentiable(loss_tok, logp, ent)
-        ctx.set_materialize_grads(False)
-        return loss, loss_tok, logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        first_order_only("ppo_loss")
-        (dlogits,) = ctx.saved_tensors
-        return (hand_out(ctx.prefix, dlogits, grad_loss, ctx.applied),
-                None, None, None, None, None, None)
-
-
-class InplaceLoss(torch.autograd.Function):
-    """ppo_loss whose gradient is written over the logits (inplace_backward=True): saves
-    the one [N, V] buffer; the caller promised not to use the logits afterwards."""
-
-    @staticmethod
-    def forward(ctx, logits, op, tensors, scalars, codes, prefix, temperatures=None):
-        loss, loss_tok, logp, ent = op(logits, *tensors, scalars, codes,
-                                       temperatures=temperatures)
-        # the logits now hold dlogits: anything that saved them for its own backward must
-        # see the change (the C++ op has no ADInplaceOrView kernel to do this)
-        torch.autograd.graph.increment_version(logits)
-        ctx.buf = logits
-        # a change after this is the caller's, and an error (traced: no version to compare)
-        ctx.version = None if torch.compiler.is_compiling() else logits._version
-        ctx.prefix = prefix
-        ctx.applied = applied_scale(scalars[F["grad_scale"]], logits)
+        ctx.inplace = inplace
+        if inplace:
+            loss, loss_tok, logp, ent = op(logits, *tensors, scalars, codes,
+                                           temperatures=temperatures)
+            # the logits now hold dlogits: anything that saved them for its own backward
+            # must see the change (the C++ op has no ADInplaceOrView kernel to do this)
+            torch.autograd.graph.increment_version(logits)
+            ctx.buf = logits
+            # a change after this is the caller's, and an error (traced: no version to
+            # compare)
+            ctx.version = None if torch.compiler.is_compiling() else logits._version
+        else:
+            # (straight to the device kernel: the op's own autograd kernel would only
+            # redispatch, grad mode being off here)
+            with torch._C._AutoDispatchBelowAutograd():
+                loss, loss_tok, logp, ent, dlogits = op(logits, *tensors, scalars, codes,
+                                                        True, temperatures=temperatures)
+            ctx.save_for_backward(dlogits)
+            ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(loss_tok, logp, ent)
         return loss, loss_tok, logp, ent
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
+        none = (None,) * 7
+        if not ctx.inplace:
+            first_order_only("ppo_loss")
+            (dlogits,) = ctx.saved_tensors
+            return (hand_out(ctx.prefix, dlogits, grad_loss, ctx.applied), *none)
         first_order_only("ppo_loss(inplace_backward=True)")
         buf = ctx.buf
         if buf is None:
@@ -352,7 +347,39 @@ class InplaceLoss(torch.autograd.Function):
         grad = hand_out(ctx.prefix, buf, grad_loss, ctx.applied)
         if grad is buf:  # handed out: the logits' storage is the caller's gradient now
             ctx.buf = None  # (not `del`: torch.compile cannot trace a ctx __delattr__)
-        return grad, None, None, None, None, None, None
+        return (grad, *none)
+
+
+class LossWithGrad(torch.autograd.Function):
+    """A loss whose forward computes its whole gradient: the two-phase path
+    (_two_phase.TwoPhase) and the LM head's chunked losses (from_hidden.py,
+    distill_hidden.py). run.loss(inputs, need) -> (outputs, grads, the scale grads carry):
+    outputs[0] the loss, the rest not differentiable; one gradient per input (None where
+    need says no), pre-scaled by grad_scale. The backward hands each out rescaled by
+    grad_output (hand_out: in place, no pass when grad_output == grad_scale). run.name:
+    the op, for first_order_only's message; run.prefix: its backend's."""
+
+    @staticmethod
+    def forward(ctx, run, *inputs):
+        outs, grads, gs = run.loss(inputs, tuple(ctx.needs_input_grad[1:]))
+        ctx.save_for_backward(*grads)
+        ctx.prefix, ctx.what = run.prefix, run.name
+        # (one per gradient: scale_grad_ updates each)
+        ctx.applied = [applied_scale(gs, inputs[0]) for _ in inputs]
+        ctx.mark_non_differentiable(*outs[1:])
+        ctx.set_materialize_grads(False)
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        first_order_only(ctx.what)
+        out = []
+        for g, ap in zip(ctx.saved_tensors, ctx.applied):
+            # (scale_grad_ takes a [B, Tl, V]-like view: dW [V, H] and db [V] as one)
+            shape3 = None if g is None or g.dim() == 3 else (1,) * (3 - g.dim()) + tuple(
+                g.shape)
+            out.append(hand_out(ctx.prefix, g, grad_loss, ap, shape3))
+        return (None, *out)
 
 
 # ------------------------------------------------------------------ distill_fwd (top-k KD)

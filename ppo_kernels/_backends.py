@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from . import _torch_impl
-from ._autograd import FusedLoss, InplaceLoss, not_traceable, register, wants_grad
+from ._autograd import FusedLoss, not_traceable, register, wants_grad
 from ._checks import split_temperature
 from ._extension import HAS_CPU, HAS_CUDA, LOAD_ERROR, not_built_hint
 from .spec import KL_ESTIMATORS
@@ -28,6 +28,10 @@ class KernelBackend:
     def op(self, name):
         """torch.ops.ppo_kernels.<prefix><name>: this backend's kernel op ``name``."""
         return getattr(torch.ops.ppo_kernels, self.prefix + name)
+
+    def has_op(self, name):
+        """Whether this build has the kernel op ``name`` for this backend."""
+        return hasattr(torch.ops.ppo_kernels, self.prefix + name)
 
     def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
         """temperature: a number or the per-row [B, T] tensor (the ops' `temperatures`)."""
@@ -50,9 +54,9 @@ class KernelBackend:
             raise not_traceable("inplace_backward=True")
         need_grad = wants_grad(logits) or tracing
         if spec.inplace_backward and need_grad and not tracing:
-            loss, loss_tok, logp, ent = InplaceLoss.apply(
+            loss, loss_tok, logp, ent = FusedLoss.apply(
                 logits, self.op("ppo_loss_fwd_inplace"), tensors, scalars, codes, self.prefix,
-                temperatures)
+                temperatures, True)
         elif need_grad and not tracing and not torch.compiler.is_compiling():
             loss, loss_tok, logp, ent = FusedLoss.apply(
                 logits, self.op("ppo_loss_fwd"), tensors, scalars, codes, self.prefix,

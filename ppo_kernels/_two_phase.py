@@ -13,18 +13,20 @@ The backward only rescales dlogits in place (scale_grad_), as for the fused loss
 
 The same three steps serve every policy loss where the row statistics must be complete
 before any gradient: a vocabulary split over ranks (vocab_parallel.py merges the shards'
-statistics between steps 1 and 2) and packed sequences (packed.py: the kernels read the
-packed rows, the middle runs on their padded [S, max_seqlen] copy).
+statistics between steps 1 and 2), a kept set (sampling replay: the kept set's statistics
+beside the full ones) and packed sequences (packed.py: the kernels read the packed rows,
+the middle runs on their padded [S, max_seqlen] copy). passes() runs them on any row
+source (ppo_kernels/rows.py): the logits, or the LM head's chunks (from_hidden.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _torch_impl, sampling
-from ._autograd import applied_scale, first_order_only, hand_out, not_traceable, wants_grad
-from ._checks import split_temperature
-from .vocab_parallel import logits_grad, shard_stats
+from . import _torch_impl
+from ._autograd import LossWithGrad, not_traceable, wants_grad
+from .kept import kept_mass
+from .rows import LogitRows
 
 
 def middle(logp, ent, spec, x, logp_kl=None):
@@ -60,94 +62,63 @@ def middle_grad(logp, ent, spec, x, logp_kl=None):
     return (grads[0], grads[1], loss.detach(), pol.detach(), *grads[2:])
 
 
-def _replay_passes(logits, spec, x, prefix, need_grad):
-    """The three steps with a kept set (sampling replay, ppo_kernels/sampling.py): the
-    statistics pass gives the full logp and H, the kept-set kernels logp_kept and H_kept
-    (plus the threshold pre-pass for re-derived sets); the middle takes logp_kept as the
-    ratio's log-prob and the full or kept logp / H for the KL / entropy (spec.kl_logprobs,
-    spec.entropy_over); the gradient pass writes the full part with token_logprobs_bwd and
-    adds the kept-set softmax part in place (kept_logprobs_bwd_)."""
-    fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
-    tok, msk, rp = x.kernel(x.tokens), x.kernel(x.mask), x.replay
-    temp = x.kernel_temperature(spec)  # a number, or per row (the kernels' layout)
-    t_num, temps = split_temperature(temp)
-    logp, ent, row_max, log_sum = fwd(logits, tok, msk, t_num, True, temperatures=temps)
-    ks = sampling.kernel_stats(prefix, logits, tok, msk, temp, rp)
-    kl_kept, ent_kept = spec.kl_logprobs == "kept", spec.entropy_over == "kept"
-    ent_sel = ks.entropy if ent_kept else ent
-    out = middle_grad(x.padded(ks.logp), x.padded(ent_sel), spec, x,
-                      None if kl_kept else x.padded(logp))
-    dlk, dent, loss, pol = out[:4]
-    gs = spec.effective_grad_scale(logits.dtype)
-    dlogits = None
-    if need_grad:
-        g_full = torch.zeros_like(logp) if kl_kept else x.kernel(out[4] * gs).contiguous()
-        g_ent = x.kernel(dent * gs).contiguous() if spec.entropy_coef != 0.0 else None
-        dlogits = logits_grad(prefix, g_full, None if ent_kept else g_ent, logits, tok, msk,
-                              row_max, log_sum, ent, temp)
-        sampling.kernel_grad_(prefix, dlogits, x.kernel(dlk * gs).contiguous(),
-                              g_ent if ent_kept else None, logits, tok, msk, ks, temp, rp)
+def passes(source, inputs, spec, x, need):
+    """The three steps on a row source (its inputs: the logits, or hidden and the LM head):
+    (loss, loss_tok, logp, ent, grads, the scale grads carry, aux); logp, ent and loss_tok
+    in the layout of the LossInputs x, grads one per input (None where need says no). With
+    a kept set (x.replay) logp is logp_kept, the ratio's log-prob, the KL's the full or kept
+    logp and the entropy the full or kept one (spec.kl_logprobs, spec.entropy_over); aux
+    then holds the full logp, the kept mass, the kept set's size and whether the set lacked
+    the sampled token, [B, T] each."""
+    rp = x.replay
+    st = source.stats(inputs, rp)
+    kl_kept = rp is not None and spec.kl_logprobs == "kept"
+    ent_kept = rp is not None and spec.entropy_over == "kept"
+    lp_sel = st.logp if rp is None else st.kept.logp
+    ent_sel = st.kept.entropy if ent_kept else st.ent
+    lp_kl = None if rp is None or kl_kept else x.padded(st.logp)
+    out = middle_grad(x.padded(lp_sel), x.padded(ent_sel), spec, x, lp_kl)
+    dsel, dent, loss, pol = out[:4]
+    gs = spec.effective_grad_scale(inputs[0].dtype)
+    grads = (None,) * len(inputs)
+    if any(need):  # else no second pass over the rows
+        def k(v):  # (x * 1.0 is x: no multiply for the default grad_scale)
+            return x.kernel(v if gs == 1.0 else v * gs).contiguous()
+
+        g_ent = k(dent) if spec.entropy_coef != 0.0 else None
+        if rp is None:
+            grads = source.grad(inputs, st, k(dsel), g_ent, need=need)
+        else:
+            g_full = torch.zeros_like(st.logp) if kl_kept else k(out[4])
+            grads = source.grad(inputs, st, g_full, None if ent_kept else g_ent, k(dsel),
+                                g_ent if ent_kept else None, rp, need=need)
     ent_p = x.padded(ent_sel)
     loss_tok = torch.where(x.mask, pol - spec.entropy_coef * ent_p, 0.0)
-    mass = sampling.kept_mass(ks.lse(temp), row_max, log_sum, temp, msk)
-    aux = (x.padded(logp), x.padded(mass), x.padded(ks.kept_size), x.padded(ks.missing))
-    return loss.detach(), loss_tok, x.padded(ks.logp), ent_p, dlogits, gs, aux
+    aux = ()
+    if rp is not None:
+        temp, msk = source.temperature, source.mask
+        mass = kept_mass(st.kept.lse(temp), st.row_max, st.log_sum, temp, msk)
+        aux = (x.padded(st.logp), x.padded(mass), x.padded(st.kept.kept_size),
+               x.padded(st.kept.missing))
+    return loss.detach(), loss_tok, x.padded(lp_sel), ent_p, grads, gs, aux
 
 
-def _passes(logits, spec, x, prefix, need_grad, shard=None):
-    """The three steps: (loss, loss_tok, logp, ent, dlogits or None, the scale dlogits
-    carries). shard: a vocab_parallel.VocabShard when the logits are this rank's shard of
-    the vocabulary (the statistics are merged over its group between steps 1 and 2). With
-    x.packing the logits' rows are packed sequences: the [B, T] tensors of x are padded
-    ([S, max_seqlen]) and the kernels read them packed again (x.kernel)."""
-    fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
-    tok, msk = x.kernel(x.tokens), x.kernel(x.mask)
-    temp = x.kernel_temperature(spec)  # a number, or per row (the kernels' layout)
-    own = None
-    if x.replay is not None:
-        if shard is not None:
-            return sampling.vp_replay_passes(logits, spec, x, prefix, need_grad, shard)
-        return _replay_passes(logits, spec, x, prefix, need_grad)
-    if shard is not None:  # (tok becomes the shard-local ids)
-        logp, ent, row_max, log_sum, tok, own = shard_stats(logits, tok, msk, temp, shard,
-                                                             prefix)
-    else:
-        t, temps = split_temperature(temp)
-        logp, ent, row_max, log_sum = fwd(logits, tok, msk, t, True, temperatures=temps)
-    dlogp, dent, loss, pol = middle_grad(x.padded(logp), x.padded(ent), spec, x)
-    gs = spec.effective_grad_scale(logits.dtype)
-    dlogits = None
-    if need_grad:  # else no second pass over the logits
-        # (x * 1.0 is x: no multiply for the default grad_scale)
-        g_lp = x.kernel(dlogp if gs == 1.0 else dlogp * gs).contiguous()
-        g_ent = (x.kernel(dent if gs == 1.0 else dent * gs).contiguous()
-                 if spec.entropy_coef != 0.0 else None)
-        dlogits = logits_grad(prefix, g_lp, g_ent, logits, tok, msk, row_max, log_sum, ent,
-                              temp, shard, own)
-    ent_p = x.padded(ent)
-    loss_tok = torch.where(x.mask, pol - spec.entropy_coef * ent_p, 0.0)
-    return loss.detach(), loss_tok, x.padded(logp), ent_p, dlogits, gs, ()
+class TwoPhase:
+    """The two-phase loss of a row source, as LossWithGrad runs it."""
+
+    name = "ppo_loss"
+
+    def __init__(self, source, spec, x):
+        self.source, self.spec, self.x = source, spec, x
+        self.prefix = source.be.prefix
+
+    def loss(self, inputs, need):
+        loss, loss_tok, logp, ent, grads, gs, aux = passes(self.source, inputs, self.spec,
+                                                           self.x, need)
+        return (loss, loss_tok, logp, ent, *aux), grads, gs
 
 
-class TwoPhaseLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, spec, x, prefix, shard):
-        loss, loss_tok, logp, ent, dlogits, gs, aux = _passes(logits, spec, x, prefix, True,
-                                                              shard)
-        ctx.prefix = prefix
-        ctx.applied = applied_scale(gs, logits)
-        ctx.save_for_backward(dlogits)
-        ctx.mark_non_differentiable(loss_tok, logp, ent, *aux)
-        return loss, loss_tok, logp, ent, *aux
-
-    @staticmethod
-    def backward(ctx, grad_loss, *_):
-        first_order_only("ppo_loss")
-        (dlogits,) = ctx.saved_tensors
-        return hand_out(ctx.prefix, dlogits, grad_loss, ctx.applied), None, None, None, None
-
-
-def ppo_loss(prefix, logits, spec, x, shard=None):
+def ppo_loss(be, logits, spec, x, shard=None):
     """(loss, loss_tok, logp, ent) of the two-phase path on a kernel backend (loss.two_phase
     says when); logp, ent and loss_tok in the layout of the LossInputs x. With a kept set
     (x.replay) four more [B, T] tensors follow: the full logp, the kept mass, the kept set's
@@ -156,8 +127,32 @@ def ppo_loss(prefix, logits, spec, x, shard=None):
     if torch.jit.is_tracing():  # (its middle is differentiated by autograd, even without grad)
         raise not_traceable("the two-phase path (gspo, gspo-token, vespo, the off-policy "
                             "mask, a kept set, a split vocabulary)")
+    src = LogitRows(be, logits, x.kernel(x.tokens), x.kernel(x.mask),
+                    x.kernel_temperature(spec), shard)
     if not wants_grad(logits):
         with torch.no_grad():
-            out = _passes(logits, spec, x, prefix, False, shard)
+            out = passes(src, (logits,), spec, x, (False,))
             return (*out[:4], *out[6])
-    return TwoPhaseLoss.apply(logits, spec, x, prefix, shard)
+    return LossWithGrad.apply(TwoPhase(src, spec, x), logits)
+
+
+def replay_loss(spec, x, lp_k, ent_k, logp, ent):
+    """The loss of the kept-set log-probs (logp_kept, H_kept, the full logp and H, [B, T]
+    in the layout of the LossInputs x, differentiable), by autograd through the eager
+    composite's formulas: the per-token loss for loss_agg_mode="none", else the aggregate.
+    Returns (loss, the entropy spec.entropy_over names)."""
+    ent_sel = ent_k if spec.entropy_over == "kept" else ent
+    lp_kl = None if spec.kl_logprobs == "kept" else logp
+    if x.weights is None:
+        return per_token_loss(spec, x, lp_k, ent_sel, lp_kl), ent_sel
+    return middle(lp_k, ent_sel, spec, x, lp_kl)[0], ent_sel
+
+
+def per_token_loss(spec, x, logp, ent, logp_kl=None):
+    """loss_agg_mode="none": the per-token loss [B, T] (or [N]) from differentiable logp,
+    H, 0 where masked (logp_kl: the KL's log-probs where they are not logp)."""
+    loss = torch.where(x.mask, _torch_impl.token_loss(logp, ent, x.old, x.adv, x.ref, x.isw,
+                                                      spec, x.mask, x.behaviour, logp_kl),
+                       0.0)
+    loss = x.kernel(loss)  # (the packed layout again, with cu_seqlens)
+    return loss[0] if x.flat else loss

@@ -15,6 +15,7 @@ from . import vocab_parallel as vp
 from .context_parallel import check_group
 from .rank_agreement import checks_together, groups
 from ._backends import get_backend
+from .rows import logits_logprobs
 from .spec import KL_ESTIMATORS
 
 
@@ -386,19 +387,15 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
         with torch.no_grad():
             if shard is None:
                 tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
-                out = _sampling.replay_logprobs(be, logits3.detach(), tokens2, mask,
-                                                temperature, rp)
-            else:
-                out = _sampling.vp_replay_logprobs(be, logits3.detach(), tokens2, mask,
-                                                   temperature, rp, shard)
+            out = logits_logprobs(be, logits3.detach(), tokens2, mask, temperature, rp, shard)
         lp_k, lp = out[0], out[2]
         r = rollout_from_logprobs(lp_k if kl_logprobs == "kept" else lp, ref, vals, scores,
                                   mask, kl_coef, kl_estimator, gamma, lams, whiten, backend)
         return r._replace(logprobs=lp_k.float())
     if shard is not None:
         with torch.no_grad():
-            logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask, temperature,
-                                        shard)
+            logp, _ = logits_logprobs(be, logits3.detach(), tokens2, mask, temperature, None,
+                                      shard)
         return rollout_from_logprobs(logp, ref, vals, scores, mask, kl_coef, kl_estimator,
                                      gamma, lams, whiten, backend)
     tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
@@ -456,13 +453,9 @@ def _score_packed(logits3, tokens2, tokens, scores, shard, opts, checked, temper
                                 None if shard is not None else logits3.shape[2], packing)
     if rp is not None:
         with torch.no_grad():
-            if shard is None:
-                tok = ck.token_range(tokens2, mask_k, logits3.shape[2])
-                out = _sampling.replay_logprobs(be, logits3.detach(), tok, mask_k, temperature,
-                                                rp)
-            else:
-                out = _sampling.vp_replay_logprobs(be, logits3.detach(), tokens2, mask_k,
-                                                   temperature, rp, shard)
+            tok = tokens2 if shard is not None else ck.token_range(tokens2, mask_k,
+                                                                    logits3.shape[2])
+            out = logits_logprobs(be, logits3.detach(), tok, mask_k, temperature, rp, shard)
         lp_k, lp = packing.pad(out[0]), packing.pad(out[2])
         r = rollout_from_logprobs(lp_k if replay["kl_logprobs"] == "kept" else lp, ref, vals,
                                   scores, mask, kl_coef, opts["kl_estimator"], gamma, lams,
@@ -471,8 +464,8 @@ def _score_packed(logits3, tokens2, tokens, scores, shard, opts, checked, temper
         return Rollout(*(packed.unpadded(packing, x, tokens) for x in r))
     with torch.no_grad():
         if shard is not None:
-            logp, _ = vp.token_logprobs(be, logits3.detach(), tokens2, mask_k, temperature,
-                                        shard)
+            logp, _ = logits_logprobs(be, logits3.detach(), tokens2, mask_k, temperature,
+                                      None, shard)
         else:
             tok = ck.token_range(tokens2, mask_k, logits3.shape[2])
             logp, _ = be.token_logprobs(logits3.detach(), tok, mask_k, temperature, False)

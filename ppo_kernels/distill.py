@@ -415,7 +415,7 @@ def check_call(like, vocab, teacher, response_mask, options, name="logits", shar
     return call, tail, temperature, gs
 
 
-def _logits3(logits):
+def logits_of(logits):
     ck.tensor("logits", logits, floating=True)
     if logits.dtype not in ck.LOGITS_DTYPES:
         raise TypeError(f"logits: expected float32, bfloat16, float16 or float64, got "
@@ -456,7 +456,7 @@ class _PerTokenKernel(torch.autograd.Function):
         return (dl * gfull[..., None].to(dl.dtype),) + (None,) * 8
 
 
-def _kernel_terms(c, logits3, tail, temperature, gs):
+def kernel_terms(c, logits3, tail, temperature, gs):
     """(loss or None, kl, student_mass, teacher_tail), per-token [B, T], on a kernel
     backend."""
     op = c.be.op("distill_fwd")
@@ -470,7 +470,7 @@ def _kernel_terms(c, logits3, tail, temperature, gs):
     return loss, kl.detach(), ps.detach(), tt.detach()
 
 
-def _torch_terms(c, logits3, tail, temperature):
+def torch_terms(c, logits3, tail, temperature):
     b, t = c.mask.shape
     z2 = logits3[:, :t].to(c.acc).reshape(b * t, -1) / temperature
     kl, ps, tt = distill_terms_torch(z2, c.ids, c.row_of, c.lt, c.mask.reshape(-1), tail)
@@ -494,88 +494,39 @@ def metrics_of(c, kl, ps, tt):
     return out
 
 
-def _finish(c, loss, kl):
+def finish_loss(c, loss, kl):
     if c.weights is not None:
         return loss
     per = torch.where(c.mask, kl, 0.0)
     return per[0] if c.flat else per
 
 
-def distill_loss(logits, teacher, response_mask=None, *, tail=True, temperature=1.0,
-                 loss_agg_mode="token-mean", global_num_tokens=None, global_num_seqs=None,
-                 norm_length=None, grad_scale=1.0, cu_seqlens=None, max_seqlen=None,
-                 tp_group=None, vocab_start=None, backend="auto"):
-    """Top-k distillation loss: the forward KL from a teacher's top-k distribution to the
-    student's, per position, aggregated by loss_agg_mode, with its metrics.
 
-    kl_i = sum_{j in S_i} pT_j (log pT_j - log pS_j)
-           + [tail] (1 - PT) (log(1 - PT) - log(1 - PS))
-    with pS = softmax(logits / temperature), PT, PS the two masses on the set S_i (module
-    docstring; GKD arXiv:2306.13649, verl / open-instruct on-policy distillation, Thinking
-    Machines 2025; docs/LOSSES.md). On the kernel backends the gradient with respect to the
-    logits is written in the forward pass (no [N, V] intermediate besides it) and the
-    backward only scales it, as for ppo_loss.
-
-    Args:
-        logits: [B, T, V], [B, T + 1, V] (the raw output: the last position is ignored and
-            gets a zero gradient) or [N, V]; float32, bfloat16, float16 or float64.
-        teacher: SparseLogprobs(token_ids [nnz] int, offsets [N + 1] int64, logprobs
-            [nnz] float), the teacher's log-probs on its set of ids per position, CSR over
-            the N = B * T positions in row-major order; ids distinct within a position, in
-            [0, V); log-probs <= 0 (or -inf), mass sum exp <= 1 (+ MASS_TOLERANCE = 1e-3)
-            per position. An empty set contributes 0.
-        response_mask: [B, T] (or [N]), nonzero = valid; None = all valid. Masked
-            positions' sets are not read (their ids and log-probs may be anything).
-        tail: add the tail bucket (1 - PT) (log(1 - PT) - log(1 - PS)); False: the sum over
-            the set only (the teacher's top-k, unnormalised).
-        temperature: > 0, the student's logits are divided by it.
-        loss_agg_mode, global_num_tokens, global_num_seqs, norm_length: as in ppo_loss
-            ("none": the per-token kl [B, T], 0 where masked, differentiable).
-        grad_scale: > 0, as in ppo_loss (a hint: the gradient is written pre-scaled).
-        cu_seqlens, max_seqlen: packed sequences, as in ppo_loss (logits [1, total, V] or
-            [total, V], the CSR over the total positions); only the seq-mean modes and
-            num_seqs read the sequences.
-        tp_group, vocab_start: a vocabulary split over the ranks of tp_group: logits
-            [.., V_r] are this rank's slice [vocab_start, vocab_start + V_r) (default
-            rank * V_r), teacher ids stay global; a DTensor sharded on the vocabulary
-            (Shard(-1)) takes the same path without them. The loss and metrics are the whole
-            vocabulary's, the same on every rank; the gradient is this rank's shard's
-            (ppo_kernels/distill_tp.py: torch ops on the shard, one all-gather of 9
-            numbers per row; docs/DISTRIBUTED.md). Any backend.
-        backend: "auto" | "cpu" | "cuda" | "triton" | "torch".
-
-    Returns:
-        (loss, metrics): loss 0-d float32 (float64 for float64 logits), or the per-token
-        kl for "none"; metrics 0-d float32 tensors without gradient: kl (mean over valid
-        tokens of kl_i), student_mass (mean PS), teacher_tail_mass (mean 1 - PT, 0 for a
-        whole-vocabulary set), num_tokens, num_seqs.
-
-    Raises:
-        TypeError / ValueError naming the argument (teacher.token_ids out of range or
-        repeated within a position, teacher.offsets not starting at 0, decreasing, not
-        ending at nnz or of the wrong N, teacher.logprobs > 0, NaN or a set's mass > 1 +
-        tolerance, and every ppo_loss check of the shared options). With tp_group the
-        ranks decide validity together: a bad input on one rank, shards that do not tile
-        the vocabulary, a teacher id in no shard, or ranks whose sets or masks differ (by
-        entry count or id sum) are the same ValueError on every rank.
-    """
-    opts = dict(tail=tail, temperature=temperature, loss_agg_mode=loss_agg_mode,
-                grad_scale=grad_scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                tp_group=tp_group, vocab_start=vocab_start, global_num_tokens=global_num_tokens,
-                global_num_seqs=global_num_seqs, norm_length=norm_length, backend=backend)
-    if tp_group is not None or vocab_start is not None or hasattr(logits, "to_local"):
-        from .distill_tp import distill_loss_tp
-        return distill_loss_tp(logits, teacher, response_mask, opts)
-    logits3, flat = _logits3(logits)
-    opts["flat"] = flat
-    c, tail, temperature, gs = check_call(logits3, logits3.shape[2], teacher, response_mask,
-                                          opts)
-    if c.be.is_kernel:
-        loss, kl, ps, tt = _kernel_terms(c, logits3, tail, temperature, gs)
+def placeholder_tokens(hidden, teacher):
+    """Checks hidden's rank and the teacher's N against it; zero tokens of the positions'
+    shape ([N] for [N, H] hidden, else [B, T]) for from_hidden's shape checks."""
+    if not isinstance(teacher, (SparseLogprobs, tuple)) or len(teacher) != 3:
+        raise TypeError(f"teacher: expected a SparseLogprobs(token_ids, offsets, logprobs), got "
+                        f"{type(teacher).__name__}")
+    ck.tensor("hidden", hidden)
+    ck.tensor("teacher.offsets", teacher[1], integer=True)
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden: expected [B, T, H], [B, T + 1, H] or [N, H], got shape "
+                         f"{list(hidden.shape)}")
+    n = teacher[1].numel() - 1
+    flat = hidden.dim() == 2
+    if flat:
+        tokens = torch.zeros(n, dtype=torch.long, device=hidden.device)
     else:
-        loss, kl, ps, tt = _torch_terms(c, logits3, tail, temperature)
-    return _finish(c, loss, kl), metrics_of(c, kl, ps, tt)
+        b, tl = hidden.shape[0], hidden.shape[1]
+        t = tl if b * tl == n else tl - 1
+        if b * t != n:
+            raise ValueError(f"teacher.offsets: N + 1 = {n + 1} entries do not fit hidden of "
+                             f"shape {list(hidden.shape)} (expected N = B * T = {b * tl}, or "
+                             f"{b * (tl - 1)} for the raw [B, T + 1, H] output)")
+        tokens = torch.zeros(b, t, dtype=torch.long, device=hidden.device)
+    return tokens
 
 
-__all__ = ["SparseLogprobs", "distill_loss", "check_csr", "check_teacher_logprobs",
+__all__ = ["SparseLogprobs", "check_csr", "check_teacher_logprobs",
            "MASS_TOLERANCE"]

@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from . import vocab_parallel as _vp
 from ._checks import host_readable
-from .distill import _finish, _logits3, check_call, metrics_of
+from .distill import check_call, finish_loss, logits_of, metrics_of, placeholder_tokens
+from .head_chunks import head_options, head_shard, hidden_and_tokens, materialised_logits
 from .rank_agreement import checks_together, groups
 
 N_PARTS = 9  # numbers per row and rank in the all-gather
@@ -182,7 +183,7 @@ def distill_loss_tp(logits, teacher, response_mask, opts):
         local, shard = _vp.shard_of(logits, tp_group, vocab_start, -1, "logits")
         if shard is None:  # (shard_of raised for vocab_start without tp_group)
             raise ValueError("tp_group: expected a process group with vocab_start")
-        logits3, flat = _logits3(local)
+        logits3, flat = logits_of(local)
         o = dict(opts, flat=flat)
         c, tail, temperature, gs = check_call(logits3, None, teacher, response_mask, o,
                                               sharded=True)
@@ -207,14 +208,14 @@ def sharded_distill(logits3, shard, c, tail, temperature):
     layout[0, 0], layout[0, 1] = shard.start, shard.v_local
     parts = _GatherRows.apply(torch.cat([part, layout]), shard.group)  # [tp, n + 1, 9]
     starts, sizes = parts[:, -1, 0].detach(), parts[:, -1, 1].detach()
-    _vp._check_layout(starts, sizes)
+    _vp.check_layout(starts, sizes)
     rows = parts[:, :-1]
     v_total = sizes.sum()
     _check_sets(rows[..., 6].detach(), rows[..., 7:].detach(), valid, v_total, shard.start,
                 shard.v_local)
     kl, ps, tt = (x.view(b, t) for x in merge(rows, valid, tail, v_total))
     loss = None if c.weights is None else (c.weights * kl).sum()
-    return _finish(c, loss, kl), metrics_of(c, kl if loss is None else kl.detach(), ps, tt)
+    return finish_loss(c, loss, kl), metrics_of(c, kl if loss is None else kl.detach(), ps, tt)
 
 
 class _CopyToGroup(torch.autograd.Function):
@@ -239,21 +240,18 @@ def distill_loss_from_hidden_tp(hidden, lm_head_weight, lm_head_bias, teacher, r
     version materialises the shard's logits [B, T, V_r] (differentiably, torch ops) and runs
     sharded_distill on them; d hidden is summed over the group in the backward (one
     all-reduce of B T H numbers)."""
-    from .distill_hidden import placeholder_tokens
-    from .from_hidden import (_head_options, _head_shard, _hidden_and_tokens,
-                              materialised_logits)
 
     def checks():  # no collective: the ranks decide validity together
         tokens = placeholder_tokens(hidden, teacher)
-        h, w, bias, shard = _head_shard(hidden, lm_head_weight, lm_head_bias,
+        h, w, bias, shard = head_shard(hidden, lm_head_weight, lm_head_bias,
                                         opts["tp_group"], opts["vocab_start"])
         if shard is None:
             raise ValueError("tp_group: expected a process group with vocab_start")
-        hidden3, _, flat = _hidden_and_tokens(h, w, bias, tokens)
+        hidden3, _, flat = hidden_and_tokens(h, w, bias, tokens)
         c, tail, temperature, _ = check_call(hidden3, None, teacher, response_mask,
                                              dict(opts, flat=flat), name="hidden",
                                              sharded=True)
-        cap, _ = _head_options(hidden3, w, logit_softcap, chunk_size)
+        cap, _ = head_options(hidden3, w, logit_softcap, chunk_size)
         return hidden3, w, bias, shard, c, tail, temperature, cap
 
     hidden3, w, bias, shard, c, tail, temperature, cap = checks_together(

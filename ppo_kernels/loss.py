@@ -14,6 +14,8 @@ from . import context_parallel as _cp
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
 from ._backends import get_backend
+from ._two_phase import per_token_loss, replay_loss
+from .rows import logits_logprobs
 from .rank_agreement import agreed_sizes, checks_together, groups
 from .spec import KERNEL_POLICY_LOSSES, LOSS_AGG_MODES, LossSpec
 
@@ -89,17 +91,14 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
     logits3, shard, tokens2, flat, mask, temperature, be, rp = checks_together(
         groups(tp_group=tp_group), checks, lambda r: {"tp_group": tuple(r[2].shape)})
     if rp is not None:
-        if shard is not None:
-            lp_k, ent_k, logp, ent, _, _, _ = _sampling.vp_replay_logprobs(
-                be, logits3, tokens2, mask, temperature, rp, shard)
-        else:
+        if shard is None:
             tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
-            lp_k, ent_k, logp, ent, _, _, _ = _sampling.replay_logprobs(
-                be, logits3, tokens2, mask, temperature, rp)
+        lp_k, ent_k, logp, ent, _, _, _ = logits_logprobs(be, logits3, tokens2, mask,
+                                                          temperature, rp, shard)
         return _sampling.outputs(lp_k, ent_k, logp, ent, return_full, return_entropy,
                                  entropy_over, (lambda v: v[0]) if flat else None)
     if shard is not None:
-        logp, ent = _vp.token_logprobs(be, logits3, tokens2, mask, temperature, shard)
+        logp, ent = logits_logprobs(be, logits3, tokens2, mask, temperature, None, shard)
         ent = ent if return_entropy else None
     else:
         tokens2 = ck.token_range(tokens2, mask, logits3.shape[2])
@@ -348,23 +347,12 @@ def _replay_loss_of_logits(spec, x, logits3, shard):
     spec.entropy_over names; aux: (full logp, kept mass, kept size, missing), [B, T]."""
     k = x.kernel
     if x.weights is not None and x.be.is_kernel:
-        loss, _, logp, ent, *aux = _two_phase.ppo_loss(x.be.prefix, logits3, spec, x, shard)
+        loss, _, logp, ent, *aux = _two_phase.ppo_loss(x.be, logits3, spec, x, shard)
         return loss, logp, ent, tuple(aux)
-    if shard is not None:
-        out = _sampling.vp_replay_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
-                                           x.kernel_temperature(spec), x.replay, shard)
-    else:
-        out = _sampling.replay_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
-                                        x.kernel_temperature(spec), x.replay)
+    out = logits_logprobs(x.be, logits3, k(x.tokens), k(x.mask), x.kernel_temperature(spec),
+                          x.replay, shard)
     lp_k, ent_k, logp, ent, mass, size, missing = (x.padded(v) for v in out)
-    ent_sel = ent_k if spec.entropy_over == "kept" else ent
-    lp_kl = None if spec.kl_logprobs == "kept" else logp
-    if x.weights is None:
-        loss = per_token_loss(spec, x, lp_k, ent_sel, lp_kl)
-    else:
-        pol, _ = _torch_impl.token_losses(lp_k, ent_sel, x.old, x.adv, x.ref, x.isw, x.mask,
-                                          spec, x.behaviour, logp_kl=lp_kl)
-        loss = _torch_impl.aggregate(pol, ent_sel, x.mask, x.weights, x.w_ent, spec)
+    loss, ent_sel = replay_loss(spec, x, lp_k, ent_k, logp, ent)
     return loss, lp_k.detach(), ent_sel.detach(), (logp.detach(), mass, size, missing)
 
 
@@ -385,8 +373,8 @@ def _loss_of_logits(spec, x, logits3, shard):
     if x.weights is None:
         # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
         if shard is not None:
-            logp, ent = _vp.token_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
-                                           x.kernel_temperature(spec), shard)
+            logp, ent = logits_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
+                                        x.kernel_temperature(spec), None, shard)
         else:
             logp, ent = x.be.token_logprobs(logits3, k(x.tokens), k(x.mask),
                                             x.kernel_temperature(spec), True)
@@ -396,7 +384,7 @@ def _loss_of_logits(spec, x, logits3, shard):
         if two_phase(spec, x, shard):
             return composite_padded(spec, x, logits3)
     elif two_phase(spec, x, shard):
-        loss, _, logp, ent = _two_phase.ppo_loss(x.be.prefix, logits3, spec, x, shard)
+        loss, _, logp, ent = _two_phase.ppo_loss(x.be, logits3, spec, x, shard)
         return loss, logp, ent
     loss, _, logp, ent = x.be.ppo_loss(logits3, k(x.tokens), k(x.mask), k(x.old), k(x.adv),
                                        k(x.weights), k(x.ref), k(x.isw), spec, k(x.w_ent),
@@ -666,16 +654,6 @@ def prepare_loss(like, vocab, tokens2, flat, options):
     """check_loss and weigh_loss in one: (LossSpec, LossInputs), for a caller on one rank."""
     spec, x, pending = check_loss(like, vocab, tokens2, flat, options)
     return spec, weigh_loss(spec, x, pending)
-
-
-def per_token_loss(spec, x, logp, ent, logp_kl=None):
-    """loss_agg_mode="none": the per-token loss [B, T] (or [N]) from differentiable logp,
-    H, 0 where masked (logp_kl: the KL's log-probs where they are not logp)."""
-    loss = torch.where(x.mask, _torch_impl.token_loss(logp, ent, x.old, x.adv, x.ref, x.isw,
-                                                      spec, x.mask, x.behaviour, logp_kl),
-                       0.0)
-    loss = x.kernel(loss)  # (the packed layout again, with cu_seqlens)
-    return loss[0] if x.flat else loss
 
 
 # The slots of the CPU op ppo_kernels::ppo_loss_metrics's [K] vector (csrc/ops_host.cpp,

@@ -125,11 +125,11 @@ class LossSpec:
 
     @classmethod
     def _build(cls, dtype=torch.float32, **options):
-        unknown = sorted(set(options) - set(_DEFAULTS))
+        unknown = sorted(set(options) - set(DEFAULTS))
         if unknown:
             raise TypeError(f"{unknown[0]}: not an option of ppo_loss (the options: "
-                            f"{sorted(_DEFAULTS)})")
-        o = {**_DEFAULTS, **options}
+                            f"{sorted(DEFAULTS)})")
+        o = {**DEFAULTS, **options}
         ck.choice("policy_loss", o["policy_loss"], POLICY_LOSSES)
         if o["policy_loss"] == "cispo":  # a band for a weight, not a trust region: wider ranges
             eps_low = ck.number("clip_eps_low", o["clip_eps_low"], lo=0.0, hi=1.0)
@@ -245,4 +245,4 @@ _BUILT_MAX = 256
 
 # ppo_loss's defaults, by option (read by LossSpec.build, where torch.compile cannot trace
 # dataclasses.fields)
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossSpec)}
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossSpec)}

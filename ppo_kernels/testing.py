@@ -141,8 +141,8 @@ def reference_ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=N
     al. 2017, eq. 7; dual clip, Ye et al. 2020, eq. 5; KL estimators, Schulman 2020;
     the policy-loss menu: docs/LOSSES.md).
     """
-    from .spec import _DEFAULTS
-    known = set(_DEFAULTS) | set(_NO_MATH) | set(_DISTRIBUTED) | set(_REPLAY) | {"cu_seqlens"}
+    from .spec import DEFAULTS
+    known = set(DEFAULTS) | set(_NO_MATH) | set(_DISTRIBUTED) | set(_REPLAY) | {"cu_seqlens"}
     known |= {"rollout_is_weights", "rollout_logprobs", "global_num_tokens",
               "global_num_seqs"}
     unknown = sorted(set(options) - known)

@@ -29,8 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ._autograd import first_order_only, wants_grad
-from ._checks import host_readable, split_temperature, tensor
+from ._checks import host_readable, tensor
 from .context_parallel import check_group
 
 
@@ -57,7 +56,7 @@ class VocabShard:
         whose token no shard holds, are a ValueError on CPU tensors (on every rank alike:
         each sees the same gathered numbers), an asynchronous device assertion elsewhere.
         extra: [B, T, k] more per-row numbers of this rank carried by the same all-gather
-        (sampling replay's kept-set partials, ppo_kernels/sampling.py); then every rank's
+        (sampling replay's kept-set partials, ppo_kernels/kept_rows.py); then every rank's
         [tp, B, T, k] comes back as a fifth result."""
         has_ent = ent_r is not None and ent_r.numel() > 0
         # a row whose whole shard is -inf (banned) holds no mass here: the kernel's log_sum
@@ -78,7 +77,7 @@ class VocabShard:
         layout = part.new_zeros((1, 6 + k))
         layout[0, 0], layout[0, 1] = self.start, self.v_local
         parts = all_gather(torch.cat([part, layout]), self.group)  # [tp, N + 1, 6 + k]
-        _check_layout(parts[:, -1, 0], parts[:, -1, 1])
+        check_layout(parts[:, -1, 0], parts[:, -1, 1])
         rows = parts[:, :-1].reshape((self.size,) + tuple(mask.shape) + (6 + k,))
         mx, ls, h, d, owners, ids = rows[..., :6].unbind(-1)
         if tokens is not None:
@@ -119,22 +118,7 @@ class VocabShard:
         return dz
 
 
-def logits_grad(prefix, dlogp, dent, logits, tokens, mask, row_max, log_sum, ent,
-                temperature, shard=None, own=None):
-    """dlogits of sum(dlogp * logp + dent * H) by the token_logprobs_bwd kernel, from the
-    row statistics; with a shard (tokens local, own: which rows' token this rank holds)
-    the placeholder entries are rewritten as well. The one way every path gets a shard's
-    dlogits."""
-    bwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_bwd")
-    t, temps = split_temperature(temperature)
-    dz = bwd(dlogp, dent, logits, tokens, mask, row_max, log_sum, ent, t, temperatures=temps)
-    if shard is not None:
-        shard.fix_placeholder_(dz, logits, own, mask, dlogp, dent, row_max, log_sum, ent,
-                               temperature)
-    return dz
-
-
-def _check_layout(starts, sizes):
+def check_layout(starts, sizes):
     """The shards, in order of their starts, must tile [0, sum V_r) (float32 holds the ids
     exactly up to 2^24)."""
     order = torch.argsort(starts)
@@ -273,44 +257,3 @@ def require_kernels(be, shard):
     if shard is not None and not be.is_kernel:
         raise ValueError(f"backend: a vocabulary split over tp_group runs on the kernel "
                          f"backends ('cpu', 'cuda', 'triton'), got {be.name!r}")
-
-
-def shard_stats(logits, tokens, mask, temperature, shard, prefix):
-    """(logp, H, row max, log_sum) of the whole rows, then (local ids, own). temperature: a
-    number or the per-row [B, T] tensor (the merge divides by it row by row)."""
-    local, own = shard.local_tokens(tokens)
-    fwd = getattr(torch.ops.ppo_kernels, prefix + "token_logprobs_fwd")
-    t, temps = split_temperature(temperature)
-    lp, ent, mx, ls = fwd(logits, local, mask, t, True, temperatures=temps)
-    return (*shard.merge(lp, ent, mx, ls, own, mask, temperature, tokens), local, own)
-
-
-class ShardedLogprobs(torch.autograd.Function):
-    """token_logprobs of this rank's vocabulary shard: (logp, H) of the whole row, the same
-    on every rank; the backward writes this shard's dlogits (no collective)."""
-
-    @staticmethod
-    def forward(ctx, logits, tokens, mask, temperature, shard, prefix):
-        logp, ent, mx, ls, local, own = shard_stats(logits, tokens, mask, temperature, shard,
-                                                    prefix)
-        ctx.save_for_backward(logits, local, own, mask, mx, ls, ent)
-        ctx.temperature, ctx.shard, ctx.prefix = temperature, shard, prefix
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        first_order_only("token_logprobs (a split vocabulary)")
-        logits, local, own, mask, mx, ls, ent = ctx.saved_tensors
-        g_lp = torch.zeros_like(mx) if grad_logp is None else grad_logp.to(mx.dtype)
-        g_ent = None if grad_ent is None else grad_ent.to(mx.dtype).contiguous()
-        dz = logits_grad(ctx.prefix, g_lp.contiguous(), g_ent, logits, local, mask, mx, ls,
-                         ent, ctx.temperature, ctx.shard, own)
-        return dz, None, None, None, None, None
-
-
-def token_logprobs(be, logits, tokens, mask, temperature, shard):
-    """(logp, H) [B, T] of a vocabulary shard, differentiable in the local logits."""
-    if wants_grad(logits):
-        return ShardedLogprobs.apply(logits, tokens, mask, temperature, shard, be.prefix)
-    with torch.no_grad():
-        return shard_stats(logits, tokens, mask, temperature, shard, be.prefix)[:2]

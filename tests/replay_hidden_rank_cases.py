@@ -100,23 +100,23 @@ def ppo_loss(r):
 def chunk_shapes(r):
     """No [N, V] logits: every chunk_logits call makes at most chunk_size rows of this
     shard's V_r columns."""
-    from ppo_kernels import from_hidden as fh
+    from ppo_kernels import head_chunks
     d = r.state
-    shapes, real = [], fh.chunk_logits
+    shapes, real = [], head_chunks.chunk_logits
 
     def spy(*a, **k):
         z = real(*a, **k)
         shapes.append(tuple(z.shape))
         return z
 
-    fh.chunk_logits = spy
+    head_chunks.chunk_logits = spy
     try:
         h, ww, bb = leaves(d, True)
         lp = pk.ppo_loss_from_hidden(h, ww, d.tok, d.old, d.adv, d.mask, d.ref, lm_head_bias=bb,
                                      sampling_mask=d.sm, chunk_size=3, backend="cpu", **d.tp)[0]
         lp.backward()
     finally:
-        fh.chunk_logits = real
+        head_chunks.chunk_logits = real
     return {"chunk_shapes": f"{len(shapes)} {max(r for r, _ in shapes)} "
                             f"{sorted(set(c for _, c in shapes))}"}
 

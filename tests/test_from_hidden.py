@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ppo_kernels as pk
-from ppo_kernels import from_hidden as fh
+from ppo_kernels import head_chunks
 from ppo_kernels import reference as ref
 
 from helpers.backends import triton_interpreter
@@ -515,14 +515,14 @@ def test_no_tensor_larger_than_a_chunk(policy_loss, cap):
     B, T, H, V, c = 4, 16, 2, 50, 3  # N V = 3200 > V H = 100 and N H = 128
     d = head_inputs(B=B, T=T, H=H, V=V, seed=20, bias=True)
     spy_calls = []
-    real = fh.chunk_logits
+    real = head_chunks.chunk_logits
 
     def spy(h, w, b, cap_, *rest):
         z = real(h, w, b, cap_, *rest)
         spy_calls.append(tuple(z.shape))
         return z
 
-    fh.chunk_logits = spy
+    head_chunks.chunk_logits = spy
     try:
         with _Sizes() as sizes:
             loss, _ = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"],
@@ -531,7 +531,7 @@ def test_no_tensor_larger_than_a_chunk(policy_loss, cap):
                                               policy_loss=policy_loss, entropy_coef=0.01)
             loss.backward()
     finally:
-        fh.chunk_logits = real
+        head_chunks.chunk_logits = real
     n = B * T
     passes = 2 if policy_loss == "gspo" else 1
     assert len(spy_calls) == passes * -(-n // c)
@@ -558,9 +558,9 @@ def test_token_logprobs_no_tensor_larger_than_a_chunk():
 
 
 def test_default_chunk_size():
-    assert fh.default_chunk_size(32000, torch.bfloat16) == (256 << 20) // (32000 * 2)
-    assert fh.default_chunk_size(151936, torch.float32) == (256 << 20) // (151936 * 4)
-    assert fh.default_chunk_size(1 << 40, torch.float32) == 1
+    assert head_chunks.default_chunk_size(32000, torch.bfloat16) == (256 << 20) // (32000 * 2)
+    assert head_chunks.default_chunk_size(151936, torch.float32) == (256 << 20) // (151936 * 4)
+    assert head_chunks.default_chunk_size(1 << 40, torch.float32) == 1
     d = head_inputs(seed=22)
     assert_pair(*run_pair(d, chunk_size=None))
 

@@ -450,9 +450,10 @@ ROW_TEMPERATURES = {"scalar": dict(seed=13, B=2, T=5, cap=5.0, temp=0.8, chunk=4
 @pytest.mark.parametrize("temperature", sorted(ROW_TEMPERATURES))
 def test_from_hidden_matches_the_logits_path(be, given_mask, temperature):
     """token_logprobs_from_hidden / ppo_loss_from_hidden / score_rollout_from_hidden with a
-    kept set equal the logits ops on hidden @ W^T (chunks of rows: _ReplayFromHidden), with
-    a scalar temperature and a soft cap, or a [B] temperature (then for token_logprobs and
-    score_rollout too, and score_rollout on the logits on ``be`` as well)."""
+    kept set equal the logits ops on hidden @ W^T (chunks of rows: rows.RowLogprobs on
+    head_chunks.HeadRows), with a scalar temperature and a soft cap, or a [B] temperature
+    (then for token_logprobs and score_rollout too, and score_rollout on the logits on
+    ``be`` as well)."""
     c = ROW_TEMPERATURES[temperature]
     per_row = temperature != "scalar"
     gen = torch.Generator().manual_seed(c["seed"])
@@ -608,10 +609,11 @@ def test_tensor_parallel_vocabulary_two_ranks(tmp_path):
 
 
 def test_tensor_parallel_rederived_is_not_implemented():
-    from ppo_kernels import sampling as sm
+    from ppo_kernels.rows import SplitVocab
     from ppo_kernels.sampling import Replay
     with pytest.raises(NotImplementedError, match="tp_group"):
-        sm.vp_stats("", None, None, None, 1.0, Replay(top_p=torch.ones(1, 1)), None)
+        SplitVocab(None).block_kept(None, None, None, None, 1.0,
+                                    Replay(top_p=torch.ones(1, 1)))
 
 
 # ------------------------------------------------------------------ the raw ops

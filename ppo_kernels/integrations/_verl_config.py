@@ -47,11 +47,11 @@ _VERL_KEY = {"clip_eps_low": "actor.clip_ratio_low (or actor.clip_ratio)",
              "clip_eps_high": "actor.clip_ratio_high (or actor.clip_ratio)",
              "dual_clip_c": "actor.clip_ratio_c", "sapo_tau_pos": "actor.tau_pos",
              "sapo_tau_neg": "actor.tau_neg", "policy_loss": "actor.policy_loss.loss_mode"}
-_SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+SEQ_MODES = ("seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 GSPO_LOG_RATIO_MAX = 10.0  # verl clamps GSPO's log ratio here from above; ppo_kernels at 20
 
 
-def _get(cfg, key, default=None):
+def cfg_get(cfg, key, default=None):
     """cfg[key] for a verl dataclass config (BaseConfig), an omegaconf DictConfig, a dict or
     any object with attributes; default when absent or None-valued configs."""
     if cfg is None:
@@ -91,7 +91,7 @@ def _verl_error(exc, kw):
 def _loss_mode(actor, loss_mode=None):
     """The verl loss mode ("vanilla", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl") that actor's
     policy_loss.loss_mode (or loss_mode) asks for; ValueError for any other."""
-    mode = loss_mode if loss_mode is not None else _get(_get(actor, "policy_loss"),
+    mode = loss_mode if loss_mode is not None else cfg_get(cfg_get(actor, "policy_loss"),
                                                         "loss_mode", "vanilla")
     verl_mode = REGISTERED_LOSS_MODES.get(mode, mode)
     if verl_mode in VERL_LOSS_MODES:
@@ -105,29 +105,29 @@ def _loss_mode(actor, loss_mode=None):
                      f"knows; supported: {supported}")
 
 
-def _policy_kwargs(actor, loss_mode=None):
+def policy_kwargs(actor, loss_mode=None):
     """(verl mode, the op's policy keyword arguments) of a verl actor config, validated by
     the library's own checks; a ValueError names the verl key."""
     verl_mode = _loss_mode(actor, loss_mode)
-    clip = _get(actor, "clip_ratio", 0.2)
-    low, high = _get(actor, "clip_ratio_low", None), _get(actor, "clip_ratio_high", None)
+    clip = cfg_get(actor, "clip_ratio", 0.2)
+    low, high = cfg_get(actor, "clip_ratio_low", None), cfg_get(actor, "clip_ratio_high", None)
     low = clip if low is None else low
     high = clip if high is None else high
     kw = {"policy_loss": VERL_LOSS_MODES[verl_mode],
           "clip_eps_low": _float(_VERL_KEY["clip_eps_low"], low),
           "clip_eps_high": _float(_VERL_KEY["clip_eps_high"], high)}
     if verl_mode == "vanilla":  # verl's dual clip is always on for vanilla (A < 0 only)
-        c = _float(_VERL_KEY["dual_clip_c"], _get(actor, "clip_ratio_c", 3.0))
+        c = _float(_VERL_KEY["dual_clip_c"], cfg_get(actor, "clip_ratio_c", 3.0))
         if not c > 1.0:  # verl asserts it too
             raise ValueError(f"actor.clip_ratio_c = {c!r}: verl requires clip_ratio_c > 1")
         kw["dual_clip_c"] = c
     if verl_mode in ("dppo_tv", "dppo_kl"):
         # verl's DPPO: clip_ratio_low / clip_ratio_high are the divergence thresholds and
         # clip_ratio_c caps the detached ratio (compute_policy_loss_dppo_tv / _kl)
-        kw["dual_clip_c"] = _float(_VERL_KEY["dual_clip_c"], _get(actor, "clip_ratio_c", 20.0))
+        kw["dual_clip_c"] = _float(_VERL_KEY["dual_clip_c"], cfg_get(actor, "clip_ratio_c", 20.0))
     if verl_mode == "sapo":
-        kw["sapo_tau_pos"] = _float(_VERL_KEY["sapo_tau_pos"], _get(actor, "tau_pos", 1.0))
-        kw["sapo_tau_neg"] = _float(_VERL_KEY["sapo_tau_neg"], _get(actor, "tau_neg", 1.05))
+        kw["sapo_tau_pos"] = _float(_VERL_KEY["sapo_tau_pos"], cfg_get(actor, "tau_pos", 1.0))
+        kw["sapo_tau_neg"] = _float(_VERL_KEY["sapo_tau_neg"], cfg_get(actor, "tau_neg", 1.05))
     try:
         LossSpec.build(**kw)
     except (ValueError, TypeError) as exc:
@@ -140,15 +140,15 @@ def _rollout_correction_kwargs(rc):
     (decoupled mode: the IS weights of pi_old / pi_rollout)."""
     if rc is None:
         return {}
-    if _get(rc, "bypass_mode", False):
+    if cfg_get(rc, "bypass_mode", False):
         raise ValueError("algorithm.rollout_correction.bypass_mode = True is not supported by "
                          "ppo_kernels (old = rollout log-probs with IS / rejection inside the "
                          "loss, verl's compute_policy_loss_bypass_mode)")
-    if _get(rc, "rollout_is_batch_normalize", False):
+    if cfg_get(rc, "rollout_is_batch_normalize", False):
         raise ValueError("algorithm.rollout_correction.rollout_is_batch_normalize = True is not "
                          "supported by ppo_kernels (the IS weights are not renormalised to "
                          "mean 1)")
-    rs = _get(rc, "rollout_rs", None)
+    rs = cfg_get(rc, "rollout_rs", None)
     if rs not in (None, "", "null"):
         raise ValueError(f"algorithm.rollout_correction.rollout_rs = {rs!r} is not supported by "
                          f"ppo_kernels: verl's rejection sampling removes the rejected tokens "
@@ -156,13 +156,13 @@ def _rollout_correction_kwargs(rc):
                          f"loss; ppo_kernels' masks keep them in the denominators. Inside "
                          f"verl the actor already receives the rejected mask: pass that "
                          f"response_mask and leave rollout_rs out of the mapping")
-    level = _get(rc, "rollout_is", None)
+    level = cfg_get(rc, "rollout_is", None)
     if level in (None, "", "null"):
         return {}
     if level not in ("token", "sequence"):
         raise ValueError(f"algorithm.rollout_correction.rollout_is = {level!r}: expected "
                          f"'token', 'sequence' or None")
-    spec = _get(rc, "rollout_is_threshold", 2.0)
+    spec = cfg_get(rc, "rollout_is_threshold", 2.0)
     key = "algorithm.rollout_correction.rollout_is_threshold"
     lo = None
     if isinstance(spec, str) and "_" in spec.strip():
@@ -186,15 +186,15 @@ def _rollout_correction_kwargs(rc):
 def _split_config(config):
     """(actor config, rollout_correction config or None, temperature or None) of either a
     full verl trainer config (with actor_rollout_ref and algorithm) or an actor config."""
-    arr = _get(config, "actor_rollout_ref", None)
+    arr = cfg_get(config, "actor_rollout_ref", None)
     if arr is None:
         return config, None, None
-    actor = _get(arr, "actor", None)
+    actor = cfg_get(arr, "actor", None)
     if actor is None:
         raise ValueError("config.actor_rollout_ref.actor: missing (expected verl's trainer "
                          "config or its actor_rollout_ref.actor section)")
-    rc = _get(_get(config, "algorithm", None), "rollout_correction", None)
-    temperature = _get(_get(arr, "rollout", None), "temperature", None)
+    rc = cfg_get(cfg_get(config, "algorithm", None), "rollout_correction", None)
+    temperature = cfg_get(cfg_get(arr, "rollout", None), "temperature", None)
     return actor, rc, temperature
 
 
@@ -214,9 +214,9 @@ def replay_kwargs_from_verl(rollout, *, key="actor_rollout_ref.rollout"):
     other than processed_logprobs or with ``name="sglang"`` (the rollout log-probs of
     rollout correction would be scored over another distribution than the replayed
     ones)."""
-    top_k = _get(rollout, "top_k", None)
-    top_p = _get(rollout, "top_p", None)
-    min_p = _get(rollout, "min_p", None)
+    top_k = cfg_get(rollout, "top_k", None)
+    top_p = cfg_get(rollout, "top_p", None)
+    min_p = cfg_get(rollout, "min_p", None)
     top_k = -1 if top_k is None else top_k
     top_p = 1.0 if top_p is None else top_p
     min_p = 0.0 if min_p is None else min_p
@@ -237,9 +237,9 @@ def replay_kwargs_from_verl(rollout, *, key="actor_rollout_ref.rollout"):
         raise ValueError(f"{key}.min_p = {min_p!r}: expected a value in [0, 1)")
     if min_p > 0.0:
         kw["min_p"] = min_p
-    mode = _get(rollout, "logprobs_mode", None)
-    uses = bool(_get(rollout, "calculate_log_probs", False))
-    if uses and _get(rollout, "name", None) == "sglang":
+    mode = cfg_get(rollout, "logprobs_mode", None)
+    uses = bool(cfg_get(rollout, "calculate_log_probs", False))
+    if uses and cfg_get(rollout, "name", None) == "sglang":
         raise ValueError(f"{key}.name = 'sglang' with calculate_log_probs = True and sampling "
                          f"replay: SGLang returns log-probs over the full vocabulary (of the "
                          f"temperature-scaled logits, before top-k / top-p), not over the "
@@ -275,18 +275,18 @@ def verl_batch_kwargs(response_mask, loss_agg_mode, global_batch_info=None):
         sum by dp_size, a factor the op does not apply).
     """
     info = global_batch_info or {}
-    dp = _get(info, "dp_size", 1) or 1
+    dp = cfg_get(info, "dp_size", 1) or 1
     dp = int(dp) if not isinstance(dp, (int, float)) else dp
     if loss_agg_mode == "token-mean":
-        n = _get(info, "batch_num_tokens", None)
+        n = cfg_get(info, "batch_num_tokens", None)
         if n is None:
             if dp > 1:
                 raise ValueError("global_batch_info.batch_num_tokens: required when dp_size > 1 "
                                  "(as in verl)")
             n = response_mask.sum()
         return {"global_num_tokens": n / dp if dp != 1 else n}
-    if loss_agg_mode in _SEQ_MODES:
-        n = _get(info, "global_batch_size", None)
+    if loss_agg_mode in SEQ_MODES:
+        n = cfg_get(info, "global_batch_size", None)
         if n is None:
             if dp > 1:
                 raise ValueError("global_batch_info.global_batch_size: required when dp_size "
@@ -350,20 +350,20 @@ def from_verl_config(config, *, rollout_correction=None, response_mask=None,
     actor, rc, temperature = _split_config(config)
     replay = {}
     if sampling_replay:
-        arr = _get(config, "actor_rollout_ref", None)
+        arr = cfg_get(config, "actor_rollout_ref", None)
         if arr is None:
             raise ValueError("sampling_replay: needs the whole trainer config (its "
                              "actor_rollout_ref.rollout top_k / top_p), got an actor section")
-        replay = replay_kwargs_from_verl(_get(arr, "rollout", None))
+        replay = replay_kwargs_from_verl(cfg_get(arr, "rollout", None))
     if rollout_correction is not None:
         rc = rollout_correction
-    verl_mode, kw = _policy_kwargs(actor)
-    agg = _get(actor, "loss_agg_mode", "token-mean")
+    verl_mode, kw = policy_kwargs(actor)
+    agg = cfg_get(actor, "loss_agg_mode", "token-mean")
     if agg not in LOSS_AGG_MODES[:-1]:  # "none" is ppo_kernels', not verl's
         raise ValueError(f"actor.loss_agg_mode = {agg!r}: expected one of "
                          f"{list(LOSS_AGG_MODES[:-1])}")
-    entropy_coef = _float("actor.entropy_coeff", _get(actor, "entropy_coeff", 0.0))
-    use_kl = bool(_get(actor, "use_kl_loss", False))
+    entropy_coef = _float("actor.entropy_coeff", cfg_get(actor, "entropy_coeff", 0.0))
+    use_kl = bool(cfg_get(actor, "use_kl_loss", False))
     if verl_mode == "sapo" and agg != "seq-mean-token-mean":
         # verl forces the SAPO policy term to seq-mean-token-mean; entropy and KL keep agg
         if use_kl:
@@ -377,12 +377,12 @@ def from_verl_config(config, *, rollout_correction=None, response_mask=None,
             kw["entropy_agg_mode"] = agg
     else:
         kw["loss_agg_mode"] = agg
-    lsf = _get(actor, "loss_scale_factor", None)
+    lsf = cfg_get(actor, "loss_scale_factor", None)
     if lsf is not None and kw["loss_agg_mode"] == "seq-mean-token-sum-norm":
         kw["norm_length"] = _float("actor.loss_scale_factor", lsf)
     kw["entropy_coef"] = entropy_coef
     if use_kl:
-        kl_type = _get(actor, "kl_loss_type", "low_var_kl")
+        kl_type = cfg_get(actor, "kl_loss_type", "low_var_kl")
         if kl_type in _KL_UNSUPPORTED:
             raise ValueError(f"actor.kl_loss_type = {kl_type!r} is not supported by "
                              f"ppo_kernels: {_KL_UNSUPPORTED[kl_type]}; supported: "
@@ -390,7 +390,7 @@ def from_verl_config(config, *, rollout_correction=None, response_mask=None,
         if kl_type not in _KL_TYPES:
             raise ValueError(f"actor.kl_loss_type = {kl_type!r} is not a KL type verl 0.9 "
                              f"knows; supported by ppo_kernels: {sorted(_KL_TYPES)}")
-        coef = _float("actor.kl_loss_coef", _get(actor, "kl_loss_coef", 0.001))
+        coef = _float("actor.kl_loss_coef", cfg_get(actor, "kl_loss_coef", 0.001))
         if coef < 0:
             raise ValueError(f"actor.kl_loss_coef = {coef!r}: ppo_kernels needs kl_coef >= 0")
         kw["kl_coef"], kw["kl_estimator"] = coef, _KL_TYPES[kl_type]
@@ -403,7 +403,7 @@ def from_verl_config(config, *, rollout_correction=None, response_mask=None,
         kw["temperature"] = _float("actor_rollout_ref.rollout.temperature", temperature)
     if response_mask is not None:
         kw.update(verl_batch_kwargs(response_mask, kw["loss_agg_mode"], global_batch_info))
-        if kw.get("entropy_agg_mode") in _SEQ_MODES and "global_num_seqs" not in kw:
+        if kw.get("entropy_agg_mode") in SEQ_MODES and "global_num_seqs" not in kw:
             kw.update(verl_batch_kwargs(response_mask, kw["entropy_agg_mode"],
                                         global_batch_info))
     elif global_batch_info is not None:

@@ -57,8 +57,8 @@ from .. import _torch_impl
 from ..from_hidden import token_logprobs_from_hidden
 from ..loss import prepare_loss
 from ..spec import LOSS_AGG_MODES, LossSpec
-from ._verl_config import (_SEQ_MODES, GSPO_LOG_RATIO_MAX, REGISTERED_LOSS_MODES,
-                           VERL_LOSS_MODES, _get, _policy_kwargs, from_verl_config,
+from ._verl_config import (SEQ_MODES, GSPO_LOG_RATIO_MAX, REGISTERED_LOSS_MODES,
+                           VERL_LOSS_MODES, cfg_get, policy_kwargs, from_verl_config,
                            replay_kwargs_from_verl, verl_batch_kwargs)
 
 try:
@@ -135,12 +135,12 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
     """
     if config is None:
         raise ValueError("config: verl's ActorConfig (or a mapping with its keys) is required")
-    verl_mode, kw = _policy_kwargs(config, loss_mode)
+    verl_mode, kw = policy_kwargs(config, loss_mode)
     agg = "seq-mean-token-mean" if verl_mode == "sapo" else loss_agg_mode
     if agg not in LOSS_AGG_MODES[:-1]:
         raise ValueError(f"loss_agg_mode: expected one of {list(LOSS_AGG_MODES[:-1])}, got "
                          f"{agg!r}")
-    info = _get(config, "global_batch_info", None) or {}
+    info = cfg_get(config, "global_batch_info", None) or {}
     dp_size = info.get("dp_size", 1) or 1
     if isinstance(dp_size, torch.Tensor):
         dp_size = int(dp_size)
@@ -151,7 +151,7 @@ def compute_policy_loss(old_log_prob, log_prob, advantages, response_mask,
         if n_tok is None and dp_size > 1:
             raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
         extra["global_num_tokens"] = n_tok
-    elif agg in _SEQ_MODES:
+    elif agg in SEQ_MODES:
         if n_seq is None:
             if dp_size > 1:
                 raise ValueError("global_batch_size is required when dp_size > 1")
@@ -487,9 +487,9 @@ def _read_model_config(cfg):
     """fused_kernel_options.chunk_size and .sampling_replay (with .top_k / .top_p /
     .min_p) of a verl HFModelConfig, when it has them."""
     opts = getattr(cfg, "fused_kernel_options", None)
-    if opts is not None and _get(opts, "chunk_size", None) is not None:
-        configure_fused_hook(_chunk(_get(opts, "chunk_size"), f"{_FKO}.chunk_size"))
-    replay = None if opts is None else _get(opts, "sampling_replay", None)
+    if opts is not None and cfg_get(opts, "chunk_size", None) is not None:
+        configure_fused_hook(_chunk(cfg_get(opts, "chunk_size"), f"{_FKO}.chunk_size"))
+    replay = None if opts is None else cfg_get(opts, "sampling_replay", None)
     if replay is None:
         return
     if not isinstance(replay, bool):
@@ -497,7 +497,7 @@ def _read_model_config(cfg):
     if not replay:
         _HOOK_OPTIONS["replay"] = {}
         return
-    given = {k: _get(opts, k, None) for k in _REPLAY_KEYS}
+    given = {k: cfg_get(opts, k, None) for k in _REPLAY_KEYS}
     if all(v is None for v in given.values()):
         raise ValueError(
             f"{_FKO}.sampling_replay=true needs the rollout's sampling parameters next to it "

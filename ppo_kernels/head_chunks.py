@@ -1,0 +1,296 @@
+"""The LM head in chunks of rows: the logits hidden @ W^T (+ b), soft-capped, made for
+chunk_size rows at a time and never stored whole (docs/FROM_HIDDEN.md). The checks of
+the head's arguments, the one chunk loop (HeadRows.each_block: a row source of
+ppo_kernels/rows.py, for the statistics and gradient passes, and the fused losses'
+single passes of from_hidden.py and distill_hidden.py), the gradient accumulators of
+hidden, W and b (Grads), and the materialised logits of the eager composite.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from . import _checks as ck
+from .rows import Block, RowSource
+from .vocab_parallel import shard_of
+
+CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
+
+
+# ------------------------------------------------------------------ argument checks
+
+def hidden_and_tokens(hidden, weight, bias, tokens):
+    """(hidden3 [B, Tl, H], tokens2 [B, T] int64, flat) after checking hidden, the LM head
+    and the tokens; every error names its argument."""
+    ck.tensor("hidden", hidden)
+    if hidden.dtype not in ck.LOGITS_DTYPES:
+        raise TypeError(f"hidden: expected float32, bfloat16, float16 or float64, got "
+                        f"{hidden.dtype}")
+    ck.tensor("lm_head_weight", weight)
+    ck.same_device("lm_head_weight", weight, "hidden", hidden)
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"lm_head_weight: expected dtype {hidden.dtype} (that of hidden), got "
+                        f"{weight.dtype}")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden: expected [B, T, H], [B, T + 1, H] or [N, H], got shape "
+                         f"{list(hidden.shape)}")
+    h = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != h:
+        raise ValueError(f"lm_head_weight: expected [V, H] with H = {h} (the last dimension "
+                         f"of hidden), got shape {list(weight.shape)}")
+    v = weight.shape[0]
+    if v == 0:
+        raise ValueError("lm_head_weight: empty vocabulary (V = 0)")
+    if bias is not None:
+        ck.tensor("lm_head_bias", bias)
+        ck.same_device("lm_head_bias", bias, "hidden", hidden)
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"lm_head_bias: expected dtype {hidden.dtype} (that of hidden), "
+                            f"got {bias.dtype}")
+        if tuple(bias.shape) != (v,):
+            raise ValueError(f"lm_head_bias: expected shape [V] = [{v}], got "
+                             f"{list(bias.shape)}")
+    hidden, tokens, flat = ck.align_tokens(tokens, hidden, "hidden", "H")
+    return hidden, tokens.long().contiguous(), flat
+
+
+def head_shard(hidden, weight, bias, tp_group, vocab_start):
+    """(hidden, weight, bias, VocabShard or None): the LM head's rows split over tp_group,
+    or DTensors (weight / bias sharded on the vocabulary, Shard(0), with tp_group: FSDP2
+    shards its parameters on dim 0 too; hidden replicated)."""
+    weight, shard = shard_of(weight, tp_group, vocab_start, 0, "lm_head_weight")
+    if shard is not None:
+        if bias is not None and hasattr(bias, "to_local"):
+            bias = bias.to_local()
+        if hasattr(hidden, "to_local"):
+            hidden = hidden.to_local()
+    return hidden, weight, bias, shard
+
+
+def check_logits_dtype(logits_dtype, hidden3):
+    """logits_dtype as the chunk loops read it: None (the hidden states' dtype) or
+    torch.float32 for bfloat16 / float16 hidden states (float32 hidden states: None, the
+    same thing). Anything else is a TypeError / ValueError naming logits_dtype."""
+    if logits_dtype is None:
+        return None
+    if not isinstance(logits_dtype, torch.dtype):
+        raise TypeError(f"logits_dtype: expected None or torch.float32, got "
+                        f"{type(logits_dtype).__name__}")
+    if logits_dtype != torch.float32:
+        raise ValueError(f"logits_dtype: expected None (the hidden states' dtype) or "
+                         f"torch.float32, got {logits_dtype}")
+    if hidden3.dtype == torch.float64:
+        raise ValueError("logits_dtype: torch.float32 would round the logits of float64 "
+                         "hidden states down; pass None")
+    return None if hidden3.dtype == torch.float32 else torch.float32
+
+
+def head_options(hidden3, weight, logit_softcap, chunk_size, logits_dtype=None):
+    """(cap, rows per chunk); the default chunk holds about CHUNK_BYTES of logits in
+    logits_dtype (checked: check_logits_dtype) or hidden's dtype."""
+    cap = None if logit_softcap is None else ck.number("logit_softcap", logit_softcap,
+                                                       lo=0.0, lo_open=True)
+    if chunk_size is None:
+        chunk = default_chunk_size(weight.shape[0], logits_dtype or hidden3.dtype)
+    else:
+        if isinstance(chunk_size, bool) or not hasattr(type(chunk_size), "__index__"):
+            raise TypeError(f"chunk_size: expected an int (rows per chunk) or None, got "
+                            f"{type(chunk_size).__name__}")
+        chunk = operator.index(chunk_size)
+        if chunk < 1:
+            raise ValueError(f"chunk_size: expected at least 1 row, got {chunk_size}")
+    return cap, chunk
+
+
+def default_chunk_size(vocab, dtype):
+    """Rows per chunk for chunk_size=None: one chunk of [rows, V] logits in ``dtype`` is
+    about CHUNK_BYTES = 256 MiB (at least 1 row)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, CHUNK_BYTES // (vocab * itemsize))
+
+
+# ------------------------------------------------------------------ the chunk pieces
+
+def chunk_logits(h, weight, bias, cap, logits_dtype=None):
+    """[C, V] logits of the rows h [C, H] in hidden's dtype, soft-capped in place. The one
+    place the fused paths create [rows, V] logits (tests spy on it).
+
+    logits_dtype=torch.float32 with bfloat16 / float16 rows: the logits in float32, never
+    rounded to the rows' dtype (vLLM's head_dtype=float32, SGLang's enable_fp32_lm_head,
+    ScaleRL's FP32 LM head): on CUDA one cuBLAS matmul of the 16-bit operands with a
+    float32 output (torch.mm out_dtype); elsewhere the float32 product of the rows and a
+    weight the caller has already widened to float32 (head_for_logits: once per pass)."""
+    if logits_dtype is not None and logits_dtype != h.dtype:
+        if h.is_cuda and weight.dtype == h.dtype:
+            z = torch.mm(h, weight.t(), out_dtype=logits_dtype)
+            if bias is not None:
+                z.add_(bias)
+        else:
+            w = weight.to(logits_dtype)
+            h = h.to(logits_dtype)
+            z = torch.mm(h, w.t()) if bias is None else torch.addmm(bias.to(logits_dtype), h,
+                                                                   w.t())
+        if cap is not None:
+            z.div_(cap).tanh_().mul_(cap)
+        return z
+    z = torch.mm(h, weight.t()) if bias is None else torch.addmm(bias, h, weight.t())
+    if cap is not None:
+        z.div_(cap).tanh_().mul_(cap)
+    return z
+
+
+def head_for_logits(weight, logits_dtype):
+    """The weight chunk_logits multiplies by: itself, or (logits_dtype float32 off CUDA,
+    where torch.mm has no float32 output for 16-bit operands) its float32 copy, made once
+    per pass over the chunks ([V, H] float32 of memory while the pass runs)."""
+    if logits_dtype is None or logits_dtype == weight.dtype or weight.is_cuda:
+        return weight
+    return weight.to(logits_dtype)
+
+
+def softcap_factor_(z, cap):
+    """1 - tanh^2 = 1 - (z / cap)^2, the soft cap's derivative, computed over z in place."""
+    return z.div_(cap).square_().neg_().add_(1.0)
+
+
+class Grads:
+    """The gradient accumulators of hidden, W and b over the chunks of one pass (None
+    for inputs that need none)."""
+
+    def __init__(self, n, chunk, hidden3, weight, bias, need):
+        need_h, need_w, need_b = need
+        self.weight = weight
+        h, v = weight.shape[1], weight.shape[0]
+        dt = hidden3.dtype
+        self.wide = torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
+        # one chunk for all rows: dW and db are that chunk's matmul and sum as they come
+        # (no float32 accumulator for bf16 / fp16: it would add [V, H] float32 of memory
+        # and two passes over it to a product that already rounds once)
+        self.single = n <= chunk
+        self.dh2 = torch.empty(n, h, dtype=dt, device=hidden3.device) if need_h else None
+        self.need_w, self.need_b = need_w, need_b
+        self.dw = self.db = None
+        if not self.single:
+            if need_w:
+                self.dw = torch.zeros(v, h, dtype=self.wide, device=weight.device)
+            if need_b:
+                self.db = torch.zeros(v, dtype=self.wide, device=weight.device)
+        self.any = need_h or need_w or need_b
+
+    def add(self, r0, r1, dz, h):
+        """Accumulate a chunk's dz [C, V] (d loss / d logits of rows r0:r1, h = their
+        hidden states). float32 dz of 16-bit weights (logits_dtype=torch.float32) is
+        rounded to the weights' dtype first: the two matmuls run as in the default path
+        (the float32 accumulation of cuBLAS / oneDNN), so d hidden and dW keep their dtype
+        and cost."""
+        weight = self.weight
+        if dz.dtype != weight.dtype:
+            dz = dz.to(weight.dtype)
+        if self.dh2 is not None:
+            torch.mm(dz, weight, out=self.dh2[r0:r1])
+        if self.single:
+            if self.need_w:
+                self.dw = torch.mm(dz.t(), h)
+            if self.need_b:
+                self.db = dz.sum(0, dtype=self.wide)
+            return
+        if self.dw is not None:
+            if self.dw.dtype == dz.dtype:
+                self.dw.addmm_(dz.t(), h)
+            else:  # bf16 / fp16: the matmul accumulates in float32, rounds once per chunk
+                self.dw.add_(torch.mm(dz.t(), h))
+        if self.db is not None:
+            self.db.add_(dz.sum(0, dtype=self.wide))
+
+    def finish(self, t, hidden3, weight, bias):
+        """(d hidden [B, Tl, H], dW [V, H], db [V]) in the inputs' dtypes."""
+        dh = None
+        if self.dh2 is not None:
+            b, tl, h = hidden3.shape
+            dh = self.dh2.view(b, t, h)
+            if tl != t:
+                full = torch.zeros(b, tl, h, dtype=dh.dtype, device=dh.device)
+                full[:, :t] = dh
+                dh = full
+        dw, db = self.dw, self.db
+        if self.need_w and dw is None:  # no rows at all
+            dw = torch.zeros_like(weight)
+        if self.need_b and db is None:
+            db = torch.zeros_like(bias)
+        dw = None if dw is None else dw.to(weight.dtype)
+        db = None if db is None else db.to(bias.dtype)
+        return dh, dw, db
+
+
+class HeadRows(RowSource):
+    """The rows of the logits hidden3 @ weight^T (+ bias), soft-capped with cap, made
+    chunk rows at a time in logits_dtype (None: hidden's): inputs (hidden3, weight,
+    bias). tokens may be None (a loss that reads no token: distillation)."""
+
+    name = "token_logprobs_from_hidden"
+
+    def __init__(self, be, cap, chunk, logits_dtype, tokens, mask, temperature, acc,
+                 shard=None):
+        super().__init__(be, tokens, mask, temperature, shard)
+        self.cap, self.chunk, self.logits_dtype, self.acc = cap, chunk, logits_dtype, acc
+
+    def each_block(self, inputs, fn):
+        """The one chunk loop: fn(block, h_c [C, H], z [1, C, V]) for each chunk of rows,
+        h_c with masked rows zeroed (whatever a padded position holds, NaN included, stays
+        out of dW = sum dz^T h, where its zero dz would meet it as 0 * NaN)."""
+        hidden3, weight, bias = inputs
+        h2 = hidden3[:, :self.t].reshape(self.n, hidden3.shape[2])
+        head = head_for_logits(weight, self.logits_dtype)
+        keep = self.mask.reshape(self.n)
+        for i, r0 in enumerate(range(0, self.n, self.chunk)):
+            r1 = min(self.n, r0 + self.chunk)
+            hc = torch.where(keep[r0:r1, None], h2[r0:r1], 0.0)
+            # (logits_dtype only when set: the default call is chunk_logits(h, W, b, cap))
+            z = (chunk_logits(hc, head, bias, self.cap) if self.logits_dtype is None else
+                 chunk_logits(hc, head, bias, self.cap, self.logits_dtype))
+            fn(Block(i, r0, r1), hc, z.view(1, r1 - r0, -1))
+            del z
+
+    def cat(self, pieces, dtype=None):
+        if not pieces:
+            return torch.empty(self.b, self.t, dtype=dtype or self.acc,
+                               device=self.mask.device)
+        rest = tuple(pieces[0].shape[2:])  # ([1, C] pieces, or [1, C, k])
+        return torch.cat([p.reshape((-1,) + rest) for p in pieces]).view(
+            (self.b, self.t) + rest)
+
+    def start_grad(self, inputs, need):
+        g = Grads(self.n, self.chunk, *inputs, need)
+        return g if g.any else None
+
+    def take_grad(self, g, blk, h, z3, dz):
+        """d loss / d logits of a chunk -> through the soft cap (its factor computed over
+        the chunk's logits, which are not needed after) -> the accumulators."""
+        c = blk.r1 - blk.r0
+        dz = dz.view(c, -1)
+        if self.cap is not None:
+            dz.mul_(softcap_factor_(z3.view(c, -1), self.cap))
+        g.add(blk.r0, blk.r1, dz, h)
+
+    def finish_grad(self, g, inputs):
+        if g.dh2 is not None:
+            self.vocab.reduce_(g.dh2)
+        return g.finish(self.t, *inputs)
+
+
+# ------------------------------------------------------------------ the torch reference
+
+def materialised_logits(hidden3, weight, bias, cap, mask, logits_dtype=None):
+    """The logits the fused paths never store, differentiably (backend="torch"); masked
+    rows' hidden states zeroed first, as in the chunked paths. logits_dtype float32: the
+    float32 product of the widened operands (their gradients flow back in their dtype)."""
+    keep = torch.zeros(hidden3.shape[:2], dtype=torch.bool, device=hidden3.device)
+    keep[:, :mask.shape[1]] = mask
+    h = torch.where(keep[..., None], hidden3, 0.0)
+    if logits_dtype is not None:
+        h, weight = h.to(logits_dtype), weight.to(logits_dtype)
+        bias = None if bias is None else bias.to(logits_dtype)
+    x = torch.nn.functional.linear(h, weight, bias)
+    return x if cap is None else cap * torch.tanh(x / cap)
