@@ -1,6 +1,7 @@
-// The ppo_loss ops' `float[] scalars` and `int[] codes` (csrc/ops.cpp) as the PolicyParams of
-// the per-token math, with the checks every backend makes of them (the Python layer has
-// already checked each value against its keyword: these catch a direct call of the op).
+// The ppo_loss ops' arguments beyond the rows (csrc/row_args.h): `float[] scalars` and
+// `int[] codes` (csrc/ops.cpp) as the PolicyParams of the per-token math, and the per-token
+// tensors as one LossTensors, with the checks every backend makes of them (the Python layer
+// has already checked each value against its keyword: these catch a direct call of the op).
 #pragma once
 
 #include <c10/util/ArrayRef.h>
@@ -9,6 +10,7 @@
 #include <cmath>
 
 #include "ppo_math.h"
+#include "row_args.h"
 
 namespace ppo {
 
@@ -23,14 +25,11 @@ inline PolicyParams loss_params(c10::ArrayRef<double> scalars, c10::ArrayRef<int
               " integers in the slot order of ppo_kernels/spec.py INT_SLOTS, got ", codes.size());
   const PolicyParams p = policy_params(scalars.data(), codes.data(), has_ref, has_is_weights);
   const int est = p.code(slot::kl_estimator), pl = p.code(slot::policy_loss);
-  TORCH_CHECK(est >= kK1 && est <= kK3Plus,
-              "kl_estimator: expected 0 (k1), 1 (k2), 2 (k3), 3 (abs), 4 (k1+) or 5 (k3+), got ",
-              est);
+  check_kl_estimator(est);
   TORCH_CHECK(kernel_policy_loss(pl),
               "policy_loss: expected the id of a token-level policy loss (ppo_kernels/spec.py "
               "KERNEL_POLICY_LOSSES), got ", pl);
-  const double t = p[slot::temperature], gs = p[slot::grad_scale];
-  TORCH_CHECK(std::isfinite(t) && t > 0, "temperature: expected a finite number > 0, got ", t);
+  const double gs = p[slot::grad_scale];
   TORCH_CHECK(std::isfinite(gs) && gs > 0, "grad_scale: expected a finite number > 0, got ", gs);
   if (pl == kSapo) {
     const double a = p[slot::sapo_tau_pos], b = p[slot::sapo_tau_neg];
@@ -38,6 +37,42 @@ inline PolicyParams loss_params(c10::ArrayRef<double> scalars, c10::ArrayRef<int
                 "sapo_tau_pos / sapo_tau_neg: expected finite numbers > 0, got ", a, " / ", b);
   }
   return p;
+}
+
+// The per-token inputs of ppo_loss_fwd / ppo_loss_fwd_inplace: [B, T] of the accumulation
+// dtype, contiguous. old_logprobs none: on-policy; entropy_weights none: weights.
+struct LossTensors {
+  std::optional<at::Tensor> old_logprobs;
+  at::Tensor advantages, weights;
+  std::optional<at::Tensor> ref_logprobs, rollout_is_weights, entropy_weights;
+};
+
+// The one reading of the ppo_loss ops' arguments: (rows, per-token tensors, options), each
+// checked once (the temperature is the scalars' slot).
+struct LossArgs {
+  RowArgs rows;
+  LossTensors in;
+  PolicyParams params;
+};
+
+inline LossArgs loss_args(const at::Tensor& logits, const at::Tensor& tokens,
+                          const at::Tensor& mask, const std::optional<at::Tensor>& old_logprobs,
+                          const at::Tensor& advantages, const at::Tensor& weights,
+                          const std::optional<at::Tensor>& ref_logprobs,
+                          const std::optional<at::Tensor>& rollout_is_weights,
+                          const std::optional<at::Tensor>& entropy_weights,
+                          c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
+                          const std::optional<at::Tensor>& temperatures) {
+  const PolicyParams p = loss_params(scalars, codes, ref_logprobs.has_value(),
+                                     rollout_is_weights.has_value());
+  RowArgs r = row_args(logits, tokens, mask, p[slot::temperature], temperatures);
+  LossTensors in{r.per_token(old_logprobs, "old_logprobs"),
+                 r.per_token(advantages, "advantages"),
+                 r.per_token(weights, "weights"),
+                 r.per_token(ref_logprobs, "ref_logprobs"),
+                 r.per_token(rollout_is_weights, "rollout_is_weights"),
+                 r.per_token(entropy_weights, "entropy_weights")};
+  return {std::move(r), std::move(in), p};
 }
 
 }  // namespace ppo

@@ -16,76 +16,70 @@ from ._extension import HAS_SCHEMAS
 from .spec import F
 
 # ------------------------------------------------------------------ fake (shape) functions
+# Shapes only: each names the leading arguments its outputs' shapes and dtypes come from and
+# takes the rest as *_ (the schemas, csrc/ops.cpp, are the one list of the arguments); a
+# flag that changes a shape (compute_grad, slots) is found by its schema name (_arg_index).
 
-def _fake_token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy,
-                             temperatures=None):
-    acc = acc_dtype(logits)
-    ent_shape = tokens.shape if return_entropy else (0,)
-    return (tokens.new_empty(tokens.shape, dtype=acc), tokens.new_empty(ent_shape, dtype=acc),
-            tokens.new_empty(tokens.shape, dtype=acc), tokens.new_empty(tokens.shape, dtype=acc))
+def _per_token(like, logits, n, dtype=None):
+    """n tensors of like's [B, T] shape, of the accumulation dtype of logits (or dtype)."""
+    dt = acc_dtype(logits) if dtype is None else dtype
+    return [like.new_empty(like.shape, dtype=dt) for _ in range(n)]
 
 
-def _fake_token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_max,
-                             log_sum, entropy, temperature, temperatures=None):
+def _fake_token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy, *_, **__):
+    logp, ent, row_max, log_sum = _per_token(tokens, logits, 4)
+    return logp, ent if return_entropy else ent.new_empty((0,)), row_max, log_sum
+
+
+def _fake_token_logprobs_bwd(grad_logprobs, grad_entropy, logits, *_, **__):
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
-def _fake_ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                       rollout_is_weights, entropy_weights, scalars, codes, compute_grad,
-                       temperatures=None):
-    acc = acc_dtype(logits)
-    per_tok = [tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)]
-    dl = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype,
-                     device=logits.device)
-    return (tokens.new_empty((), dtype=acc), *per_tok, dl)
+def _dlogits(logits, compute_grad):
+    return torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype,
+                       device=logits.device)
 
 
-def _fake_ppo_loss_fwd_inplace(logits, *args):
-    acc = acc_dtype(logits)
-    tokens = args[0]
-    return (tokens.new_empty((), dtype=acc),
-            *[tokens.new_empty(tokens.shape, dtype=acc) for _ in range(3)])
+def _fake_ppo_loss_fwd(at_compute_grad):
+    def fake(logits, tokens, *rest, **__):
+        return (tokens.new_empty((), dtype=acc_dtype(logits)), *_per_token(tokens, logits, 3),
+                _dlogits(logits, rest[at_compute_grad - 2]))
+    return fake
 
 
-def _fake_scale_grad_(grad, grad_output, applied):
+def _fake_ppo_loss_fwd_inplace(logits, tokens, *_, **__):
+    return tokens.new_empty((), dtype=acc_dtype(logits)), *_per_token(tokens, logits, 3)
+
+
+def _fake_none(*_, **__):
     return None
 
 
-def _fake_ppo_loss_metrics(logprobs, entropy, mask, old_logprobs, advantages, ref_logprobs,
-                           rollout_logprobs, rollout_is_weights, scalars, codes, slots):
-    return mask.new_empty((len(slots),), dtype=torch.float32)
+def _fake_ppo_loss_metrics(at_slots):
+    def fake(logprobs, entropy, mask, *rest, **__):
+        return mask.new_empty((len(rest[at_slots - 3]),), dtype=torch.float32)
+    return fake
 
 
 def _fake_agg_weights(mask, mode, denom, float64):
     return mask.new_empty(mask.shape, dtype=torch.float64 if float64 else torch.float32)
 
 
-def _fake_sampling_threshold(logits, mask, temperature, top_k, top_p, min_p,
-                             temperatures=None):
+def _fake_sampling_threshold(logits, mask, *_, **__):
     return mask.new_empty(mask.shape, dtype=torch.float64)
 
 
-def _fake_kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets,
-                            threshold, temperatures=None):
-    acc = acc_dtype(logits)
-    return (*[tokens.new_empty(tokens.shape, dtype=acc) for _ in range(4)],
-            tokens.new_empty(tokens.shape, dtype=torch.int64),
-            tokens.new_empty(tokens.shape, dtype=torch.bool))
+def _fake_kept_logprobs_fwd(logits, tokens, *_, **__):
+    return (*_per_token(tokens, logits, 4), *_per_token(tokens, logits, 1, torch.int64),
+            *_per_token(tokens, logits, 1, torch.bool))
 
 
-def _fake_kept_logprobs_bwd_(*args):
-    return None
-
-
-def _fake_gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,
-              value_lam=None):
+def _fake_gae(rewards, *_, **__):
     return torch.empty_like(rewards), torch.empty_like(rewards)
 
 
-def _fake_score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
-                        kl_estimator, gamma, lam, temperature, lam_per_seq=None,
-                        value_lam=None, temperatures=None):
-    return tuple(tokens.new_empty(tokens.shape, dtype=acc_dtype(logits)) for _ in range(5))
+def _fake_score_rollout(logits, tokens, *_, **__):
+    return tuple(_per_token(tokens, logits, 5))
 
 
 # ------------------------------------------------------------------ autograd formulas
@@ -258,19 +252,21 @@ def register(prefix):
     lib = "ppo_kernels::" + prefix
     fakes = {"token_logprobs_fwd": _fake_token_logprobs_fwd,
              "token_logprobs_bwd": _fake_token_logprobs_bwd,
-             "ppo_loss_fwd": _fake_ppo_loss_fwd,
+             "ppo_loss_fwd": _fake_ppo_loss_fwd(_arg_index(prefix + "ppo_loss_fwd",
+                                                           "compute_grad")),
              "ppo_loss_fwd_inplace": _fake_ppo_loss_fwd_inplace,
-             "scale_grad_": _fake_scale_grad_,
+             "scale_grad_": _fake_none,
              "gae": _fake_gae, "score_rollout": _fake_score_rollout}
     # sampling replay's ops (ppo_kernels/sampling.py), and the CPU-only [B, T] ops
     # (csrc/ops_host.cpp), where this backend has them
-    for name, fn in (("ppo_loss_metrics", _fake_ppo_loss_metrics),
-                     ("agg_weights", _fake_agg_weights),
-                     ("sampling_threshold", _fake_sampling_threshold),
-                     ("kept_logprobs_fwd", _fake_kept_logprobs_fwd),
-                     ("kept_logprobs_bwd_", _fake_kept_logprobs_bwd_)):
+    for name, fn in (("ppo_loss_metrics", lambda: _fake_ppo_loss_metrics(
+                         _arg_index(prefix + "ppo_loss_metrics", "slots"))),
+                     ("agg_weights", lambda: _fake_agg_weights),
+                     ("sampling_threshold", lambda: _fake_sampling_threshold),
+                     ("kept_logprobs_fwd", lambda: _fake_kept_logprobs_fwd),
+                     ("kept_logprobs_bwd_", lambda: _fake_none)):
         if hasattr(torch.ops.ppo_kernels, prefix + name):
-            fakes[name] = fn
+            fakes[name] = fn()
     for name, fn in fakes.items():
         torch.library.register_fake(lib + name, fn)
     torch.library.register_autograd(lib + "token_logprobs_fwd", _lp_backward_for(prefix),
@@ -384,13 +380,11 @@ class LossWithGrad(torch.autograd.Function):
 
 # ------------------------------------------------------------------ distill_fwd (top-k KD)
 
-def _fake_distill_fwd(logits, mask, offsets, token_ids, teacher_logprobs, weights,
-                      temperature, grad_scale, tail, compute_grad):
-    acc = acc_dtype(logits)
-    per_tok = [mask.new_empty(mask.shape, dtype=acc) for _ in range(3)]
-    dl = torch.empty(logits.shape if compute_grad else (0,), dtype=logits.dtype,
-                     device=logits.device)
-    return (mask.new_empty((), dtype=acc), *per_tok, dl)
+def _fake_distill_fwd(at_compute_grad):
+    def fake(logits, mask, *rest, **__):
+        return (mask.new_empty((), dtype=acc_dtype(logits)), *_per_token(mask, logits, 3),
+                _dlogits(logits, rest[at_compute_grad - 2]))
+    return fake
 
 
 def _distill_autograd_for(prefix):
@@ -428,7 +422,8 @@ def register_distill(prefix):
         raise ValueError(f"backend: the compiled extension has no {prefix}distill_fwd op (built "
                          f"before distill_loss existed); rebuild it or use backend='torch'")
     lib = "ppo_kernels::" + prefix
-    torch.library.register_fake(lib + "distill_fwd", _fake_distill_fwd)
+    torch.library.register_fake(lib + "distill_fwd", _fake_distill_fwd(
+        _arg_index(prefix + "distill_fwd", "compute_grad")))
     setup, backward = _distill_autograd_for(prefix)
     torch.library.register_autograd(lib + "distill_fwd", backward, setup_context=setup)
     _distill_registered.add(prefix)

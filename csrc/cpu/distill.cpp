@@ -60,7 +60,7 @@ DistillRow<T> distill_scalars(const T* lps, const T* pss, const T* lt, int64_t k
 }
 
 template <typename scalar_t>
-void distill_rows(const at::Tensor& logits, const Rows& r, const bool* m, const int64_t* off,
+void distill_rows(const at::Tensor& logits, const RowArgs& r, const bool* m, const int64_t* off,
                   const int64_t* ids, const acc_of<scalar_t>* lt, const acc_of<scalar_t>* w,
                   double temperature, double grad_scale, bool tail, scalar_t* out, int64_t oB,
                   int64_t oT, acc_of<scalar_t>* kl, acc_of<scalar_t>* ps,
@@ -147,26 +147,23 @@ void distill_rows(const at::Tensor& logits, const Rows& r, const bool* m, const 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill_fwd(
     const at::Tensor& logits, const at::Tensor& mask_in, const at::Tensor& offsets_in,
-    const at::Tensor& ids_in, const at::Tensor& lt_in, const at::Tensor& weights,
+    const at::Tensor& ids_in, const at::Tensor& lt_in, const at::Tensor& weights_in,
     double temperature, double grad_scale, bool tail, bool compute_grad) {
-  TORCH_CHECK(mask_in.dim() == 2, "mask: expected [B, T], got ", mask_in.sizes());
-  const at::Tensor mask = mask_in.contiguous();
-  // Rows wants tokens: the mask's shape stands in (distillation reads no sampled token)
-  const at::Tensor shape_tokens = at::zeros(mask.sizes(), mask.options().dtype(at::kLong));
-  const Rows r(logits, shape_tokens, mask);
-  const at::ScalarType acc = acc_type(logits);
+  // distillation reads no sampled token: the mask gives T
+  const RowArgs r = row_args(logits, std::nullopt, mask_in, temperature, std::nullopt);
+  const at::ScalarType acc = r.acc;
   const at::Tensor offsets = offsets_in.contiguous(), ids = ids_in.contiguous(),
                    lt = lt_in.contiguous();
-  const int64_t N = r.B * r.T;
+  const int64_t N = r.N();
   TORCH_CHECK(offsets.dim() == 1 && offsets.scalar_type() == at::kLong && offsets.numel() == N + 1,
               "offsets: expected int64 [", N + 1, "], got ", offsets.scalar_type(), " ",
               offsets.sizes());
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "token_ids: expected int64 [nnz]");
   TORCH_CHECK(lt.dim() == 1 && lt.scalar_type() == acc && lt.numel() == ids.numel(),
               "teacher_logprobs: expected ", acc, " [nnz] like token_ids");
-  check_per_token(weights, "weights", mask, acc);
+  const at::Tensor weights = r.per_token(weights_in, "weights");
   TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0, "grad_scale: expected > 0");
-  check_temperature(temperature);
+  const at::Tensor& mask = r.mask;
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t* id = ids.data_ptr<int64_t>();
   const bool* m = mask.data_ptr<bool>();

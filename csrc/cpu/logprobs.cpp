@@ -12,15 +12,13 @@ inline namespace CPU_CAPABILITY {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
-    const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
+    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
     double temperature, bool return_entropy, const std::optional<at::Tensor>& temperatures) {
-  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
-  const Rows r(logits, tokens, mask);
-  check_temperature(temperature);
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const bool* m = mask.data_ptr<bool>();
-  r.check_tokens(tok, m);
-  const auto opts = logits.options().dtype(acc_type(logits));
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  check_tokens(r);
+  const int64_t* tok = r.tokens.data_ptr<int64_t>();
+  const bool* m = r.mask.data_ptr<bool>();
+  const auto opts = r.acc_opts;
   at::Tensor logp = at::empty({r.B, r.T}, opts);
   at::Tensor ent = return_entropy ? at::empty({r.B, r.T}, opts) : at::empty({0}, opts);
   at::Tensor row_max = at::empty({r.B, r.T}, opts), log_sum = at::empty({r.B, r.T}, opts);
@@ -33,7 +31,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
     T* mx = row_max.data_ptr<T>();
     T* ls = log_sum.data_ptr<T>();
     const T inv0 = T(1.0 / temperature);
-    const T* tt = row_temperatures<T>(temperatures, tokens, m);
+    const T* tt = row_temperatures<T>(r);
     at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
       RowWorker<scalar_t> rw(r.V, false);
       for (int64_t i = begin; i < end; ++i) {
@@ -62,39 +60,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd(
 // large logits).
 at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
                               const std::optional<at::Tensor>& grad_entropy,
-                              const at::Tensor& logits, const at::Tensor& tokens_in,
-                              const at::Tensor& mask_in, const at::Tensor& row_max,
-                              const at::Tensor& log_sum, const at::Tensor& entropy,
+                              const at::Tensor& logits, const at::Tensor& tokens,
+                              const at::Tensor& mask, const at::Tensor& row_max_in,
+                              const at::Tensor& log_sum_in, const at::Tensor& entropy_in,
                               double temperature,
                               const std::optional<at::Tensor>& temperatures) {
-  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
-  const Rows r(logits, tokens, mask);
-  check_temperature(temperature);
-  const at::ScalarType acc = acc_type(logits);
-  check_per_token(grad_logprobs, "grad_logprobs", tokens, acc);
-  check_per_token(row_max, "row_max", tokens, acc);
-  check_per_token(log_sum, "log_sum", tokens, acc);
-  const bool has_ge = grad_entropy.has_value();
-  if (has_ge) {
-    check_per_token(*grad_entropy, "grad_entropy", tokens, acc);
-    check_per_token(entropy, "entropy", tokens, acc);
-  }
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const bool* m = mask.data_ptr<bool>();
-  r.check_tokens(tok, m);
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  const at::Tensor grad_lp = r.per_token(grad_logprobs, "grad_logprobs");
+  const at::Tensor row_max = r.per_token(row_max_in, "row_max");
+  const at::Tensor log_sum = r.per_token(log_sum_in, "log_sum");
+  const std::optional<at::Tensor> grad_ent = r.per_token(grad_entropy, "grad_entropy");
+  const bool has_ge = grad_ent.has_value();
+  // the entropy is read only for the entropy term of the gradient
+  const at::Tensor entropy = has_ge ? r.per_token(entropy_in, "entropy") : at::Tensor();
+  check_tokens(r);
+  const int64_t* tok = r.tokens.data_ptr<int64_t>();
+  const bool* m = r.mask.data_ptr<bool>();
   at::Tensor out = new_grad_buffer(logits.sizes(), logits.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "token_logprobs_bwd", [&] {
     using T = acc_of<scalar_t>;
     const scalar_t* L = logits.data_ptr<scalar_t>();
     scalar_t* O = out.data_ptr<scalar_t>();
-    const T* gl = grad_logprobs.data_ptr<T>();
-    const T* ge = has_ge ? grad_entropy->data_ptr<T>() : nullptr;
+    const T* gl = grad_lp.data_ptr<T>();
+    const T* ge = has_ge ? grad_ent->data_ptr<T>() : nullptr;
     const T* H = has_ge ? entropy.data_ptr<T>() : nullptr;
     const T* mx = row_max.data_ptr<T>();
     const T* ls = log_sum.data_ptr<T>();
     const T inv0 = T(1.0 / temperature);
-    const T* tt = row_temperatures<T>(temperatures, tokens, m);
+    const T* tt = row_temperatures<T>(r);
     // every row of out, t >= T included (zeros), i = b * Tl + t
     at::parallel_for(0, r.B * r.Tl, row_grain(r.V), [&](int64_t begin, int64_t end) {
       RowWorker<scalar_t> rw(r.V, false);

@@ -227,7 +227,7 @@ at::Tensor ppo_loss_metrics(const at::Tensor& logp_in, const at::Tensor& ent_in,
   TORCH_CHECK(p.code(ppo::slot::policy_loss) >= ppo::kVanilla &&
                   p.code(ppo::slot::policy_loss) <= ppo::kVespo,
               "policy_loss: expected an id of ppo_kernels/spec.py POLICY_LOSSES");
-  check_kl_estimator(p.code(ppo::slot::kl_estimator));
+  ppo::check_kl_estimator(p.code(ppo::slot::kl_estimator));
   const at::Tensor mask = mask_in.contiguous();
   const at::ScalarType acc = logp_in.scalar_type();
   TORCH_CHECK(acc == at::kFloat || acc == at::kDouble,

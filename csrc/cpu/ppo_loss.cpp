@@ -13,36 +13,30 @@ namespace ppo_cpu {
 inline namespace CPU_CAPABILITY {
 namespace {
 
-struct LossInputs {
-  const at::Tensor &tokens, &mask, &advantages, &weights;
-  const std::optional<at::Tensor>&old, &ref, &is_w, &w_ent, &temps;
-  ppo::PolicyParams p;
-  double temperature;
-  double grad_scale;  // the written dlogits are grad_scale * d loss / d logits
-};
-
 // out: where dlogits go (null: no gradient), with its own batch/time strides.
 template <typename scalar_t>
-void fused_rows(const at::Tensor& logits, const Rows& r, const LossInputs& in, scalar_t* out,
-                int64_t oB, int64_t oT, at::Tensor& loss_tok, at::Tensor& logp,
-                at::Tensor& ent) {
+void fused_rows(const at::Tensor& logits, const ppo::LossArgs& a, scalar_t* out, int64_t oB,
+                int64_t oT, at::Tensor& loss_tok, at::Tensor& logp, at::Tensor& ent) {
   using T = acc_of<scalar_t>;
+  const RowArgs& r = a.rows;
+  const ppo::LossTensors& in = a.in;
+  const ppo::PolicyParams p = a.params;
   const scalar_t* L = logits.data_ptr<scalar_t>();
-  const int64_t* tok = in.tokens.data_ptr<int64_t>();
-  const bool* m = in.mask.data_ptr<bool>();
-  const T* old = in.old ? in.old->data_ptr<T>() : nullptr;  // null: on-policy, old = logp
+  const int64_t* tok = r.tokens.data_ptr<int64_t>();
+  const bool* m = r.mask.data_ptr<bool>();
+  // null: on-policy, old = logp
+  const T* old = in.old_logprobs ? in.old_logprobs->data_ptr<T>() : nullptr;
   const T* adv = in.advantages.data_ptr<T>();
   const T* w = in.weights.data_ptr<T>();
-  const T* w_ent = in.w_ent ? in.w_ent->data_ptr<T>() : w;
-  const T* ref = in.p.has_ref ? in.ref->data_ptr<T>() : nullptr;
-  const T* isw = in.p.has_is_weights ? in.is_w->data_ptr<T>() : nullptr;
+  const T* w_ent = in.entropy_weights ? in.entropy_weights->data_ptr<T>() : w;
+  const T* ref = p.has_ref ? in.ref_logprobs->data_ptr<T>() : nullptr;
+  const T* isw = p.has_is_weights ? in.rollout_is_weights->data_ptr<T>() : nullptr;
   T* lt = loss_tok.data_ptr<T>();
   T* lp = logp.data_ptr<T>();
   T* en = ent.data_ptr<T>();
-  const T inv0 = T(1.0 / in.temperature);
-  const T* tt = row_temperatures<T>(in.temps, in.tokens, m);
-  const T gs = T(in.grad_scale);
-  const ppo::PolicyParams p = in.p;
+  const T inv0 = T(1.0 / r.temperature);
+  const T* tt = row_temperatures<T>(r);
+  const T gs = T(p[ppo::slot::grad_scale]);
   at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
     RowWorker<scalar_t> rw(r.V, out != nullptr);
     for (int64_t i = begin; i < end; ++i) {
@@ -93,26 +87,10 @@ at::Tensor weighted_sum(const at::Tensor& w, const at::Tensor& loss_tok) {
 
 // Shared by the functional and the inplace op. dlogits: an output buffer, or undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
-    const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
-    const std::optional<at::Tensor>& old, const at::Tensor& advantages,
-    const at::Tensor& weights, const std::optional<at::Tensor>& ref,
-    const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, const at::Tensor& dlogits,
-    const std::optional<at::Tensor>& temps) {
-  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
-  const Rows r(logits, tokens, mask);
-  const at::ScalarType acc = acc_type(logits);
-  if (old) check_per_token(*old, "old_logprobs", tokens, acc);
-  check_per_token(advantages, "advantages", tokens, acc);
-  check_per_token(weights, "weights", tokens, acc);
-  if (ref) check_per_token(*ref, "ref_logprobs", tokens, acc);
-  if (is_w) check_per_token(*is_w, "rollout_is_weights", tokens, acc);
-  if (w_ent) check_per_token(*w_ent, "entropy_weights", tokens, acc);
-  const ppo::PolicyParams p = ppo::loss_params(scalars, codes, ref.has_value(), is_w.has_value());
-  r.check_tokens(tokens.data_ptr<int64_t>(), mask.data_ptr<bool>());
-  const LossInputs in{tokens, mask, advantages, weights, old, ref, is_w, w_ent, temps, p,
-                      p[ppo::slot::temperature], p[ppo::slot::grad_scale]};
-  const auto opts = logits.options().dtype(acc);
+    const at::Tensor& logits, const ppo::LossArgs& a, const at::Tensor& dlogits) {
+  const RowArgs& r = a.rows;
+  check_tokens(r);
+  const auto opts = r.acc_opts;
   at::Tensor loss_tok = at::empty({r.B, r.T}, opts), logp = at::empty({r.B, r.T}, opts),
              ent = at::empty({r.B, r.T}, opts);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
@@ -120,9 +98,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
     scalar_t* out = dlogits.defined() ? dlogits.data_ptr<scalar_t>() : nullptr;
     const int64_t oB = dlogits.defined() ? dlogits.stride(0) : 0;
     const int64_t oT = dlogits.defined() ? dlogits.stride(1) : 0;
-    fused_rows<scalar_t>(logits, r, in, out, oB, oT, loss_tok, logp, ent);
+    fused_rows<scalar_t>(logits, a, out, oB, oT, loss_tok, logp, ent);
   });
-  return {weighted_sum(weights, loss_tok), loss_tok, logp, ent};
+  return {weighted_sum(a.in.weights, loss_tok), loss_tok, logp, ent};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd(
@@ -132,11 +110,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_
     const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
     c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, bool compute_grad,
     const std::optional<at::Tensor>& temperatures) {
+  const ppo::LossArgs a = ppo::loss_args(logits, tokens, mask, old, advantages, weights, ref,
+                                         is_w, w_ent, scalars, codes, temperatures);
   at::Tensor dlogits = compute_grad ? new_grad_buffer(logits.sizes(), logits.options())
                                     : at::empty({0}, logits.options());
-  auto [loss, loss_tok, logp, ent] = run(logits, tokens, mask, old, advantages, weights, ref,
-                                         is_w, w_ent, scalars, codes,
-                                         compute_grad ? dlogits : at::Tensor(), temperatures);
+  auto [loss, loss_tok, logp, ent] = run(logits, a, compute_grad ? dlogits : at::Tensor());
   return {loss, loss_tok, logp, ent, dlogits};
 }
 
@@ -148,8 +126,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd_inplace(
     c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
     const std::optional<at::Tensor>& temperatures) {
   // each row is read (its exps kept) before its gradient overwrites it
-  return run(logits, tokens, mask, old, advantages, weights, ref, is_w, w_ent, scalars, codes,
-             logits, temperatures);
+  return run(logits,
+             ppo::loss_args(logits, tokens, mask, old, advantages, weights, ref, is_w, w_ent,
+                            scalars, codes, temperatures),
+             logits);
 }
 
 }  // namespace

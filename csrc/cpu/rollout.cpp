@@ -105,28 +105,25 @@ std::tuple<at::Tensor, at::Tensor> gae(const at::Tensor& rewards, const at::Tens
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> score_rollout(
-    const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
-    const at::Tensor& ref_logprobs, const at::Tensor& values, const at::Tensor& scores,
+    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
+    const at::Tensor& ref_in, const at::Tensor& values_in, const at::Tensor& scores_in,
     double kl_coef, int64_t kl_estimator, double gamma, double lam, double temperature,
     const std::optional<at::Tensor>& lam_per_seq, std::optional<double> value_lam,
     const std::optional<at::Tensor>& temperatures) {
-  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
-  const Rows r(logits, tokens, mask);
   TORCH_CHECK(logits.scalar_type() != at::kDouble, "logits: score_rollout runs in float32");
-  check_temperature(temperature);
-  check_kl_estimator(kl_estimator);
-  check_per_token(ref_logprobs, "ref_logprobs", tokens, at::kFloat);
-  check_per_token(values, "values", tokens, at::kFloat);
-  TORCH_CHECK(scores.dim() == 1 && scores.size(0) == r.B && scores.is_contiguous() &&
-                  scores.scalar_type() == at::kFloat,
-              "scores: expected contiguous float32 [B]");
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const bool* m = mask.data_ptr<bool>();
-  r.check_tokens(tok, m);
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  ppo::check_kl_estimator(kl_estimator);
+  const at::Tensor ref_logprobs = r.per_token(ref_in, "ref_logprobs");
+  const at::Tensor values = r.per_token(values_in, "values");
+  const at::Tensor scores =
+      ppo::per_token(scores_in, "scores", at::kFloat, {r.B}, logits.device());
+  check_tokens(r);
+  const int64_t* tok = r.tokens.data_ptr<int64_t>();
+  const bool* m = r.mask.data_ptr<bool>();
   TORCH_CHECK(gamma >= 0 && gamma <= 1 && lam >= 0 && lam <= 1,
               "gamma, lam: expected values in [0, 1], got ", gamma, ", ", lam);
   const Lambdas lams(lam_per_seq, value_lam, r.B, at::kFloat);
-  const float* tt = row_temperatures<float>(temperatures, tokens, m);
+  const float* tt = row_temperatures<float>(r);
   const auto opts = ref_logprobs.options();
   at::Tensor logp = at::empty({r.B, r.T}, opts), kl = at::empty({r.B, r.T}, opts),
              rew = at::empty({r.B, r.T}, opts), adv = at::empty({r.B, r.T}, opts),

@@ -215,12 +215,8 @@ at::Tensor sampling_threshold(const at::Tensor& logits, const at::Tensor& mask_i
                               const std::optional<at::Tensor>& top_p,
                               const std::optional<at::Tensor>& min_p,
                               const std::optional<at::Tensor>& temperatures) {
-  const at::Tensor mask = mask_in.contiguous();
-  TORCH_CHECK(logits.dim() == 3 && logits.stride(2) == 1, "logits: expected [B, Tl, V]");
-  TORCH_CHECK(mask.dim() == 2 && mask.scalar_type() == at::kBool, "mask: expected bool [B, T]");
-  check_temperature(temperature);
-  const int64_t B = logits.size(0), T = mask.size(1), V = logits.size(2), N = B * T;
-  TORCH_CHECK(mask.size(0) == B && T <= logits.size(1), "mask: does not match logits");
+  const RowArgs r = row_args(logits, std::nullopt, mask_in, temperature, temperatures);
+  const int64_t B = r.B, T = r.T, V = r.V, N = r.N();
   at::Tensor k_c, p_c, mp_c;
   const int64_t* K = nullptr;
   const double *P = nullptr, *MP = nullptr;
@@ -241,14 +237,13 @@ at::Tensor sampling_threshold(const at::Tensor& logits, const at::Tensor& mask_i
                 "min_p: expected float64 [B, T]");
     MP = mp_c.data_ptr<double>();
   }
-  const bool* m = mask.data_ptr<bool>();
+  const bool* m = r.mask.data_ptr<bool>();
   at::Tensor out = at::empty({B, T}, logits.options().dtype(at::kDouble));
   double* o = out.data_ptr<double>();
-  const int64_t sB = logits.stride(0), sT = logits.stride(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "sampling_threshold", [&] {
     const scalar_t* L = logits.data_ptr<scalar_t>();
-    const acc_of<scalar_t>* tt = row_temperatures<acc_of<scalar_t>>(temperatures, mask, m);
+    const acc_of<scalar_t>* tt = row_temperatures<acc_of<scalar_t>>(r);
     at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
       std::vector<double> w;
       for (int64_t i = begin; i < end; ++i) {
@@ -256,7 +251,7 @@ at::Tensor sampling_threshold(const at::Tensor& logits, const at::Tensor& mask_i
           o[i] = -kInf;
           continue;
         }
-        const scalar_t* x = L + (i / T) * sB + (i % T) * sT;
+        const scalar_t* x = L + r.offset(i);
         o[i] = row_threshold(x, V, row_inv_d(tt, i, temperature), K ? K[i] : 0, P ? P[i] : 1.0,
                              MP ? MP[i] : 0.0, w);
       }
@@ -268,21 +263,19 @@ at::Tensor sampling_threshold(const at::Tensor& logits, const at::Tensor& mask_i
 // ------------------------------------------------------------------ kept log-probs
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
+kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
                   double temperature, const std::optional<at::Tensor>& kept_ids,
                   const std::optional<at::Tensor>& kept_offsets,
                   const std::optional<at::Tensor>& threshold,
                   const std::optional<at::Tensor>& temperatures) {
-  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
-  const Rows r(logits, tokens, mask);
-  check_temperature(temperature);
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const bool* m = mask.data_ptr<bool>();
-  r.check_tokens(tok, m);
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  check_tokens(r);
+  const int64_t* tok = r.tokens.data_ptr<int64_t>();
+  const bool* m = r.mask.data_ptr<bool>();
   at::Tensor ids_c, offs_c, thr_c;
   const KeptSet ks = kept_set(kept_ids, kept_offsets, threshold, r.B * r.T, r.V, ids_c, offs_c,
                               thr_c);
-  const auto opts = logits.options().dtype(acc_type(logits));
+  const auto opts = r.acc_opts;
   at::Tensor logp = at::empty({r.B, r.T}, opts), ent = at::empty({r.B, r.T}, opts);
   at::Tensor kmax = at::empty({r.B, r.T}, opts), kls = at::empty({r.B, r.T}, opts);
   at::Tensor size = at::empty({r.B, r.T}, opts.dtype(at::kLong));
@@ -295,7 +288,7 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens_in, const a
       *ls = kls.data_ptr<T>();
     int64_t* sz = size.data_ptr<int64_t>();
     bool* miss = missing.data_ptr<bool>();
-    const T* tt = row_temperatures<T>(temperatures, tokens, m);
+    const T* tt = row_temperatures<T>(r);
     at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         if (!m[i]) {
@@ -344,30 +337,25 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens_in, const a
 // kept entries of each valid row (dlogits: logits' shape and dtype, contiguous).
 void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
                         const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
-                        const at::Tensor& tokens_in, const at::Tensor& mask_in,
-                        const at::Tensor& kept_max, const at::Tensor& kept_log_sum,
-                        const at::Tensor& entropy, double temperature,
+                        const at::Tensor& tokens, const at::Tensor& mask,
+                        const at::Tensor& kept_max_in, const at::Tensor& kept_log_sum_in,
+                        const at::Tensor& entropy_in, double temperature,
                         const std::optional<at::Tensor>& kept_ids,
                         const std::optional<at::Tensor>& kept_offsets,
                         const std::optional<at::Tensor>& threshold, at::Tensor& dlogits,
                         const std::optional<at::Tensor>& temperatures) {
-  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
-  const Rows r(logits, tokens, mask);
-  check_temperature(temperature);
-  const at::ScalarType acc = acc_type(logits);
-  check_per_token(grad_logprobs, "grad_logprobs", tokens, acc);
-  check_per_token(kept_max, "kept_max", tokens, acc);
-  check_per_token(kept_log_sum, "kept_log_sum", tokens, acc);
-  const bool has_ge = grad_entropy.has_value();
-  if (has_ge) {
-    check_per_token(*grad_entropy, "grad_entropy", tokens, acc);
-    check_per_token(entropy, "entropy", tokens, acc);
-  }
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  const at::Tensor grad_lp = r.per_token(grad_logprobs, "grad_logprobs");
+  const at::Tensor kept_max = r.per_token(kept_max_in, "kept_max");
+  const at::Tensor kept_log_sum = r.per_token(kept_log_sum_in, "kept_log_sum");
+  const std::optional<at::Tensor> grad_ent = r.per_token(grad_entropy, "grad_entropy");
+  const bool has_ge = grad_ent.has_value();
+  const at::Tensor entropy = has_ge ? r.per_token(entropy_in, "entropy") : at::Tensor();
   TORCH_CHECK(dlogits.sizes() == logits.sizes() && dlogits.scalar_type() == logits.scalar_type()
                   && dlogits.is_contiguous(),
               "dlogits: expected a contiguous tensor of the logits' shape and dtype");
-  const int64_t* tok = tokens.data_ptr<int64_t>();
-  const bool* m = mask.data_ptr<bool>();
+  const int64_t* tok = r.tokens.data_ptr<int64_t>();
+  const bool* m = r.mask.data_ptr<bool>();
   at::Tensor ids_c, offs_c, thr_c;
   const KeptSet ks = kept_set(kept_ids, kept_offsets, threshold, r.B * r.T, r.V, ids_c, offs_c,
                               thr_c);
@@ -376,11 +364,11 @@ void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
     using T = acc_of<scalar_t>;
     const scalar_t* L = logits.data_ptr<scalar_t>();
     scalar_t* O = dlogits.data_ptr<scalar_t>();
-    const T* gl = grad_logprobs.data_ptr<T>();
-    const T* ge = has_ge ? grad_entropy->data_ptr<T>() : nullptr;
+    const T* gl = grad_lp.data_ptr<T>();
+    const T* ge = has_ge ? grad_ent->data_ptr<T>() : nullptr;
     const T* H = has_ge ? entropy.data_ptr<T>() : nullptr;
     const T *mx = kept_max.data_ptr<T>(), *ls = kept_log_sum.data_ptr<T>();
-    const T* tt = row_temperatures<T>(temperatures, tokens, m);
+    const T* tt = row_temperatures<T>(r);
     at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const double g = gl[i], gh = ge ? static_cast<double>(ge[i]) : 0.0;

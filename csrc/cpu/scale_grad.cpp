@@ -38,7 +38,7 @@ void scale_rows(scalar_t* base, int64_t rows, int64_t inner, int64_t V, int64_t 
 }
 
 void scale_grad_(at::Tensor& grad, const at::Tensor& grad_output, at::Tensor& applied) {
-  const at::ScalarType acc = acc_type(grad);
+  const at::ScalarType acc = ppo::acc_dtype(grad.scalar_type());
   TORCH_CHECK(grad_output.numel() == 1 && grad_output.scalar_type() == acc,
               "grad_output: expected one value of dtype ", acc, ", got ", grad_output.sizes(),
               " ", grad_output.scalar_type());

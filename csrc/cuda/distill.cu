@@ -147,32 +147,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> distill_fwd_cuda(
     const Tensor& logits, const Tensor& mask_in, const Tensor& offsets_in, const Tensor& ids_in,
     const Tensor& lt_in, const Tensor& weights, double temperature, double grad_scale,
     bool tail, bool compute_grad) {
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 3, "ppo_kernels (CUDA): logits must be a "
-              "CUDA [B, Tl, V] tensor");
-  TORCH_CHECK(logits.stride(2) == 1 || logits.size(2) == 1,
-              "ppo_kernels (CUDA): logits must be contiguous along the vocabulary");
-  TORCH_CHECK(logits.size(2) > 0, "ppo_kernels (CUDA): empty vocabulary");
-  TORCH_CHECK(mask_in.dim() == 2 && mask_in.scalar_type() == at::kBool &&
-                  mask_in.size(0) == logits.size(0) && mask_in.size(1) <= logits.size(1),
-              "ppo_kernels (CUDA): mask must be bool [B, T] with T <= Tl");
-  check_temperature(temperature, logits.scalar_type());
-  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0,
-              "ppo_kernels (CUDA): grad_scale: expected a finite number > 0");
+  check_cuda(logits);
   c10::cuda::CUDAGuard guard(logits.device());
-  const Tensor mask = mask_in.contiguous();
-  const auto acc = acc_dtype(logits.scalar_type());
+  // distillation reads no sampled token: the mask gives T
+  const RowArgs r = row_args(logits, std::nullopt, mask_in, temperature, std::nullopt);
+  TORCH_CHECK(std::isfinite(grad_scale) && grad_scale > 0,
+              "grad_scale: expected a finite number > 0, got ", grad_scale);
+  const Tensor& mask = r.mask;
+  const auto acc = r.acc;
   const auto dev = logits.device();
-  const int64_t B = logits.size(0), Tl = logits.size(1), V = logits.size(2);
-  const int64_t T = mask.size(1);
+  const int64_t B = r.B, Tl = r.Tl, V = r.V, T = r.T;
   const Tensor offsets = offsets_in.contiguous(), ids = ids_in.contiguous();
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.numel() == B * T + 1 &&
                   offsets.device() == dev,
-              "ppo_kernels (CUDA): offsets must be int64 [B * T + 1] on the logits' device");
+              "offsets: expected int64 [B * T + 1] on the logits' device");
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.device() == dev,
-              "ppo_kernels (CUDA): token_ids must be int64 [nnz] on the logits' device");
+              "token_ids: expected int64 [nnz] on the logits' device");
   const Tensor lt = per_token(lt_in, "teacher_logprobs", acc, ids.sizes(), dev);
-  const Tensor w = per_token(weights, "weights", acc, mask.sizes(), dev);
-  const auto acc_opts = logits.options().dtype(acc);
+  const Tensor w = r.per_token(weights, "weights");
+  const auto acc_opts = r.acc_opts;
   Tensor kl = at::empty({B, T}, acc_opts), ps = at::empty({B, T}, acc_opts),
          tt = at::empty({B, T}, acc_opts);
   Tensor dl = compute_grad ? at::empty(logits.sizes(), logits.options())

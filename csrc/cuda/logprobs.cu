@@ -17,17 +17,13 @@ namespace ppo_cuda {
 namespace {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cuda(
-    const at::Tensor& logits, const at::Tensor& tokens_in, const at::Tensor& mask_in,
+    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
     double temperature, bool return_entropy, const std::optional<at::Tensor>& temperatures) {
-  check_logits(logits, tokens_in, mask_in);
-  check_temperature(temperature, logits.scalar_type());
+  check_cuda(logits);
   c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor tokens = tokens_in.contiguous();
-  const at::Tensor mask = mask_in.contiguous();
-  const auto acc_opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
-  const int64_t B = tokens.size(0), T = tokens.size(1);
-  const std::optional<at::Tensor> temps = row_temperatures(
-      temperatures, acc_dtype(logits.scalar_type()), tokens.sizes(), logits.device());
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  const auto acc_opts = r.acc_opts;
+  const int64_t B = r.B, T = r.T;
   at::Tensor logp = at::empty({B, T}, acc_opts);
   at::Tensor ent = return_entropy ? at::empty({B, T}, acc_opts) : at::empty({0}, acc_opts);
   at::Tensor row_max = at::empty({B, T}, acc_opts);
@@ -38,62 +34,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_logprobs_fwd_cu
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_fwd_cuda", [&] {
         using A = acc_of<scalar_t>;
-        RowsView<scalar_t> rv = make_view<scalar_t>(logits, tokens, mask);
+        RowsView<scalar_t> rv = make_view<scalar_t>(logits, r);
         TokenIO<A> io = empty_io<A>(kModeLogprobs);
         io.logp = logp.data_ptr<A>();
         io.entropy = return_entropy ? ent.data_ptr<A>() : nullptr;
         io.row_max = row_max.data_ptr<A>();
         io.log_sum = log_sum.data_ptr<A>();
-        run_rows<scalar_t>(rv, io, make_row_temp<A>(temperature, temps), acc_opts, device,
-                           stream);
+        run_rows<scalar_t>(rv, io, make_row_temp<A>(r), acc_opts, device, stream);
       });
   return {logp, ent, row_max, log_sum};
 }
 
 at::Tensor token_logprobs_bwd_cuda(const at::Tensor& grad_logprobs,
                                    const std::optional<at::Tensor>& grad_entropy,
-                                   const at::Tensor& logits, const at::Tensor& tokens_in,
-                                   const at::Tensor& mask_in, const at::Tensor& row_max_in,
+                                   const at::Tensor& logits, const at::Tensor& tokens,
+                                   const at::Tensor& mask, const at::Tensor& row_max_in,
                                    const at::Tensor& log_sum_in, const at::Tensor& entropy_in,
                                    double temperature,
                                    const std::optional<at::Tensor>& temperatures) {
-  check_logits(logits, tokens_in, mask_in);
-  check_temperature(temperature, logits.scalar_type());
+  check_cuda(logits);
   c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor tokens = tokens_in.contiguous();
-  const at::Tensor mask = mask_in.contiguous();
-  const auto acc = acc_dtype(logits.scalar_type());
-  const auto dev = logits.device();
-  const auto shape = tokens.sizes();
-  const at::Tensor glp = per_token(grad_logprobs, "grad_logprobs", acc, shape, dev);
-  const at::Tensor row_max = per_token(row_max_in, "row_max", acc, shape, dev);
-  const at::Tensor log_sum = per_token(log_sum_in, "log_sum", acc, shape, dev);
-  const std::optional<at::Tensor> gent =
-      opt_per_token(grad_entropy, "grad_entropy", acc, shape, dev);
-  const std::optional<at::Tensor> temps = row_temperatures(temperatures, acc, shape, dev);
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  const at::Tensor glp = r.per_token(grad_logprobs, "grad_logprobs");
+  const at::Tensor row_max = r.per_token(row_max_in, "row_max");
+  const at::Tensor log_sum = r.per_token(log_sum_in, "log_sum");
+  const std::optional<at::Tensor> gent = r.per_token(grad_entropy, "grad_entropy");
   std::optional<at::Tensor> ent;
   if (gent.has_value()) {
     // the entropy is needed only for the entropy term of the gradient
-    ent = per_token(entropy_in, "entropy", acc, shape, dev);
+    ent = r.per_token(entropy_in, "entropy");
   }
-  const int64_t B = logits.size(0), Tl = logits.size(1), V = logits.size(2);
+  const int64_t B = r.B, Tl = r.Tl, V = r.V;
   at::Tensor dlogits = at::empty({B, Tl, V}, logits.options());  // contiguous
   if (B * Tl == 0) return dlogits;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, logits.scalar_type(), "token_logprobs_bwd_cuda", [&] {
         using A = acc_of<scalar_t>;
-        RowsView<scalar_t> rv = make_view<scalar_t>(logits, tokens, mask);
+        RowsView<scalar_t> rv = make_view<scalar_t>(logits, r);
         rv.out = dlogits.data_ptr<scalar_t>();
         rv.oB = Tl * V;
         rv.oT = V;
         const ChunkPlan cp = chunk_plan<scalar_t>(V);
         GradSource<A> src{nullptr, row_max.data_ptr<A>(), log_sum.data_ptr<A>(),
                           ptr_or_null<A>(ent), glp.data_ptr<A>(), ptr_or_null<A>(gent)};
-        TORCH_CHECK(B * Tl <= 0x7fffffff, "ppo_kernels (CUDA): too many rows");
+        TORCH_CHECK(B * Tl <= 0x7fffffff, "logits: too many rows for one launch (", B * Tl,
+                    ")");
         grad_chunks_kernel<scalar_t>
             <<<dim3(static_cast<unsigned>(B * Tl), static_cast<unsigned>(cp.S)), cp.threads, 0,
-               stream>>>(rv, make_row_temp<A>(temperature, temps), cp.chunk, src);
+               stream>>>(rv, make_row_temp<A>(r), cp.chunk, src);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return dlogits;

@@ -32,35 +32,24 @@ using OptTensor = std::optional<at::Tensor>;
 // is asked for, and undefined when it was written over the logits (inplace).
 // old_logprobs None: on-policy (the kernel takes old = logp); entropy_weights None: weights.
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
-    const Tensor& logits, const Tensor& tokens_in, const Tensor& mask_in,
+    const Tensor& logits, const Tensor& tokens, const Tensor& mask,
     const OptTensor& old_logprobs, const Tensor& advantages, const Tensor& weights,
     const OptTensor& ref_logprobs, const OptTensor& rollout_is_weights,
     const OptTensor& entropy_weights, c10::ArrayRef<double> scalars,
     c10::ArrayRef<int64_t> codes, bool compute_grad, bool inplace,
     const OptTensor& temperatures) {
-  check_logits(logits, tokens_in, mask_in);
-  const ppo::PolicyParams params =
-      ppo::loss_params(scalars, codes, ref_logprobs.has_value(), rollout_is_weights.has_value());
-  const double temperature = params[ppo::slot::temperature];
-  check_temperature(temperature, logits.scalar_type());
+  check_cuda(logits);
   c10::cuda::CUDAGuard guard(logits.device());
-  const Tensor tokens = tokens_in.contiguous();
-  const Tensor mask = mask_in.contiguous();
-  const auto acc = acc_dtype(logits.scalar_type());
-  const auto dev = logits.device();
-  const auto shape = tokens.sizes();
-  const OptTensor old_lp = opt_per_token(old_logprobs, "old_logprobs", acc, shape, dev);
-  const Tensor adv = per_token(advantages, "advantages", acc, shape, dev);
-  const Tensor w = per_token(weights, "weights", acc, shape, dev);
-  const OptTensor ref = opt_per_token(ref_logprobs, "ref_logprobs", acc, shape, dev);
-  const OptTensor isw = opt_per_token(rollout_is_weights, "rollout_is_weights", acc, shape, dev);
-  const OptTensor w_ent = opt_per_token(entropy_weights, "entropy_weights", acc, shape, dev);
-  const OptTensor temps = row_temperatures(temperatures, acc, shape, dev);
+  const ppo::LossArgs a = ppo::loss_args(logits, tokens, mask, old_logprobs, advantages,
+                                         weights, ref_logprobs, rollout_is_weights,
+                                         entropy_weights, scalars, codes, temperatures);
+  const RowArgs& r = a.rows;
+  const ppo::LossTensors& in = a.in;
+  const ppo::PolicyParams& params = a.params;
   if (inplace) at::assert_no_internal_overlap(logits);
 
-  const auto acc_opts = logits.options().dtype(acc);
-  const int64_t B = logits.size(0), Tl = logits.size(1), V = logits.size(2);
-  const int64_t T = tokens.size(1);
+  const auto acc_opts = r.acc_opts;
+  const int64_t B = r.B, Tl = r.Tl, V = r.V, T = r.T;
   Tensor loss = at::empty({}, acc_opts);
   Tensor loss_tok = at::empty({B, T}, acc_opts);
   Tensor logp = at::empty({B, T}, acc_opts);
@@ -72,11 +61,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
   }
 
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int device = dev.index();
+  const int device = logits.device().index();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, logits.scalar_type(), "ppo_loss_fwd_cuda", [&] {
         using A = acc_of<scalar_t>;
-        RowsView<scalar_t> rv = make_view<scalar_t>(logits, tokens, mask);
+        RowsView<scalar_t> rv = make_view<scalar_t>(logits, r);
         if (inplace) {
           rv.out = logits.data_ptr<scalar_t>();
           rv.oB = logits.stride(0);
@@ -87,21 +76,20 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
           rv.oT = V;
         }
         TokenIO<A> io = empty_io<A>(kModePpo);
-        io.old_logp = ptr_or_null<A>(old_lp);
-        io.adv = adv.data_ptr<A>();
-        io.weights = w.data_ptr<A>();
-        io.w_ent = ptr_or_null<A>(w_ent);
-        io.is_w = ptr_or_null<A>(isw);
-        io.ref_logp = ptr_or_null<A>(ref);
+        io.old_logp = ptr_or_null<A>(in.old_logprobs);
+        io.adv = in.advantages.data_ptr<A>();
+        io.weights = in.weights.data_ptr<A>();
+        io.w_ent = ptr_or_null<A>(in.entropy_weights);
+        io.is_w = ptr_or_null<A>(in.rollout_is_weights);
+        io.ref_logp = ptr_or_null<A>(in.ref_logprobs);
         io.params = params;
         io.logp = logp.data_ptr<A>();
         io.entropy = ent.data_ptr<A>();
         io.loss_tok = loss_tok.data_ptr<A>();
         io.grad_scale = static_cast<A>(params[ppo::slot::grad_scale]);
-        run_rows<scalar_t>(rv, io, make_row_temp<A>(temperature, temps), acc_opts, device,
-                           stream);
+        run_rows<scalar_t>(rv, io, make_row_temp<A>(r), acc_opts, device, stream);
         weighted_sum_kernel<A><<<1, kMaxThreads, 0, stream>>>(
-            w.data_ptr<A>(), loss_tok.data_ptr<A>(), B * T, loss.data_ptr<A>());
+            in.weights.data_ptr<A>(), loss_tok.data_ptr<A>(), B * T, loss.data_ptr<A>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return {loss, loss_tok, logp, ent, dlogits};

@@ -337,20 +337,19 @@ void run_rows(const RowsView<scalar_t>& rv, const TokenIO<acc_of<scalar_t>>& io,
 }
 
 template <typename scalar_t>
-RowsView<scalar_t> make_view(const at::Tensor& logits, const at::Tensor& tokens,
-                             const at::Tensor& mask) {
+RowsView<scalar_t> make_view(const at::Tensor& logits, const RowArgs& r) {
   RowsView<scalar_t> rv;
   rv.logits = logits.data_ptr<scalar_t>();
-  rv.sB = logits.stride(0);
-  rv.sT = logits.stride(1);
+  rv.sB = r.sB;
+  rv.sT = r.sT;
   rv.out = nullptr;
   rv.oB = rv.oT = 0;
-  rv.tokens = tokens.data_ptr<int64_t>();
-  rv.mask = mask.data_ptr<bool>();
-  rv.B = logits.size(0);
-  rv.Tl = logits.size(1);
-  rv.T = tokens.size(1);
-  rv.V = logits.size(2);
+  rv.tokens = r.tokens.data_ptr<int64_t>();
+  rv.mask = r.mask.data_ptr<bool>();
+  rv.B = r.B;
+  rv.Tl = r.Tl;
+  rv.T = r.T;
+  rv.V = r.V;
   return rv;
 }
 

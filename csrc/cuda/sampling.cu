@@ -222,42 +222,37 @@ KeptArgs kept_args(const at::Tensor& logits, const std::optional<at::Tensor>& ke
 // The per-row 1 / temperature of ACC (rounded once from double), or an undefined tensor
 // without `temperatures` (the scalar applies). A bad value on a valid row is the Python
 // layer's to reject (ppo_kernels/_checks.py temperature_values: no host read here).
-at::Tensor inv_temperatures(const std::optional<at::Tensor>& temps, const at::Tensor& tokens,
-                            at::ScalarType acc) {
-  if (!temps.has_value()) return at::Tensor();
-  TORCH_CHECK(temps->sizes() == tokens.sizes() && temps->scalar_type() == acc &&
-                  temps->device() == tokens.device(),
-              "temperatures: expected [B, T] of the accumulation dtype on the logits' device");
-  return temps->to(at::kDouble).reciprocal().to(acc).contiguous();
+at::Tensor inv_temperatures(const RowArgs& r) {
+  if (!r.temperatures.has_value()) return at::Tensor();
+  return r.temperatures->to(at::kDouble).reciprocal().to(r.acc).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
-kept_logprobs_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens_in,
-                       const at::Tensor& mask_in, double temperature,
+kept_logprobs_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens,
+                       const at::Tensor& mask, double temperature,
                        const std::optional<at::Tensor>& kept_ids,
                        const std::optional<at::Tensor>& kept_offsets,
                        const std::optional<at::Tensor>& threshold,
                        const std::optional<at::Tensor>& temperatures) {
-  check_logits(logits, tokens_in, mask_in);
-  check_temperature(temperature, logits.scalar_type());
+  check_cuda(logits);
   c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
-  const int64_t B = tokens.size(0), T = tokens.size(1), V = logits.size(2);
-  const auto opts = logits.options().dtype(acc_dtype(logits.scalar_type()));
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  const int64_t B = r.B, T = r.T, V = r.V;
+  const auto opts = r.acc_opts;
   at::Tensor lp = at::empty({B, T}, opts), en = at::empty({B, T}, opts);
   at::Tensor mx = at::empty({B, T}, opts), ls = at::empty({B, T}, opts);
   at::Tensor size = at::empty({B, T}, opts.dtype(at::kLong));
   at::Tensor miss = at::empty({B, T}, opts.dtype(at::kBool));
   if (B * T == 0) return {lp, en, mx, ls, size, miss};
   const KeptArgs a = kept_args(logits, kept_ids, kept_offsets, threshold, B * T);
-  const at::Tensor invt = inv_temperatures(temperatures, tokens, opts.dtype().toScalarType());
+  const at::Tensor invt = inv_temperatures(r);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "kept_logprobs_fwd_cuda", [&] {
     using A = acc_of<scalar_t>;
     kept_fwd_kernel<scalar_t, A><<<B * T, kThreads, 0, stream>>>(
         logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
-        tokens.data_ptr<int64_t>(), mask.data_ptr<bool>(), a.ids.data_ptr<int64_t>(),
+        r.tokens.data_ptr<int64_t>(), r.mask.data_ptr<bool>(), a.ids.data_ptr<int64_t>(),
         a.offs.data_ptr<int64_t>(), a.thr.data_ptr<double>(), a.csr, T, V,
         static_cast<A>(1.0 / temperature), invt.defined() ? invt.data_ptr<A>() : nullptr,
         lp.data_ptr<A>(), en.data_ptr<A>(),
@@ -269,41 +264,36 @@ kept_logprobs_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens_in,
 
 void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
                              const std::optional<at::Tensor>& grad_entropy,
-                             const at::Tensor& logits, const at::Tensor& tokens_in,
-                             const at::Tensor& mask_in, const at::Tensor& kept_max,
+                             const at::Tensor& logits, const at::Tensor& tokens,
+                             const at::Tensor& mask, const at::Tensor& kept_max,
                              const at::Tensor& kept_log_sum, const at::Tensor& entropy,
                              double temperature, const std::optional<at::Tensor>& kept_ids,
                              const std::optional<at::Tensor>& kept_offsets,
                              const std::optional<at::Tensor>& threshold, at::Tensor& dlogits,
                              const std::optional<at::Tensor>& temperatures) {
-  check_logits(logits, tokens_in, mask_in);
-  check_temperature(temperature, logits.scalar_type());
+  check_cuda(logits);
   c10::cuda::CUDAGuard guard(logits.device());
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
   TORCH_CHECK(dlogits.sizes() == logits.sizes() && dlogits.is_contiguous() &&
                   dlogits.scalar_type() == logits.scalar_type(),
               "dlogits: expected a contiguous tensor of the logits' shape and dtype");
-  const at::Tensor tokens = tokens_in.contiguous(), mask = mask_in.contiguous();
-  const int64_t B = tokens.size(0), T = tokens.size(1), Tl = logits.size(1),
-                V = logits.size(2);
+  const int64_t B = r.B, T = r.T, Tl = r.Tl, V = r.V;
   if (B * T == 0) return;
-  const at::ScalarType acc = acc_dtype(logits.scalar_type());
-  const auto shape = tokens.sizes();
-  const auto dev = logits.device();
-  const at::Tensor gl = per_token(grad_logprobs, "grad_logprobs", acc, shape, dev);
-  const at::Tensor mx = per_token(kept_max, "kept_max", acc, shape, dev);
-  const at::Tensor ls = per_token(kept_log_sum, "kept_log_sum", acc, shape, dev);
+  const at::Tensor gl = r.per_token(grad_logprobs, "grad_logprobs");
+  const at::Tensor mx = r.per_token(kept_max, "kept_max");
+  const at::Tensor ls = r.per_token(kept_log_sum, "kept_log_sum");
   const bool has_ge = grad_entropy.has_value();
-  const at::Tensor ge = has_ge ? per_token(*grad_entropy, "grad_entropy", acc, shape, dev) : gl;
-  const at::Tensor en = has_ge ? per_token(entropy, "entropy", acc, shape, dev) : gl;
+  const at::Tensor ge = has_ge ? r.per_token(*grad_entropy, "grad_entropy") : gl;
+  const at::Tensor en = has_ge ? r.per_token(entropy, "entropy") : gl;
   const KeptArgs a = kept_args(logits, kept_ids, kept_offsets, threshold, B * T);
-  const at::Tensor invt = inv_temperatures(temperatures, tokens, acc);
+  const at::Tensor invt = inv_temperatures(r);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "kept_logprobs_bwd_cuda_", [&] {
     using A = acc_of<scalar_t>;
     kept_bwd_kernel<scalar_t, A><<<B * T, kThreads, 0, stream>>>(
         logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
-        tokens.data_ptr<int64_t>(), mask.data_ptr<bool>(), a.ids.data_ptr<int64_t>(),
+        r.tokens.data_ptr<int64_t>(), r.mask.data_ptr<bool>(), a.ids.data_ptr<int64_t>(),
         a.offs.data_ptr<int64_t>(), a.thr.data_ptr<double>(), a.csr, T, Tl, V,
         static_cast<A>(1.0 / temperature), invt.defined() ? invt.data_ptr<A>() : nullptr,
         mx.data_ptr<A>(), ls.data_ptr<A>(),
@@ -346,14 +336,16 @@ at::Tensor threshold_rows(const at::Tensor& x, const at::Tensor& m, double tempe
   return at::where(m, thr, -inf);
 }
 
-at::Tensor sampling_threshold_cuda(const at::Tensor& logits, const at::Tensor& mask,
+at::Tensor sampling_threshold_cuda(const at::Tensor& logits, const at::Tensor& mask_in,
                                    double temperature, const std::optional<at::Tensor>& top_k,
                                    const std::optional<at::Tensor>& top_p,
                                    const std::optional<at::Tensor>& min_p,
                                    const std::optional<at::Tensor>& temperatures) {
-  TORCH_CHECK(logits.is_cuda() && logits.dim() == 3, "logits: expected CUDA [B, Tl, V]");
+  check_cuda(logits);
   c10::cuda::CUDAGuard guard(logits.device());
-  const int64_t B = mask.size(0), T = mask.size(1), V = logits.size(2), N = B * T;
+  const RowArgs r = row_args(logits, std::nullopt, mask_in, temperature, temperatures);
+  const at::Tensor& mask = r.mask;
+  const int64_t B = r.B, T = r.T, V = r.V, N = r.N();
   at::Tensor out = at::empty({N}, logits.options().dtype(at::kDouble));
   if (N == 0) return out.view({B, T});
   const at::Tensor rows = logits.narrow(1, 0, T).reshape({N, V});
@@ -364,11 +356,8 @@ at::Tensor sampling_threshold_cuda(const at::Tensor& logits, const at::Tensor& m
     if (!p.has_value()) return std::nullopt;
     return p->reshape({N}).narrow(0, r0, c);
   };
-  if (temperatures.has_value())
-    TORCH_CHECK(temperatures->numel() == N && temperatures->device() == logits.device(),
-                "temperatures: expected [B, T] on the logits' device");
   const at::Tensor temps =
-      temperatures.has_value() ? temperatures->reshape({N}).to(at::kDouble) : at::Tensor();
+      r.temperatures.has_value() ? r.temperatures->reshape({N}).to(at::kDouble) : at::Tensor();
   for (int64_t r0 = 0; r0 < N; r0 += chunk) {
     const int64_t c = std::min(chunk, N - r0);
     out.narrow(0, r0, c).copy_(threshold_rows(rows.narrow(0, r0, c).to(at::kDouble),

@@ -17,31 +17,26 @@ namespace {
 using Tensor = at::Tensor;
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
-    const Tensor& logits, const Tensor& tokens_in, const Tensor& mask_in,
+    const Tensor& logits, const Tensor& tokens, const Tensor& mask,
     const Tensor& ref_logprobs, const Tensor& values_in, const Tensor& scores_in,
     double kl_coef, int64_t kl_estimator, double gamma, double lam, double temperature,
     const std::optional<Tensor>& lam_per_seq, std::optional<double> value_lam,
     const std::optional<at::Tensor>& temperatures) {
-  check_logits(logits, tokens_in, mask_in);
-  check_temperature(temperature, logits.scalar_type());
-  check_kl_estimator(kl_estimator);
-  TORCH_CHECK(gamma >= 0.0 && gamma <= 1.0, "ppo_kernels (CUDA): gamma must be in [0, 1], got ",
-              gamma);
-  TORCH_CHECK(lam >= 0.0 && lam <= 1.0, "ppo_kernels (CUDA): lam must be in [0, 1], got ", lam);
-  TORCH_CHECK(!value_lam || (*value_lam >= 0.0 && *value_lam <= 1.0),
-              "ppo_kernels (CUDA): value_lam must be in [0, 1], got ", value_lam.value_or(0.0));
+  check_cuda(logits);
   c10::cuda::CUDAGuard guard(logits.device());
-  const Tensor tokens = tokens_in.contiguous();
-  const Tensor mask = mask_in.contiguous();
-  const auto acc = acc_dtype(logits.scalar_type());
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  check_kl_estimator(kl_estimator);
+  TORCH_CHECK(gamma >= 0.0 && gamma <= 1.0, "gamma: expected a value in [0, 1], got ", gamma);
+  TORCH_CHECK(lam >= 0.0 && lam <= 1.0, "lam: expected a value in [0, 1], got ", lam);
+  TORCH_CHECK(!value_lam || (*value_lam >= 0.0 && *value_lam <= 1.0),
+              "value_lam: expected a value in [0, 1], got ", value_lam.value_or(0.0));
+  const auto acc = r.acc;
   const auto dev = logits.device();
-  const auto shape = tokens.sizes();
-  const int64_t B = tokens.size(0), T = tokens.size(1);
-  const Tensor ref = per_token(ref_logprobs, "ref_logprobs", acc, shape, dev);
-  const Tensor values = per_token(values_in, "values", acc, shape, dev);
+  const int64_t B = r.B, T = r.T;
+  const Tensor ref = r.per_token(ref_logprobs, "ref_logprobs");
+  const Tensor values = r.per_token(values_in, "values");
   const Tensor scores = per_token(scores_in, "scores", acc, {B}, dev);
   const std::optional<Tensor> lams = opt_per_token(lam_per_seq, "lam_per_seq", acc, {B}, dev);
-  const std::optional<Tensor> temps = row_temperatures(temperatures, acc, shape, dev);
   const auto acc_opts = logits.options().dtype(acc);
   Tensor logp = at::empty({B, T}, acc_opts);
   Tensor kl = at::empty({B, T}, acc_opts);
@@ -49,13 +44,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
   Tensor adv = at::empty({B, T}, acc_opts);
   Tensor ret = at::empty({B, T}, acc_opts);
   if (B * T == 0) return {logp, kl, rewards, adv, ret};
-  TORCH_CHECK(B <= 0x7fffffff, "ppo_kernels (CUDA): too many sequences");
+  TORCH_CHECK(B <= 0x7fffffff, "logits: too many sequences for one launch (", B, ")");
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int device = dev.index();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, logits.scalar_type(), "score_rollout_cuda", [&] {
         using A = acc_of<scalar_t>;
-        RowsView<scalar_t> rv = make_view<scalar_t>(logits, tokens, mask);
+        RowsView<scalar_t> rv = make_view<scalar_t>(logits, r);
         TokenIO<A> io = empty_io<A>(kModeScore);
         io.ref_logp = ref.data_ptr<A>();
         io.kl_coef = static_cast<A>(kl_coef);
@@ -63,14 +58,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> score_rollout_cuda(
         io.logp = logp.data_ptr<A>();
         io.kl = kl.data_ptr<A>();
         io.rewards = rewards.data_ptr<A>();
-        run_rows<scalar_t>(rv, io, make_row_temp<A>(temperature, temps), acc_opts, device,
-                           stream);
+        run_rows<scalar_t>(rv, io, make_row_temp<A>(r), acc_opts, device, stream);
 
         GaeArgs<A> g;
         g.rewards = rewards.data_ptr<A>();
         g.rewards_out = rewards.data_ptr<A>();
         g.values = values.data_ptr<A>();
-        g.mask = mask.data_ptr<bool>();
+        g.mask = r.mask.data_ptr<bool>();
         g.bootstrap = nullptr;
         g.scores = scores.data_ptr<A>();
         g.adv = adv.data_ptr<A>();

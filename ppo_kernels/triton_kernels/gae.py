@@ -164,8 +164,8 @@ def gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None, v
 
 
 def score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef, kl_estimator,
-                  gamma, lam, temperature, lam_per_seq=None, value_lam=None, block_t=None,
-                  temperatures=None):
+                  gamma, lam, temperature, lam_per_seq=None, value_lam=None, temperatures=None,
+                  block_t=None):
     """(logprobs, kl, rewards, advantages, returns) [B, T] of the accumulation dtype.
 
     Two launches: a row pass (logprobs at `temperature`, kl of the chosen estimator,

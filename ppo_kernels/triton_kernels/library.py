@@ -1,15 +1,21 @@
 """Registers the Triton kernels as torch operators ppo_kernels::triton_*.
 
 Each op has the schema of its C++ twin in csrc/ops.cpp (same argument names, order,
-outputs, dtypes and semantics), prefixed with ``triton_``. Only the implementations live
-here: ppo_kernels/_autograd.py registers the fake (meta) and autograd formulas of these names
-together with the C++ ops. torch.library.triton_op (rather than custom_op) lets
-torch.compile see the kernels inside (each launch goes through wrap_triton).
+outputs, dtypes and semantics), prefixed with ``triton_``; tests/test_triton_kernels.py
+holds SCHEMAS to csrc/ops.cpp. The launchers (logprobs.py, ppo_loss.py, gae.py, sampling.py,
+distill.py) take their schema's arguments in its order and are registered as they are; only
+the implementations live here: ppo_kernels/_autograd.py registers the fake (meta) and
+autograd formulas of these names together with the C++ ops. torch.library.triton_op (rather
+than custom_op) lets torch.compile see the kernels inside (each launch goes through
+wrap_triton).
 
 Importing this module defines the ops exactly once per process; register() is idempotent
 and returns the op handles.
 """
 
+import functools
+import inspect
+import re
 from typing import Optional
 
 import torch
@@ -17,20 +23,16 @@ from torch import Tensor
 from torch.library import triton_op
 
 # Functions, not modules: the package namespace binds `gae` to the function (__init__).
-from .gae import gae as _gae
-from .gae import score_rollout as _score_rollout
-from .logprobs import token_logprobs_bwd as _token_logprobs_bwd
-from .logprobs import token_logprobs_fwd as _token_logprobs_fwd
-from .ppo_loss import ppo_loss_fwd as _ppo_loss_fwd
-from .ppo_loss import ppo_loss_fwd_inplace as _ppo_loss_fwd_inplace
-from .ppo_loss import scale_grad_ as _scale_grad_
-from .sampling import kept_logprobs_bwd_ as _kept_logprobs_bwd_
-from .sampling import kept_logprobs_fwd as _kept_logprobs_fwd
-from .sampling import sampling_threshold as _sampling_threshold
+from .distill import distill_fwd
+from .gae import gae, score_rollout
+from .logprobs import token_logprobs_bwd, token_logprobs_fwd
+from .ppo_loss import ppo_loss_fwd, ppo_loss_fwd_inplace, scale_grad_
+from .sampling import kept_logprobs_bwd_, kept_logprobs_fwd, sampling_threshold
 
 NAMESPACE = "ppo_kernels"
 
-# name -> schema after the name, copied from csrc/ops.cpp (output names included).
+# name -> schema after the name, copied from csrc/ops.cpp (output names included; top-k
+# distillation's is csrc/ops.cpp's TORCH_LIBRARY_FRAGMENT).
 SCHEMAS = {
     "triton_token_logprobs_fwd":
         "(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
@@ -78,123 +80,70 @@ SCHEMAS = {
         "Tensor tokens, Tensor mask, Tensor kept_max, Tensor kept_log_sum, Tensor entropy, "
         "float temperature, Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, "
         "Tensor(a!) dlogits, Tensor? temperatures=None) -> ()",
+    "triton_distill_fwd":
+        "(Tensor logits, Tensor mask, Tensor offsets, Tensor token_ids, "
+        "Tensor teacher_logprobs, Tensor weights, float temperature, float grad_scale, "
+        "bool tail, bool compute_grad) -> (Tensor loss, Tensor kl, Tensor student_mass, "
+        "Tensor teacher_tail, Tensor dlogits)",
 }
 
-
-def token_logprobs_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, temperature: float,
-                       return_entropy: bool, temperatures: Optional[Tensor] = None
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _token_logprobs_fwd(logits, tokens, mask, temperature, return_entropy, temperatures)
-
-
-def token_logprobs_bwd(grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits: Tensor,
-                       tokens: Tensor, mask: Tensor, row_max: Tensor, log_sum: Tensor,
-                       entropy: Tensor, temperature: float,
-                       temperatures: Optional[Tensor] = None) -> Tensor:
-    return _token_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, row_max,
-                               log_sum, entropy, temperature, temperatures)
-
-
-def ppo_loss_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, old_logprobs: Optional[Tensor],
-                 advantages: Tensor, weights: Tensor, ref_logprobs: Optional[Tensor],
-                 rollout_is_weights: Optional[Tensor], entropy_weights: Optional[Tensor],
-                 scalars: list[float], codes: list[int], compute_grad: bool,
-                 temperatures: Optional[Tensor] = None
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _ppo_loss_fwd(logits, tokens, mask, old_logprobs, advantages, weights,
-                         ref_logprobs, rollout_is_weights, entropy_weights, scalars, codes,
-                         compute_grad, temperatures)
-
-
-def ppo_loss_fwd_inplace(logits: Tensor, tokens: Tensor, mask: Tensor,
-                         old_logprobs: Optional[Tensor], advantages: Tensor, weights: Tensor,
-                         ref_logprobs: Optional[Tensor], rollout_is_weights: Optional[Tensor],
-                         entropy_weights: Optional[Tensor], scalars: list[float],
-                         codes: list[int], temperatures: Optional[Tensor] = None
-                         ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _ppo_loss_fwd_inplace(logits, tokens, mask, old_logprobs, advantages, weights,
-                                 ref_logprobs, rollout_is_weights, entropy_weights, scalars,
-                                 codes, temperatures)
-
-
-def scale_grad_(grad: Tensor, grad_output: Tensor, applied: Tensor) -> None:
-    _scale_grad_(grad, grad_output, applied)
-
-
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, bootstrap_values: Optional[Tensor],
-        gamma: float, lam: float, lam_per_seq: Optional[Tensor] = None,
-        value_lam: Optional[float] = None) -> tuple[Tensor, Tensor]:
-    return _gae(rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq, value_lam)
-
-
-def score_rollout(logits: Tensor, tokens: Tensor, mask: Tensor, ref_logprobs: Tensor,
-                  values: Tensor, scores: Tensor, kl_coef: float, kl_estimator: int,
-                  gamma: float, lam: float, temperature: float,
-                  lam_per_seq: Optional[Tensor] = None, value_lam: Optional[float] = None,
-                  temperatures: Optional[Tensor] = None
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _score_rollout(logits, tokens, mask, ref_logprobs, values, scores, kl_coef,
-                          kl_estimator, gamma, lam, temperature, lam_per_seq, value_lam,
-                          temperatures=temperatures)
-
-
-def sampling_threshold(logits: Tensor, mask: Tensor, temperature: float,
-                       top_k: Optional[Tensor], top_p: Optional[Tensor],
-                       min_p: Optional[Tensor], temperatures: Optional[Tensor] = None
-                       ) -> Tensor:
-    return _sampling_threshold(logits, mask, temperature, top_k, top_p, min_p, temperatures)
-
-
-def kept_logprobs_fwd(logits: Tensor, tokens: Tensor, mask: Tensor, temperature: float,
-                      kept_ids: Optional[Tensor], kept_offsets: Optional[Tensor],
-                      threshold: Optional[Tensor], temperatures: Optional[Tensor] = None
-                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets,
-                              threshold, temperatures)
-
-
-def kept_logprobs_bwd_(grad_logprobs: Tensor, grad_entropy: Optional[Tensor], logits: Tensor,
-                       tokens: Tensor, mask: Tensor, kept_max: Tensor, kept_log_sum: Tensor,
-                       entropy: Tensor, temperature: float, kept_ids: Optional[Tensor],
-                       kept_offsets: Optional[Tensor], threshold: Optional[Tensor],
-                       dlogits: Tensor, temperatures: Optional[Tensor] = None) -> None:
-    _kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max,
-                        kept_log_sum, entropy, temperature, kept_ids, kept_offsets, threshold,
-                        dlogits, temperatures)
-
-
-_IMPLS = {
-    "triton_token_logprobs_fwd": (token_logprobs_fwd, ()),
-    "triton_token_logprobs_bwd": (token_logprobs_bwd, ()),
-    "triton_ppo_loss_fwd": (ppo_loss_fwd, ()),
-    "triton_ppo_loss_fwd_inplace": (ppo_loss_fwd_inplace, ("logits",)),
-    "triton_scale_grad_": (scale_grad_, ("grad", "applied")),
-    "triton_gae": (gae, ()),
-    "triton_score_rollout": (score_rollout, ()),
-    "triton_sampling_threshold": (sampling_threshold, ()),
-    "triton_kept_logprobs_fwd": (kept_logprobs_fwd, ()),
-    "triton_kept_logprobs_bwd_": (kept_logprobs_bwd_, ("dlogits",)),
+# name -> the launcher that implements it (its positional arguments in the schema's order)
+LAUNCHERS = {
+    "triton_token_logprobs_fwd": token_logprobs_fwd,
+    "triton_token_logprobs_bwd": token_logprobs_bwd,
+    "triton_ppo_loss_fwd": ppo_loss_fwd,
+    "triton_ppo_loss_fwd_inplace": ppo_loss_fwd_inplace,
+    "triton_scale_grad_": scale_grad_,
+    "triton_gae": gae,
+    "triton_score_rollout": score_rollout,
+    "triton_sampling_threshold": sampling_threshold,
+    "triton_kept_logprobs_fwd": kept_logprobs_fwd,
+    "triton_kept_logprobs_bwd_": kept_logprobs_bwd_,
+    "triton_distill_fwd": distill_fwd,
 }
 
-# top-k distillation (triton_kernels/distill.py; the C++ schema appended to csrc/ops.cpp)
-from .distill import distill_fwd as _distill_fwd  # noqa: E402
-
-SCHEMAS["triton_distill_fwd"] = (
-    "(Tensor logits, Tensor mask, Tensor offsets, Tensor token_ids, "
-    "Tensor teacher_logprobs, Tensor weights, float temperature, float grad_scale, "
-    "bool tail, bool compute_grad) -> (Tensor loss, Tensor kl, Tensor student_mass, "
-    "Tensor teacher_tail, Tensor dlogits)")
+_TYPES = {"Tensor": Tensor, "float": float, "int": int, "bool": bool,
+          "float[]": list[float], "int[]": list[int]}
 
 
-def distill_fwd(logits: Tensor, mask: Tensor, offsets: Tensor, token_ids: Tensor,
-                teacher_logprobs: Tensor, weights: Tensor, temperature: float,
-                grad_scale: float, tail: bool, compute_grad: bool
-                ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _distill_fwd(logits, mask, offsets, token_ids, teacher_logprobs, weights,
-                        temperature, grad_scale, tail, compute_grad)
+def _annotation(text):
+    """The Python type of a schema type ("Tensor?", "float[]", "Tensor(a!)")."""
+    text = re.sub(r"\(\w!?\)", "", text).strip()
+    if text.endswith("?"):
+        return Optional[_TYPES[text[:-1]]]
+    return _TYPES[text]
 
 
-_IMPLS["triton_distill_fwd"] = (distill_fwd, ())
+def _typed(name, fn):
+    """fn with the signature of SCHEMAS[name] (argument names, annotations, defaults): the
+    schema written once. triton_op is given the schema, but some torch versions infer it
+    from the annotations instead, which the launchers do not carry."""
+    args, rets = SCHEMAS[name].split(" -> ")
+    params = []
+    for arg in filter(None, (a.strip() for a in args.strip()[1:-1].split(","))):
+        decl, _, default = arg.partition("=")
+        typ, pname = decl.rsplit(" ", 1)
+        params.append(inspect.Parameter(
+            pname, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=_annotation(typ),
+            default=inspect.Parameter.empty if not default else
+            {"None": None, "True": True, "False": False}.get(default, default)))
+    outs = [o.strip().rsplit(" ", 1)[0] if " " in o.strip() else o.strip()
+            for o in rets.strip().strip("()").split(",") if o.strip()]
+    ret = None if not outs else (Tensor if len(outs) == 1 and not rets.strip().startswith("(")
+                                 else tuple[tuple(Tensor for _ in outs)])
+
+    @functools.wraps(fn)
+    def impl(*a, **kw):
+        return fn(*a, **kw)
+
+    impl.__signature__ = inspect.Signature(params, return_annotation=ret)
+    impl.__annotations__ = {p.name: p.annotation for p in params} | {"return": ret}
+    return impl
+
+
+def _mutated(name):
+    """The arguments the schema marks as written, Tensor(a!)."""
+    return tuple(re.findall(r"Tensor\(\w!\) (\w+)", SCHEMAS[name].split(" -> ")[0]))
 
 
 _registered = {}
@@ -210,10 +159,10 @@ def _already_defined(name):
 def register():
     """Define every ppo_kernels::triton_* op once; returns {name: OpOverloadPacket}."""
     if not _registered:
-        for name, (fn, mutates) in _IMPLS.items():
+        for name, fn in LAUNCHERS.items():
             if not _already_defined(name):
-                triton_op(f"{NAMESPACE}::{name}", mutates_args=mutates,
-                          schema=SCHEMAS[name])(fn)
+                triton_op(f"{NAMESPACE}::{name}", mutates_args=_mutated(name),
+                          schema=SCHEMAS[name])(_typed(name, fn))
             _registered[name] = getattr(getattr(torch.ops, NAMESPACE), name)
     return dict(_registered)
 
