@@ -156,13 +156,12 @@ def log1m_exp(x):
 
 
 @triton.jit
-def pg_dppo(logp, old_logp, rho, clamped, adv, eps_low, eps_high, dual_c,
-            HAS_DUAL: tl.constexpr, KL: tl.constexpr):
-    """ppo_math.h pg_dppo (DPPO, Qi et al. 2026, arXiv 2602.04879; verl dppo_tv / dppo_kl):
-    the binary TV |p - p_old| (KL: the Bernoulli KL(p_old || p)) as the trust region; the
-    token is masked where A > 0, p > p_old and D > eps_high, or A <= 0, p < p_old and
-    D > eps_low. pg = -M sg(min(rho, c)) A logp, d pg / d logp = -M min(rho, c) A (no cap
-    without HAS_DUAL). Returns (pg, d pg / d logp, rho, d rho / d logp)."""
+def dppo_masked(logp, old_logp, adv, eps_low, eps_high, KL: tl.constexpr):
+    """DPPO's trust-region mask (Qi et al. 2026, arXiv 2602.04879; verl dppo_tv /
+    dppo_kl; csrc/cpu/metrics.cpp dppo_masked, the mask of ppo_math.h pg_dppo): the binary
+    TV |p - p_old| (KL: the Bernoulli KL(p_old || p)) beyond its threshold in the direction
+    of the advantage: A > 0, p > p_old and D > eps_high, or A <= 0, p < p_old and
+    D > eps_low. pg_dppo's mask and the metrics'."""
     pn = exp_acc(logp)
     po = exp_acc(old_logp)
     if KL:  # log-probs above 0 (rounding) count as 0
@@ -173,7 +172,16 @@ def pg_dppo(logp, old_logp, rho, clamped, adv, eps_low, eps_high, dual_c,
         div = exp_acc(lo) * (lo - ln) + tail
     else:
         div = tl.where(pn > po, pn - po, po - pn)
-    masked = tl.where(adv > 0.0, (pn > po) & (div > eps_high), (pn < po) & (div > eps_low))
+    return tl.where(adv > 0.0, (pn > po) & (div > eps_high), (pn < po) & (div > eps_low))
+
+
+@triton.jit
+def pg_dppo(logp, old_logp, rho, clamped, adv, eps_low, eps_high, dual_c,
+            HAS_DUAL: tl.constexpr, KL: tl.constexpr):
+    """ppo_math.h pg_dppo (DPPO; verl dppo_tv / dppo_kl): the tokens dppo_masked marks get
+    no gradient; pg = -M sg(min(rho, c)) A logp, d pg / d logp = -M min(rho, c) A (no cap
+    without HAS_DUAL). Returns (pg, d pg / d logp, rho, d rho / d logp)."""
+    masked = dppo_masked(logp, old_logp, adv, eps_low, eps_high, KL)
     w = rho
     if HAS_DUAL:
         w = tl.where(rho > dual_c, dual_c, rho)

@@ -25,8 +25,8 @@ import triton.language as tl
 
 from . import _config
 from ..spec import FLOAT_SLOTS, INT_SLOTS, POLICY_LOSSES, F, I
-from ._math import (LOG_RATIO_CLAMP, as_acc, clampv, exp_acc, expm1, expm1_minus_x, kl_term,
-                    log1m_exp)
+from ._math import (LOG_RATIO_CLAMP, as_acc, clampv, dppo_masked, exp_acc, expm1_minus_x,
+                    kl_term)
 from .logprobs import check_kl_estimator, device_guard, tl_acc
 
 N_METRICS = 24  # ppo_kernels/loss.py METRIC_SLOTS
@@ -78,23 +78,6 @@ def _block_min(acc):
     has_nan = tl.max((acc != acc).to(tl.int32), axis=0) > 0
     m = tl.min(tl.where(acc != acc, float("inf"), acc), axis=0)
     return tl.where(has_nan, float("nan"), m)
-
-
-@triton.jit
-def _dppo_masked(logp, old, adv, eps_low, eps_high, KL: tl.constexpr):
-    """csrc/cpu/metrics.cpp dppo_masked (ppo_math.h pg_dppo's mask): the binary TV or KL
-    divergence beyond its threshold in the direction of the advantage."""
-    pn = exp_acc(logp)
-    po = exp_acc(old)
-    if KL:
-        lo = tl.where(old < 0.0, old, 0.0)
-        ln = tl.where(logp < 0.0, logp, 0.0)
-        q_old = 0.0 - expm1(lo)
-        tail = tl.where(q_old == 0.0, 0.0, q_old * (log1m_exp(lo) - log1m_exp(ln)))
-        div = exp_acc(lo) * (lo - ln) + tail
-    else:
-        div = tl.where(pn > po, pn - po, po - pn)
-    return tl.where(adv > 0.0, (pn > po) & (div > eps_high), (pn < po) & (div > eps_low))
 
 
 @triton.jit
@@ -186,7 +169,7 @@ def _rows_kernel(logp_ptr, ent_ptr, mask_ptr, old_ptr, adv_ptr, ref_ptr, roll_pt
             cl = below & (a < 0.0)
             cispo += tl.where(m & (above | below), 1.0, 0.0)
         elif DPPO:
-            mk = _dppo_masked(lp, o, a, eps_lo, eps_hi, PL == PL_DPPO_KL)
+            mk = dppo_masked(lp, o, a, eps_lo, eps_hi, PL == PL_DPPO_KL)
             ch = mk & (a > 0.0)
             cl = mk & (a < 0.0)
             if HAS_DUAL:
