@@ -164,7 +164,10 @@ def test_token_logprobs_given_mask(be, dtype):
 @pytest.mark.parametrize("temperature", ["scalar", "per_sequence", "per_token"])
 def test_gradcheck_float64(be, temperature):
     """gradcheck of the kept-set log-probs, full log-probs and both entropies, given and
-    re-derived sets, at a scalar temperature (0.8), a [B] one or a [B, T] one."""
+    re-derived sets, at a scalar temperature (0.8), a [B] one or a [B, T] one. The Triton
+    interpreter runs gradcheck's fast mode (the Jacobian against a random vector pair, one
+    directional derivative instead of one per logit: 2 forward calls instead of 108, about
+    2 min less per case); the cpu and torch backends the full Jacobian."""
     gen = torch.Generator().manual_seed(3 if temperature == "scalar" else 23)
     B, T, V = 2, 3, 9
     logits, tokens, mask = inputs(B, T, V, gen)
@@ -181,7 +184,8 @@ def test_gradcheck_float64(be, temperature):
             _, d = pk.token_logprobs(x, tokens, mask, temperature=temp, return_entropy=True,
                                      entropy_over="kept", backend=be.name, **kw)
             return a, b, c, d
-        assert torch.autograd.gradcheck(f, (logits.clone().requires_grad_(True),))
+        assert torch.autograd.gradcheck(f, (logits.clone().requires_grad_(True),),
+                                        fast_mode=be.name == "triton")
 
 
 @pytest.mark.parametrize("be", REPLAY_BACKENDS)
