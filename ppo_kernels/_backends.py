@@ -111,7 +111,9 @@ class TorchBackend:
                                          lam_per_seq, value_lam)
 
 
-def _triton_importable():
+def triton_importable():
+    """Whether the Triton ops can run here (a CUDA device, or TRITON_INTERPRET=1) and
+    import; registers their fakes and autograd on the first success."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     try:
@@ -156,7 +158,7 @@ def get_backend(backend, device):
     dev = device.type
     if backend == "auto":
         if dev == "cuda":
-            backend = "cuda" if HAS_CUDA else ("triton" if _triton_importable() else "torch")
+            backend = "cuda" if HAS_CUDA else ("triton" if triton_importable() else "torch")
         else:
             backend = "cpu" if HAS_CPU else "torch"
         if backend == "torch":
@@ -184,7 +186,7 @@ def get_backend(backend, device):
         if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for "
                              f"the interpreter), got tensors on {device}")
-        if not _triton_importable():
+        if not triton_importable():
             raise ValueError("backend: 'triton' was asked for but triton is not importable")
         return KernelBackend("triton", "triton_")
     raise ValueError(f"backend: expected one of ['auto', 'cpu', 'cuda', 'triton', 'torch'], "

@@ -13,7 +13,7 @@ from . import sampling as _sampling
 from . import context_parallel as _cp
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
-from ._backends import get_backend
+from ._backends import get_backend, triton_importable
 from ._two_phase import per_token_loss, replay_loss
 from .rows import logits_logprobs
 from .rank_agreement import agreed_sizes, checks_together, groups
@@ -707,15 +707,18 @@ def _device_metrics(spec, x, logp):
     the Triton interpreter)."""
     return (x.be.name in ("triton", "cuda") and logp.is_cuda and spec.cp_group is None
             and logp.dtype in (torch.float32, torch.float64)
-            and not torch.compiler.is_compiling() and _triton_importable())
+            and not torch.compiler.is_compiling() and triton_importable())
 
 
-def _triton_importable():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def _metrics_op(spec, x, logp):
+    """The one op that computes every metric of the call (the CPU op, or its Triton twin
+    on a CUDA device; the same arguments), or None: the eager formulas."""
+    if _host_metrics(spec, x):
+        return torch.ops.ppo_kernels.ppo_loss_metrics
+    if _device_metrics(spec, x, logp):
+        from .triton_kernels import metrics as device_metrics
+        return device_metrics.ppo_loss_metrics
+    return None
 
 
 def loss_metrics(spec, x, logp, ent, aux=None):
@@ -729,23 +732,14 @@ def loss_metrics(spec, x, logp, ent, aux=None):
     if aux is not None and spec.kl_logprobs != "kept":
         logp_kl = aux[0]
     rollout = x.rollout is not None and x.old is not None
-    if _host_metrics(spec, x) and aux is None:
+    op = _metrics_op(spec, x, logp) if aux is None else None
+    if op is not None:
         scalars, codes = spec.kernel_args(torch.float32)
         names, slots = _metric_names(spec, rollout)
-        vec = torch.ops.ppo_kernels.ppo_loss_metrics(
-            logp.detach(), ent.detach(), x.mask, x.old, x.adv, x.ref, x.rollout, x.rc_w,
-            scalars, codes, slots)
+        vec = op(logp.detach(), ent.detach(), x.mask, x.old, x.adv, x.ref, x.rollout, x.rc_w,
+                 scalars, codes, slots)
         metrics = dict(zip(names, vec.unbind()))
         rollout = False  # (in the vector already)
-    elif _device_metrics(spec, x, logp) and aux is None:
-        from .triton_kernels import metrics as device_metrics
-        scalars, codes = spec.kernel_args(torch.float32)
-        names, slots = _metric_names(spec, rollout)
-        vec = device_metrics.ppo_loss_metrics(
-            logp.detach(), ent.detach(), x.mask, x.old, x.adv, x.ref, x.rollout, x.rc_w,
-            scalars, codes)
-        metrics = dict(zip(names, vec[slots].unbind()))
-        rollout = False
     else:
         metrics = _torch_impl.metrics(logp, ent, x.old, x.adv, x.ref, x.mask, spec, logp_kl)
     if aux is not None:

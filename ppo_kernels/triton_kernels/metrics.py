@@ -336,12 +336,13 @@ def _finish_kernel(part_ptr, out_ptr, B, ACC: tl.constexpr, SEQ: tl.constexpr,
             tl.store(out_ptr + k, zero)
 
 
-def ppo_loss_metrics(logp, ent, mask, old, adv, ref, roll, isw, scalars, codes):
+def ppo_loss_metrics(logp, ent, mask, old, adv, ref, roll, isw, scalars, codes, slots=None):
     """The [N_METRICS] float32 metrics vector (ppo_kernels/loss.py METRIC_SLOTS) of a
-    ppo_loss call from its per-token tensors, in two launches on their device. roll (and
-    with it isw) is read only with old given, as the CPU op does. Raises ValueError for
-    inputs of another shape, dtype or device than logp's [B, T], or scalars / codes that
-    are not the slots of ppo_kernels/spec.py."""
+    ppo_loss call from its per-token tensors, in two launches on their device; with slots
+    (a list of METRIC_SLOTS indices, as the CPU op takes them) those entries only. roll
+    (and with it isw) is read only with old given, as the CPU op does. Raises ValueError
+    for inputs of another shape, dtype or device than logp's [B, T], or scalars / codes
+    that are not the slots of ppo_kernels/spec.py."""
     if mask.dim() != 2 or mask.dtype != torch.bool:
         raise ValueError(f"mask: expected bool [B, T], got {mask.dtype} {list(mask.shape)}")
     if len(scalars) != len(FLOAT_SLOTS) or len(codes) != len(INT_SLOTS):
@@ -383,4 +384,4 @@ def ppo_loss_metrics(logp, ent, mask, old, adv, ref, roll, isw, scalars, codes):
         _config.wrap(_finish_kernel)[(1,)](
             part, out, B, ACC=tl_acc(acc), SEQ=seq, HAS_REF=ref is not None,
             HAS_ROLL=roll is not None, BLOCK=BLOCK)
-    return out
+    return out if slots is None else out[slots]
