@@ -36,11 +36,13 @@ import statistics
 import subprocess
 import sys
 import time
+import types
 
 import torch
 import torch.nn.functional as F
 
 import ppo_kernels as pk
+from ppo_kernels import bench_tp
 
 # ------------------------------------------------------------------ measuring (shared with
 # benchmarks/_measure.py, which re-exports these for the scripts in benchmarks/)
@@ -909,6 +911,10 @@ def print_table(point, mode, rows, nv_bytes):
         fl = rows.get("floor")
         if fl:
             print(f"fused median / floor median: {fmt_ratio(fused['median_ms'] / fl['median_ms'])}")
+        for r in rows.values():
+            if "vs_ideal" in r:
+                print(f"{r['variant']} median / ideal (the unsharded fused median / ranks): "
+                      f"{fmt_ratio(r['vs_ideal'])}")
 
 
 def write_csv(path, result):
@@ -1027,6 +1033,11 @@ def build_parser():
                     help="CPU timings: wall time, or cpu, the CPU time of the calling thread "
                          "(user + system), which other jobs on a shared machine do not "
                          "inflate; cpu needs --threads 1 (every op then runs in that thread).")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="Also time the fused op with its vocabulary split over this many "
+                         "gloo ranks on the CPU (ppo_loss, ppo_loss_from_hidden), each with "
+                         "--threads threads, and its collectives alone; 'vs ideal' is the "
+                         "median over the unsharded fused median / tp.")
     ap.add_argument("--reps", type=int, default=10, help="Timed calls of each variant.")
     ap.add_argument("--warmup", type=int, default=2,
                     help="Untimed calls of each variant first (torch.compile compiles here).")
@@ -1070,6 +1081,7 @@ def run(argv=None):
     if a.clock == "cpu" and (device == "cuda" or torch.get_num_threads() != 1):
         raise SystemExit("--clock cpu times the calling thread: it needs --device cpu and "
                          "--threads 1 (other threads' work would not be counted)")
+    bench_tp.check(a, op, device)
     meter = CudaMeter() if device == "cuda" else CpuMeter(a.clock)
     memory = not a.no_memory and (device == "cuda" or os.path.exists("/proc/self/clear_refs"))
     mem_method = ("torch.cuda.max_memory_allocated minus memory_allocated" if device == "cuda"
@@ -1081,7 +1093,7 @@ def run(argv=None):
                                     for k, v in opts.items()},
               "options_text": show_options(opts), "dtype": a.dtype, "device": device,
               "backend": a.backend, "modes": modes, "reps": a.reps, "warmup": a.warmup,
-              "mask_frac": a.mask_frac, "threads": torch.get_num_threads(),
+              "mask_frac": a.mask_frac, "threads": torch.get_num_threads(), "tp": a.tp,
               "torch": torch.__version__, "cpu_capability": info.get("cpu_capability"),
               "memory": mem_method if memory else "n/a", "timer":
                   "CUDA events, 256 MiB L2 flush before each call" if device == "cuda"
@@ -1113,6 +1125,20 @@ def run(argv=None):
         point = {"B": b, "T": t, "V": v, "H": h if op in FROM_HIDDEN else None, "N": n,
                  "label": label, "skipped": skipped}
         point["agreement"] = agreement(vs, x, op, dtype)
+        tp = {}
+        if a.tp > 1:
+            tp = bench_tp.tp_rows(a.tp, dict(
+                op=op, size=(b, t, v, h), dtype=dtype, backend=a.backend, opts=popts,
+                modes=modes, reps=a.reps, warmup=a.warmup, threads=torch.get_num_threads(),
+                clock=a.clock, mask_frac=a.mask_frac, seed=a.seed, bench=_TP_BENCH))
+            fused_out, _ = step(vs[0], vs[0].prepare(x) if vs[0].prepare else x, modes[0], op)
+            d = max_diff([torch.tensor(tp["value"])],
+                         [torch.tensor([float(o.detach().double().sum()) for o in fused_out])])
+            tol = {torch.float64: 1e-9, torch.float32: 2e-4}.get(dtype, 5e-2)
+            point["agreement"][f"fused, tp {a.tp}"] = {
+                "value_max_abs_diff": d[0], "value_max_rel_diff": d[1],
+                "grad_max_abs_diff": None, "grad_max_rel_diff": None, "tolerance": tol,
+                "agrees": bool(d[1] <= tol)}
         if not a.quiet:
             print(f"\n{label}: agreement with the fused output"
                   + ("" if op in NO_BACKWARD else " and gradient")
@@ -1132,6 +1158,10 @@ def run(argv=None):
         for mode in modes:
             rows = measure(vs, x, mode, op, meter, a.reps, a.warmup, memory)
             fused_ms = rows["fused"]["median_ms"]
+            for r in tp.get(mode, ()):
+                rows[r["variant"]] = r
+                if r["kind"] == "fused":
+                    r["vs_ideal"] = r["median_ms"] / (fused_ms / a.tp)
             for r in rows.values():
                 r["vs"] = {name: r["median_ms"] / o["median_ms"] for name, o in rows.items()
                            if name != r["variant"]}
@@ -1155,6 +1185,11 @@ def run(argv=None):
     if a.plot:
         write_plot(a.plot, result)
     return result
+
+
+# what the --tp ranks call (pickled by reference: bench_tp does not import this module)
+_TP_BENCH = types.SimpleNamespace(make_inputs=make_inputs, fused_fn=fused_fn, Variant=Variant,
+                                  step=step, CpuMeter=CpuMeter)
 
 
 def main(argv=None):

@@ -119,3 +119,31 @@ def test_cpu_clock_times_the_calling_thread(tmp_path):
             bench.run([*TINY, "--threads", "2", "--clock", "cpu"])
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("op", ["ppo_loss", "ppo_loss_from_hidden"])
+def test_tensor_parallel_rows(tmp_path, op):
+    """--tp 2: the fused op over a vocabulary split on 2 gloo ranks, timed beside the
+    unsharded rows (its ratio to the ideal, the unsharded fused median / 2) and its
+    collectives alone; refused where it cannot run."""
+    import torch
+    from helpers.ranks import exclusive_cores
+    threads = torch.get_num_threads()
+    try:
+        with exclusive_cores():
+            data = run_json(tmp_path, "--op", op, "--tp", "2", "--threads", "1",
+                            "--mode", "fwd+bwd", "--V", "65")
+        assert data["tp"] == 2
+        assert data["points"][0]["agreement"]["fused, tp 2"]["agrees"] is True
+        rows = {r["variant"]: r for r in data["points"][0]["modes"]["fwd+bwd"]}
+        tp = rows["fused, tp 2"]
+        assert tp["kind"] == "fused" and tp["reps"] == 1 and tp["min_ms"] > 0
+        assert tp["vs_ideal"] == pytest.approx(
+            tp["median_ms"] / (rows["fused"]["median_ms"] / 2))
+        assert rows["tp all-gather alone"]["kind"] == rows["tp validity header alone"]["kind"] \
+            == "collective"
+        assert ("tp all-reduce alone" in rows) == (op == "ppo_loss_from_hidden")
+        with pytest.raises(SystemExit, match="--tp"):
+            bench.run([*TINY, "--op", "gae", "--tp", "2"])
+    finally:
+        torch.set_num_threads(threads)
