@@ -3,16 +3,18 @@
   <prefix>_time.png    median time [ms] against N (at the base V), one panel per op
   <prefix>_memory.png  peak extra memory [MiB] against N (at the base V), one panel per op
   <prefix>_vocab.png   time and memory against V (at the base N): ppo_loss, from hidden
-Log-log axes; colour = backend, solid = float32, dashed = bfloat16; the grey line is the
-copy floor (time; dashed for bfloat16), the grey dotted one a single [N, V] float32 buffer
-(memory); a backend whose peaks are all 0 is named in the panel instead of drawn.
+Log-log axes; colour = the row (the fused backend or a baseline), solid = float32, dashed =
+bfloat16; the grey line is the op's floor (time; dashed for bfloat16), the grey dotted one a
+single [N, V] float32 buffer (memory); a row whose peaks are all 0 is named in the panel
+instead of drawn.
 """
 
 from __future__ import annotations
 
 import os
 
-COLOURS = {"torch": "C1", "torch.compile": "C2", "triton": "C4", "copy": "0.45"}
+COLOURS = {"eager composite": "C1", "torch.compile": "C2", "plain composite": "C5",
+           "F.cross_entropy": "C6", "triton": "C4", "floor": "0.45"}
 STYLE = {"float32": dict(ls="-", marker="o"), "bfloat16": dict(ls="--", marker="s")}
 TITLES = {"token_logprobs": "token_logprobs (forward)", "ppo_loss": "ppo_loss (fwd+bwd)",
           "ppo_loss_gspo": "ppo_loss, gspo (fwd+bwd)", "score_rollout": "score_rollout",
@@ -24,12 +26,12 @@ def colour(backend, fused):
         return "C0"
     if backend.endswith("materialised"):
         return "C3"
-    return COLOURS.get(backend, "C5")
+    return COLOURS.get(backend, "C7")
 
 
 def _lines(ax, rows, xkey, ykey, fused):
-    """One line per (backend, dtype) of rows, x sorted."""
-    keys = sorted({(r["backend"], r["dtype"]) for r in rows})
+    """One line per (backend, dtype) of rows (the floor apart: _floor), x sorted."""
+    keys = sorted({(r["backend"], r["dtype"]) for r in rows if r["backend"] != "floor"})
     for backend, dtype in keys:
         pts = sorted((r[xkey], r[ykey]) for r in rows
                      if (r["backend"], r["dtype"]) == (backend, dtype) and r[ykey] > 0)
@@ -39,6 +41,7 @@ def _lines(ax, rows, xkey, ykey, fused):
 
 def _zeros_note(ax, rows):
     """Names the backends whose every peak is 0 (a log axis cannot draw them)."""
+    rows = [r for r in rows if r["backend"] != "floor"]
     zero = sorted({r["backend"] for r in rows} - {r["backend"] for r in rows
                                                    if r["peak_extra_mib"] > 0.01})
     if zero:
@@ -47,8 +50,10 @@ def _zeros_note(ax, rows):
 
 
 def _floor(ax, rows, xkey, ykey, dtypes):
+    """The floor rows among rows, one grey line per dtype."""
     for d in dtypes:
-        pts = sorted((r[xkey], r[ykey]) for r in rows if r["dtype"] == d and r[ykey] > 0)
+        pts = sorted((r[xkey], r[ykey]) for r in rows
+                     if r["backend"] == "floor" and r["dtype"] == d and r[ykey] > 0)
         if pts:
             ax.plot(*zip(*pts), color="0.45", lw=1.0, ls="--" if d == "bfloat16" else "-",
                     alpha=0.8)
@@ -73,10 +78,10 @@ def _axes(ax, title, xlabel, ylabel):
 def _handles(rows, fused, floor=True, buffer=True):
     from matplotlib.lines import Line2D
 
-    backends = sorted({r["backend"] for r in rows if r["op"] != "floor"},
+    backends = sorted({r["backend"] for r in rows if r["backend"] != "floor"},
                       key=lambda b: (b != fused, b))
     hs = [Line2D([], [], color=colour(b, fused), lw=2, label=b) for b in backends]
-    hs += [Line2D([], [], color="0.45", ls="--", label="floor (copy)")] if floor else []
+    hs += [Line2D([], [], color="0.45", ls="--", label="floor")] if floor else []
     hs += [Line2D([], [], color="0.45", ls=":", label="one [N, V] fp32 buffer")] if buffer else []
     hs += [Line2D([], [], color="k", label=d, **STYLE[d]) for d in STYLE
            if any(r["dtype"] == d for r in rows)]
@@ -112,16 +117,15 @@ def plot_all(rows, a, prefix, fused):
     dtypes = sorted({r["dtype"] for r in rows})
     on_n = [r for r in rows if r["V"] in (bv, "")]  # the N sweep (gae has no V)
     on_v = [r for r in rows if r["N"] == bn and r["V"] != ""]
-    where = f"({a.device}{', dry run' if a.dry_run else ''})"
+    where = f"({a.device})"
     paths = []
 
     fig, axs = plt.subplots(2, 3, figsize=(13, 7.5))
     for ax, op in zip(axs.flat, ["token_logprobs", "ppo_loss", "ppo_loss_gspo",
                                  "score_rollout", "ppo_loss_from_hidden", "gae"]):
         mine = [r for r in on_n if r["op"] == op]
-        fl = [r for r in on_n if r["op"] == "floor" and (r["V"] == "") == (op == "gae")]
         _lines(ax, mine, "N", "median_ms", fused)
-        _floor(ax, fl, "N", "median_ms", dtypes)
+        _floor(ax, mine, "N", "median_ms", dtypes)
         sub = "" if op == "gae" else f", V={bv}" + (f", H={a.h}" if "hidden" in op else "")
         _axes(ax, TITLES[op] + sub, "N (tokens)", "median time [ms]")
     fig.suptitle(f"time against N {where}, lower is better", fontsize=11)
@@ -150,7 +154,7 @@ def plot_all(rows, a, prefix, fused):
         mine = [r for r in on_v if r["op"] == op]
         sub = f", N={bn}" + (f", H={a.h}" if "hidden" in op else "")
         _lines(axs[0, j], mine, "V", "median_ms", fused)
-        _floor(axs[0, j], [r for r in on_v if r["op"] == "floor"], "V", "median_ms", dtypes)
+        _floor(axs[0, j], mine, "V", "median_ms", dtypes)
         _axes(axs[0, j], TITLES[op] + sub, "V (vocabulary)", "median time [ms]")
         _lines(axs[1, j], mine, "V", "peak_extra_mib", fused)
         _zeros_note(axs[1, j], mine)

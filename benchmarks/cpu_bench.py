@@ -27,39 +27,12 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-
-import ppo_kernels as pk
-from ppo_kernels import _torch_impl, bench
-
-P = pk.LossSpec.build()  # ppo_loss's defaults (clip 0.2, no KL, no entropy)
+from ppo_kernels import bench
 
 EXTRA = ["cpu, inplace_backward:inplace_backward=true",
          "cpu, (loss / 3):backward_scale=1/3",
          "cpu, grad_scale=1/3:grad_scale=1/3,backward_scale=1/3",
          "cpu, gspo (two-phase):policy_loss=gspo"]
-
-
-def make_inputs(n, v, dtype, seed=0):
-    """logits [8, N / 8, V], tokens, mask (10% masked), old log-probs, advantages (what
-    benchmarks/report.py times)."""
-    g = torch.Generator().manual_seed(seed)
-    b = 8
-    t = n // b
-    logits = (torch.randn(b, t, v, generator=g) * 2).to(dtype)
-    tokens = torch.randint(0, v, (b, t), generator=g)
-    mask = torch.rand(b, t, generator=g) > 0.1
-    with torch.no_grad():
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, tokens[..., None])[..., 0]
-    old = lp + 0.1 * torch.randn(b, t, generator=g)
-    adv = torch.randn(b, t, generator=g)
-    return logits, tokens, mask, old, adv
-
-
-def composite(logits, tokens, mask, old, adv, p=P):
-    """The eager composite's loss with the options p (report.py passes a gspo p)."""
-    w = _torch_impl.agg_weights(mask, "token-mean")
-    return _torch_impl.ppo_loss(logits, tokens, mask, old, adv, w, None, None, p)[0]
 
 
 def argv_for(a):

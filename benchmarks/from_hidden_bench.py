@@ -32,13 +32,8 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-import torch.nn.functional as F
+from ppo_kernels import bench
 
-import ppo_kernels as pk
-from ppo_kernels import _torch_impl, bench
-
-P = pk.LossSpec.build()  # ppo_loss's defaults (clip 0.2, no KL, no entropy)
 # this script's former row names -> the entry point's (None: no longer a row)
 VARIANTS = {"fused": "fused", "fused, fp32 logits": "fused, fp32 logits",
             "materialised + ppo_loss": "materialised", "eager composite": "eager composite",
@@ -46,31 +41,6 @@ VARIANTS = {"fused": "fused", "fused, fp32 logits": "fused, fp32 logits",
             "chunked + checkpoint": None}
 BASELINES = ["plain composite", "F.cross_entropy", "torch.compile", "eager composite",
              "materialised", "floor"]
-
-
-def make_inputs(n, h, v, dtype, seed=0):
-    """hidden [B, T, H], W [V, H], tokens, mask, old, adv ([B, T]) with B = 8 (or 1)."""
-    g = torch.Generator().manual_seed(seed)
-    b = 8 if n % 8 == 0 else 1
-    t = n // b
-    hidden = torch.randn(b, t, h, generator=g).to(dtype)
-    w = (torch.randn(v, h, generator=g) * (2.0 / h ** 0.5)).to(dtype)
-    tokens = torch.randint(0, v, (b, t), generator=g)
-    mask = torch.rand(b, t, generator=g) > 0.1
-    with torch.no_grad():
-        lp = torch.log_softmax(F.linear(hidden, w).float(), -1).gather(
-            -1, tokens[..., None])[..., 0]
-    old = lp + 0.1 * torch.randn(b, t, generator=g)
-    adv = torch.randn(b, t, generator=g)
-    return hidden, w, tokens, mask, old, adv
-
-
-def composite(h, w, tokens, mask, old, adv):
-    """What backend="torch" runs, as one plain function (torch.compile can trace it: no
-    argument checks, no host reads; benchmarks/report.py compiles it)."""
-    logits = F.linear(torch.where(mask[..., None], h, 0.0), w)
-    weights = _torch_impl.agg_weights(mask, "token-mean")
-    return _torch_impl.ppo_loss(logits, tokens, mask, old, adv, weights, None, None, P)[0]
 
 
 def argv_for(a):

@@ -1,157 +1,84 @@
-"""Tensor-parallel vocabulary on the CPU (gloo): the overhead of splitting V over ranks.
+"""Tensor-parallel vocabulary on the CPU (gloo): the overhead of splitting V over ranks, a
+configuration of the benchmark entry point (`ppo-kernels-bench --tp`, ppo_kernels/bench_tp.py).
 
-    python benchmarks/tp_bench.py                  # N=2048 tokens, V=32000, 2 ranks, float32
-    python benchmarks/tp_bench.py --n 512 --v 8000 --reps 3   # a quick look
+    python benchmarks/tp_bench.py                  # N=2048 tokens, V=32000, H=512, 2 ranks
+    python benchmarks/tp_bench.py --n 512 --v 8000 --reps 3 --json tp.json   # a quick look
 
-Every variant runs with one thread per process, so that the 2 TP ranks use the machine's
-2 cores as the unsharded op uses one: the ideal TP time is then the unsharded time / tp
-(each rank reads and writes V / tp of every row), and the ratio measured / ideal is the
-overhead (the collective, the merge of the statistics, the extra read of the logits of the
-two-phase path that a split vocabulary takes). Measured in the same run: the unsharded
-fused op (one pass over the logits), the unsharded two-phase path (gspo: the same passes
-as TP), the split op for vanilla and gspo, the collective alone (the all-gather of the
-per-row statistics) and, from hidden states, the all-reduce of d hidden. Prints the median
-forward+backward wall time and the bytes each collective moves per row. Timings are not
-tests.
+Three runs of the entry point, forward+backward, one thread per process (so 2 ranks use
+the machine's 2 cores as the unsharded op uses one: the ideal split time is the unsharded
+fused time / tp), each timing the unsharded fused op, the split one and its collective
+alone in one run:
+
+    ppo-kernels-bench --op ppo_loss --B 1 --T N --V V --tp 2 --threads 1 --mode fwd+bwd \\
+        --skip 'plain composite,F.cross_entropy,torch.compile,eager composite,floor'
+    the same with --opt policy_loss=gspo (the two-phase path the split takes anyway)
+    ppo-kernels-bench --op ppo_loss_from_hidden --H 512 ... (and the d hidden all-reduce)
+
+Prints min / median / max, the ratio to the ideal, and the bytes each collective moves per
+row; --json writes the three results. Timings are not tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import socket
-import statistics
 import sys
-import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _measure  # noqa: E402
 
-import ppo_kernels as pk
+from ppo_kernels import bench  # noqa: E402
 
-
-def inputs(n, v, h, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return dict(logits=(torch.randn(1, n, v, generator=g) * 2).to(dtype),
-                tokens=torch.randint(0, v, (1, n), generator=g),
-                old=torch.randn(1, n, generator=g) * 0.1 - 2.0,
-                adv=torch.randn(1, n, generator=g),
-                hidden=torch.randn(1, n, h, generator=g).to(dtype),
-                weight=(torch.randn(v, h, generator=g) * 0.05).to(dtype))
-
-
-def median_ms(fn, reps, warmup=1):
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(ts)
-
-
-def loss_step(x, logits, policy, **kw):
-    def run():
-        z = logits.detach().requires_grad_()
-        loss, _ = pk.ppo_loss(z, x["tokens"], x["old"], x["adv"], policy_loss=policy, **kw)
-        loss.backward()
-    return run
-
-
-def hidden_step(x, weight, **kw):
-    def run():
-        h = x["hidden"].detach().requires_grad_()
-        w = weight.detach().requires_grad_()
-        loss, _ = pk.ppo_loss_from_hidden(h, w, x["tokens"], x["old"], x["adv"], **kw)
-        loss.backward()
-    return run
-
-
-def worker(rank, world, port, a, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    x = inputs(a.n, a.v, a.h, getattr(torch, a.dtype))
-    v_r = a.v // world
-    v0 = rank * v_r
-    v1 = a.v if rank == world - 1 else v0 + v_r
-    local = x["logits"][..., v0:v1].contiguous()
-    tp = dict(tp_group=dist.group.WORLD, vocab_start=v0)
-    res = {}
-    for policy in ("vanilla", "gspo"):
-        dist.barrier()
-        res[f"tp, {policy}"] = median_ms(loss_step(x, local, policy, **tp), a.reps)
-    stats = torch.zeros(1, a.n, 6)
-    dist.barrier()
-    res["all-gather of the statistics alone"] = median_ms(
-        lambda: pk.vocab_parallel.all_gather(stats, dist.group.WORLD), a.reps)
-    dist.barrier()
-    res["validity header alone (rank_agreement)"] = median_ms(
-        lambda: pk.rank_agreement.checks_together({"tp_group": dist.group.WORLD},
-                                                  lambda: None, lambda r: {}), a.reps)
-    w_local = x["weight"][v0:v1].contiguous()
-    dist.barrier()
-    res["tp, from hidden (vanilla)"] = median_ms(hidden_step(x, w_local, **tp), a.reps)
-    dh = torch.zeros(a.n, a.h)
-    dist.barrier()
-    res["all-reduce of d hidden alone"] = median_ms(
-        lambda: dist.all_reduce(dh, group=dist.group.WORLD), a.reps)
-    if rank == 0:
-        queue.put(res)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SKIP = "plain composite,F.cross_entropy,torch.compile,eager composite,floor,materialised"
+RUNS = {"vanilla": ("ppo_loss", []), "gspo": ("ppo_loss", ["--opt", "policy_loss=gspo"]),
+        "from hidden (vanilla)": ("ppo_loss_from_hidden", [])}
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=2048)
-    ap.add_argument("--v", type=int, default=32000)
-    ap.add_argument("--h", type=int, default=512)
-    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--n", type=int, default=2048, help="Tokens (one sequence of N).")
+    ap.add_argument("--v", type=int, default=32000, help="Vocabulary size.")
+    ap.add_argument("--h", type=int, default=512, help="Hidden size (from hidden states).")
+    ap.add_argument("--tp", type=int, default=2, help="Ranks the vocabulary is split over.")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="Timed calls of each row.")
+    ap.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                    help="wall, or the calling thread's CPU time (rank 0's: it does not "
+                         "count the time spent waiting for the other ranks).")
+    ap.add_argument("--json", help="Write the three entry point results to this file.")
     a = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    x = inputs(a.n, a.v, a.h, getattr(torch, a.dtype))
-    base = {
-        "unsharded, vanilla (fused: one pass)": median_ms(loss_step(x, x["logits"], "vanilla"),
-                                                          a.reps),
-        "unsharded, gspo (two-phase: two passes)": median_ms(
-            loss_step(x, x["logits"], "gspo"), a.reps),
-        "unsharded, from hidden (vanilla)": median_ms(hidden_step(x, x["weight"]), a.reps),
-    }
-    del x
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    mp.start_processes(worker, args=(a.tp, free_port(), a, queue), nprocs=a.tp,
-                       start_method="spawn", join=False)
-    tp = queue.get()
-    item = torch.empty((), dtype=getattr(torch, a.dtype)).element_size()
-    print(f"# tp_bench: N={a.n} V={a.v} H={a.h} {a.dtype}, tp={a.tp} (gloo, 1 thread per "
-          f"process), median of {a.reps}, forward+backward")
-    print(f"{'variant':44s} {'ms':>9s} {'x ideal':>8s}")
-    ideal = {"tp, vanilla": base["unsharded, vanilla (fused: one pass)"] / a.tp,
-             "tp, gspo": base["unsharded, gspo (two-phase: two passes)"] / a.tp,
-             "tp, from hidden (vanilla)": base["unsharded, from hidden (vanilla)"] / a.tp}
-    for k, ms in {**base, **tp}.items():
-        ratio = f"{ms / ideal[k]:8.2f}" if k in ideal else ""
-        print(f"{k:44s} {ms:9.1f} {ratio}")
+    results = {}
+    for name, (op, opts) in RUNS.items():
+        args = ["--op", op, "--B", "1", "--T", str(a.n), "--V", str(a.v), "--H", str(a.h),
+                "--dtype", a.dtype, "--tp", str(a.tp), "--threads", "1", "--clock", a.clock,
+                "--mode", "fwd+bwd", "--reps", str(a.reps), "--warmup", "1", "--no-memory",
+                "--skip", SKIP, "--quiet", *opts]
+        print("ppo-kernels-bench " + " ".join(f"'{s}'" if " " in s or "," in s else s
+                                              for s in args), flush=True)
+        results[name] = bench.run(args)
+    print(f"\n# tp_bench: N={a.n} V={a.v} H={a.h} {a.dtype}, tp={a.tp} (gloo, 1 thread per "
+          f"process), {a.reps} timed calls, forward+backward, clock {a.clock}")
+    print(f"{'row':46s} {'min ms':>8s} {'median ms':>10s} {'max ms':>8s} {'x ideal':>8s}")
+    for name, res in results.items():
+        for r in res["points"][0]["modes"]["fwd+bwd"]:
+            label = {"fused": f"unsharded, {name}"}.get(r["variant"], f"{r['variant']}, {name}")
+            ideal = f"{r['vs_ideal']:8.2f}" if "vs_ideal" in r else ""
+            print(f"{label:46s} {r['min_ms']:8.1f} {r['median_ms']:10.1f} {r['max_ms']:8.1f} "
+                  f"{ideal}")
+    item = 2 if a.dtype == "bfloat16" else 4
     print(f"\nper row and rank: logits {a.v // a.tp * item} B read (twice on the split path), "
           f"dlogits {a.v // a.tp * item} B written;")
     print(f"  statistics all-gather: sends 24 B (6 float32: the statistics and the token id), "
           f"receives {24 * (a.tp - 1)} B (one collective per forward, none in the backward),")
-    print(f"  after the validity header (40 B per rank and call, not per row);")
+    print("  after the validity header (40 B per rank and call, not per row);")
     print(f"  from hidden, d hidden all-reduce: {a.h * 4} B per row (float32), a ring moves "
           f"{2 * (a.tp - 1) * a.h * 4 // a.tp} B per row and rank.")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
+    _measure.reexec_with(_measure.MMAP_ENV)
     sys.exit(main())

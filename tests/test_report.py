@@ -1,5 +1,6 @@
-"""Smoke test of the benchmark report (benchmarks/report.py --quick into a tmp folder): the
-CSV's columns and rows, and that the PNGs are valid images. No timing is asserted."""
+"""Smoke test of the benchmark report (benchmarks/report.py --quick into a tmp folder, a grid
+of `ppo_kernels.bench.run` calls): the CSV's columns and rows, the entry point's agreement
+check, and that the PNGs are valid images. No timing is asserted."""
 
 import csv
 import subprocess
@@ -30,30 +31,31 @@ def test_csv_columns_and_values(report):
     _, _, rows = report
     assert rows and list(rows[0]) == COLUMNS
     for r in rows:
-        assert float(r["median_ms"]) > 0, r
+        assert 0 < float(r["min_ms"]) <= float(r["median_ms"]) <= float(r["max_ms"]), r
         assert float(r["peak_extra_mib"]) >= 0, r
-        assert int(r["reps"]) >= 1, r
+        assert int(r["reps"]) == 1, r  # --quick: one timed call
         if r["backend"] == "cpu":
-            assert float(r["vs_fused"]) == pytest.approx(1.0)
-        if r["op"] == "floor":
-            assert float(r["vs_floor"]) == pytest.approx(1.0)
-        else:
-            assert float(r["vs_floor"]) > 0 and float(r["vs_fused"]) > 0, r
+            assert float(r["vs_fused"]) == pytest.approx(1.0, rel=1e-3)
+        if r["backend"] == "floor":
+            assert float(r["vs_floor"]) == pytest.approx(1.0, rel=1e-3)
+        assert float(r["vs_floor"]) > 0 and float(r["vs_fused"]) > 0, r
 
 
 def test_csv_rows_cover_the_grid(report):
     _, _, rows = report
     have = {(r["op"], r["backend"], int(r["N"]), r["V"], r["dtype"]) for r in rows}
-    assert {r["op"] for r in rows} == set(OPS) | {"floor"}
+    assert {r["op"] for r in rows} == set(OPS)
+    every = ("cpu", "plain composite", "eager composite", "floor")
     for n in QUICK_N:
         for d in DTYPES:
             for op in set(OPS) - {"gae"}:
-                for be in ("cpu", "torch"):
-                    assert (op, be, n, str(QUICK_V), d) in have
-            assert ("floor", "copy", n, str(QUICK_V), d) in have
+                for be in every:
+                    assert (op, be, n, str(QUICK_V), d) in have, (op, be, n, d)
+            for op in ("token_logprobs", "ppo_loss", "ppo_loss_gspo", "ppo_loss_from_hidden"):
+                assert (op, "F.cross_entropy", n, str(QUICK_V), d) in have
             assert ("ppo_loss_from_hidden", "cpu, materialised", n, str(QUICK_V), d) in have
-        for be in ("cpu", "torch", "copy"):  # gae: float32 [B, T], no V
-            assert ("floor" if be == "copy" else "gae", be, n, "", "float32") in have
+        for be in every:  # gae: float32 [B, T], no V
+            assert ("gae", be, n, "", "float32") in have
     # --quick compiles at the base point (N=64) in float32 only
     compiled = {(r["op"], int(r["N"]), r["dtype"]) for r in rows if r["backend"] == "torch.compile"}
     assert compiled == {(op, 64, "float32") for op in OPS}
@@ -63,7 +65,7 @@ def test_csv_rows_cover_the_grid(report):
 
 def test_variants_agree_and_pngs_are_images(report):
     out, run, _ = report
-    assert "WARNING" not in run.stderr  # each variant's output matches the eager composite's
+    assert "WARNING" not in run.stderr  # every row agrees with the fused op (bench's check)
     import matplotlib.image
 
     for name in ("cpu_time.png", "cpu_memory.png", "cpu_vocab.png"):
