@@ -17,7 +17,7 @@
 #   middle  a venv with torch MIDDLE_TORCH (the first GPU image's), this processor's CPU
 #           kernels alone, the smoke check and TRACE_TESTS.
 #
-# Usage: scripts/check_install.sh [wheel|oldest|middle|prefetch|all] (default all). KEEP_VENVS=1 keeps the
+# Usage: scripts/check_install.sh [wheel|oldest|middle|all] (default all). KEEP_VENVS=1 keeps the
 # temporary venvs (5 GB each) and prints where they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +43,18 @@ trap cleanup EXIT
 unset CUDA_HOME CUDA_PATH TORCH_CUDA_ARCH_LIST MAX_JOBS PPO_KERNELS_NO_CUDA \
   PPO_KERNELS_NO_EXTENSION PYTHONPATH
 
+# install VENV PACKAGES...: with the uv that scripts/setup.sh put in .venv (its cache holds
+# .venv's torch already: the wheel check's venv gets it in about a second, an older torch
+# in ~35 s instead of pip's 2-2.5 min), else with the venv's pip
+install() {
+  local venv=$1
+  shift
+  if [ -x "$ROOT/.venv/bin/uv" ]; then
+    quiet nice -n 10 "$ROOT/.venv/bin/uv" pip install -q --python "$venv/bin/python" "$@"
+  else
+    quiet nice -n 10 "$venv/bin/python" -m pip install -q "$@"
+  fi
+}
 # quiet: the command's output without the local mirror's "Location ... is ignored" lines,
 # and the command's own exit status
 quiet() { "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }; return "${PIPESTATUS[0]}"; }
@@ -118,8 +130,8 @@ print("wheel metadata:", reqs[0], "| top level:", sorted(tops))
 PYEOF
   echo "== wheel: a second venv with torch $torch_version installs it"
   "$PY" -m venv "$venv"
-  quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$torch_version" numpy
-  quiet nice -n 10 "$venv/bin/python" -m pip install -q "$whl[test]"
+  install "$venv" "torch==$torch_version" numpy
+  install "$venv" "$whl[test]"
   smoke_and_tests "$venv"
   echo "== wheel: a user's CI file (examples/user_ci, ppo_kernels.testing) from outside the checkout"
   local user
@@ -135,16 +147,6 @@ oldest_torch() {
 print('.'.join(map(str, ast.literal_eval(re.search(r'^OLDEST_TORCH = (.+)$', src, re.M).group(1)))))"
 }
 
-# the torch wheels of the oldest and middle checks (with their CUDA libraries, about 3 GB)
-# into pip's cache: .ci/run starts it in the background while the set-up and the suite run
-# (network time, not cores)
-prefetch() {
-  local t
-  for t in "$(oldest_torch)" "$MIDDLE_TORCH"; do
-    nice -n 19 "$PY" -m pip download -q -d "$TMP/prefetch" "torch==$t.*" > /dev/null 2>&1 || true
-  done
-}
-
 check_oldest() {
   local t0=$SECONDS venv="$TMP/venv-oldest" oldest
   oldest=$(oldest_torch)
@@ -153,8 +155,7 @@ check_oldest() {
   # setuptools >= 77 for pyproject.toml: torch 2.6 does not bring it on Python 3.11 (a
   # fresh venv has setuptools 65; torch 2.14 requires setuptools >= 77 itself)
   # ninja: setuptools compiles file after file without it (2.5 min here instead of 1)
-  quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$oldest.*" numpy "setuptools>=77" \
-    ninja
+  install "$venv" "torch==$oldest.*" numpy "setuptools>=77" ninja
   echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
   local t1=$SECONDS
   # (this processor's CPU kernels: the default build of every SIMD level is the wheel check's)
@@ -163,7 +164,7 @@ check_oldest() {
     || { tail -50 "$TMP/build-oldest.log"; return 1; }
   grep "ppo_kernels setup:" "$TMP/build-oldest.log" | sort -u
   echo "built in $(minutes $((SECONDS - t1))) min"
-  quiet nice -n 10 "$venv/bin/python" -m pip install -q pytest pytest-xdist hypothesis expecttest
+  install "$venv" pytest pytest-xdist hypothesis expecttest
   smoke_and_tests "$venv" "$FAST_TESTS $TRACE_TESTS"
   echo "== oldest torch check: $(minutes $((SECONDS - t0))) min"
 }
@@ -175,8 +176,8 @@ check_middle() {
   # numpy<2.4: torch 2.11 brings triton 3.6, whose interpreter (the Triton cases on CPU)
   # fails with NumPy 2.4 (https://github.com/triton-lang/triton/issues/9171); with it the
   # cases would only skip (tests/helpers/backends.py _interpreter_broken)
-  quiet nice -n 10 "$venv/bin/python" -m pip install -q "torch==$MIDDLE_TORCH.*" "numpy<2.4" \
-    "setuptools>=77" ninja pytest pytest-xdist hypothesis expecttest
+  install "$venv" "torch==$MIDDLE_TORCH.*" "numpy<2.4" "setuptools>=77" ninja pytest \
+    pytest-xdist hypothesis expecttest
   echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
   local t1=$SECONDS
   (cd "$TMP" && PPO_KERNELS_NO_CUDA=1 PPO_KERNELS_CPU_CAPABILITIES=native nice -n 10 \
@@ -191,7 +192,6 @@ case "$WHAT" in
   wheel) check_wheel ;;
   oldest) check_oldest ;;
   middle) check_middle ;;
-  prefetch) prefetch ;;
   all) check_wheel; check_oldest; check_middle ;;
-  *) echo "usage: $0 [wheel|oldest|middle|prefetch|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [wheel|oldest|middle|all]" >&2; exit 2 ;;
 esac
