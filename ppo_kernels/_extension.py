@@ -150,6 +150,31 @@ def _load():
                                  f"rebuild with `{rebuild_command()}`")
 
 
+class CheckoutTritonFinder:
+    """Finds ppo_kernels.triton_kernels in a source checkout that is imported without being
+    installed (the source tree on sys.path or PYTHONPATH: the GPU check's in-place build,
+    scripts/mutate.py's copies), or through an editable install: the top-level
+    triton_kernels/ beside the package, which an install maps to that name (pyproject.toml
+    package-dir). Installed only when the imported package is a checkout, first on
+    sys.meta_path: a copy of the checkout (scripts/mutate.py) gets its own Triton sources,
+    not those an editable install of another checkout maps. Its submodules are then found in
+    that folder by the usual path search."""
+
+    NAME = __package__ + ".triton_kernels"
+    DIR = os.path.join(_ROOT, "triton_kernels")
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):
+        if fullname != cls.NAME:
+            return None
+        return importlib.util.spec_from_file_location(
+            fullname, os.path.join(cls.DIR, "__init__.py"), submodule_search_locations=[cls.DIR])
+
+
+if SOURCE_CHECKOUT and os.path.isfile(os.path.join(CheckoutTritonFinder.DIR, "__init__.py")) \
+        and CheckoutTritonFinder not in sys.meta_path:
+    sys.meta_path.insert(0, CheckoutTritonFinder)
+
 _load()
 HAS_SCHEMAS = _C is not None  # the operator schemas (csrc/ops.cpp) come with _C
 HAS_CPU = CPU_CAPABILITY is not None

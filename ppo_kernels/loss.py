@@ -700,7 +700,7 @@ def _host_metrics(spec, x):
 
 def _device_metrics(spec, x, logp):
     """Whether the metrics come from the two Triton launches of
-    ppo_kernels/triton_kernels/metrics.py (the CPU op's twin) rather than the ~85 small
+    triton_kernels/metrics.py (the CPU op's twin) rather than the ~85 small
     ops of the eager formulas: the triton or cuda backend on a CUDA device, eager mode (a
     compiled graph fuses the formulas itself), outside a context-parallel group.
     Unrun on a GPU since it was added (tests/test_triton_metrics.py runs the kernels under

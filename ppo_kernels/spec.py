@@ -6,7 +6,7 @@ ValueError / TypeError naming the keyword) and returns a frozen record; everythi
 public call reads the record's fields, and the kernels get its numbers as two lists,
 ``LossSpec.kernel_args(dtype) -> (float[], int[])``, in the slot order of FLOAT_SLOTS and
 INT_SLOTS. The C++ kernels (csrc/ppo_math.h, namespace ppo::slot) and the Triton kernels
-(ppo_kernels/triton_kernels/_math.py, F_* / I_*) index those lists with named constants that
+(triton_kernels/_math.py, F_* / I_*) index those lists with named constants that
 mirror the tables here; tests/test_spec.py compares them, and the enums (policy losses, KL
 estimators), with the C++ and Triton sources.
 

@@ -123,6 +123,8 @@ names = z.namelist()
 tops = {n.split("/")[0] for n in names}
 assert {t for t in tops if not t.endswith(".dist-info")} == {"ppo_kernels"}, tops
 assert "ppo_kernels/_build_meta.py" in names and any(n.startswith("ppo_kernels/_C.") for n in names)
+# the top-level triton_kernels/ of the checkout, inside the package (pyproject.toml package-dir)
+assert "ppo_kernels/triton_kernels/library.py" in names, sorted(names)[:20]
 meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
 reqs = [l for l in meta.splitlines() if l.startswith("Requires-Dist: torch")]
 assert reqs == [f"Requires-Dist: torch=={torch_version}"], reqs

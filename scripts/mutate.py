@@ -15,7 +15,7 @@ against it with a timeout, and restores the file. A mutant is
 
 Python mutants need no rebuild: the copy is imported through PYTHONPATH (the script
 checks that ``import ppo_kernels`` resolves inside the copy). Triton mutants
-(ppo_kernels/triton_kernels/_math.py) run under the Triton interpreter with the
+(triton_kernels/_math.py) run under the Triton interpreter with the
 "triton" tier. C++ mutants (csrc/) need the extension rebuilt in the copy: --build runs
 ``python setup.py build_ext --inplace`` there before the tier (minutes per mutant, and
 it takes every core: never on a shared machine while others work).
@@ -52,7 +52,7 @@ FAST_TIER = ["tests/test_rollout_correction.py", "tests/test_reference.py",
              "tests/test_advantages.py", "tests/test_sampling.py", "tests/test_spec.py"]
 TIERS = {
     "fast": (FAST_TIER, "not triton"),
-    # the Triton interpreter: slow; for mutants of ppo_kernels/triton_kernels/
+    # the Triton interpreter: slow; for mutants of triton_kernels/
     "triton": (["tests/test_triton_kernels.py", "tests/test_loss.py",
                 "tests/test_rollout_correction.py"], "triton"),
     # the compiled backends' row math (csrc/): after --build
@@ -76,7 +76,7 @@ RC, REF, TI = "ppo_kernels/rollout_correction.py", "ppo_kernels/reference.py", \
     "ppo_kernels/_torch_impl.py"
 LOSS, ADV, SAMP = "ppo_kernels/loss.py", "ppo_kernels/advantages.py", "ppo_kernels/sampling.py"
 TRC, TREF = "tests/test_rollout_correction.py", "tests/test_reference.py"
-TM = "ppo_kernels/triton_kernels/_math.py"
+TM = "triton_kernels/_math.py"
 
 # The curated mutants (the ids M* follow the 2026-12 test audit's table).
 MUTANTS = [

@@ -166,7 +166,7 @@ def test_opcheck_score_rollout(case, gen, lams):
 
 
 # ------------------------------------------------------------------ the Triton ops
-# ppo_kernels::triton_* (registered by ppo_kernels/triton_kernels/library.py, their fake and
+# ppo_kernels::triton_* (registered by triton_kernels/library.py, their fake and
 # autograd formulas by ppo_kernels/_autograd.py, as for the C++ ops above)
 
 def _opcheck_cases():

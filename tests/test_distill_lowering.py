@@ -1,4 +1,4 @@
-"""The Triton distillation kernel (ppo_kernels/triton_kernels/distill.py) lowered for a
+"""The Triton distillation kernel (triton_kernels/distill.py) lowered for a
 GPU without one: triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32)) must give
 PTX and a cubin for sm_90 (catches what the interpreter lets through), for float32,
 bfloat16 and float64 logits, with and without the tail and the gradient. The compiler

@@ -204,3 +204,39 @@ def test_build_info_of_this_build():
         assert _extension.BUILD_META["torch_cuda"] == torch.version.cuda
         assert info["cuda"] == _extension.BUILD_META["cuda"]
         assert info["cuda"] or info["cuda_skipped"], info
+
+
+def test_checkout_finds_its_triton_sources_without_an_install():
+    """Imported from the source tree alone (no installed or editable copy on the import
+    path: the GPU check's in-place build), ppo_kernels.triton_kernels is the checkout's
+    top-level triton_kernels/ (an install maps it there: pyproject.toml package-dir)."""
+    r = run_py("""
+        import sys
+        # the editable install's finder removed: only the source tree on sys.path
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+        import importlib.util
+        spec = importlib.util.find_spec("ppo_kernels.triton_kernels")
+        print(spec.origin)
+        print(importlib.util.find_spec("ppo_kernels.triton_kernels.library").origin)
+    """)
+    assert r.returncode == 0, r.stderr
+    root = os.path.dirname(PKG)
+    assert r.stdout.split() == [os.path.join(root, "triton_kernels", "__init__.py"),
+                                os.path.join(root, "triton_kernels", "library.py")]
+
+
+def test_checkout_copy_imports_its_own_triton_sources(tmp_path):
+    """A copy of the checkout imported through PYTHONPATH (scripts/mutate.py's mutants)
+    gets the copy's triton_kernels/, not the one the editable install maps."""
+    root = os.path.dirname(PKG)
+    for d in ("ppo_kernels", "triton_kernels"):
+        shutil.copytree(os.path.join(root, d), tmp_path / d,
+                        ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    (tmp_path / "setup.py").write_text("# stand-in\n")
+    (tmp_path / "csrc").mkdir()
+    r = run_py("""
+        import importlib.util
+        print(importlib.util.find_spec("ppo_kernels.triton_kernels._math").origin)
+    """, path=str(tmp_path), env={"PPO_KERNELS_NO_EXTENSION": "1"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(tmp_path / "triton_kernels" / "_math.py")

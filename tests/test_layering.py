@@ -10,6 +10,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "ppo_kernels"
 PKG = "ppo_kernels"
+TRITON = ROOT.parent / "triton_kernels"
 
 
 def _module_name(path):
@@ -20,7 +21,13 @@ def _module_name(path):
 
 
 def _modules():
-    return {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    mods = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+    # the top-level triton_kernels/ is installed as ppo_kernels.triton_kernels
+    # (pyproject.toml package-dir)
+    for p in sorted(TRITON.glob("*.py")):
+        sub = "" if p.stem == "__init__" else "." + p.stem
+        mods[f"{PKG}.triton_kernels{sub}"] = p
+    return mods
 
 
 def _resolve(current, is_package, level, module):
@@ -143,3 +150,16 @@ def test_no_import_loop():
             lines += [f"    {s}:{ln} -> {d}" for s, d, _, ln in EDGES
                       if s in members and d in members and s != d]
         pytest.fail("import loops:\n" + "\n".join(lines))
+
+
+def test_repository_layout():
+    """The root holds the layout the project was specified with; the Triton sources are
+    the top-level triton_kernels/, mapped into the package by pyproject.toml (so no copy
+    under ppo_kernels/ and no top-level name in an installed wheel: test_install.py)."""
+    top = ROOT.parent
+    for name in ("setup.py", "csrc", "ppo_kernels", "triton_kernels", "tests", "benchmarks",
+                 "README.md"):
+        assert (top / name).exists(), name
+    assert not (ROOT / "triton_kernels").exists()
+    toml = (top / "pyproject.toml").read_text()
+    assert 'package-dir = {"ppo_kernels.triton_kernels" = "triton_kernels"}' in toml

@@ -1,4 +1,4 @@
-"""Tests of ppo_kernels/triton_kernels/ (the Triton backend): the raw ppo_kernels::triton_*
+"""Tests of triton_kernels/ (the Triton backend): the raw ppo_kernels::triton_*
 ops against the numpy float64 oracle (reference.py). Registration and schemas
 (library.py); token_logprobs forward and backward (logprobs.py); the fused ppo_loss, in
 place, with the loss menu, grad_scale and scale_grad_ (ppo_loss.py); gae and score_rollout
@@ -8,7 +8,7 @@ more than 65,535 rows and 64-bit offsets (on a GPU).
 Runs on CUDA when a device is present, else on CPU tensors under TRITON_INTERPRET=1 (set
 by tests/helpers/backends.py before triton is imported), where shapes are kept small: the
 interpreter runs the programs one by one. The interpreter runs the kernels with a 32-wide vocabulary
-block and an 8-long GAE chunk (ppo_kernels/triton_kernels/_config.py), so V = 100, 257 and
+block and an 8-long GAE chunk (triton_kernels/_config.py), so V = 100, 257 and
 T = 20 cross several blocks/chunks with a partial last one. The raw ops' precision, batch
 invariance and opcheck tests sit beside their siblings (test_loss_precision.py,
 test_batch_invariance.py, test_autograd_opcheck.py); the kernels' lowering for sm_90:

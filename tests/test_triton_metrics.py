@@ -1,4 +1,4 @@
-"""The device metrics kernel (ppo_kernels/triton_kernels/metrics.py) against the CPU op
+"""The device metrics kernel (triton_kernels/metrics.py) against the CPU op
 ppo_kernels::ppo_loss_metrics and the eager formulas, under the Triton interpreter (CPU
 tensors), for every policy loss and the inputs whose rules differ: on- and off-policy, the
 rollout corrections, NaN on masked and on valid positions, empty sequences, an all-masked

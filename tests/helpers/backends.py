@@ -173,7 +173,7 @@ def interp_ok(*case):
 # Helpers of the tests that call ppo_kernels::triton_* directly (test_triton_kernels.py
 # and the raw-op tests beside their backend-parametrised siblings): on CUDA when a device
 # is present, else on CPU tensors under the interpreter, whose 32-wide vocabulary block and
-# 8-long GAE chunk (ppo_kernels/triton_kernels/_config.py) V = 100, 257 and T = 20 cross.
+# 8-long GAE chunk (triton_kernels/_config.py) V = 100, 257 and T = 20 cross.
 
 TRITON_DEVICE = "cuda" if HAS_CUDA_DEVICE else "cpu"
 # (on CPU the raw ops run under the interpreter: skipped where it is broken, with its reason)
