@@ -713,6 +713,23 @@ def floor_fn(op):
     return run
 
 
+def extra_tensors(o, x):
+    """o with the benchmark's own tensor options of an --extra row made into the op's:
+    sampling_mask_k=K (a given kept set of K ids per position, sampling_mask_of) and
+    temperature_per_seq=LO:HI (a per-sequence temperature tensor [B], LO to HI)."""
+    o = dict(o)
+    k = o.pop("sampling_mask_k", None)
+    v = x["logits"].shape[-1] if "logits" in x else x["w"].shape[0] if "w" in x else None
+    if k is not None and v is not None:
+        o["sampling_mask"] = sampling_mask_of(x, int(k), v)
+    span = o.pop("temperature_per_seq", None)
+    if span is not None:
+        lo, hi = (float(p) for p in str(span).split(":"))
+        b = x["tokens"].shape[0]
+        o["temperature"] = torch.linspace(lo, hi, b, device=x["tokens"].device)
+    return o
+
+
 def build_variants(op, a, opts, device, x):
     """[Variant], {name: why skipped}."""
     backend = a.backend
@@ -736,6 +753,7 @@ def build_variants(op, a, opts, device, x):
             o2[k.strip()] = parse_value(val)
         if isinstance(o2.get("logits_dtype"), str):
             o2["logits_dtype"] = getattr(torch, o2["logits_dtype"])
+        o2 = extra_tensors(o2, x)
         same = all(o2.get(k) == opts.get(k) for k in set(o2) | set(opts)
                    if k not in VALUE_NEUTRAL)
         vs.append(Variant(name.strip(), fused_fn(op, backend, o2), "fused", modes,
@@ -892,8 +910,9 @@ def fmt_ratio(x):
 
 def print_table(point, mode, rows, nv_bytes):
     fused = rows.get("fused")
+    w = max([22] + [len(name) + 2 for name in rows])
     print(f"\n{point['label']}  mode {mode}")
-    head = (f"{'variant':<22}{'min ms':>10}{'median ms':>11}{'max ms':>10}{'reps':>6}"
+    head = (f"{'variant':<{w}}{'min ms':>10}{'median ms':>11}{'max ms':>10}{'reps':>6}"
             f"{'peak MiB':>10}{'[N,V] f32':>10}{'/ fused':>9}")
     print(head)
     print("-" * len(head))
@@ -902,7 +921,7 @@ def print_table(point, mode, rows, nv_bytes):
         pm = f"{peak / 2**20:>10.1f}" if peak is not None else f"{'n/a':>10}"
         pn = f"{peak / nv_bytes:>10.3f}" if peak is not None else f"{'n/a':>10}"
         rel = r["median_ms"] / fused["median_ms"] if fused else None
-        print(f"{r['variant']:<22}{r['min_ms']:>10.3f}{r['median_ms']:>11.3f}"
+        print(f"{r['variant']:<{w}}{r['min_ms']:>10.3f}{r['median_ms']:>11.3f}"
               f"{r['max_ms']:>10.3f}{r['reps']:>6}{pm}{pn}{fmt_ratio(rel):>9}")
     if fused:
         sp = ", ".join(f"{name} {fmt_ratio(r['median_ms'] / fused['median_ms'])}"
@@ -1018,8 +1037,10 @@ def build_parser():
                                           "ppo_kernels.integrations (from_verl_config).")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME:K=V,K=V",
                     help="An additional fused row with some options changed, e.g. "
-                         "'inplace:inplace_backward=true'. The benchmark's own option "
-                         "backward_scale=S multiplies the loss by S before backward.")
+                         "'inplace:inplace_backward=true'. The benchmark's own options: "
+                         "backward_scale=S multiplies the loss by S before backward; "
+                         "sampling_mask_k=K passes a given kept set of K ids per position; "
+                         "temperature_per_seq=LO:HI a per-sequence temperature tensor.")
     ap.add_argument("--skip", action="append", default=[], metavar="NAME[,NAME]",
                     help="Rows not to run, by their names in the table (e.g. 'floor', "
                          "'F.cross_entropy'); the fused row always runs.")

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from ppo_kernels import bench
 
@@ -107,7 +108,6 @@ def test_module_entry_point(tmp_path):
 def test_cpu_clock_times_the_calling_thread(tmp_path):
     """--clock cpu: the calling thread's CPU time (robust on a shared machine), which only
     counts a call's whole work on one thread: refused without --threads 1."""
-    import torch
     threads = torch.get_num_threads()
     try:
         data = run_json(tmp_path, "--threads", "1", "--clock", "cpu", "--mode", "fwd")
@@ -126,7 +126,6 @@ def test_tensor_parallel_rows(tmp_path, op):
     """--tp 2: the fused op over a vocabulary split on 2 gloo ranks, timed beside the
     unsharded rows (its ratio to the ideal, the unsharded fused median / 2) and its
     collectives alone; refused where it cannot run."""
-    import torch
     from helpers.ranks import exclusive_cores
     threads = torch.get_num_threads()
     try:
@@ -147,3 +146,23 @@ def test_tensor_parallel_rows(tmp_path, op):
             bench.run([*TINY, "--op", "gae", "--tp", "2"])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_extra_rows_with_the_benchmarks_tensor_options(tmp_path):
+    """--extra's own tensor options: sampling_mask_k=K (a given kept set of K ids per
+    position) and temperature_per_seq=LO:HI (a per-sequence temperature [B]) become the op's
+    sampling_mask and temperature; those rows compute another loss (not compared)."""
+    data = run_json(tmp_path, "--mode", "fwd+bwd",
+                    "--extra", "given:sampling_mask_k=4",
+                    "--extra", "given, t:sampling_mask_k=4,temperature_per_seq=0.7:1.3")
+    rows = {r["variant"] for r in data["points"][0]["modes"]["fwd+bwd"]}
+    assert {"fused", "given", "given, t"} <= rows
+    assert not {"given", "given, t"} & set(data["points"][0]["agreement"])
+    x = bench.make_inputs("ppo_loss", 2, 8, 64, 16, torch.float32, "cpu", 0.1, 4)
+    o = bench.extra_tensors({"sampling_mask_k": 4, "temperature_per_seq": "0.5:1.5"}, x)
+    assert set(o) == {"sampling_mask", "temperature"}
+    assert o["sampling_mask"].offsets.tolist() == list(range(0, 2 * 8 * 4 + 1, 4))
+    assert o["temperature"].tolist() == [0.5, 1.5]
+    # each kept set holds the sampled token
+    ids = o["sampling_mask"].token_ids.view(16, 4)
+    assert (ids == x["tokens"].reshape(-1, 1)).any(1).all()
