@@ -651,7 +651,8 @@ def compiled_fn(op, opts):
             "token_logprobs": ("logits", "tokens", "mask"),
             "token_logprobs_from_hidden": ("hidden", "w", "tokens", "mask"),
             "score_rollout": ("logits", "tokens", "mask", "ref", "values", "scores"),
-            "gae": ("rewards", "values", "mask")}.get(op)
+            "gae": ("rewards", "values", "mask"),
+            "distill_loss": ("logits", "teacher", "mask")}.get(op)
     if keys is None:
         return None
 
