@@ -13,9 +13,10 @@ point's agreement check. Writes a CSV and PNG plots of time and peak memory (`ma
 Each (op, point) is the command `ppo-kernels-bench --op OP --B 8 --T N/8 --V V [--H H]
 --dtype D --mode MODE --reps R --warmup W [--opt ...]` (printed with --verbose). Sizes: an
 N sweep at the base V and a V sweep at the base N, each dtype. CPU default: N 256, 1024,
-4096 at V 32768; V 8192, 32768, 131072 at N 256; H 256; float32 and bfloat16; 1 thread
-timed with the thread's CPU time (--clock cpu: other jobs on a shared machine do not
-inflate it). GPU default: N 2048, 8192 at V 32768; V 32768, 151936 at N 8192; H 2048.
+4096 at V 32768; V 8192, 32768, 131072 at N 256; H 256; float32 and bfloat16 (from
+hidden states float32 alone: --hidden-dtypes); 1 thread timed with the thread's CPU time
+(--clock cpu: other jobs on a shared machine do not inflate it). The CSV is written after
+each measurement; --resume measures only what it lacks. GPU default: N 2048, 8192 at V 32768; V 32768, 151936 at N 8192; H 2048.
 Files: <out>/{cpu,gpu}_report.csv, _time.png, _memory.png, _vocab.png
 (benchmarks/_report_plots.py says what each shows).
 
@@ -146,12 +147,18 @@ def measure_point(op, n, v, dtype, a, fused, compile_here):
     return rows, bad
 
 
-def run(a, fused, rows):
-    """Measures the grid into rows, each point as it completes; stops after --budget-s."""
+def run(a, fused, rows, csv_path):
+    """Measures the grid into rows, writing the CSV after each measurement (an interrupted
+    run keeps what it measured; --resume skips what the CSV holds); stops after
+    --budget-s."""
     t0, gae_done = time.perf_counter(), set()
     points = grid(a)
     jobs = [(op, n, v, d) for n, v, d in points for op in a.ops
-            if op != "gae" or (n not in gae_done and not gae_done.add(n))]
+            if (op != "gae" or (n not in gae_done and not gae_done.add(n)))
+            and (op != "ppo_loss_from_hidden" or d in a.hidden_dtypes)]
+    done = {(r["op"], r["N"], r["V"] or 0, r["dtype"]) for r in rows}
+    jobs = [j for j in jobs if (j[0], j[1], 0 if j[0] == "gae" else j[2],
+                                "float32" if j[0] == "gae" else j[3]) not in done]
     try:
         from tqdm import tqdm
         jobs_iter = tqdm(jobs, unit="op", dynamic_ncols=True)
@@ -168,6 +175,7 @@ def run(a, fused, rows):
         compile_here = not a.quick or ((n, v) == tuple(a.base) and d == a.dtypes[0])
         new, bad = measure_point(op, n, v, d, a, fused, compile_here)
         rows += new
+        write_csv(rows, csv_path)
         for line in bad:
             write(f"WARNING {line}")
 
@@ -236,6 +244,13 @@ def main():
     ap.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
                     help="The logits' (the hidden states' and head's) dtypes.")
     ap.add_argument("--ops", nargs="+", choices=OPS, default=OPS, help="The report's ops.")
+    ap.add_argument("--hidden-dtypes", nargs="+", choices=["float32", "bfloat16"],
+                    help="The dtypes of ppo_loss_from_hidden (CPU default: float32 alone: "
+                         "on a CPU without bfloat16 units torch's bfloat16 matmuls take a "
+                         "slow path, 30 s for one [256, 32768] x [32768, 256] on an AVX2 "
+                         "machine; GPU and --quick: every dtype).")
+    ap.add_argument("--resume", action="store_true",
+                    help="Keep the rows of <out>'s CSV and measure only what it lacks.")
     ap.add_argument("--reps", type=int, help="Timed calls of each variant per point.")
     ap.add_argument("--warmup", type=int, default=1,
                     help="Untimed calls of each variant first (torch.compile compiles here).")
@@ -262,6 +277,8 @@ def main():
     for k, val in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, val)
+    if a.hidden_dtypes is None:
+        a.hidden_dtypes = a.dtypes if on_gpu or a.quick else ["float32"]
     fused = ["cuda", "triton"] if on_gpu else ["cpu"]
     prefix = "gpu" if on_gpu else "cpu"
     csv_path = os.path.join(a.out, f"{prefix}_report.csv")
@@ -277,8 +294,9 @@ def main():
           f"{'thread(s), clock ' + a.clock if not on_gpu else torch.cuda.get_device_name()}"
           f", SIMD {info['cpu_capability']}, torch {torch.__version__}, {a.reps} timed "
           f"calls per variant; out {a.out}", flush=True)
-    t0, rows = time.perf_counter(), []
-    run(a, fused, rows)
+    rows = read_csv(csv_path) if a.resume and os.path.exists(csv_path) else []
+    t0 = time.perf_counter()
+    run(a, fused, rows, csv_path)
     write_csv(rows, csv_path)
     pngs = _report_plots.plot_all(rows, a, prefix, fused[0])
     print(f"{len(rows)} measurements in {time.perf_counter() - t0:.0f} s -> {csv_path}"
