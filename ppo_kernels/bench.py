@@ -837,11 +837,26 @@ def max_diff(got, want):
     return abs_d, abs_d / max(ref, 1e-30)
 
 
+def tolerance(dtype):
+    """The relative difference under which a row agrees with the fused one."""
+    return {torch.float64: 1e-9, torch.float32: 2e-4}.get(dtype, 5e-2)
+
+
+def agreement_row(dv, dg, tol):
+    """One row of the agreement check from max_diff's (abs, rel) of the values and of the
+    gradients (dg None: no gradient compared)."""
+    ok = dv[1] <= tol and (dg is None or dg[1] <= tol)
+    return {"value_max_abs_diff": dv[0], "value_max_rel_diff": dv[1],
+            "grad_max_abs_diff": dg[0] if dg else None,
+            "grad_max_rel_diff": dg[1] if dg else None, "tolerance": tol,
+            "agrees": bool(ok)}
+
+
 def agreement(vs, x, op, dtype):
     """Compares each variant's outputs (and, with a backward, its gradients) with the fused
     one's, in fwd+bwd where the op has a backward, else fwd. Returns {name: dict}."""
     mode = "fwd" if op in NO_BACKWARD else "fwd+bwd"
-    tol = {torch.float64: 1e-9, torch.float32: 2e-4}.get(dtype, 5e-2)
+    tol = tolerance(dtype)
     out = {}
     ref = None
     for v in vs:
@@ -856,13 +871,8 @@ def agreement(vs, x, op, dtype):
         if ref is None:
             ref = (vals, grads)
             continue
-        dv = max_diff(vals, ref[0])
-        dg = max_diff(grads, ref[1]) if grads else (0.0, 0.0)
-        ok = dv[1] <= tol and dg[1] <= tol
-        out[v.name] = {"value_max_abs_diff": dv[0], "value_max_rel_diff": dv[1],
-                       "grad_max_abs_diff": dg[0] if grads else None,
-                       "grad_max_rel_diff": dg[1] if grads else None, "tolerance": tol,
-                       "agrees": bool(ok)}
+        out[v.name] = agreement_row(max_diff(vals, ref[0]),
+                                    max_diff(grads, ref[1]) if grads else None, tol)
     return out
 
 
@@ -1153,14 +1163,12 @@ def run(argv=None):
                 op=op, size=(b, t, v, h), dtype=dtype, backend=a.backend, opts=popts,
                 modes=modes, reps=a.reps, warmup=a.warmup, threads=torch.get_num_threads(),
                 clock=a.clock, mask_frac=a.mask_frac, seed=a.seed, bench=_TP_BENCH))
+            # the split op's outputs (their sums, rank 0's) against the fused one's
             fused_out, _ = step(vs[0], vs[0].prepare(x) if vs[0].prepare else x, modes[0], op)
-            d = max_diff([torch.tensor(tp["value"])],
-                         [torch.tensor([float(o.detach().double().sum()) for o in fused_out])])
-            tol = {torch.float64: 1e-9, torch.float32: 2e-4}.get(dtype, 5e-2)
-            point["agreement"][f"fused, tp {a.tp}"] = {
-                "value_max_abs_diff": d[0], "value_max_rel_diff": d[1],
-                "grad_max_abs_diff": None, "grad_max_rel_diff": None, "tolerance": tol,
-                "agrees": bool(d[1] <= tol)}
+            point["agreement"][f"fused, tp {a.tp}"] = agreement_row(max_diff(
+                [torch.tensor(tp["value"])],
+                [torch.tensor([float(o.detach().double().sum()) for o in fused_out])]),
+                None, tolerance(dtype))
         if not a.quiet:
             print(f"\n{label}: agreement with the fused output"
                   + ("" if op in NO_BACKWARD else " and gradient")
