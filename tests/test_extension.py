@@ -206,6 +206,13 @@ def test_build_info_of_this_build():
         assert info["cuda"] or info["cuda_skipped"], info
 
 
+# (the two tests below read the checkout's layout: not run against an installed wheel,
+# whose ppo_kernels/triton_kernels is a plain subpackage, test_install.py)
+checkout_only = pytest.mark.skipif(not _extension.SOURCE_CHECKOUT,
+                                   reason="ppo_kernels is an installed copy, not a checkout")
+
+
+@checkout_only
 def test_checkout_finds_its_triton_sources_without_an_install():
     """Imported from the source tree alone (no installed or editable copy on the import
     path: the GPU check's in-place build), ppo_kernels.triton_kernels is the checkout's
@@ -225,6 +232,7 @@ def test_checkout_finds_its_triton_sources_without_an_install():
                                 os.path.join(root, "triton_kernels", "library.py")]
 
 
+@checkout_only
 def test_checkout_copy_imports_its_own_triton_sources(tmp_path):
     """A copy of the checkout imported through PYTHONPATH (scripts/mutate.py's mutants)
     gets the copy's triton_kernels/, not the one the editable install maps."""
