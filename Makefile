@@ -40,7 +40,8 @@ test-capabilities: setup
 bench: setup-demo
 	$(PY) benchmarks/cpu_bench.py
 
-# CPU benchmarks of every op over sizes: CSV and plots in benchmarks/results/ (~10 min);
+# CPU benchmarks of every op over sizes, a grid of ppo-kernels-bench runs: CSV and plots in
+# benchmarks/results/ (about an hour on 2 cores; --resume continues a run);
 # REPORT_ARGS="--quick" for a smoke run
 report: setup-demo
 	$(PY) benchmarks/report.py $(REPORT_ARGS)
