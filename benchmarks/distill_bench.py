@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +56,7 @@ def main():
     ap.add_argument("--json", help="Also write the entry point's JSON to this file.")
     a = ap.parse_args()
     args = argv_for(a)
-    print("ppo-kernels-bench " + " ".join(args), flush=True)
+    print(shlex.join(["ppo-kernels-bench", *args]), flush=True)
     bench.run(args)
 
 

@@ -21,7 +21,8 @@ Each V is the command
         --extra 'given mask (k 8):sampling_mask_k=8' \\
         --extra 'given mask, temperature per seq:sampling_mask_k=8,temperature_per_seq=0.7:1.3' \\
         --extra 'top_k 1024, top_p 0.8:top_k=1024,top_p=0.8' \\
-        --extra 'top_k 1024, top_p 0.8, temperature per seq:top_k=1024,top_p=0.8,temperature_per_seq=0.7:1.3'
+        --extra 'top_k 1024, top_p 0.8, temperature per seq:top_k=1024,top_p=0.8,\
+temperature_per_seq=0.7:1.3'
 
 Timings are not tests.
 """
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -67,8 +69,7 @@ def main():
     results = {}
     for v in (32768, 151936):
         args = argv_for(a, v)
-        print("ppo-kernels-bench " + " ".join(f"'{s}'" if " " in s or "," in s else s
-                                              for s in args), flush=True)
+        print(shlex.join(["ppo-kernels-bench", *args]), flush=True)
         results[v] = bench.run(args)
     if a.json:
         with open(a.json, "w") as f:

@@ -5,7 +5,7 @@ torch.compile of it, the library's eager composite (and, from hidden states, the
 materialised logits) and the op's floor are timed interleaved in one run, after the entry
 point's agreement check. Writes a CSV and PNG plots of time and peak memory (`make report`).
 
-    python benchmarks/report.py                # CPU, 1 thread, CPU-time clock -> benchmarks/results/
+    python benchmarks/report.py                # CPU, 1 thread, CPU clock -> benchmarks/results/
     python benchmarks/report.py --quick        # tiny sizes, a smoke test (tests/test_report.py)
     python benchmarks/report.py --replot       # the plots and summary from <out>'s CSV again
     python benchmarks/report.py --device cuda  # on a GPU: the cuda and triton backends (unrun)
@@ -15,8 +15,9 @@ Each (op, point) is the command `ppo-kernels-bench --op OP --B 8 --T N/8 --V V [
 N sweep at the base V and a V sweep at the base N, each dtype. CPU default: N 256, 1024,
 4096 at V 32768; V 8192, 32768, 131072 at N 256; H 256; float32 and bfloat16 (from
 hidden states float32 alone: --hidden-dtypes); 1 thread timed with the thread's CPU time
-(--clock cpu: other jobs on a shared machine do not inflate it). The CSV is written after
-each measurement; --resume measures only what it lacks. GPU default: N 2048, 8192 at V 32768; V 32768, 151936 at N 8192; H 2048.
+(--clock cpu: other jobs on a shared machine do not inflate it). GPU default: N 2048, 8192
+at V 32768; V 32768, 151936 at N 8192; H 2048. The CSV is written after each
+measurement; --resume measures only what it lacks.
 Files: <out>/{cpu,gpu}_report.csv, _time.png, _memory.png, _vocab.png
 (benchmarks/_report_plots.py says what each shows).
 
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import shlex
 import sys
 import time
 
@@ -129,8 +131,7 @@ def measure_point(op, n, v, dtype, a, fused, compile_here):
             args += ["--skip", "plain composite,F.cross_entropy,torch.compile,"
                                "eager composite,materialised,floor"]
         if a.verbose:
-            print("ppo-kernels-bench " + " ".join(f"'{s}'" if " " in s or "," in s else s
-                                                  for s in args), file=sys.stderr)
+            print(shlex.join(["ppo-kernels-bench", *args]), file=sys.stderr)
         res = bench.run(args)
         new = rows_of(res, op, be, baselines=i == 0)
         if i:  # its ratios against the first backend's floor and fused row
@@ -147,18 +148,26 @@ def measure_point(op, n, v, dtype, a, fused, compile_here):
     return rows, bad
 
 
+def measurement_key(op, n, v, dtype):
+    """(op, N, V, dtype) of a measurement as its CSV rows hold it: gae is float32 [B, T],
+    with no V (0 here)."""
+    return (op, n, 0, "float32") if op == "gae" else (op, n, v, dtype)
+
+
 def run(a, fused, rows, csv_path):
     """Measures the grid into rows, writing the CSV after each measurement (an interrupted
     run keeps what it measured; --resume skips what the CSV holds); stops after
     --budget-s."""
-    t0, gae_done = time.perf_counter(), set()
-    points = grid(a)
-    jobs = [(op, n, v, d) for n, v, d in points for op in a.ops
-            if (op != "gae" or (n not in gae_done and not gae_done.add(n)))
-            and (op != "ppo_loss_from_hidden" or d in a.hidden_dtypes)]
-    done = {(r["op"], r["N"], r["V"] or 0, r["dtype"]) for r in rows}
-    jobs = [j for j in jobs if (j[0], j[1], 0 if j[0] == "gae" else j[2],
-                                "float32" if j[0] == "gae" else j[3]) not in done]
+    t0 = time.perf_counter()
+    # what the CSV holds already, by measurement_key; gae has one per N
+    seen = {(r["op"], r["N"], r["V"] or 0, r["dtype"]) for r in rows}
+    jobs = []
+    for n, v, d in grid(a):
+        for op in a.ops:
+            key = measurement_key(op, n, v, d)
+            if key not in seen and (op != "ppo_loss_from_hidden" or d in a.hidden_dtypes):
+                seen.add(key)
+                jobs.append((op, n, v, d))
     try:
         from tqdm import tqdm
         jobs_iter = tqdm(jobs, unit="op", dynamic_ncols=True)

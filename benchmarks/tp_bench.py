@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -54,8 +55,7 @@ def main(argv=None):
                 "--dtype", a.dtype, "--tp", str(a.tp), "--threads", "1", "--clock", a.clock,
                 "--mode", "fwd+bwd", "--reps", str(a.reps), "--warmup", "1", "--no-memory",
                 "--skip", SKIP, "--quiet", *opts]
-        print("ppo-kernels-bench " + " ".join(f"'{s}'" if " " in s or "," in s else s
-                                              for s in args), flush=True)
+        print(shlex.join(["ppo-kernels-bench", *args]), flush=True)
         results[name] = bench.run(args)
     print(f"\n# tp_bench: N={a.n} V={a.v} H={a.h} {a.dtype}, tp={a.tp} (gloo, 1 thread per "
           f"process), {a.reps} timed calls, forward+backward, clock {a.clock}")

@@ -907,10 +907,15 @@ def measure(vs, x, mode, op, meter, reps, warmup, memory):
             fn, prep = calls[v.name]
             ready = prep()
             peak = meter.peak_extra_bytes(lambda: fn(ready))
-        rows[v.name] = {"variant": v.name, "kind": v.kind, "min_ms": min(t) * 1e3,
-                        "median_ms": statistics.median(t) * 1e3, "max_ms": max(t) * 1e3,
-                        "reps": len(t), "peak_extra_bytes": peak}
+        rows[v.name] = time_row(v.name, v.kind, t, peak)
     return rows
+
+
+def time_row(name, kind, times, peak=None):
+    """A table row from the timed calls' seconds (and the peak extra bytes, or None)."""
+    return {"variant": name, "kind": kind, "min_ms": min(times) * 1e3,
+            "median_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3,
+            "reps": len(times), "peak_extra_bytes": peak}
 
 
 # ------------------------------------------------------------------ output
@@ -1219,7 +1224,7 @@ def run(argv=None):
 
 # what the --tp ranks call (pickled by reference: bench_tp does not import this module)
 _TP_BENCH = types.SimpleNamespace(make_inputs=make_inputs, fused_fn=fused_fn, Variant=Variant,
-                                  step=step, CpuMeter=CpuMeter)
+                                  step=step, CpuMeter=CpuMeter, time_row=time_row)
 
 
 def main(argv=None):

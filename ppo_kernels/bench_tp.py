@@ -21,8 +21,8 @@ are not tests.
 from __future__ import annotations
 
 import os
+import queue
 import socket
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -40,13 +40,7 @@ def vocab_slice(v, rank, world):
     return v0, (v if rank == world - 1 else v0 + width)
 
 
-def _row(name, kind, times):
-    return {"variant": name, "kind": kind, "min_ms": min(times) * 1e3,
-            "median_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3,
-            "reps": len(times), "peak_extra_bytes": None}
-
-
-def _worker(rank, world, port, job, queue):
+def _worker(rank, world, port, job, results):
     bench = job["bench"]  # (the entry point's functions, pickled by reference)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(job["threads"])
@@ -59,7 +53,8 @@ def _worker(rank, world, port, job, queue):
         from_hidden = op.endswith("_from_hidden")
         key = "w" if from_hidden else "logits"
         x[key] = (x[key][v0:v1] if key == "w" else x[key][..., v0:v1]).contiguous()
-        opts = dict(job["opts"], tp_group=dist.group.WORLD, vocab_start=v0)
+        group = dist.group.WORLD
+        opts = dict(job["opts"], tp_group=group, vocab_start=v0)
         var = bench.Variant(f"fused, tp {world}", bench.fused_fn(op, job["backend"], opts),
                             "fused", scale=float(job["opts"].get("backward_scale", 1.0)))
         meter = bench.CpuMeter(job["clock"])
@@ -79,14 +74,13 @@ def _worker(rank, world, port, job, queue):
                 dist.barrier()
                 times += meter.times_s(lambda ready: bench.step(var, ready, mode, op),
                                        prep, reps=1, warmup=0)
-            rows[mode] = [_row(var.name, "fused", times)]
-        group = dist.group.WORLD
+            rows[mode] = [bench.time_row(var.name, "fused", times)]
         alone = [("tp all-gather alone", lambda: vocab_parallel.all_gather(stats, group)),
                  ("tp validity header alone", lambda: rank_agreement.checks_together(
                      {"tp_group": group}, lambda: None, lambda r: {}))]
         if from_hidden and "fwd+bwd" in job["modes"]:
             alone.append(("tp all-reduce alone",
-                          lambda: dist.all_reduce(d_hidden, group=dist.group.WORLD)))
+                          lambda: dist.all_reduce(d_hidden, group=group)))
         for name, fn in alone:
             times = []
             for _ in range(job["reps"]):
@@ -94,9 +88,9 @@ def _worker(rank, world, port, job, queue):
                 times += meter.times_s(lambda _r: fn(), lambda: None, reps=1, warmup=0)
             for mode in job["modes"]:
                 if name != "tp all-reduce alone" or mode == "fwd+bwd":
-                    rows[mode].append(_row(name, "collective", times))
+                    rows[mode].append(bench.time_row(name, "collective", times))
         if rank == 0:
-            queue.put(rows)
+            results.put(rows)
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -110,26 +104,33 @@ def free_port():
 
 def tp_rows(world, job):
     """{mode: [row], "value": [the sum of each output]} of the fused op split over `world`
-    gloo ranks (rank 0's), and its collectives timed alone. job: op, size (B, T, V, H), dtype, backend, opts, modes, reps, warmup,
-    threads, clock, mask_frac, seed, and bench: an object with the entry point's
-    make_inputs, fused_fn, Variant, step and CpuMeter (this module does not import it)."""
+    gloo ranks (rank 0's), and its collectives timed alone. job: op, size (B, T, V, H),
+    dtype, backend, opts, modes, reps, warmup, threads, clock, mask_frac, seed, and bench:
+    an object with the entry point's make_inputs, fused_fn, Variant, step, CpuMeter and
+    time_row (this module does not import it). A rank that fails raises here (torch's
+    ProcessRaisedException, with its traceback) instead of leaving this call waiting."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = mp.start_processes(_worker, args=(world, free_port(), job, queue), nprocs=world,
+    results = ctx.Queue()
+    procs = mp.start_processes(_worker, args=(world, free_port(), job, results), nprocs=world,
                                start_method="spawn", join=False)
-    rows = queue.get()
+    while True:
+        try:
+            rows = results.get(timeout=1.0)
+            break
+        except queue.Empty:
+            if procs.join(timeout=0):  # (raises when a rank failed)
+                raise RuntimeError("--tp: the ranks exited without results")
     procs.join()
     return rows
 
 
 def check(a, op, device):
-    """Why --tp cannot run here (a SystemExit), or None."""
+    """Raises SystemExit saying why --tp cannot run here; nothing without --tp."""
     if a.tp <= 1:
-        return None
+        return
     if device != "cpu":
         raise SystemExit("--tp launches gloo ranks on the CPU: use --device cpu")
     if op not in TP_OPS:
         raise SystemExit(f"--tp: {op} is not wired (one of {', '.join(TP_OPS)})")
     if min(a.V) < a.tp:
         raise SystemExit(f"--tp {a.tp}: V must be at least the number of ranks")
-    return None
