@@ -43,17 +43,12 @@ trap cleanup EXIT
 unset CUDA_HOME CUDA_PATH TORCH_CUDA_ARCH_LIST MAX_JOBS PPO_KERNELS_NO_CUDA \
   PPO_KERNELS_NO_EXTENSION PYTHONPATH
 
-# install VENV PACKAGES...: with the uv that scripts/setup.sh put in .venv (its cache holds
-# .venv's torch already: the wheel check's venv gets it in about a second, an older torch
-# in ~35 s instead of pip's 2-2.5 min), else with the venv's pip
+# install VENV PACKAGES...: scripts/pip_install.sh (uv from .venv, whose cache holds .venv's
+# torch already, else the venv's pip)
 install() {
   local venv=$1
   shift
-  if [ -x "$ROOT/.venv/bin/uv" ]; then
-    quiet nice -n 10 "$ROOT/.venv/bin/uv" pip install -q --python "$venv/bin/python" "$@"
-  else
-    quiet nice -n 10 "$venv/bin/python" -m pip install -q "$@"
-  fi
+  quiet nice -n 10 bash "$ROOT/scripts/pip_install.sh" "$venv/bin/python" "$@"
 }
 # quiet: the command's output without the local mirror's "Location ... is ignored" lines,
 # and the command's own exit status

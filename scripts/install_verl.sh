@@ -12,8 +12,7 @@ PY=${PYTHON:-.venv/bin/python}
 constraint=$(mktemp)
 trap 'rm -f "$constraint"' EXIT
 echo "torch==2.14.1" > "$constraint"
-# the installer scripts/setup.sh chose (uv or pip, into .venv), else pip
-read -r -a INSTALL <<< "${PPO_KERNELS_INSTALL:-$PY -m pip install -q}"
+INSTALL=(bash scripts/pip_install.sh "$PY")  # (uv if setup.sh put it in .venv, else pip)
 "${INSTALL[@]}" --no-deps "verl==0.9.1"
 "${INSTALL[@]}" -c "$constraint" "ray>=2.41.0" "tensordict>=0.8.0,<=0.10.0,!=0.9.0" \
   omegaconf hydra-core codetiming

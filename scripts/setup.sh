@@ -41,23 +41,20 @@ fi
 if [ ! -x .venv/bin/uv ]; then
   quiet .venv/bin/python -m pip install -q uv || true
 fi
-if [ -x .venv/bin/uv ]; then
-  INSTALL=(.venv/bin/uv pip install -q --python .venv/bin/python)
-else
-  INSTALL=(.venv/bin/python -m pip install -q)
-fi
-export PPO_KERNELS_INSTALL="${INSTALL[*]}"  # (scripts/install_verl.sh installs with it too)
+INSTALL=(bash scripts/pip_install.sh .venv/bin/python)  # (uv if it is there, else pip)
+installer=$([ -x .venv/bin/uv ] && echo uv || echo pip)
 
 req=$(digest requirements-demo.txt)
 if ! current demo-packages "$req"; then
   step "installing torch 2.14.1 and the demo's packages (requirements-demo.txt, with" \
-    "$(basename "${INSTALL[0]}"); about 1 min on a fresh machine, mostly torch's CUDA libraries)"
+    "$installer; about 1 min on a fresh machine, mostly torch's CUDA libraries)"
   quiet "${INSTALL[@]}" -r requirements-demo.txt
   done_with demo-packages "$req"
 fi
 
 if [ "$MODE" = test ]; then
-  req=$(digest requirements.txt requirements-demo.txt scripts/install_verl.sh scripts/setup.sh)
+  req=$(digest requirements.txt requirements-demo.txt scripts/install_verl.sh scripts/setup.sh \
+    scripts/pip_install.sh)
   if ! current test-packages "$req"; then
     step "installing the test packages (requirements.txt: pytest, hypothesis, TRL; under a minute)"
     quiet "${INSTALL[@]}" -r requirements.txt
