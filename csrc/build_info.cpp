@@ -1,6 +1,9 @@
-// ppo_kernels._C as a Python module: build_info() tells which backends were compiled.
+// ppo_kernels._C as a Python module: build_info() tells which backends were compiled;
+// fused_loss (csrc/eager_autograd.cpp) is the eager autograd of the fused loss.
 // Plain pybind11 (not torch/extension.h) keeps this translation unit quick to compile.
 #include <pybind11/pybind11.h>
+
+void init_eager_autograd(pybind11::module_& m);  // csrc/eager_autograd.cpp
 
 #ifndef PPO_KERNELS_WITH_CUDA
 #define PPO_KERNELS_WITH_CUDA 0
@@ -20,4 +23,5 @@ PYBIND11_MODULE(_C, m) {
         return d;
       },
       "Which backends this build of ppo_kernels._C holds.");
+  init_eager_autograd(m);
 }

@@ -11,6 +11,7 @@ import weakref
 
 import torch
 
+from . import _extension
 from ._checks import acc_dtype
 from ._extension import HAS_SCHEMAS
 from .spec import F
@@ -281,6 +282,23 @@ def register(prefix):
 if HAS_SCHEMAS:
     register("")
 
+
+
+# FusedLoss's C++ twin for the compiled ops (csrc/eager_autograd.cpp), or None (a build
+# from before it)
+_CPP_FUSED_LOSS = getattr(_extension._C, "fused_loss", None)
+
+
+def fused_loss(prefix, logits, tensors, scalars, codes, temperatures):
+    """(loss, loss_tok, logp, ent) of the prefix + ppo_loss_fwd op with its gradient in the
+    autograd graph, in eager mode: for the compiled ops (prefix "", cpu and cuda) the C++
+    autograd Function of csrc/eager_autograd.cpp, which costs a few microseconds per
+    forward and per backward where a Python Function costs tens; for the Triton ones
+    FusedLoss. The same op, the same backward (hand_out's rules), the same bits."""
+    if prefix == "" and _CPP_FUSED_LOSS is not None:
+        return _CPP_FUSED_LOSS(logits, *tensors, scalars, codes, temperatures, F["grad_scale"])
+    return FusedLoss.apply(logits, getattr(torch.ops.ppo_kernels, prefix + "ppo_loss_fwd"),
+                           tensors, scalars, codes, prefix, temperatures)
 
 
 class FusedLoss(torch.autograd.Function):

@@ -11,8 +11,8 @@ import warnings
 import torch
 
 from . import _torch_impl
-from ._autograd import FusedLoss, not_traceable, register, wants_grad
-from ._checks import split_temperature
+from ._autograd import FusedLoss, fused_loss, not_traceable, register, wants_grad
+from ._checks import detached, split_temperature
 from ._extension import HAS_CPU, HAS_CUDA, LOAD_ERROR, not_built_hint
 from .spec import KL_ESTIMATORS
 
@@ -58,9 +58,8 @@ class KernelBackend:
                 logits, self.op("ppo_loss_fwd_inplace"), tensors, scalars, codes, self.prefix,
                 temperatures, True)
         elif need_grad and not tracing and not torch.compiler.is_compiling():
-            loss, loss_tok, logp, ent = FusedLoss.apply(
-                logits, self.op("ppo_loss_fwd"), tensors, scalars, codes, self.prefix,
-                temperatures)
+            loss, loss_tok, logp, ent = fused_loss(self.prefix, logits, tensors, scalars, codes,
+                                                   temperatures)
         else:
             loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(
                 logits, *tensors, scalars, codes, need_grad, temperatures=temperatures)
@@ -68,7 +67,7 @@ class KernelBackend:
             # the kernel sums w * (... - entropy_coef H); the entropy term's own weights
             # are w_ent (its gradient already carries them)
             loss = loss + spec.entropy_coef * ((weights - w_ent) * ent.detach()).sum()
-        return loss, loss_tok.detach(), logp.detach(), ent.detach()
+        return loss, detached(loss_tok), detached(logp), detached(ent)
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,
             value_lam=None):
@@ -97,7 +96,7 @@ class TorchBackend:
                  temperatures=None):
         loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, tokens, mask, old, adv, weights,
                                                          ref, isw, spec, w_ent, temperatures)
-        return loss, loss_tok.detach(), logp.detach(), ent.detach()
+        return loss, detached(loss_tok), detached(logp), detached(ent)
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,
             value_lam=None):
@@ -152,6 +151,12 @@ def _warn_eager_fallback(dev):
                   RuntimeWarning, stacklevel=3)
 
 
+# one object per backend (they hold no state): get_backend runs on every call
+_KERNEL_BACKENDS = {name: KernelBackend(name, prefix)
+                    for name, prefix in (("cpu", ""), ("cuda", ""), ("triton", "triton_"))}
+_TORCH_BACKEND = TorchBackend()
+
+
 def get_backend(backend, device):
     """The backend object for `backend` and the tensors' device, or a ValueError (a
     NotImplementedError for a kernel backend under a torch.func transform)."""
@@ -164,7 +169,7 @@ def get_backend(backend, device):
         if backend == "torch":
             _warn_eager_fallback(dev)
     if backend == "torch":
-        return TorchBackend()
+        return _TORCH_BACKEND
     if backend in ("cpu", "cuda", "triton"):
         _outside_functorch(backend)
     if backend == "cpu":
@@ -174,20 +179,20 @@ def get_backend(backend, device):
                              f"--no-build-isolation` or use backend='torch'")
         if dev != "cpu":
             raise ValueError(f"backend: 'cpu' needs CPU tensors, got tensors on {device}")
-        return KernelBackend("cpu", "")
+        return _KERNEL_BACKENDS["cpu"]
     if backend == "cuda":
         if not HAS_CUDA:
             raise ValueError("backend: 'cuda' was asked for but the extension was built "
                              "without CUDA; use backend='triton' or 'torch'")
         if dev != "cuda":
             raise ValueError(f"backend: 'cuda' needs CUDA tensors, got tensors on {device}")
-        return KernelBackend("cuda", "")
+        return _KERNEL_BACKENDS["cuda"]
     if backend == "triton":
         if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend: 'triton' needs CUDA tensors (or TRITON_INTERPRET=1 for "
                              f"the interpreter), got tensors on {device}")
         if not triton_importable():
             raise ValueError("backend: 'triton' was asked for but triton is not importable")
-        return KernelBackend("triton", "triton_")
+        return _KERNEL_BACKENDS["triton"]
     raise ValueError(f"backend: expected one of ['auto', 'cpu', 'cuda', 'triton', 'torch'], "
                      f"got {backend!r}")

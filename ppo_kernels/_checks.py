@@ -190,7 +190,7 @@ def response_mask(mask, like, flat, like_name="tokens"):
     same_device("response_mask", mask, like_name, like)
     if flat:
         mask = mask.unsqueeze(0) if mask.dim() == 1 else mask
-    if tuple(mask.shape) != tuple(like.shape):
+    if mask.shape != like.shape:
         raise ValueError(f"response_mask: expected shape {list(like.shape[1:] if flat else like.shape)},"
                          f" got {list(mask.shape[1:] if flat else mask.shape)}"
                          f"{_aligned_hint(mask, like, like_name)}")
@@ -293,19 +293,29 @@ def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens",
         raise TypeError(f"{name}: expected a tensor, got None")
     tensor(name, x, floating=True)
     same_device(name, x, like_name, like)
-    if flat and x.dim() == 1:
-        x = x.unsqueeze(0)
-    elif per_seq_ok and not flat and tuple(x.shape) in ((like.shape[0],), (like.shape[0], 1)):
-        x = x.reshape(like.shape[0], 1).expand(like.shape)
-    if tuple(x.shape) != tuple(like.shape):
+    if x.shape != like.shape:  # (the usual case first: the shapes of the tokens)
+        if flat and x.dim() == 1:
+            x = x.unsqueeze(0)
+        elif per_seq_ok and not flat and x.shape in ((like.shape[0],), (like.shape[0], 1)):
+            x = x.reshape(like.shape[0], 1).expand(like.shape)
+    if x.shape != like.shape:
         shown = like.shape[1:] if flat else like.shape
         raise ValueError(f"{name}: expected shape {list(shown)}, got "
                          f"{list(x.shape[1:] if flat and x.dim() == 2 else x.shape)}"
                          f"{_aligned_hint(x, like, like_name)}")
     # inputs from the rollout: they are data, not parameters, and get no gradient on any
-    # backend
-    x = x.detach()
+    # backend (detached only where they would: a detach costs a new tensor per call)
+    if x.requires_grad:
+        x = x.detach()
     return (x if x.dtype == dtype else x.to(dtype)).contiguous()
+
+
+def detached(t):
+    """t without autograd history: t itself where it has none (the kernels' per-token
+    outputs are non-differentiable already), since a detach costs a new tensor per call.
+    Traced, always detached: torch.jit.trace's check re-runs the call under no_grad and
+    wants the same graph."""
+    return t.detach() if t.requires_grad or torch.jit.is_tracing() else t
 
 
 def acc_dtype(x):

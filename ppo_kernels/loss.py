@@ -406,10 +406,12 @@ def composite_padded(spec, x, logits3):
 
 
 def _replaced(x, **changes):
-    """x._replace(**changes) for a LossInputs, built field by field: torch 2.6's dynamo does
-    not trace a NamedTuple's _replace (torch.compile(fullgraph=True) stops with "inline in
-    skipfiles: LossInputs._replace": collections/__init__.py is in its SKIP_DIRS); later
-    releases inline it."""
+    """x._replace(**changes) for a LossInputs; traced, built field by field: torch 2.6's
+    dynamo does not trace a NamedTuple's _replace (torch.compile(fullgraph=True) stops with
+    "inline in skipfiles: LossInputs._replace": collections/__init__.py is in its
+    SKIP_DIRS); later releases inline it."""
+    if not torch.compiler.is_compiling():
+        return x._replace(**changes)
     return LossInputs(*[changes[f] if f in changes else getattr(x, f)
                         for f in LossInputs._fields])
 
@@ -493,7 +495,7 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
             temperature = temperature.reshape(1, 1).expand(tokens2.shape)
     else:
         temperature = None
-    spec = LossSpec.build(acc, **spec_options)
+    spec = LossSpec.from_options(acc, spec_options)
     _cp.check_group(spec.cp_group)
     response_mask, old_logprobs, advantages = (t["response_mask"], t["old_logprobs"],
                                                t["advantages"])
@@ -632,8 +634,8 @@ def _host_weights(x, mode, global_num_tokens, norm_length, global_num_seqs, grou
     if x.be.name != "cpu" or group is not None or not hasattr(torch.ops.ppo_kernels,
                                                                  "agg_weights"):
         return None
-    if any(isinstance(v, torch.Tensor) for v in (global_num_tokens, norm_length,
-                                                 global_num_seqs)):
+    if isinstance(global_num_tokens, torch.Tensor) or isinstance(norm_length, torch.Tensor) \
+            or isinstance(global_num_seqs, torch.Tensor):
         return None
     b, t = x.mask.shape
     if mode == "token-mean":
@@ -736,8 +738,8 @@ def loss_metrics(spec, x, logp, ent, aux=None):
     if op is not None:
         scalars, codes = spec.kernel_args(torch.float32)
         names, slots = _metric_names(spec, rollout)
-        vec = op(logp.detach(), ent.detach(), x.mask, x.old, x.adv, x.ref, x.rollout, x.rc_w,
-                 scalars, codes, slots)
+        vec = op(ck.detached(logp), ck.detached(ent), x.mask, x.old, x.adv, x.ref, x.rollout,
+                 x.rc_w, scalars, codes, slots)
         metrics = dict(zip(names, vec.unbind()))
         rollout = False  # (in the vector already)
     else:

@@ -104,10 +104,17 @@ class LossSpec:
         accumulation dtype, in which grad_scale and the SAPO temperatures must stay
         positive normal numbers. A record is immutable, so one built from the same keyword
         values (each of the same type) is reused: a training loop checks its options once."""
+        return cls.from_options(dtype, options)
+
+    @classmethod
+    def from_options(cls, dtype, options):
+        """build(dtype, **options) from the dict itself (no keyword repacking: a repeated
+        call costs one key and one look-up)."""
         if torch.compiler.is_compiling():  # (traced: no cache to consult or fill)
             return cls._build(dtype, **options)
+        values = tuple(options.values())
         try:  # (looked up first: the check of every value below costs more than a hit)
-            key = (dtype, tuple(options.items()), tuple(map(type, options.values())))
+            key = (dtype, tuple(options), values, tuple(map(type, values)))
             spec = _BUILT.get(key)
         except (TypeError, RuntimeError):  # unhashable (a list), or a tensor compared
             return cls._build(dtype, **options)
@@ -117,7 +124,7 @@ class LossSpec:
         # only plain values are keys: a process group or a tensor (cp_group, a tensor
         # global_num_tokens) kept alive by the cache would outlive its group (a gloo group
         # destroyed at interpreter exit aborts the process) or pin a step's tensor
-        if all(_plain(v) for v in options.values()):
+        if all(_plain(v) for v in values):
             if len(_BUILT) >= _BUILT_MAX:
                 _BUILT.clear()
             _BUILT[key] = spec

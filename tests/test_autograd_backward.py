@@ -1,5 +1,5 @@
 """The backward of the fused loss (ppo_kernels/_autograd.py: the autograd formulas,
-scale_grad, FusedLoss): grad_output != 1 (gradient accumulation, loss scaling, every
+scale_grad, FusedLoss and its C++ twin csrc/eager_autograd.cpp): grad_output != 1 (gradient accumulation, loss scaling, every
 backward under torch.compile) must cost no [N, V] allocation and scale in float32, and a
 grad_scale known before the forward must cost no pass at all; no host read of a tensor
 value anywhere in forward or backward (CUDA-graph capture, no stalls).
@@ -28,21 +28,34 @@ from helpers.inputs import make_inputs, seeded_inputs, small_inputs
 CASES = [(1.0, 1.0), (1.0, 1 / 3), (1 / 3, 1 / 3), (1 / 3, 1.0), (0.5, 2.0)]
 
 
+class _GradBuffer(TorchDispatchMode):
+    """Records where the forward's dlogits buffer is: the last output of the ppo_loss_fwd
+    op (the C++ autograd Function of the cpu / cuda backends and the Python one of Triton
+    both call the op itself, which a dispatch mode sees)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ptr = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.name() in ("ppo_kernels::ppo_loss_fwd", "ppo_kernels::triton_ppo_loss_fwd"):
+            self.ptr = out[-1].data_ptr()
+        return out
+
+
 def _run(be, inp, dtype, grad_scale, mult, inplace):
     leaf = be.t(inp["full"][:, :-1]).to(dtype).detach().clone().requires_grad_(True)
     x = leaf * 1.0  # a non-leaf in front of the loss, as a model's output is
     seen = {}
     x.register_hook(lambda g: seen.setdefault("ptr", g.data_ptr()) and None)
-    loss, _ = pk.ppo_loss(x, be.t(inp["tokens"]), be.t(inp["old"]), be.t(inp["adv"]),
-                          be.t(inp["mask"]), be.t(inp["ref"]), kl_coef=0.1,
-                          entropy_coef=0.01, grad_scale=grad_scale,
-                          inplace_backward=inplace, backend=be.name)
-    # the forward's dlogits buffer (the loss's autograd node saved it for the backward)
-    saved = getattr(loss.grad_fn, "saved_tensors", ())
-    kept = saved[0].data_ptr() if saved else None
-    del saved
+    with _GradBuffer() as buf:
+        loss, _ = pk.ppo_loss(x, be.t(inp["tokens"]), be.t(inp["old"]), be.t(inp["adv"]),
+                              be.t(inp["mask"]), be.t(inp["ref"]), kl_coef=0.1,
+                              entropy_coef=0.01, grad_scale=grad_scale,
+                              inplace_backward=inplace, backend=be.name)
     (loss * mult).backward()
-    return leaf.grad, loss.detach(), seen["ptr"], kept, x.data_ptr()
+    return leaf.grad, loss.detach(), seen["ptr"], buf.ptr, x.data_ptr()
 
 
 @pytest.mark.parametrize("be", BACKENDS)
