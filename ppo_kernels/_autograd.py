@@ -11,9 +11,8 @@ import weakref
 
 import torch
 
-from . import _extension
 from ._checks import acc_dtype
-from ._extension import HAS_SCHEMAS
+from ._extension import HAS_SCHEMAS, eager_call
 from .spec import F
 
 # ------------------------------------------------------------------ fake (shape) functions
@@ -284,15 +283,15 @@ if HAS_SCHEMAS:
 
 
 
-# FusedLoss's C++ twin for the compiled ops (csrc/eager_autograd.cpp), or None (a build
+# FusedLoss's C++ twin for the compiled ops (csrc/eager_calls.cpp), or None (a build
 # from before it)
-_CPP_FUSED_LOSS = getattr(_extension._C, "fused_loss", None)
+_CPP_FUSED_LOSS = eager_call("fused_loss")
 
 
 def fused_loss(prefix, logits, tensors, scalars, codes, temperatures):
     """(loss, loss_tok, logp, ent) of the prefix + ppo_loss_fwd op with its gradient in the
     autograd graph, in eager mode: for the compiled ops (prefix "", cpu and cuda) the C++
-    autograd Function of csrc/eager_autograd.cpp, which costs a few microseconds per
+    autograd Function of csrc/eager_calls.cpp, which costs a few microseconds per
     forward and per backward where a Python Function costs tens; for the Triton ones
     FusedLoss. The same op, the same backward (hand_out's rules), the same bits."""
     if prefix == "" and _CPP_FUSED_LOSS is not None:

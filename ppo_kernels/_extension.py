@@ -181,6 +181,12 @@ HAS_CPU = CPU_CAPABILITY is not None
 HAS_CUDA = _C is not None and bool(_C.build_info()["cuda"])
 
 
+def eager_call(name):
+    """The function ``name`` of the _C module (csrc/eager_calls.cpp: fused_loss,
+    metrics_dict), or None where this build has none."""
+    return getattr(_C, name, None)
+
+
 def empty_cache():
     """Returns the CPU kernels' recycled gradient buffer (at most one [N, V] block, kept so
     that the next step's gradient needs no fresh, page-faulting memory) to the operating

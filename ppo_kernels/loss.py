@@ -14,6 +14,7 @@ from . import context_parallel as _cp
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
 from ._backends import get_backend, triton_importable
+from ._extension import eager_call
 from ._two_phase import per_token_loss, replay_loss
 from .rows import logits_logprobs
 from .rank_agreement import agreed_sizes, checks_together, groups
@@ -723,6 +724,11 @@ def _metrics_op(spec, x, logp):
     return None
 
 
+# the CPU metrics op and the unbind of its vector in one C++ call (csrc/eager_calls.cpp), or
+# None (a build from before it)
+_CPP_METRICS_DICT = eager_call("metrics_dict")
+
+
 def loss_metrics(spec, x, logp, ent, aux=None):
     """ppo_loss's metrics dict from the per-token logp and entropy (DESIGN.md, Metrics).
     aux: with a kept set (sampling replay), (full logp, kept mass, kept size, missing)
@@ -738,9 +744,13 @@ def loss_metrics(spec, x, logp, ent, aux=None):
     if op is not None:
         scalars, codes = spec.kernel_args(torch.float32)
         names, slots = _metric_names(spec, rollout)
-        vec = op(ck.detached(logp), ck.detached(ent), x.mask, x.old, x.adv, x.ref, x.rollout,
-                 x.rc_w, scalars, codes, slots)
-        metrics = dict(zip(names, vec.unbind()))
+        args = (ck.detached(logp), ck.detached(ent), x.mask, x.old, x.adv, x.ref, x.rollout,
+                x.rc_w, scalars, codes, slots)
+        if op is torch.ops.ppo_kernels.ppo_loss_metrics and _CPP_METRICS_DICT is not None \
+                and not torch.compiler.is_compiling():
+            metrics = _CPP_METRICS_DICT(names, *args)  # (the op and its unbind in C++)
+        else:
+            metrics = dict(zip(names, op(*args).unbind()))
         rollout = False  # (in the vector already)
     else:
         metrics = _torch_impl.metrics(logp, ent, x.old, x.adv, x.ref, x.mask, spec, logp_kl)

@@ -1,5 +1,5 @@
 """The backward of the fused loss (ppo_kernels/_autograd.py: the autograd formulas,
-scale_grad, FusedLoss and its C++ twin csrc/eager_autograd.cpp): grad_output != 1 (gradient accumulation, loss scaling, every
+scale_grad, FusedLoss and its C++ twin csrc/eager_calls.cpp): grad_output != 1 (gradient accumulation, loss scaling, every
 backward under torch.compile) must cost no [N, V] allocation and scale in float32, and a
 grad_scale known before the forward must cost no pass at all; no host read of a tensor
 value anywhere in forward or backward (CUDA-graph capture, no stalls).

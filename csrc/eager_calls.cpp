@@ -1,15 +1,18 @@
-// ppo_kernels._C.fused_loss: the eager autograd of the fused single pass (ppo_loss_fwd) as a
-// C++ autograd Function, for the cpu and cuda backends. It does what the Python Function
+// The eager per-call paths of the compiled ops, in C++ for their host cost alone (the
+// arithmetic is the ops', the same bits): a Python autograd Function or a Python op call
+// with a dozen arguments costs tens of microseconds, which is most of a small call.
+//
+// fused_loss: the eager autograd of the fused single pass (ppo_loss_fwd) as a C++ autograd
+// Function, for the cpu and cuda backends. It does what the Python Function
 // _autograd.FusedLoss does (the Triton ops and the in-place variant keep that one): the
 // forward calls the op below autograd with compute_grad and keeps dlogits, pre-scaled by
 // grad_scale; the backward hands it out as _autograd.hand_out does (in place when the graph
 // is freed, a fresh copy when it is retained, nothing for a grad_output equal to the
-// applied scale). Written in C++ for the per-call cost alone: a Python autograd Function
-// costs tens of microseconds of interpreter time per forward and per backward, which is
-// most of a small call (the arithmetic is the op's, the same bits).
+// applied scale). torch.compile and torch.jit.trace never see it: they record the op
+// itself, with the autograd formula registered in ppo_kernels/_autograd.py.
 //
-// torch.compile and torch.jit.trace never see this function: they record the op itself,
-// with the autograd formula registered in ppo_kernels/_autograd.py.
+// metrics_dict: ppo_loss's metrics dict from the one op ppo_loss_metrics (the cpu backend),
+// its [K] vector handed out as K 0-d tensors by name.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
@@ -31,6 +34,18 @@ const c10::TypedOperatorHandle<FwdSig>& fwd_op() {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("ppo_kernels::ppo_loss_fwd", "")
                              .typed<FwdSig>();
+  return op;
+}
+
+using MetricsSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const OptTensor&, const at::Tensor&, const OptTensor&,
+                              const OptTensor&, const OptTensor&, c10::ArrayRef<double>,
+                              c10::ArrayRef<int64_t>, c10::ArrayRef<int64_t>);
+
+const c10::TypedOperatorHandle<MetricsSig>& metrics_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("ppo_kernels::ppo_loss_metrics", "")
+                             .typed<MetricsSig>();
   return op;
 }
 
@@ -104,7 +119,7 @@ struct FusedLossFn : public torch::autograd::Function<FusedLossFn> {
 
 }  // namespace
 
-void init_eager_autograd(pybind11::module_& m) {
+void init_eager_calls(pybind11::module_& m) {
   m.def(
       "fused_loss",
       [](const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
@@ -121,4 +136,27 @@ void init_eager_autograd(pybind11::module_& m) {
       "in the autograd graph (the eager cpu / cuda path of ppo_loss; arguments as the op's, "
       "without compute_grad, then the index of grad_scale in scalars).",
       pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def(
+      "metrics_dict",
+      [](const std::vector<std::string>& names, const at::Tensor& logp, const at::Tensor& ent,
+         const at::Tensor& mask, const OptTensor& old, const at::Tensor& adv,
+         const OptTensor& ref, const OptTensor& rollout, const OptTensor& rollout_w,
+         const std::vector<double>& scalars, const std::vector<int64_t>& codes,
+         const std::vector<int64_t>& slots) {
+        TORCH_CHECK(names.size() == slots.size(), "names: expected one per slot, got ",
+                    names.size(), " names and ", slots.size(), " slots");
+        std::vector<at::Tensor> values;
+        {
+          pybind11::gil_scoped_release no_gil;
+          values = metrics_op()
+                       .call(logp, ent, mask, old, adv, ref, rollout, rollout_w, scalars, codes,
+                             slots)
+                       .unbind();
+        }
+        pybind11::dict out;
+        for (size_t k = 0; k < names.size(); ++k) out[pybind11::str(names[k])] = values[k];
+        return out;
+      },
+      "{name: 0-d float32 tensor} from ppo_kernels::ppo_loss_metrics (its arguments after "
+      "the names, one name per slot, in the slots' order).");
 }
