@@ -17,6 +17,15 @@ from ._extension import HAS_CPU, HAS_CUDA, LOAD_ERROR, not_built_hint
 from .spec import KL_ESTIMATORS
 
 
+def recorded(*tensors):
+    """Whether a kernel op call goes through the op's autograd kernel: a gradient is wanted,
+    or torch.jit.trace / torch.compile records the call. Else (eager, no gradient) the
+    backends call the op below autograd, straight to the device kernel: the autograd
+    kernel registered from Python (_autograd.register) would only redispatch, at tens of
+    microseconds a call."""
+    return wants_grad(*tensors) or torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
 class KernelBackend:
     """A backend made of the compiled ops (prefix "") or the Triton ones ("triton_")."""
 
@@ -36,8 +45,13 @@ class KernelBackend:
     def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
         """temperature: a number or the per-row [B, T] tensor (the ops' `temperatures`)."""
         t, temps = split_temperature(temperature)
-        logp, ent, _, _ = self.op("token_logprobs_fwd")(logits, tokens, mask, t,
-                                                         return_entropy, temperatures=temps)
+        op = self.op("token_logprobs_fwd")
+        if recorded(logits):
+            logp, ent, _, _ = op(logits, tokens, mask, t, return_entropy, temperatures=temps)
+        else:  # (no gradient in eager mode: no pass through the op's Python autograd kernel)
+            with torch._C._AutoDispatchBelowAutograd():
+                logp, ent, _, _ = op(logits, tokens, mask, t, return_entropy,
+                                     temperatures=temps)
         return logp, (ent if return_entropy else None)
 
     def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None,
@@ -60,9 +74,13 @@ class KernelBackend:
         elif need_grad and not tracing and not torch.compiler.is_compiling():
             loss, loss_tok, logp, ent = fused_loss(self.prefix, logits, tensors, scalars, codes,
                                                    temperatures)
-        else:
+        elif recorded(logits):
             loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(
                 logits, *tensors, scalars, codes, need_grad, temperatures=temperatures)
+        else:  # (no gradient in eager mode: no pass through the op's Python autograd kernel)
+            with torch._C._AutoDispatchBelowAutograd():
+                loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(
+                    logits, *tensors, scalars, codes, False, temperatures=temperatures)
         if w_ent is not None and spec.entropy_coef != 0.0:
             # the kernel sums w * (... - entropy_coef H); the entropy term's own weights
             # are w_ent (its gradient already carries them)
