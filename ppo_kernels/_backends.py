@@ -85,6 +85,8 @@ class KernelBackend:
             # the kernel sums w * (... - entropy_coef H); the entropy term's own weights
             # are w_ent (its gradient already carries them)
             loss = loss + spec.entropy_coef * ((weights - w_ent) * ent.detach()).sum()
+        if tracing:  # (the same graph with and without grad: _checks.detached)
+            return loss, loss_tok.detach(), logp.detach(), ent.detach()
         return loss, detached(loss_tok), detached(logp), detached(ent)
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,
@@ -114,7 +116,7 @@ class TorchBackend:
                  temperatures=None):
         loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, tokens, mask, old, adv, weights,
                                                          ref, isw, spec, w_ent, temperatures)
-        return loss, detached(loss_tok), detached(logp), detached(ent)
+        return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,
             value_lam=None):

@@ -11,6 +11,9 @@ Baselines (each where the op and its options allow it; a skipped one is listed w
                        mean (with the KL / entropy terms when those options are on; for GSPO
                        the sequence ratio), in float32
   F.cross_entropy      the same with logp = -F.cross_entropy(..., reduction="none")
+  cross-entropy loss   not a PPO loss: F.cross_entropy(logits, tokens) alone (mean over every
+                       position), the least a loss op on the same logits costs in torch
+                       (ppo_loss and token_logprobs; left out of the agreement check)
   torch.compile        torch.compile(plain composite, dynamic=False) (--no-compile skips it)
   eager composite      the library's own composite, backend="torch"
   materialised         from-hidden ops: logits = hidden @ W.T, then the fused logits op
@@ -618,6 +621,15 @@ def fused_fn(op, backend, opts, x_extra=None):
     return fns[op]
 
 
+def cross_entropy_loss(x):
+    """The cross-entropy loss row: F.cross_entropy of the logits (positions t < T of
+    [B, T + 1, V] ones) against the tokens, the mean over every position, as an SFT step
+    computes it; the least a loss on the same logits costs in torch."""
+    z, tokens = x["logits"], x["tokens"]
+    z = z[:, :tokens.shape[1]] if z.dim() == 3 else z
+    return (F.cross_entropy(z.reshape(-1, z.shape[-1]), tokens.reshape(-1)),)
+
+
 def plain_fn(op, opts, logp_of=logp_log_softmax):
     o = op_options(opts)
     if op == "ppo_loss":
@@ -783,6 +795,11 @@ def build_variants(op, a, opts, device, x):
     else:
         for name in ("plain composite", "F.cross_entropy", "torch.compile"):
             skipped[name] = why
+    if op in ("ppo_loss", "token_logprobs"):
+        vs.append(Variant("cross-entropy loss", cross_entropy_loss, modes=modes,
+                          compare=False))
+    else:
+        skipped["cross-entropy loss"] = f"{op} takes no logits"
     vs.append(Variant("eager composite", fused_fn(op, "torch", opts), modes=modes))
     if op in FROM_HIDDEN:
         lop = op.replace("_from_hidden", "")

@@ -489,7 +489,9 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
     t["backend"] = options.get("backend", "auto")
     acc = ck.acc_dtype(like)
     temperature = options.get("temperature")
-    spec_options = {k: v for k, v in options.items() if k not in _NOT_SPEC_OPTIONS}
+    spec_options = dict(options)  # (deleting the few others costs less than a filter)
+    for k in _NOT_SPEC_OPTIONS.intersection(options):
+        del spec_options[k]
     if isinstance(temperature, torch.Tensor):  # per row: LossSpec keeps the default 1
         spec_options.pop("temperature")
         if temperature.dim() == 0:  # one value, left on its device

@@ -3,8 +3,8 @@ that every language mirrors.
 
 ``LossSpec.build(**keywords)`` checks every option of ``pk.ppo_loss`` once (each bad value a
 ValueError / TypeError naming the keyword) and returns a frozen record; everything below the
-public call reads the record's fields, and the kernels get its numbers as two lists,
-``LossSpec.kernel_args(dtype) -> (float[], int[])``, in the slot order of FLOAT_SLOTS and
+public call reads the record's fields, and the kernels get its numbers as two tuples,
+``LossSpec.kernel_args(dtype) -> (floats, ints)``, in the slot order of FLOAT_SLOTS and
 INT_SLOTS. The C++ kernels (csrc/ppo_math.h, namespace ppo::slot) and the Triton kernels
 (triton_kernels/_math.py, F_* / I_*) index those lists with named constants that
 mirror the tables here; tests/test_spec.py compares them, and the enums (policy losses, KL
@@ -222,7 +222,7 @@ class LossSpec:
     def kernel_args(self, dtype):
         """(scalars, codes): the float[] and int[] the ppo_loss kernel ops take, in the slot
         order of FLOAT_SLOTS / INT_SLOTS; dtype: the logits' (or hidden states') dtype.
-        (Fresh lists each call; made once per record and dtype.)"""
+        (Made once per record and dtype, handed out as tuples: nothing can change them.)"""
         if torch.compiler.is_compiling():
             return self._kernel_args(dtype)
         cache = self.__dict__.get("_kernel_args_cache")
@@ -232,7 +232,7 @@ class LossSpec:
         got = cache.get(dtype)
         if got is None:
             got = cache[dtype] = self._kernel_args(dtype)
-        return list(got[0]), list(got[1])
+        return got
 
     def _kernel_args(self, dtype):
         values = dict(
@@ -243,7 +243,8 @@ class LossSpec:
             sapo_tau_neg=self.sapo_tau_neg)
         codes = dict(policy_loss=self.policy_loss_id, kl_estimator=self.kl_estimator_id,
                      kl_bias_correction=int(self.kl_bias_correction))
-        return [float(values[n]) for n in FLOAT_SLOTS], [int(codes[n]) for n in INT_SLOTS]
+        return (tuple(float(values[n]) for n in FLOAT_SLOTS),
+                tuple(int(codes[n]) for n in INT_SLOTS))
 
 
 # LossSpec.build's records by their keyword values (cleared when full)

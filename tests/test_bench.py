@@ -53,6 +53,9 @@ def test_ops_json(tmp_path, op, args, baselines):
     for rows in point["modes"].values():
         names = [r["variant"] for r in rows]
         assert names[0] == "fused" and "floor" in names and baselines <= set(names)
+        # the cross-entropy yardstick: timed where the op reads logits, never compared
+        assert ("cross-entropy loss" in names) == (op in ("ppo_loss", "token_logprobs"))
+        assert "cross-entropy loss" not in point["agreement"]
         for r in rows:
             assert ROW_FIELDS <= set(r) and r["reps"] == 1
             assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]

@@ -175,7 +175,7 @@ def test_raw_cpu_ops_reject_bad_input_without_crashing():
         lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, None, fs, [0, 7, 0], True),
         lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, None, fs, [5, 2, 0], True),
         lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, None, fs[:-1], codes, True),
-        lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, None, fs, codes + [0], True),
+        lambda: ops.ppo_loss_fwd(L, tk, m, O, A, W, None, None, None, fs, [*codes, 0], True),
         lambda: ops.ppo_loss_fwd(L, tk, m, O.double(), A, W, None, None, None, fs, codes, True),
         lambda: ops.ppo_loss_fwd(L, tk, m, O, A[:, :2], W, None, None, None, fs, codes, True),
         lambda: ops.ppo_loss_fwd(L, torch.full((2, 3), 10**9), m, O, A, W, None, None, None, fs,

@@ -92,6 +92,6 @@ def test_kernel_args_by_slot():
     f, i = s.kernel_args(torch.float32)
     assert f[spec.F["kl_coef"]] == 0.3 and f[spec.F["temperature"]] == 0.7
     assert f[spec.F["grad_scale"]] == 4.0 and f[spec.F["dual_clip_c"]] == 0.0
-    assert i == [2, 5, 1]
+    assert i == (2, 5, 1)  # (tuples: the cached record's, which nothing can change)
     # float16 gradients are pre-scaled by at most 1 (the backward applies the rest)
     assert s.kernel_args(torch.float16)[0][spec.F["grad_scale"]] == 1.0
