@@ -1,14 +1,17 @@
 #!/usr/bin/env python
 """A complete RLHF-style PPO loop on a tiny GPT-2, using ppo_kernels for every loss.
 
-    python examples/ppo_demo.py                  # ~40 s on 2 CPU cores
+    python examples/ppo_demo.py                  # ~65 s on 2 CPU cores, ~30 s once cached
     python examples/ppo_demo.py --quick          # ~15 s smoke run (CI)
     python examples/ppo_demo.py --backend torch  # same curve, eager PyTorch composite
 
 What happens (see tiny_lm.py for the toy world):
 
 1. Pre-training ("SFT"): a 2-layer GPT-2 learns a grammar of short reviews, half of them
-   positive, half negative. A frozen copy becomes the reference policy.
+   positive, half negative. A frozen copy becomes the reference policy. On the CPU the
+   pre-trained model (and the random state after it) is kept in a cache/ folder beside
+   the plot, so a second run with the same settings starts at PPO with the same bits
+   (--no-cache trains it again).
 2. PPO, per iteration:
    a. rollout: sample a review for each prompt ``<bos> the NOUN VERB`` (temperature 0.9);
       the reward is #positive - #negative adjectives (-1 if no <eos>).
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
 import json
 import math
 import os
@@ -128,6 +132,12 @@ def make_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argumen
     p.add_argument("--json", default=None, help="also write the per-iteration history here")
     p.add_argument("--quick", action="store_true", help="a ~15 s smoke run (CI)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--cache", default=None,
+                   help="where the pre-trained model is kept between runs on the CPU "
+                        "(default: cache/ beside --out)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="pre-train even where a cached model of the same settings exists "
+                        "(and keep none)")
     return p
 
 
@@ -410,20 +420,31 @@ def setup(args: argparse.Namespace, log=print, banner: str = "ppo_demo") -> Simp
     # 1. pre-training ------------------------------------------------------------------
     lm = tiny_lm.build_lm(vocab, tiny_lm.ModelConfig(n_layer=s.n_layer, n_embd=s.n_embd))
     n_params = sum(p.numel() for p in lm.parameters())
-    bar = tqdm(total=s.pretrain_steps, desc="pre-train", disable=args.no_progress,
-               leave=False)
-
-    def tick(loss):
-        bar.update()
-        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
-
     t0 = time.perf_counter()
     lm.to(device)
-    sft_loss = tiny_lm.pretrain(lm, vocab, corpus_rng, s.pretrain_steps, progress=tick)
-    bar.close()
-    log(f"pre-trained a {n_params / 1e3:.0f}k-parameter GPT-2 ({s.n_layer} layers, "
-        f"d={s.n_embd}) for {s.pretrain_steps} steps in {time.perf_counter() - t0:.1f}s, "
-        f"final loss {sft_loss:.3f} nats/token")
+    cache = pretrained_path(args, s, device, vocab)
+    got = load_pretrained(cache, lm)
+    if got is not None:
+        sft_loss, took = got
+        log(f"loaded the pre-trained {n_params / 1e3:.0f}k-parameter GPT-2 ({s.n_layer} "
+            f"layers, d={s.n_embd}, {s.pretrain_steps} steps: {took:.1f}s when it was "
+            f"trained) from {cache}, final loss {sft_loss:.3f} nats/token (--no-cache "
+            f"trains it again)")
+    else:
+        bar = tqdm(total=s.pretrain_steps, desc="pre-train", disable=args.no_progress,
+                   leave=False)
+
+        def tick(loss):
+            bar.update()
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+
+        sft_loss = tiny_lm.pretrain(lm, vocab, corpus_rng, s.pretrain_steps, progress=tick)
+        bar.close()
+        took = time.perf_counter() - t0
+        log(f"pre-trained a {n_params / 1e3:.0f}k-parameter GPT-2 ({s.n_layer} layers, "
+            f"d={s.n_embd}) for {s.pretrain_steps} steps in {took:.1f}s, "
+            f"final loss {sft_loss:.3f} nats/token")
+        save_pretrained(cache, lm, sft_loss, took)
 
     ref_lm = copy.deepcopy(lm).eval().requires_grad_(False)    # the frozen reference
     policy = tiny_lm.PolicyWithValueHead(lm).to(device)
@@ -431,6 +452,56 @@ def setup(args: argparse.Namespace, log=print, banner: str = "ppo_demo") -> Simp
     return SimpleNamespace(s=s, device=device, pk=pk, backend=backend, vocab=vocab, lm=lm,
                            ref_lm=ref_lm, policy=policy, opt=opt, prompt_rng=prompt_rng,
                            gen=gen, gen_cpu=gen_cpu)
+
+
+def pretrained_path(args: argparse.Namespace, s: Settings, device, vocab) -> str | None:
+    """Where the pre-trained model of these settings is kept, or None: --no-cache, or a
+    CUDA device (where pre-training takes seconds, and the CUDA random state would have to
+    be kept too). The name digests everything pre-training depends on: the seed, the
+    steps, the model's size, the vocabulary, tiny_lm.py, the torch version and the thread
+    count (which can change float rounding)."""
+    if args.no_cache or device.type != "cpu":
+        return None
+    what = repr((args.seed, s.pretrain_steps, s.n_layer, s.n_embd, len(vocab),
+                 torch.__version__, torch.get_num_threads())).encode()
+    with open(tiny_lm.__file__, "rb") as f:
+        key = hashlib.sha256(what + f.read()).hexdigest()[:16]
+    folder = args.cache or os.path.join(os.path.dirname(os.path.abspath(args.out)), "cache")
+    return os.path.join(folder, f"pretrained-{key}.pt")
+
+
+def load_pretrained(path: str | None, lm) -> tuple[float, float] | None:
+    """Loads a kept pre-trained model into lm and the random states pre-training left
+    (torch's and Python's), so that the run goes on with the same bits: (final loss,
+    seconds it took to train), or None when there is none to load (or it cannot be read:
+    then the model is trained again)."""
+    if path is None or not os.path.exists(path):
+        return None
+    try:
+        kept = torch.load(path, weights_only=True)
+        lm.load_state_dict(kept["model"])
+    except Exception as e:  # noqa: BLE001 (a stale or partial file: train again)
+        print(f"note: cannot use the cached pre-trained model {path} ({e}); training it",
+              file=sys.stderr)
+        return None
+    lm.eval()
+    torch.set_rng_state(kept["torch_rng"])
+    random.setstate((kept["random_version"], tuple(kept["random_state"]), None))
+    return float(kept["loss"]), float(kept["seconds"])
+
+
+def save_pretrained(path: str | None, lm, loss: float, seconds: float) -> None:
+    """Keeps the pre-trained model and the random states after pre-training at path
+    (written whole or not at all: a temporary file renamed)."""
+    if path is None:
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    version, state, _ = random.getstate()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    torch.save(dict(model=lm.state_dict(), torch_rng=torch.get_rng_state(),
+                    random_version=version, random_state=list(state), loss=loss,
+                    seconds=seconds), tmp)
+    os.replace(tmp, path)
 
 
 def train(run: SimpleNamespace, par: Local = LOCAL, log=tqdm.write, progress: bool = True,

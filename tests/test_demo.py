@@ -179,3 +179,32 @@ def test_plot_without_matplotlib_says_so(tmp_path, monkeypatch):
     where = demo.plot(history, str(tmp_path / "q.png"), "t")
     assert where.startswith("skipped") and "pip install matplotlib" in where
     assert not (tmp_path / "q.png").exists()
+
+
+def test_cached_pretraining_gives_the_same_run(tmp_path):
+    """A second run loads the pre-trained model kept by the first (examples/ppo_demo.py
+    --cache) and goes on with the same bits: the same weights and value head after
+    set-up, the same random states, so the same PPO iterations. --no-cache trains again
+    (and gets the same weights)."""
+    import random
+
+    demo = _load_demo()
+    argv = ["--quick", "--pretrain-steps", "20", "--iterations", "2", "--no-progress",
+            "--seed", "3", "--out", str(tmp_path / "p.png"), "--cache", str(tmp_path / "c")]
+    runs = []
+    for extra, ppo in (([], True), ([], True), (["--no-cache"], False)):
+        log = []
+        run = demo.setup(demo.parse_args(argv + extra), log=log.append)
+        state = {k: v.clone() for k, v in run.policy.state_dict().items()}
+        rng = (torch.get_rng_state(), random.getstate())
+        hist = demo.train(run, log=lambda *_: None, progress=False)[0] if ppo else None
+        runs.append((log[1], state, rng, hist))
+    assert [r[0].split(" ")[0] for r in runs] == ["pre-trained", "loaded", "pre-trained"]
+    assert len(list((tmp_path / "c").glob("pretrained-*.pt"))) == 1
+    (_, first, rng_a, hist_a), (_, cached, rng_b, hist_b), (_, again, _, _) = runs
+    for other in (cached, again):
+        assert first.keys() == other.keys()
+        for name in first:
+            assert torch.equal(first[name], other[name]), name
+    assert torch.equal(rng_a[0], rng_b[0]) and rng_a[1] == rng_b[1]
+    assert hist_a == hist_b and len(hist_a) == 2
