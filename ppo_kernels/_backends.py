@@ -54,12 +54,13 @@ class KernelBackend:
                                      temperatures=temps)
         return logp, (ent if return_entropy else None)
 
-    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None,
-                 temperatures=None):
+    def ppo_loss(self, logits, kin, spec):
         """The fused single pass of a token-level policy loss (the two-phase path is
         loss.two_phase's to choose): (loss, loss_tok, logp, ent), all but loss detached.
-        temperatures: the per-row [B, T] temperature, or None (spec.temperature)."""
-        tensors = (tokens, mask, old, adv, weights, ref, isw, w_ent)
+        kin: the call's loss.KernelInputs (the per-token tensors in the kernels' layout,
+        the per-row temperature or None for spec.temperature)."""
+        tensors, temperatures = kin[:8], kin.temperatures
+        weights, w_ent = kin.weights, kin.w_ent
         scalars, codes = spec.kernel_args(logits.dtype)
         # under torch.jit.trace always: its check re-runs the call under no_grad, and the
         # recorded graph must not depend on that (the replay's autograd uses the gradient)
@@ -112,10 +113,9 @@ class TorchBackend:
     def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
         return _torch_impl.token_logprobs(logits, tokens, mask, temperature, return_entropy)
 
-    def ppo_loss(self, logits, tokens, mask, old, adv, weights, ref, isw, spec, w_ent=None,
-                 temperatures=None):
-        loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, tokens, mask, old, adv, weights,
-                                                         ref, isw, spec, w_ent, temperatures)
+    def ppo_loss(self, logits, kin, spec):
+        loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, *kin[:7], spec, kin.w_ent,
+                                                         kin.temperatures)
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,

@@ -127,8 +127,8 @@ def ppo_loss(be, logits, spec, x, shard=None):
     if torch.jit.is_tracing():  # (its middle is differentiated by autograd, even without grad)
         raise not_traceable("the two-phase path (gspo, gspo-token, vespo, the off-policy "
                             "mask, a kept set, a split vocabulary)")
-    src = LogitRows(be, logits, x.kernel(x.tokens), x.kernel(x.mask),
-                    x.kernel_temperature(spec), shard)
+    kin = x.kin
+    src = LogitRows(be, logits, kin.tokens, kin.mask, kin.temperature(spec), shard)
     if not wants_grad(logits):
         with torch.no_grad():
             out = passes(src, (logits,), spec, x, (False,))

@@ -65,8 +65,7 @@ class HeadLoss:
         before the kernel overwrites z), into the accumulators."""
         src, spec, x = self.src, self.spec, self.x
         hidden3 = inputs[0]
-        per_tok = tuple(x.kernel(v) for v in (x.tokens, x.mask, x.old, x.adv, x.weights,
-                                               x.ref, x.isw, x.w_ent))
+        per_tok = x.kin[:8]  # (the op's tensors after the logits)
         g = Grads(src.n, src.chunk, *inputs, need)
         loss = torch.zeros((), dtype=src.acc, device=hidden3.device)
         logp, ent = [], []
@@ -264,41 +263,39 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         checks_together(groups(tp_group=tp_group, cp_group=cp_group), checks,
                         lambda r: agreed_sizes(r[7]), options)
     x = weigh_loss(spec, x, pending)
-    k = x.kernel  # the packed layout again, with cu_seqlens
+    kin = x.kin  # the packed layout again, with cu_seqlens
+    temp = kin.temperature(spec)
     diff = (hidden3, lm_head_weight, lm_head_bias)
     if x.replay is not None:
         _vp_given_only(x.replay, shard)
         # (the kept-set statistics chunk by chunk; the [B, T] loss by autograd on them, the
         # backward recomputing each chunk's logits; over a split vocabulary the kept
         # partials ride on each chunk's statistics all-gather)
-        out = replay_from_hidden(x.be, hidden3, lm_head_weight, lm_head_bias, k(x.tokens),
-                                 k(x.mask), x.kernel_temperature(spec), x.replay, cap, chunk,
-                                 ldt, shard)
+        out = replay_from_hidden(x.be, hidden3, lm_head_weight, lm_head_bias, kin.tokens,
+                                 kin.mask, temp, x.replay, cap, chunk, ldt, shard)
         lp_k, ent_k, logp, ent, mass, size, missing = (x.padded(v) for v in out)
         loss, ent_sel = replay_loss(spec, x, lp_k, ent_k, logp, ent)
         return loss, loss_metrics(spec, x, lp_k.detach(), ent_sel.detach(),
                                   (logp.detach(), mass, size, missing))
     if x.weights is None:
         logp, ent = token_logprobs_from_hidden(
-            hidden3, lm_head_weight, k(x.tokens), k(x.mask), lm_head_bias=lm_head_bias,
-            logit_softcap=cap, temperature=x.kernel_temperature(spec), return_entropy=True,
+            hidden3, lm_head_weight, kin.tokens, kin.mask, lm_head_bias=lm_head_bias,
+            logit_softcap=cap, temperature=temp, return_entropy=True,
             chunk_size=chunk, tp_group=None if shard is None else shard.group,
             vocab_start=None if shard is None else shard.start, backend=x.be.name,
             logits_dtype=ldt)
         logp, ent = x.padded(logp), x.padded(ent)
         loss = per_token_loss(spec, x, logp, ent)
     elif not x.be.is_kernel:
-        logits = materialised_logits(*diff, cap, k(x.mask), ldt)
+        logits = materialised_logits(*diff, cap, kin.mask, ldt)
         if two_phase(spec, x, shard):
             loss, logp, ent = composite_padded(spec, x, logits)
         else:
-            loss, _, logp, ent = x.be.ppo_loss(logits, k(x.tokens), k(x.mask), k(x.old),
-                                               k(x.adv), k(x.weights), k(x.ref), k(x.isw),
-                                               spec, k(x.w_ent), k(x.temperature))
+            loss, _, logp, ent = x.be.ppo_loss(logits, kin, spec)
             logp, ent = x.padded(logp), x.padded(ent)
     else:
-        run = HeadLoss(HeadRows(x.be, cap, chunk, ldt, k(x.tokens), k(x.mask),
-                                x.kernel_temperature(spec), x.acc, shard), spec, x)
+        run = HeadLoss(HeadRows(x.be, cap, chunk, ldt, kin.tokens, kin.mask, temp, x.acc,
+                                shard), spec, x)
         if wants_grad(*diff):
             loss, logp, ent = LossWithGrad.apply(run, *diff)
         else:

@@ -346,11 +346,11 @@ def _replay_loss_of_logits(spec, x, logits3, shard):
     path (the fused single pass has no kept set), or autograd through the kept-set
     log-probs (the eager composite, and loss_agg_mode="none"). H is the entropy
     spec.entropy_over names; aux: (full logp, kept mass, kept size, missing), [B, T]."""
-    k = x.kernel
     if x.weights is not None and x.be.is_kernel:
         loss, _, logp, ent, *aux = _two_phase.ppo_loss(x.be, logits3, spec, x, shard)
         return loss, logp, ent, tuple(aux)
-    out = logits_logprobs(x.be, logits3, k(x.tokens), k(x.mask), x.kernel_temperature(spec),
+    kin = x.kin
+    out = logits_logprobs(x.be, logits3, kin.tokens, kin.mask, kin.temperature(spec),
                           x.replay, shard)
     lp_k, ent_k, logp, ent, mass, size, missing = (x.padded(v) for v in out)
     loss, ent_sel = replay_loss(spec, x, lp_k, ent_k, logp, ent)
@@ -370,15 +370,15 @@ def two_phase(spec, x, shard):
 
 def _loss_of_logits(spec, x, logits3, shard):
     """(loss, logp, H) on the path the options need; logp and H in the LossInputs' layout."""
-    k = x.kernel
+    kin = x.kin
     if x.weights is None:
         # per-token loss: no scalar to pre-scale by, so go through token_logprobs' autograd
         if shard is not None:
-            logp, ent = logits_logprobs(x.be, logits3, k(x.tokens), k(x.mask),
-                                        x.kernel_temperature(spec), None, shard)
+            logp, ent = logits_logprobs(x.be, logits3, kin.tokens, kin.mask,
+                                        kin.temperature(spec), None, shard)
         else:
-            logp, ent = x.be.token_logprobs(logits3, k(x.tokens), k(x.mask),
-                                            x.kernel_temperature(spec), True)
+            logp, ent = x.be.token_logprobs(logits3, kin.tokens, kin.mask,
+                                            kin.temperature(spec), True)
         logp, ent = x.padded(logp), x.padded(ent)
         return per_token_loss(spec, x, logp, ent), logp, ent
     if not x.be.is_kernel:
@@ -387,9 +387,7 @@ def _loss_of_logits(spec, x, logits3, shard):
     elif two_phase(spec, x, shard):
         loss, _, logp, ent = _two_phase.ppo_loss(x.be, logits3, spec, x, shard)
         return loss, logp, ent
-    loss, _, logp, ent = x.be.ppo_loss(logits3, k(x.tokens), k(x.mask), k(x.old), k(x.adv),
-                                       k(x.weights), k(x.ref), k(x.isw), spec, k(x.w_ent),
-                                       k(x.temperature))
+    loss, _, logp, ent = x.be.ppo_loss(logits3, kin, spec)
     return loss, x.padded(logp), x.padded(ent)
 
 
@@ -397,8 +395,9 @@ def composite_padded(spec, x, logits3):
     """The eager composite of the two-phase losses: log-probs on the kernels' rows (packed
     with cu_seqlens), the loss on the LossInputs' [B, T] layout (padded; autograd through
     both)."""
-    logp, ent = _torch_impl.token_logprobs(logits3, x.kernel(x.tokens), x.kernel(x.mask),
-                                           x.kernel_temperature(spec), True)
+    kin = x.kin
+    logp, ent = _torch_impl.token_logprobs(logits3, kin.tokens, kin.mask,
+                                           kin.temperature(spec), True)
     logp, ent = x.padded(logp), x.padded(ent)
     pol, _ = _torch_impl.token_losses(logp, ent, x.old, x.adv, x.ref, x.isw, x.mask, spec,
                                       x.behaviour)
@@ -415,6 +414,29 @@ def _replaced(x, **changes):
         return x._replace(**changes)
     return LossInputs(*[changes[f] if f in changes else getattr(x, f)
                         for f in LossInputs._fields])
+
+
+class KernelInputs(NamedTuple):
+    """The per-token tensors of a loss call in the layout the kernels read ([B, T], packed
+    again with cu_seqlens), made once per call (weigh_loss: LossInputs.kin) and handed to
+    the backends and row sources as one record: the ppo_loss_fwd ops' arguments after the
+    logits, in their order (the first eight), and the per-row temperature (None:
+    spec.temperature)."""
+
+    tokens: Any
+    mask: Any
+    old: Any
+    adv: Any
+    weights: Any
+    ref: Any
+    isw: Any
+    w_ent: Any
+    temperatures: Any = None
+
+    def temperature(self, spec):
+        """The temperature as the backends take it: the per-row tensor, or
+        spec.temperature."""
+        return spec.temperature if self.temperatures is None else self.temperatures
 
 
 class LossInputs(NamedTuple):
@@ -440,11 +462,7 @@ class LossInputs(NamedTuple):
     # the per-row temperature [B, T] (1 on masked positions), or None: spec.temperature
     temperature: Any = None
     replay: Any = None  # sampling.Replay (the kept sets, in the kernels' layout) or None
-
-    def kernel_temperature(self, spec):
-        """The temperature as the backends take it: spec.temperature, or the per-row tensor
-        in the kernels' layout (packed again with cu_seqlens)."""
-        return spec.temperature if self.temperature is None else self.kernel(self.temperature)
+    kin: Any = None  # KernelInputs: the tensors above as the kernels read them (weigh_loss)
 
     def kernel(self, x):
         """x [B, T] in the layout the kernels read (packed again with cu_seqlens)."""
@@ -626,7 +644,10 @@ def weigh_loss(spec, x, pending):
         weights = weights_of(spec.loss_agg_mode)
         w_ent = None if spec.entropy_agg_mode in (None, spec.loss_agg_mode) else weights_of(
             spec.entropy_agg_mode)
-    return _replaced(x, isw=isw, rc_w=rc_w, weights=weights, w_ent=w_ent)
+    k = x.kernel
+    kin = KernelInputs(k(x.tokens), k(x.mask), k(x.old), k(x.adv), k(weights), k(x.ref),
+                       k(isw), k(w_ent), k(x.temperature))
+    return _replaced(x, isw=isw, rc_w=rc_w, weights=weights, w_ent=w_ent, kin=kin)
 
 
 def _host_weights(x, mode, global_num_tokens, norm_length, global_num_seqs, group):
