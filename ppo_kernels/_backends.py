@@ -86,8 +86,6 @@ class KernelBackend:
             # the kernel sums w * (... - entropy_coef H); the entropy term's own weights
             # are w_ent (its gradient already carries them)
             loss = loss + spec.entropy_coef * ((weights - w_ent) * ent.detach()).sum()
-        if tracing:  # (the same graph with and without grad: _checks.detached)
-            return loss, loss_tok.detach(), logp.detach(), ent.detach()
         return loss, detached(loss_tok), detached(logp), detached(ent)
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,

@@ -313,9 +313,9 @@ def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens",
 def detached(t):
     """t without autograd history: t itself where it has none (the kernels' per-token
     outputs are non-differentiable already), since a detach costs a new tensor per call.
-    (Under torch.jit.trace detach always: its check re-runs the call under no_grad and
-    wants the same graph.)"""
-    return t.detach() if t.requires_grad else t
+    Traced, always detached: torch.jit.trace's check re-runs the call under no_grad and
+    wants the same graph."""
+    return t.detach() if t.requires_grad or torch.jit.is_tracing() else t
 
 
 def acc_dtype(x):

@@ -770,8 +770,10 @@ def loss_metrics(spec, x, logp, ent, aux=None):
         args = (ck.detached(logp), ck.detached(ent), x.mask, x.old, x.adv, x.ref, x.rollout,
                 x.rc_w, scalars, codes, slots)
         if op is torch.ops.ppo_kernels.ppo_loss_metrics and _CPP_METRICS_DICT is not None \
-                and not torch.compiler.is_compiling():
-            metrics = _CPP_METRICS_DICT(names, *args)  # (the op and its unbind in C++)
+                and not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
+            # the op and its unbind in one C++ call (eager only: torch.compile and
+            # torch.jit.trace record the op itself, not a call they cannot see into)
+            metrics = _CPP_METRICS_DICT(names, *args)
         else:
             metrics = dict(zip(names, op(*args).unbind()))
         rollout = False  # (in the vector already)

@@ -127,3 +127,23 @@ def test_jit_trace_of_token_logprobs_with_grad():
     f(a).backward()
     traced(b).backward()
     torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0)
+
+
+def test_jit_trace_records_the_metrics():
+    """The metrics are recorded as the metrics op, not computed once while tracing: a
+    replay on other logits gives that call's metrics (entropy and ratio_mean follow the
+    logits), as eager mode does."""
+    x, tokens, old, adv, mask = _inputs()
+
+    def f(z):
+        loss, m = pk.ppo_loss(z, tokens, old, adv, mask, backend="cpu")
+        return loss, m["entropy"], m["ratio_mean"]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(f, (x.clone(),))
+    other = x * 3.0 + 1.0
+    want, got = f(other), traced(other)
+    assert not torch.equal(want[1], f(x)[1])  # (the entropy does change with the logits)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
