@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ppo_kernels import _backends
+from ppo_kernels.loss import KernelInputs
 
 from helpers.backends import BACKENDS, triton_ops
 from helpers.inputs import make_case, make_inputs, ppo_inputs
@@ -25,8 +26,8 @@ def _rows(be, logits, tokens, old, adv, ref_lp, n_global):
     w = torch.full(tokens.shape, 1.0 / n_global, device=x.device)
     p = loss_params(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip_c=3.0, kl_coef=0.1,
                     entropy_coef=0.01, temperature=0.9)
-    loss, loss_tok, logp, ent = _backends.get_backend(be.name, x.device).ppo_loss(
-        x, be.t(tokens), mask, be.t(old), be.t(adv), w, be.t(ref_lp), None, p)
+    kin = KernelInputs(be.t(tokens), mask, be.t(old), be.t(adv), w, be.t(ref_lp), None, None)
+    loss, loss_tok, logp, ent = _backends.get_backend(be.name, x.device).ppo_loss(x, kin, p)
     loss.backward()
     V = logits.shape[-1]
     return (logp.reshape(-1).cpu(), ent.reshape(-1).cpu(), loss_tok.reshape(-1).cpu(),

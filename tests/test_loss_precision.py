@@ -24,6 +24,7 @@ import torch
 
 import ppo_kernels as pk
 from ppo_kernels import _backends
+from ppo_kernels.loss import KernelInputs
 from ppo_kernels import reference as ref
 
 from helpers.asserts import assert_close_np, assert_grad_close, expm1_minus_x64, grad_tol, rel_err
@@ -45,8 +46,8 @@ def _backend_loss(be, logits, tokens, old, adv, ref_lp, p, weights=None):
     """(loss, loss_tok, logp, ent) of the backend's fused loss, as pk.ppo_loss calls it."""
     mask = torch.ones(tokens.shape, dtype=torch.bool, device=logits.device)
     w = torch.ones(tokens.shape, device=logits.device) if weights is None else weights
-    return _backends.get_backend(be.name, logits.device).ppo_loss(
-        logits, tokens, mask, old, adv, w, ref_lp, None, p)
+    kin = KernelInputs(tokens, mask, old, adv, w, ref_lp, None, None)
+    return _backends.get_backend(be.name, logits.device).ppo_loss(logits, kin, p)
 
 
 def _leaf(be, x):
