@@ -59,7 +59,7 @@ class KernelBackend:
         loss.two_phase's to choose): (loss, loss_tok, logp, ent), all but loss detached.
         kin: the call's loss.KernelInputs (the per-token tensors in the kernels' layout,
         the per-row temperature or None for spec.temperature)."""
-        tensors, temperatures = kin[:8], kin.temperatures
+        tensors, temperatures = kin.op_tensors(), kin.temperatures
         weights, w_ent = kin.weights, kin.w_ent
         scalars, codes = spec.kernel_args(logits.dtype)
         # under torch.jit.trace always: its check re-runs the call under no_grad, and the
@@ -112,8 +112,8 @@ class TorchBackend:
         return _torch_impl.token_logprobs(logits, tokens, mask, temperature, return_entropy)
 
     def ppo_loss(self, logits, kin, spec):
-        loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, *kin[:7], spec, kin.w_ent,
-                                                         kin.temperatures)
+        loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, *kin.op_tensors()[:7], spec,
+                                                         kin.w_ent, kin.temperatures)
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,

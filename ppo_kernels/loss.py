@@ -433,6 +433,12 @@ class KernelInputs(NamedTuple):
     w_ent: Any
     temperatures: Any = None
 
+    def op_tensors(self):
+        """The eight tensors the ppo_loss_fwd ops take after the logits, in their order (a
+        method, not a slice: torch 2.6's dynamo fails on slicing a NamedTuple)."""
+        return (self.tokens, self.mask, self.old, self.adv, self.weights, self.ref, self.isw,
+                self.w_ent)
+
     def temperature(self, spec):
         """The temperature as the backends take it: the per-row tensor, or
         spec.temperature."""
@@ -507,9 +513,7 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
     t["backend"] = options.get("backend", "auto")
     acc = ck.acc_dtype(like)
     temperature = options.get("temperature")
-    spec_options = dict(options)  # (deleting the few others costs less than a filter)
-    for k in _NOT_SPEC_OPTIONS.intersection(options):
-        del spec_options[k]
+    spec_options = {k: v for k, v in options.items() if k not in _NOT_SPEC_OPTIONS}
     if isinstance(temperature, torch.Tensor):  # per row: LossSpec keeps the default 1
         spec_options.pop("temperature")
         if temperature.dim() == 0:  # one value, left on its device
