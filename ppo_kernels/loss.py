@@ -775,8 +775,8 @@ def loss_metrics(spec, x, logp, ent, aux=None):
                 x.rc_w, scalars, codes, slots)
         if op is torch.ops.ppo_kernels.ppo_loss_metrics and _CPP_METRICS_DICT is not None \
                 and not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
-            # the op and its unbind in one C++ call (eager only: torch.compile and
-            # torch.jit.trace record the op itself, not a call they cannot see into)
+            # the op and its unbind in one C++ call, in eager mode (traced, the op and its
+            # unbind stay Python calls, the graph they recorded before this call existed)
             metrics = _CPP_METRICS_DICT(names, *args)
         else:
             metrics = dict(zip(names, op(*args).unbind()))
