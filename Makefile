@@ -30,8 +30,13 @@ test: setup
 CAPABILITY_TESTS = tests/test_golden.py tests/test_reference.py tests/test_loss.py \
   tests/test_loss_precision.py tests/test_loss_token_logprobs.py tests/test_seed_sheet.py \
   tests/test_batch_invariance.py tests/test_distill.py tests/test_distill_tp.py
+# A capability equal to this processor's own is skipped: `make test` ran the same code.
 test-capabilities: setup
+	native=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
 	for cap in avx2 default; do \
+	  if [ "$$cap" = "$$native" ]; then \
+	    echo "== ATEN_CPU_CAPABILITY=$$cap: this processor's own, run by make test"; continue; \
+	  fi; \
 	  echo "== ATEN_CPU_CAPABILITY=$$cap"; \
 	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -n auto --dist loadgroup \
 	    -k "not triton and not compile" $(CAPABILITY_TESTS) || exit 1; \

@@ -13,10 +13,13 @@
 //
 // metrics_dict: ppo_loss's metrics dict from the one op ppo_loss_metrics (the cpu backend),
 // its [K] vector handed out as K 0-d tensors by name.
+// (torch/csrc/utils/pybind.h, not torch/extension.h: the tensor casters without the whole
+// C++ frontend, half this file's compile time)
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/full.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace {
 

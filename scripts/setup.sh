@@ -88,7 +88,7 @@ else
     export PPO_KERNELS_NO_CUDA=1 PPO_KERNELS_CPU_CAPABILITIES=native
   else
     step "building the extension: the CUDA kernels (with nvcc 13.x), the three CPU SIMD" \
-      "variants (about 4 min on 2 cores from scratch; ninja reuses what an earlier build left)"
+      "variants (about 5 min on 2 cores from scratch; ninja reuses what an earlier build left)"
   fi
   # one line per compiled file (ninja's [i/n] and the object), and setup.py's own notes
   .venv/bin/python -m pip install -v --no-build-isolation -e . 2>&1 | awk '
@@ -98,6 +98,7 @@ else
       src = ""; ext = ""
       for (i = 2; i <= NF; i++) {
         if ($i ~ /\/csrc\/.*\.(cpp|cu)$/) { src = $i; sub(/.*\/csrc\//, "csrc/", src) }
+        if ($i ~ /\/cuda_units\/unit[0-9]+\.cu$/) { src = $i; sub(/.*\/cuda_units\//, "CUDA unit ", src) }
         if ($i ~ /\/temp\/[^\/]+\//) { ext = $i; sub(/.*\/temp\//, "", ext); sub(/\/.*/, "", ext) }
       }
       if (src != "") { printf "  %s %s %s\n", $1, ext, src; fflush() }
