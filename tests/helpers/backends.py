@@ -46,6 +46,10 @@ if TRITON_OK and INTERPRET and not HAS_CUDA_DEVICE:
     import triton  # noqa: E402
     import triton.language as tl  # noqa: E402
 
+    from helpers import triton_interpreter  # noqa: E402
+
+    triton_interpreter.install()  # the same bits in about half the time (its docstring)
+
     @triton.jit
     def _interpreter_probe_kernel(out_ptr, n):
         """A loop over a runtime bound, as every row kernel has (range(0, V, BLOCK_V))."""
