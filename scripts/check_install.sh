@@ -165,7 +165,7 @@ check_oldest() {
     || { tail -50 "$TMP/build-oldest.log"; return 1; }
   grep "ppo_kernels setup:" "$TMP/build-oldest.log" | sort -u
   echo "built in $(minutes $((SECONDS - t1))) min"
-  install "$venv" pytest pytest-xdist hypothesis expecttest
+  install "$venv" "pytest>=8,<9.2" pytest-xdist hypothesis expecttest
   smoke_and_tests "$venv" "$FAST_TESTS $TRACE_TESTS"
   echo "== oldest torch check: $(minutes $((SECONDS - t0))) min"
 }
@@ -177,8 +177,8 @@ check_middle() {
   # numpy<2.4: torch 2.11 brings triton 3.6, whose interpreter (the Triton cases on CPU)
   # fails with NumPy 2.4 (https://github.com/triton-lang/triton/issues/9171); with it the
   # cases would only skip (tests/helpers/backends.py _interpreter_broken)
-  install "$venv" "torch==$MIDDLE_TORCH.*" "numpy<2.4" "setuptools>=77" ninja pytest \
-    pytest-xdist hypothesis expecttest
+  install "$venv" "torch==$MIDDLE_TORCH.*" "numpy<2.4" "setuptools>=77" ninja \
+    "pytest>=8,<9.2" pytest-xdist hypothesis expecttest
   echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
   local t1=$SECONDS
   (cd "$TMP" && PPO_KERNELS_NO_CUDA=1 PPO_KERNELS_CPU_CAPABILITIES=native nice -n 10 \

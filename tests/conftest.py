@@ -64,12 +64,28 @@ def group1():
     assert not dist.is_initialized()
 
 
+def _module_fixtures(item):
+    """The module-scoped fixtures an item uses (a launch of ranks, a script's run, a
+    compiled kernel: what such a fixture holds is costly to make)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return [name for name, defs in (info.name2fixturedefs.items() if info else ())
+            if defs and defs[-1].scope == "module"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the marks into node ids
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist with --dist loadgroup, the tests that read the session's one
-    2-process launch (the two_ranks fixture) go to one worker, so it launches once."""
+    """Under pytest-xdist with --dist loadgroup, the tests that share a costly fixture go
+    to one worker, so that it is made once, not once per worker: the session's one
+    2-process launch (two_ranks) and each module's module-scoped fixtures (a worker that
+    ran one test of tests/test_report.py ran its 87 s report script for itself). The
+    grouped tests come first: each group is a long stretch on one worker, and started
+    last one of them would end the run alone (xdist hands out work in this order)."""
     for item in items:
         if "two_ranks" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("two_ranks"))
+        elif _module_fixtures(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    items.sort(key=lambda it: it.get_closest_marker("xdist_group") is None)  # (stable)
 
 
 @pytest.fixture(scope="session")
