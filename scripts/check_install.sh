@@ -148,6 +148,13 @@ oldest_torch() {
 print('.'.join(map(str, ast.literal_eval(re.search(r'^OLDEST_TORCH = (.+)$', src, re.M).group(1)))))"
 }
 
+# the test runner and its plugins: pyproject.toml's `test` extra, as words for install
+# (read there, where the wheel check's "$whl[test]" takes them from too)
+test_tools() {
+  "$PY" -c "import ast, re; src = open('pyproject.toml').read(); \
+print(' '.join(ast.literal_eval(re.search(r'^test = (\[.+\])$', src, re.M).group(1))))"
+}
+
 check_oldest() {
   local t0=$SECONDS venv="$TMP/venv-oldest" oldest
   oldest=$(oldest_torch)
@@ -165,7 +172,8 @@ check_oldest() {
     || { tail -50 "$TMP/build-oldest.log"; return 1; }
   grep "ppo_kernels setup:" "$TMP/build-oldest.log" | sort -u
   echo "built in $(minutes $((SECONDS - t1))) min"
-  install "$venv" "pytest>=8,<9.2" pytest-xdist hypothesis expecttest
+  # shellcheck disable=SC2046
+  install "$venv" $(test_tools)
   smoke_and_tests "$venv" "$FAST_TESTS $TRACE_TESTS"
   echo "== oldest torch check: $(minutes $((SECONDS - t0))) min"
 }
@@ -177,8 +185,8 @@ check_middle() {
   # numpy<2.4: torch 2.11 brings triton 3.6, whose interpreter (the Triton cases on CPU)
   # fails with NumPy 2.4 (https://github.com/triton-lang/triton/issues/9171); with it the
   # cases would only skip (tests/helpers/backends.py _interpreter_broken)
-  install "$venv" "torch==$MIDDLE_TORCH.*" "numpy<2.4" "setuptools>=77" ninja \
-    "pytest>=8,<9.2" pytest-xdist hypothesis expecttest
+  # shellcheck disable=SC2046
+  install "$venv" "torch==$MIDDLE_TORCH.*" "numpy<2.4" "setuptools>=77" ninja $(test_tools)
   echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
   local t1=$SECONDS
   (cd "$TMP" && PPO_KERNELS_NO_CUDA=1 PPO_KERNELS_CPU_CAPABILITIES=native nice -n 10 \
