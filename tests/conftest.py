@@ -64,12 +64,12 @@ def group1():
     assert not dist.is_initialized()
 
 
-def _module_fixtures(item):
-    """The module-scoped fixtures an item uses (a launch of ranks, a script's run, a
+def _uses_module_fixture(item):
+    """Whether an item uses a module-scoped fixture (a launch of ranks, a script's run, a
     compiled kernel: what such a fixture holds is costly to make)."""
     info = getattr(item, "_fixtureinfo", None)
-    return [name for name, defs in (info.name2fixturedefs.items() if info else ())
-            if defs and defs[-1].scope == "module"]
+    return info is not None and any(defs and defs[-1].scope == "module"
+                                    for defs in info.name2fixturedefs.values())
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the marks into node ids
@@ -83,7 +83,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "two_ranks" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("two_ranks"))
-        elif _module_fixtures(item):
+        elif _uses_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
     items.sort(key=lambda it: it.get_closest_marker("xdist_group") is None)  # (stable)
 
