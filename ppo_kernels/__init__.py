@@ -14,6 +14,7 @@ from .from_hidden import (ppo_loss_from_hidden, score_rollout_from_hidden,
                           token_logprobs_from_hidden)
 from .lm_head import forward_redirect
 from .loss import ppo_loss, token_logprobs, value_loss
+from .loss_metrics import LossMetrics
 from .sampling import SamplingMask
 from .spec import LossSpec
 from .distill import SparseLogprobs
@@ -25,5 +26,5 @@ __all__ = ["token_logprobs", "ppo_loss", "value_loss", "ppo_loss_from_hidden",
            "token_logprobs_from_hidden", "score_rollout_from_hidden", "gae",
            "kl_penalized_rewards", "whiten", "score_rollout", "Rollout", "LossSpec",
            "forward_redirect", "build_info", "empty_cache", "SamplingMask", "SparseLogprobs",
-           "distill_loss", "distill_loss_from_hidden"]
+           "distill_loss", "distill_loss_from_hidden", "LossMetrics"]
 __version__ = "0.1.0"

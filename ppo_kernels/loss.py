@@ -16,6 +16,7 @@ from . import vocab_parallel as _vp
 from ._backends import get_backend, triton_importable
 from ._extension import eager_call
 from ._two_phase import per_token_loss, replay_loss
+from .loss_metrics import LossMetrics
 from .rows import logits_logprobs
 from .rank_agreement import agreed_sizes, checks_together, groups
 from .spec import KERNEL_POLICY_LOSSES, LOSS_AGG_MODES, LossSpec
@@ -509,8 +510,7 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
     (ppo_loss on whole-vocabulary logits): then, where they do, the per-token inputs are
     kept as given on masked positions (no kernel and no metric reads them there), and on
     the cpu backend the kernel itself checks the token ids (the same ValueError)."""
-    t = {k: options.get(k) for k in _TENSOR_OPTIONS}
-    t["backend"] = options.get("backend", "auto")
+    given = options.get  # (the tensor options by name; None where not given)
     acc = ck.acc_dtype(like)
     temperature = options.get("temperature")
     spec_options = {k: v for k, v in options.items() if k not in _NOT_SPEC_OPTIONS}
@@ -522,18 +522,19 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
         temperature = None
     spec = LossSpec.from_options(acc, spec_options)
     _cp.check_group(spec.cp_group)
-    response_mask, old_logprobs, advantages = (t["response_mask"], t["old_logprobs"],
-                                               t["advantages"])
-    ref_logprobs, rollout_is_weights = t["ref_logprobs"], t["rollout_is_weights"]
-    rollout_logprobs = t["rollout_logprobs"]
+    response_mask, old_logprobs, advantages = (given("response_mask"), given("old_logprobs"),
+                                               given("advantages"))
+    ref_logprobs, rollout_is_weights = given("ref_logprobs"), given("rollout_is_weights")
+    rollout_logprobs = given("rollout_logprobs")
     packing = None
     norm_length = spec.norm_length
     tokens_k = tokens2  # the kernels' layout (packed with cu_seqlens)
-    if t["cu_seqlens"] is not None:
+    if given("cu_seqlens") is not None:
         if tokens2.shape[0] != 1:
             raise ValueError(f"tokens: with cu_seqlens expected the packed layout [1, total] "
                              f"or [total], got {list(tokens2.shape)}")
-        packing = packed.packing(t["cu_seqlens"], tokens2.shape[1], tokens2, t["max_seqlen"])
+        packing = packed.packing(given("cu_seqlens"), tokens2.shape[1], tokens2,
+                                 given("max_seqlen"))
         # per sequence: [S, 1], or [S] where S != total (with S == total a 1-D tensor is
         # per token)
         s_ = packing.num_seqs
@@ -553,7 +554,7 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
         rollout_logprobs = padded["rollout_logprobs"]
         tokens2, out_flat, flat = packing.pad(tokens2), flat, False
     else:
-        packed.check_max_seqlen(t["max_seqlen"])
+        packed.check_max_seqlen(given("max_seqlen"))
     mask = ck.response_mask(response_mask, tokens2, flat)
     old = ck.per_token("old_logprobs", old_logprobs, tokens2, flat, acc, optional=True)
     adv = ck.per_token("advantages", advantages, tokens2, flat, acc, per_seq_ok=True)
@@ -564,9 +565,9 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
                            optional=True)
     if temperature is not None:
         temperature = ck.temperature(temperature, like, tokens2, flat, mask)
-    be = get_backend(t["backend"], like.device)
-    replay = _sampling.check_replay(t["sampling_mask"], t["top_k"], t["top_p"], t["min_p"],
-                                    tokens_k, vocab, packing)
+    be = get_backend(given("backend", "auto"), like.device)
+    replay = _sampling.check_replay(given("sampling_mask"), given("top_k"), given("top_p"),
+                                    given("min_p"), tokens_k, vocab, packing)
     # the fused single pass: the kernels and the metrics read valid positions alone
     fused = (single_pass and be.is_kernel and replay is None and not spec.sequence_loss
              and spec.off_policy_mask_threshold is None and spec.loss_agg_mode != "none")
@@ -594,7 +595,7 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
     if spec.kl_coef > 0 and ref is None:
         raise ValueError(f"ref_logprobs: kl_coef = {spec.kl_coef} > 0 needs ref_logprobs, got "
                          f"None")
-    global_num_tokens, global_num_seqs = t["global_num_tokens"], t["global_num_seqs"]
+    global_num_tokens, global_num_seqs = given("global_num_tokens"), given("global_num_seqs")
     if global_num_tokens is not None:
         global_num_tokens = ck.count("global_num_tokens", global_num_tokens, like, acc)
     if global_num_seqs is not None:
@@ -759,7 +760,20 @@ _CPP_METRICS_DICT = eager_call("metrics_dict")
 def loss_metrics(spec, x, logp, ent, aux=None):
     """ppo_loss's metrics dict from the per-token logp and entropy (DESIGN.md, Metrics).
     aux: with a kept set (sampling replay), (full logp, kept mass, kept size, missing)
-    [B, T]; logp is then logp_kept. On the cpu backend one op computes them all (the
+    [B, T]; logp is then logp_kept. On the cpu backend in eager mode (outside a
+    context-parallel group) a LossMetrics filled at its first read (loss_metrics.py: the
+    caller's tensors it reads are watched for in-place changes until then), else
+    metrics_now's dict."""
+    if _host_metrics(spec, x) and not (torch.compiler.is_compiling()
+                                       or torch.jit.is_tracing()):
+        return LossMetrics.deferred(lambda: metrics_now(spec, x, logp, ent, aux), (
+            ("response_mask", x.mask), ("old_logprobs", x.old), ("advantages", x.adv),
+            ("ref_logprobs", x.ref), ("rollout_logprobs", x.rollout)))
+    return metrics_now(spec, x, logp, ent, aux)
+
+
+def metrics_now(spec, x, logp, ent, aux=None):
+    """loss_metrics's dict, computed now. On the cpu backend one op computes them all (the
     values of the eager formulas up to the summation order; the dict's tensors are views
     of its one [K] result, K the number of metrics reported), on a CUDA device its Triton
     twin (two launches)."""
