@@ -83,11 +83,11 @@ struct FusedLossFn : public torch::autograd::Function<FusedLossFn> {
           fwd_op().call(logits, tokens, mask, old, adv, weights, ref, isw, w_ent, scalars,
                         codes, true, temperatures);
     }
-    // the scale the saved gradient carries, as the 0-d tensor of the accumulation dtype
-    // that scale_grad_ compares with grad_output on the device (_autograd.applied_scale)
-    const auto acc = logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    // the scale the saved gradient carries, rounded to the accumulation dtype as
+    // _autograd.applied_scale's 0-d tensor is (made in the backward, where it is needed)
+    const double scale = scalars[grad_scale_slot];
     ctx->saved_data["applied"] =
-        at::full({}, scalars[grad_scale_slot], logits.options().dtype(acc));
+        logits.scalar_type() == at::kDouble ? scale : double(static_cast<float>(scale));
     ctx->save_for_backward({dlogits});
     ctx->set_materialize_grads(false);
     ctx->mark_non_differentiable({loss_tok, logp, ent});
@@ -105,16 +105,27 @@ struct FusedLossFn : public torch::autograd::Function<FusedLossFn> {
                 "(create_graph=True, torch.autograd.functional.hessian, gradient penalties) "
                 "is not supported on the kernel backends: use backend='torch' for it");
     at::Tensor buf = ctx->get_saved_variables()[0];
-    at::Tensor applied = ctx->saved_data["applied"].toTensor();
+    const double applied = ctx->saved_data["applied"].toDouble();
     if (torch::autograd::get_current_graph_task_keep_graph()) {
-      // a later backward of this graph reads them again: this one gives its own copy
+      // a later backward of this graph reads it again: this one gives its own copy
       buf = buf.clone();
-      applied = applied.clone();
     }
+    const auto acc = buf.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     at::Tensor g = grad.detach();
-    if (g.scalar_type() != applied.scalar_type()) g = g.to(applied.scalar_type());
+    if (g.scalar_type() != acc) g = g.to(acc);
     if (g.dim() != 0) g = g.reshape({});
-    scale_op().call(buf, g, applied);
+    if (g.is_cpu() && g.layout() == at::kStrided) {
+      // host memory: scale_grad_'s "nothing when grad_output equals the applied scale"
+      // decided here, without its dispatch (the usual loss.backward())
+      const double go = acc == at::kDouble ? *g.const_data_ptr<double>()
+                                           : double(*g.const_data_ptr<float>());
+      if (go == applied) {
+        out[0] = buf;
+        return out;
+      }
+    }
+    at::Tensor ap = at::full({}, applied, g.options());
+    scale_op().call(buf, g, ap);
     out[0] = buf;
     return out;
   }

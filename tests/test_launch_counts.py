@@ -51,10 +51,11 @@ def _inputs(seed=0):
 
 # name: (keywords of ppo_loss, the most ops fwd + bwd may dispatch). Before the metrics,
 # checks and weights moved into CPU ops: 100, 136, 100, 185 and 194. The fused single pass
-# now dispatches 2 (autograd's ones_like and the saved scale's full), tis 6 (its four
-# element-wise weight ops). GSPO's two-phase [B, T] middle stays eager (it is
-# differentiated by autograd, and its loss and gradient must keep their bits; it leaves
-# out the metrics' masks now): 63, above the goal of 20 that a fused middle op would reach.
+# now dispatches 1 (autograd's ones_like: the backward compares grad_output with the applied
+# scale on the host, csrc/eager_calls.cpp, and the metrics wait for their first read,
+# loss_metrics.py), tis 5 (its four element-wise weight ops). GSPO's two-phase [B, T] middle
+# stays eager (it is differentiated by autograd, and its loss and gradient must keep their
+# bits): 60, above the goal of 20 that a fused middle op would reach.
 CONFIGS = {
     "default": (lambda ref, roll: {}, 12),
     "kl-k3": (lambda ref, roll: dict(ref_logprobs=ref, kl_coef=0.1), 12),
