@@ -104,10 +104,13 @@ class LossMetrics(dict):
         return dict.__len__(self._filled())
 
     def __eq__(self, other):
+        if isinstance(other, LossMetrics):  # (dict's comparison reads the other's storage)
+            other._filled()
         return dict.__eq__(self._filled(), other)
 
     def __ne__(self, other):
-        return dict.__ne__(self._filled(), other)
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
 
     __hash__ = None
 

@@ -136,6 +136,8 @@ def test_every_dict_operation_reads_the_filled_values():
     assert fresh().get("nope", 7) == 7
     assert {**fresh()}.keys() == want.keys() and dict(fresh()).keys() == want.keys()
     assert fresh() == want and want == fresh() and not (fresh() != want)
+    assert fresh() == fresh() and not (fresh() != fresh())  # two unfilled ones
+    assert fresh() != {} and {} != fresh()
     assert repr(fresh()) == repr(want)
     assert (fresh() | {"x": 1}).keys() == (want | {"x": 1}).keys()
     assert ({"x": 1} | fresh()).keys() == ({"x": 1} | want).keys()
