@@ -27,17 +27,44 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 using OptTensor = std::optional<at::Tensor>;
 
-using FwdSig = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-    const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-    const OptTensor&, c10::ArrayRef<double>, c10::ArrayRef<int64_t>, bool, const OptTensor&);
 using ScaleSig = void(at::Tensor&, const at::Tensor&, at::Tensor&);
 
-const c10::TypedOperatorHandle<FwdSig>& fwd_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("ppo_kernels::ppo_loss_fwd", "")
-                             .typed<FwdSig>();
+const c10::OperatorHandle& fwd_op() {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("ppo_kernels::ppo_loss_fwd", "");
   return op;
+}
+
+// The stack of one ppo_loss_fwd call with compute_grad: the arguments named in the schema
+// taken by name, every other one (the per-token tensors, csrc/ops.cpp) from `tensors` in
+// the schema's order. The schema is the one list of them: a per-token tensor added there
+// needs nothing here.
+torch::jit::Stack fwd_stack(const at::Tensor& logits, const std::vector<OptTensor>& tensors,
+                            const std::vector<double>& scalars,
+                            const std::vector<int64_t>& codes, const OptTensor& temperatures) {
+  torch::jit::Stack stack;
+  size_t next = 0;
+  for (const c10::Argument& arg : fwd_op().schema().arguments()) {
+    const std::string& name = arg.name();
+    if (name == "logits") {
+      stack.emplace_back(logits);
+    } else if (name == "scalars") {
+      stack.emplace_back(scalars);
+    } else if (name == "codes") {
+      stack.emplace_back(codes);
+    } else if (name == "compute_grad") {
+      stack.emplace_back(true);
+    } else if (name == "temperatures") {
+      stack.emplace_back(temperatures);
+    } else {
+      TORCH_CHECK(next < tensors.size(), "tensors: expected one per per-token argument of "
+                  "ppo_kernels::ppo_loss_fwd, got ", tensors.size());
+      stack.emplace_back(tensors[next++]);
+    }
+  }
+  TORCH_CHECK(next == tensors.size(), "tensors: expected ", next,
+              " (the per-token arguments of ppo_kernels::ppo_loss_fwd), got ", tensors.size());
+  return stack;
 }
 
 using MetricsSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -61,28 +88,27 @@ const c10::TypedOperatorHandle<ScaleSig>& scale_op() {
 
 // the number of arguments of FusedLossFn::forward after ctx: backward returns one gradient
 // for each (undefined but for the logits)
-constexpr size_t kNumArgs = 13;
+constexpr size_t kNumArgs = 6;
 
 struct FusedLossFn : public torch::autograd::Function<FusedLossFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits,
-                               const at::Tensor& tokens, const at::Tensor& mask,
-                               const OptTensor& old, const at::Tensor& adv,
-                               const at::Tensor& weights, const OptTensor& ref,
-                               const OptTensor& isw, const OptTensor& w_ent,
+                               const std::vector<OptTensor>& tensors,
                                const std::vector<double>& scalars,
                                const std::vector<int64_t>& codes, const OptTensor& temperatures,
                                int64_t grad_scale_slot) {
     TORCH_CHECK(grad_scale_slot >= 0 && size_t(grad_scale_slot) < scalars.size(),
                 "grad_scale_slot: expected an index into scalars, got ", grad_scale_slot);
-    at::Tensor loss, loss_tok, logp, ent, dlogits;
+    torch::jit::Stack stack = fwd_stack(logits, tensors, scalars, codes, temperatures);
     {
       // straight to the device kernel: the op's autograd kernel (the Python formula) is
       // what this Function replaces
       at::AutoDispatchBelowADInplaceOrView below;
-      std::tie(loss, loss_tok, logp, ent, dlogits) =
-          fwd_op().call(logits, tokens, mask, old, adv, weights, ref, isw, w_ent, scalars,
-                        codes, true, temperatures);
+      fwd_op().callBoxed(&stack);
     }
+    // (loss, loss_tok, logprobs, entropy, dlogits)
+    const at::Tensor loss = stack[0].toTensor(), loss_tok = stack[1].toTensor(),
+                     logp = stack[2].toTensor(), ent = stack[3].toTensor(),
+                     dlogits = stack[4].toTensor();
     // the scale the saved gradient carries, rounded to the accumulation dtype as
     // _autograd.applied_scale's 0-d tensor is (made in the backward, where it is needed)
     const double scale = scalars[grad_scale_slot];
@@ -136,19 +162,17 @@ struct FusedLossFn : public torch::autograd::Function<FusedLossFn> {
 void init_eager_calls(pybind11::module_& m) {
   m.def(
       "fused_loss",
-      [](const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
-         const OptTensor& old, const at::Tensor& adv, const at::Tensor& weights,
-         const OptTensor& ref, const OptTensor& isw, const OptTensor& w_ent,
+      [](const at::Tensor& logits, const std::vector<OptTensor>& tensors,
          const std::vector<double>& scalars, const std::vector<int64_t>& codes,
          const OptTensor& temperatures, int64_t grad_scale_slot) {
-        variable_list out = FusedLossFn::apply(logits, tokens, mask, old, adv, weights, ref,
-                                               isw, w_ent, scalars, codes, temperatures,
+        variable_list out = FusedLossFn::apply(logits, tensors, scalars, codes, temperatures,
                                                grad_scale_slot);
         return std::make_tuple(out[0], out[1], out[2], out[3]);
       },
       "(loss, loss_tok, logprobs, entropy) of ppo_kernels::ppo_loss_fwd with its gradient "
-      "in the autograd graph (the eager cpu / cuda path of ppo_loss; arguments as the op's, "
-      "without compute_grad, then the index of grad_scale in scalars).",
+      "in the autograd graph (the eager cpu / cuda path of ppo_loss): the logits, the op's "
+      "per-token tensors in its schema's order (a list, None for an absent one), scalars, "
+      "codes, temperatures, then the index of grad_scale in scalars.",
       pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def(
       "metrics_dict",

@@ -2,8 +2,14 @@
 // `int[] codes` (csrc/ops.cpp) as the PolicyParams of the per-token math, and the per-token
 // tensors as one LossTensors, with the checks every backend makes of them (the Python layer
 // has already checked each value against its keyword: these catch a direct call of the op).
+// The CPU and CUDA kernels of these ops are boxed (torch::CppFunction::makeFromBoxedFunction):
+// they read their arguments by schema name from the dispatcher's stack (OpArgs), so the
+// schema in csrc/ops.cpp is the one positional list of them, and an argument added there is
+// read here once for both devices.
 #pragma once
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Exception.h>
 
@@ -47,6 +53,37 @@ struct LossTensors {
   std::optional<at::Tensor> ref_logprobs, rollout_is_weights, entropy_weights;
 };
 
+// The arguments of one call of a boxed kernel, read by their schema names (a name the
+// schema lacks is a TORCH_CHECK naming it). Valid until the stack changes: read everything,
+// then hand the outputs back with `ret`.
+class OpArgs {
+ public:
+  OpArgs(const c10::OperatorHandle& op, const torch::jit::Stack* stack)
+      : schema_(op.schema()), args_(torch::jit::last(stack, schema_.arguments().size())) {}
+
+  const c10::IValue& operator[](const char* name) const {
+    const std::optional<int> i = schema_.argumentIndexWithName(name);
+    TORCH_CHECK(i.has_value(), schema_.name(), ": no argument named ", name);
+    return args_[static_cast<size_t>(*i)];
+  }
+  at::Tensor tensor(const char* name) const { return (*this)[name].toTensor(); }
+  std::optional<at::Tensor> opt_tensor(const char* name) const {
+    const c10::IValue& v = (*this)[name];
+    return v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor());
+  }
+
+  // The call's outputs in the schema's order, in place of its arguments on the stack.
+  template <typename... Outs>
+  void ret(torch::jit::Stack* stack, Outs&&... outs) const {
+    torch::jit::drop(stack, args_.size());
+    torch::jit::push(stack, std::forward<Outs>(outs)...);
+  }
+
+ private:
+  const c10::FunctionSchema& schema_;
+  c10::ArrayRef<c10::IValue> args_;
+};
+
 // The one reading of the ppo_loss ops' arguments: (rows, per-token tensors, options), each
 // checked once (the temperature is the scalars' slot).
 struct LossArgs {
@@ -55,23 +92,21 @@ struct LossArgs {
   PolicyParams params;
 };
 
-inline LossArgs loss_args(const at::Tensor& logits, const at::Tensor& tokens,
-                          const at::Tensor& mask, const std::optional<at::Tensor>& old_logprobs,
-                          const at::Tensor& advantages, const at::Tensor& weights,
-                          const std::optional<at::Tensor>& ref_logprobs,
-                          const std::optional<at::Tensor>& rollout_is_weights,
-                          const std::optional<at::Tensor>& entropy_weights,
-                          c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
-                          const std::optional<at::Tensor>& temperatures) {
-  const PolicyParams p = loss_params(scalars, codes, ref_logprobs.has_value(),
-                                     rollout_is_weights.has_value());
-  RowArgs r = row_args(logits, tokens, mask, p[slot::temperature], temperatures);
-  LossTensors in{r.per_token(old_logprobs, "old_logprobs"),
-                 r.per_token(advantages, "advantages"),
-                 r.per_token(weights, "weights"),
-                 r.per_token(ref_logprobs, "ref_logprobs"),
-                 r.per_token(rollout_is_weights, "rollout_is_weights"),
-                 r.per_token(entropy_weights, "entropy_weights")};
+inline LossArgs loss_args(const OpArgs& a) {
+  const std::optional<at::Tensor> ref = a.opt_tensor("ref_logprobs"),
+                                  isw = a.opt_tensor("rollout_is_weights");
+  const PolicyParams p = loss_params(a["scalars"].toDoubleVector(), a["codes"].toIntVector(),
+                                     ref.has_value(), isw.has_value());
+  RowArgs r = row_args(a.tensor("logits"), a.tensor("tokens"), a.tensor("mask"),
+                       p[slot::temperature], a.opt_tensor("temperatures"));
+  const auto need = [&](const char* name) { return r.per_token(a.tensor(name), name); };
+  const auto opt = [&](const char* name) { return r.per_token(a.opt_tensor(name), name); };
+  LossTensors in{opt("old_logprobs"),
+                 need("advantages"),
+                 need("weights"),
+                 r.per_token(ref, "ref_logprobs"),
+                 r.per_token(isw, "rollout_is_weights"),
+                 opt("entropy_weights")};
   return {std::move(r), std::move(in), p};
 }
 

@@ -295,7 +295,7 @@ def fused_loss(prefix, logits, tensors, scalars, codes, temperatures):
     forward and per backward where a Python Function costs tens; for the Triton ones
     FusedLoss. The same op, the same backward (hand_out's rules), the same bits."""
     if prefix == "" and _CPP_FUSED_LOSS is not None:
-        return _CPP_FUSED_LOSS(logits, *tensors, scalars, codes, temperatures, F["grad_scale"])
+        return _CPP_FUSED_LOSS(logits, tensors, scalars, codes, temperatures, F["grad_scale"])
     return FusedLoss.apply(logits, getattr(torch.ops.ppo_kernels, prefix + "ppo_loss_fwd"),
                            tensors, scalars, codes, prefix, temperatures)
 

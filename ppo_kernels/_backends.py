@@ -112,8 +112,7 @@ class TorchBackend:
         return _torch_impl.token_logprobs(logits, tokens, mask, temperature, return_entropy)
 
     def ppo_loss(self, logits, kin, spec):
-        loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, *kin.op_tensors()[:7], spec,
-                                                         kin.w_ent, kin.temperatures)
+        loss, loss_tok, logp, ent = _torch_impl.ppo_loss(logits, kin, spec)
         return loss, loss_tok.detach(), logp.detach(), ent.detach()
 
     def gae(self, rewards, values, mask, bootstrap_values, gamma, lam, lam_per_seq=None,

@@ -268,25 +268,25 @@ def off_policy_keep(logp, behaviour_logprobs, advantages, mask, threshold, group
     return ((a_seq >= 0) | (kl <= threshold)).to(logp.dtype).expand_as(logp)
 
 
-def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights,
-                 mask, spec, behaviour=None, terms=None, logp_kl=None):
+def token_losses(logp, entropy, x, spec, behaviour=None, terms=None, logp_kl=None):
     """(policy part is_w * pg + kl_coef * kl [* ratio], entropy part H) per token; the
-    per-token loss is the first minus entropy_coef times the second. spec: the LossSpec;
-    behaviour: the log-probs the off-policy mask compares with (spec.off_policy_mask_threshold;
-    None: no mask). terms: pg_terms(logp, old_logprobs, advantages, mask, spec) when the
-    caller has it already (its metrics read the same terms). logp is the ratio's log-prob;
-    logp_kl the KL's (sampling replay: logp over the kept set, logp_kl over the full
-    vocabulary unless kl_logprobs="kept"; None: logp)."""
-    pt = pg_terms(logp, old_logprobs, advantages, mask, spec, flags=False) if terms is None \
-        else terms
+    per-token loss is the first minus entropy_coef times the second. x: the call's per-token
+    tensors as one record, read by name (loss.LossInputs or loss.KernelInputs: old, adv,
+    ref, isw, mask, each [B, T] of the accumulation dtype or None where optional); spec: the
+    LossSpec; behaviour: the log-probs the off-policy mask compares with
+    (spec.off_policy_mask_threshold; None: no mask). terms: pg_terms(logp, x.old, x.adv,
+    x.mask, spec) when the caller has it already (its metrics read the same terms). logp is
+    the ratio's log-prob; logp_kl the KL's (sampling replay: logp over the kept set, logp_kl
+    over the full vocabulary unless kl_logprobs="kept"; None: logp)."""
+    pt = pg_terms(logp, x.old, x.adv, x.mask, spec, flags=False) if terms is None else terms
     loss = pt["pg"]
-    if rollout_is_weights is not None:
-        loss = loss * rollout_is_weights
+    if x.isw is not None:
+        loss = loss * x.isw
     if behaviour is not None:  # the off-policy mask: reads the (detached) logp
-        loss = loss * off_policy_keep(logp, behaviour, advantages, mask,
+        loss = loss * off_policy_keep(logp, behaviour, x.adv, x.mask,
                                       spec.off_policy_mask_threshold, spec.cp_group)
-    if ref_logprobs is not None:
-        kl = kl_terms(logp if logp_kl is None else logp_kl, ref_logprobs, spec.kl_estimator)
+    if x.ref is not None:
+        kl = kl_terms(logp if logp_kl is None else logp_kl, x.ref, spec.kl_estimator)
         if spec.kl_bias_correction:
             kl = kl * pt["ratio"]
         loss = loss + spec.kl_coef * kl
@@ -298,11 +298,10 @@ def token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_
     return loss, entropy
 
 
-def token_loss(logp, entropy, old_logprobs, advantages, ref_logprobs, rollout_is_weights, spec,
-               mask, behaviour=None, logp_kl=None):
-    """Per-token loss is_w * pg + kl_coef * kl - entropy_coef * H (DESIGN.md)."""
-    pol, ent = token_losses(logp, entropy, old_logprobs, advantages, ref_logprobs,
-                            rollout_is_weights, mask, spec, behaviour, logp_kl=logp_kl)
+def token_loss(logp, entropy, x, spec, behaviour=None, logp_kl=None):
+    """Per-token loss is_w * pg + kl_coef * kl - entropy_coef * H (DESIGN.md); x as in
+    token_losses."""
+    pol, ent = token_losses(logp, entropy, x, spec, behaviour, logp_kl=logp_kl)
     return pol - spec.entropy_coef * ent if spec.entropy_coef != 0.0 else pol
 
 
@@ -315,16 +314,14 @@ def aggregate(pol, ent, mask, weights, entropy_weights, spec):
     return loss
 
 
-def ppo_loss(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-             rollout_is_weights, spec, entropy_weights=None, temperatures=None):
+def ppo_loss(logits, kin, spec):
     """Eager composite: returns (loss, loss_tok, logp, entropy), loss differentiable.
-    temperatures: the per-row [B, T] temperature, or None (spec.temperature)."""
-    logp, ent = token_logprobs(logits, tokens, mask,
-                               spec.temperature if temperatures is None else temperatures, True)
-    pol, _ = token_losses(logp, ent, old_logprobs, advantages, ref_logprobs,
-                          rollout_is_weights, mask, spec)
-    loss = aggregate(pol, ent, mask, weights, entropy_weights, spec)
-    loss_tok = torch.where(mask, pol - spec.entropy_coef * ent, 0.0)
+    kin: the call's loss.KernelInputs (the per-token tensors, read by name; kin.temperatures
+    the per-row [B, T] temperature, or None for spec.temperature)."""
+    logp, ent = token_logprobs(logits, kin.tokens, kin.mask, kin.temperature(spec), True)
+    pol, _ = token_losses(logp, ent, kin, spec)
+    loss = aggregate(pol, ent, kin.mask, kin.weights, kin.w_ent, spec)
+    loss_tok = torch.where(kin.mask, pol - spec.entropy_coef * ent, 0.0)
     return loss, loss_tok, logp, ent
 
 

@@ -33,8 +33,7 @@ def middle(logp, ent, spec, x, logp_kl=None):
     """The aggregated loss as a function of the per-token logp and H ([B, T], the layout of
     the LossInputs x), and the per-token policy part. logp_kl: the KL's log-probs where
     they are not logp (sampling replay: logp is then over the kept set)."""
-    pol, _ = _torch_impl.token_losses(logp, ent, x.old, x.adv, x.ref, x.isw, x.mask, spec,
-                                      x.behaviour, logp_kl=logp_kl)
+    pol, _ = _torch_impl.token_losses(logp, ent, x, spec, x.behaviour, logp_kl=logp_kl)
     return _torch_impl.aggregate(pol, ent, x.mask, x.weights, x.w_ent, spec), pol
 
 
@@ -151,8 +150,7 @@ def replay_loss(spec, x, lp_k, ent_k, logp, ent):
 def per_token_loss(spec, x, logp, ent, logp_kl=None):
     """loss_agg_mode="none": the per-token loss [B, T] (or [N]) from differentiable logp,
     H, 0 where masked (logp_kl: the KL's log-probs where they are not logp)."""
-    loss = torch.where(x.mask, _torch_impl.token_loss(logp, ent, x.old, x.adv, x.ref, x.isw,
-                                                      spec, x.mask, x.behaviour, logp_kl),
+    loss = torch.where(x.mask, _torch_impl.token_loss(logp, ent, x, spec, x.behaviour, logp_kl),
                        0.0)
     loss = x.kernel(loss)  # (the packed layout again, with cu_seqlens)
     return loss[0] if x.flat else loss

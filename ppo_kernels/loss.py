@@ -400,8 +400,7 @@ def composite_padded(spec, x, logits3):
     logp, ent = _torch_impl.token_logprobs(logits3, kin.tokens, kin.mask,
                                            kin.temperature(spec), True)
     logp, ent = x.padded(logp), x.padded(ent)
-    pol, _ = _torch_impl.token_losses(logp, ent, x.old, x.adv, x.ref, x.isw, x.mask, spec,
-                                      x.behaviour)
+    pol, _ = _torch_impl.token_losses(logp, ent, x, spec, x.behaviour)
     loss = _torch_impl.aggregate(pol, ent, x.mask, x.weights, x.w_ent, spec)
     return loss, logp.detach(), ent.detach()
 

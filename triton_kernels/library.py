@@ -1,11 +1,14 @@
 """Registers the Triton kernels as torch operators ppo_kernels::triton_*.
 
-Each op has the schema of its C++ twin in csrc/ops.cpp (same argument names, order,
-outputs, dtypes and semantics), prefixed with ``triton_``; tests/test_triton_kernels.py
-holds SCHEMAS to csrc/ops.cpp. The launchers (logprobs.py, ppo_loss.py, gae.py, sampling.py,
-distill.py) take their schema's arguments in its order and are registered as they are; only
-the implementations live here: ppo_kernels/_autograd.py registers the fake (meta) and
-autograd formulas of these names together with the C++ ops. torch.library.triton_op (rather
+Each op takes the schema of its C++ twin as the compiled extension registered it (csrc/ops.cpp:
+the one text of every op's arguments, read here from the dispatcher), under the name
+prefixed with ``triton_``; tests/test_triton_kernels.py holds the registered ops to
+csrc/ops.cpp. The Triton ops therefore need the compiled extension (ppo_kernels._C) loaded:
+without it this module raises ImportError, and the Triton backend reports itself unavailable.
+The launchers (logprobs.py, ppo_loss.py, gae.py, sampling.py, distill.py) take their schema's
+arguments in its order and are registered as they are; only the implementations live here:
+ppo_kernels/_autograd.py registers the fake (meta) and autograd formulas of these names
+together with the C++ ops. torch.library.triton_op (rather
 than custom_op) lets torch.compile see the kernels inside (each launch goes through
 wrap_triton).
 
@@ -22,6 +25,8 @@ import torch
 from torch import Tensor
 from torch.library import triton_op
 
+from .._extension import not_built_hint
+
 # Functions, not modules: the package namespace binds `gae` to the function (__init__).
 from .distill import distill_fwd
 from .gae import gae, score_rollout
@@ -30,62 +35,6 @@ from .ppo_loss import ppo_loss_fwd, ppo_loss_fwd_inplace, scale_grad_
 from .sampling import kept_logprobs_bwd_, kept_logprobs_fwd, sampling_threshold
 
 NAMESPACE = "ppo_kernels"
-
-# name -> schema after the name, copied from csrc/ops.cpp (output names included; top-k
-# distillation's is csrc/ops.cpp's TORCH_LIBRARY_FRAGMENT).
-SCHEMAS = {
-    "triton_token_logprobs_fwd":
-        "(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
-        "bool return_entropy, Tensor? temperatures=None) "
-        "-> (Tensor logprobs, Tensor entropy, Tensor row_max, Tensor log_sum)",
-    "triton_token_logprobs_bwd":
-        "(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
-        "Tensor tokens, Tensor mask, Tensor row_max, Tensor log_sum, Tensor entropy, "
-        "float temperature, Tensor? temperatures=None) -> Tensor",
-    "triton_ppo_loss_fwd":
-        "(Tensor logits, Tensor tokens, Tensor mask, Tensor? old_logprobs, "
-        "Tensor advantages, Tensor weights, Tensor? ref_logprobs, Tensor? rollout_is_weights, "
-        "Tensor? entropy_weights, float[] scalars, int[] codes, bool compute_grad, "
-        "Tensor? temperatures=None) "
-        "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy, Tensor dlogits)",
-    "triton_ppo_loss_fwd_inplace":
-        "(Tensor(a!) logits, Tensor tokens, Tensor mask, "
-        "Tensor? old_logprobs, Tensor advantages, Tensor weights, Tensor? ref_logprobs, "
-        "Tensor? rollout_is_weights, Tensor? entropy_weights, float[] scalars, int[] codes, "
-        "Tensor? temperatures=None) "
-        "-> (Tensor loss, Tensor loss_tok, Tensor logprobs, Tensor entropy)",
-    "triton_scale_grad_":
-        "(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()",
-    "triton_gae":
-        "(Tensor rewards, Tensor values, Tensor mask, Tensor? bootstrap_values, "
-        "float gamma, float lam, Tensor? lam_per_seq=None, float? value_lam=None) "
-        "-> (Tensor advantages, Tensor returns)",
-    "triton_score_rollout":
-        "(Tensor logits, Tensor tokens, Tensor mask, Tensor ref_logprobs, "
-        "Tensor values, Tensor scores, float kl_coef, int kl_estimator, float gamma, "
-        "float lam, float temperature, Tensor? lam_per_seq=None, float? value_lam=None, "
-        "Tensor? temperatures=None) "
-        "-> (Tensor logprobs, Tensor kl, Tensor rewards, Tensor advantages, Tensor returns)",
-    "triton_sampling_threshold":
-        "(Tensor logits, Tensor mask, float temperature, Tensor? top_k, "
-        "Tensor? top_p, Tensor? min_p, Tensor? temperatures=None) -> Tensor",
-    "triton_kept_logprobs_fwd":
-        "(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
-        "Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, "
-        "Tensor? temperatures=None) -> (Tensor logprobs, "
-        "Tensor entropy, Tensor kept_max, Tensor kept_log_sum, Tensor kept_size, "
-        "Tensor missing)",
-    "triton_kept_logprobs_bwd_":
-        "(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
-        "Tensor tokens, Tensor mask, Tensor kept_max, Tensor kept_log_sum, Tensor entropy, "
-        "float temperature, Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, "
-        "Tensor(a!) dlogits, Tensor? temperatures=None) -> ()",
-    "triton_distill_fwd":
-        "(Tensor logits, Tensor mask, Tensor offsets, Tensor token_ids, "
-        "Tensor teacher_logprobs, Tensor weights, float temperature, float grad_scale, "
-        "bool tail, bool compute_grad) -> (Tensor loss, Tensor kl, Tensor student_mass, "
-        "Tensor teacher_tail, Tensor dlogits)",
-}
 
 # name -> the launcher that implements it (its positional arguments in the schema's order)
 LAUNCHERS = {
@@ -102,6 +51,20 @@ LAUNCHERS = {
     "triton_distill_fwd": distill_fwd,
 }
 
+
+def _schema(name):
+    """The schema of ``triton_<op>`` after its name: the C++ op's (csrc/ops.cpp), as the
+    dispatcher holds it (output names included)."""
+    cpp = name[len("triton_"):]
+    if not hasattr(torch.ops.ppo_kernels, cpp):
+        raise ImportError(
+            f"ppo_kernels.triton_kernels: the Triton ops take their schemas from the compiled "
+            f"extension's (csrc/ops.cpp), and ppo_kernels::{cpp} is not registered: "
+            f"{not_built_hint()}")
+    text = str(getattr(torch.ops.ppo_kernels, cpp).default._schema)
+    return text[text.index("("):]
+
+
 _TYPES = {"Tensor": Tensor, "float": float, "int": int, "bool": bool,
           "float[]": list[float], "int[]": list[int]}
 
@@ -114,11 +77,11 @@ def _annotation(text):
     return _TYPES[text]
 
 
-def _typed(name, fn):
-    """fn with the signature of SCHEMAS[name] (argument names, annotations, defaults): the
+def _typed(schema, fn):
+    """fn with the signature of `schema` (argument names, annotations, defaults): the
     schema written once. triton_op is given the schema, but some torch versions infer it
     from the annotations instead, which the launchers do not carry."""
-    args, rets = SCHEMAS[name].split(" -> ")
+    args, rets = schema.split(" -> ")
     params = []
     for arg in filter(None, (a.strip() for a in args.strip()[1:-1].split(","))):
         decl, _, default = arg.partition("=")
@@ -141,9 +104,9 @@ def _typed(name, fn):
     return impl
 
 
-def _mutated(name):
+def _mutated(schema):
     """The arguments the schema marks as written, Tensor(a!)."""
-    return tuple(re.findall(r"Tensor\(\w!\) (\w+)", SCHEMAS[name].split(" -> ")[0]))
+    return tuple(re.findall(r"Tensor\(\w!\) (\w+)", schema.split(" -> ")[0]))
 
 
 _registered = {}
@@ -161,8 +124,9 @@ def register():
     if not _registered:
         for name, fn in LAUNCHERS.items():
             if not _already_defined(name):
-                triton_op(f"{NAMESPACE}::{name}", mutates_args=_mutated(name),
-                          schema=SCHEMAS[name])(_typed(name, fn))
+                schema = _schema(name)
+                triton_op(f"{NAMESPACE}::{name}", mutates_args=_mutated(schema),
+                          schema=schema)(_typed(schema, fn))
             _registered[name] = getattr(getattr(torch.ops, NAMESPACE), name)
     return dict(_registered)
 

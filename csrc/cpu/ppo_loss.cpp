@@ -103,40 +103,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> run(
   return {weighted_sum(a.in.weights, loss_tok), loss_tok, logp, ent};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd(
-    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
-    const std::optional<at::Tensor>& old, const at::Tensor& advantages,
-    const at::Tensor& weights, const std::optional<at::Tensor>& ref,
-    const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, bool compute_grad,
-    const std::optional<at::Tensor>& temperatures) {
-  const ppo::LossArgs a = ppo::loss_args(logits, tokens, mask, old, advantages, weights, ref,
-                                         is_w, w_ent, scalars, codes, temperatures);
+// Boxed kernels (csrc/loss_args.h: the arguments read by schema name).
+void ppo_loss_fwd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const ppo::OpArgs args(op, stack);
+  const ppo::LossArgs a = ppo::loss_args(args);
+  const at::Tensor logits = args.tensor("logits");
+  const bool compute_grad = args["compute_grad"].toBool();
   at::Tensor dlogits = compute_grad ? new_grad_buffer(logits.sizes(), logits.options())
                                     : at::empty({0}, logits.options());
   auto [loss, loss_tok, logp, ent] = run(logits, a, compute_grad ? dlogits : at::Tensor());
-  return {loss, loss_tok, logp, ent, dlogits};
+  args.ret(stack, loss, loss_tok, logp, ent, dlogits);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> ppo_loss_fwd_inplace(
-    at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
-    const std::optional<at::Tensor>& old, const at::Tensor& advantages,
-    const at::Tensor& weights, const std::optional<at::Tensor>& ref,
-    const std::optional<at::Tensor>& is_w, const std::optional<at::Tensor>& w_ent,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
-    const std::optional<at::Tensor>& temperatures) {
+void ppo_loss_fwd_inplace(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const ppo::OpArgs args(op, stack);
+  const at::Tensor logits = args.tensor("logits");
   // each row is read (its exps kept) before its gradient overwrites it
-  return run(logits,
-             ppo::loss_args(logits, tokens, mask, old, advantages, weights, ref, is_w, w_ent,
-                            scalars, codes, temperatures),
-             logits);
+  auto [loss, loss_tok, logp, ent] = run(logits, ppo::loss_args(args), logits);
+  args.ret(stack, loss, loss_tok, logp, ent);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_kernels, CPU, m) {
-  m.impl("ppo_loss_fwd", &ppo_loss_fwd);
-  m.impl("ppo_loss_fwd_inplace", &ppo_loss_fwd_inplace);
+  m.impl("ppo_loss_fwd", torch::CppFunction::makeFromBoxedFunction<&ppo_loss_fwd>());
+  m.impl("ppo_loss_fwd_inplace",
+         torch::CppFunction::makeFromBoxedFunction<&ppo_loss_fwd_inplace>());
 }
 
 }  // namespace CPU_CAPABILITY

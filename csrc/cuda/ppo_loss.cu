@@ -31,18 +31,13 @@ using OptTensor = std::optional<at::Tensor>;
 // Returns (loss, loss_tok, logprobs, entropy, dlogits); dlogits is numel 0 when no gradient
 // is asked for, and undefined when it was written over the logits (inplace).
 // old_logprobs None: on-policy (the kernel takes old = logp); entropy_weights None: weights.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
-    const Tensor& logits, const Tensor& tokens, const Tensor& mask,
-    const OptTensor& old_logprobs, const Tensor& advantages, const Tensor& weights,
-    const OptTensor& ref_logprobs, const OptTensor& rollout_is_weights,
-    const OptTensor& entropy_weights, c10::ArrayRef<double> scalars,
-    c10::ArrayRef<int64_t> codes, bool compute_grad, bool inplace,
-    const OptTensor& temperatures) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(const ppo::OpArgs& args,
+                                                                 bool compute_grad,
+                                                                 bool inplace) {
+  const Tensor logits = args.tensor("logits");
   check_cuda(logits);
   c10::cuda::CUDAGuard guard(logits.device());
-  const ppo::LossArgs a = ppo::loss_args(logits, tokens, mask, old_logprobs, advantages,
-                                         weights, ref_logprobs, rollout_is_weights,
-                                         entropy_weights, scalars, codes, temperatures);
+  const ppo::LossArgs a = ppo::loss_args(args);
   const RowArgs& r = a.rows;
   const ppo::LossTensors& in = a.in;
   const ppo::PolicyParams& params = a.params;
@@ -95,37 +90,27 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_impl(
   return {loss, loss_tok, logp, ent, dlogits};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_cuda(
-    const Tensor& logits, const Tensor& tokens, const Tensor& mask, const OptTensor& old_logprobs,
-    const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
-    const OptTensor& rollout_is_weights, const OptTensor& entropy_weights,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes, bool compute_grad,
-    const OptTensor& temperatures) {
-  return ppo_loss_impl(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                       rollout_is_weights, entropy_weights, scalars, codes, compute_grad, false,
-                       temperatures);
+// Boxed kernels (csrc/loss_args.h: the arguments read by schema name).
+void ppo_loss_fwd_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const ppo::OpArgs args(op, stack);
+  auto [loss, loss_tok, logp, ent, dlogits] =
+      ppo_loss_impl(args, args["compute_grad"].toBool(), false);
+  args.ret(stack, loss, loss_tok, logp, ent, dlogits);
 }
 
-// Tensor(a!) in the schema: the dispatcher wants `Tensor&` here, the same C++ signature as
-// every other backend's kernel of this op.
-std::tuple<Tensor, Tensor, Tensor, Tensor> ppo_loss_fwd_inplace_cuda(
-    Tensor& logits, const Tensor& tokens, const Tensor& mask, const OptTensor& old_logprobs,
-    const Tensor& advantages, const Tensor& weights, const OptTensor& ref_logprobs,
-    const OptTensor& rollout_is_weights, const OptTensor& entropy_weights,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
-    const OptTensor& temperatures) {
-  auto [loss, loss_tok, logp, ent, unused] =
-      ppo_loss_impl(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprobs,
-                    rollout_is_weights, entropy_weights, scalars, codes, true, true,
-                    temperatures);
+void ppo_loss_fwd_inplace_cuda(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const ppo::OpArgs args(op, stack);
+  auto [loss, loss_tok, logp, ent, unused] = ppo_loss_impl(args, true, true);
   (void)unused;
-  return {loss, loss_tok, logp, ent};
+  args.ret(stack, loss, loss_tok, logp, ent);
 }
 
 }  // namespace
 }  // namespace ppo_cuda
 
 TORCH_LIBRARY_IMPL(ppo_kernels, CUDA, m) {
-  m.impl("ppo_loss_fwd", &ppo_cuda::ppo_loss_fwd_cuda);
-  m.impl("ppo_loss_fwd_inplace", &ppo_cuda::ppo_loss_fwd_inplace_cuda);
+  m.impl("ppo_loss_fwd",
+         torch::CppFunction::makeFromBoxedFunction<&ppo_cuda::ppo_loss_fwd_cuda>());
+  m.impl("ppo_loss_fwd_inplace",
+         torch::CppFunction::makeFromBoxedFunction<&ppo_cuda::ppo_loss_fwd_inplace_cuda>());
 }

@@ -277,8 +277,7 @@ def _checked_policy_loss(old_log_prob, log_prob, advantages, response_mask,
     metrics, nan = _pg_metrics(lp.detach(), spec, s.old, s.adv, s.mask, verl_mode, pt,
                                pg_loss)
     if nan:
-        pol, _ = _torch_impl.token_losses(lp, None, s.old, s.adv, None, s.isw, s.mask, spec,
-                                          terms=pt)
+        pol, _ = _torch_impl.token_losses(lp, None, s, spec, terms=pt)
         pg_loss = _torch_impl.aggregate(pol, None, s.mask, weights, None, spec)
     return pg_loss, metrics
 
