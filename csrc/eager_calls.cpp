@@ -35,35 +35,36 @@ const c10::OperatorHandle& fwd_op() {
   return op;
 }
 
-// The stack of one ppo_loss_fwd call with compute_grad: the arguments named in the schema
-// taken by name, every other one (the per-token tensors, csrc/ops.cpp) from `tensors` in
-// the schema's order. The schema is the one list of them: a per-token tensor added there
+// The stack of one ppo_loss_fwd call with compute_grad, in its schema's order (csrc/ops.cpp):
+// the logits, the per-token tensors, scalars, codes, compute_grad, the per-row tensors
+// (the temperatures first), and the defaults of the arguments after those given. The
+// schema is the one list of the arguments: a per-row tensor appended there with a default
 // needs nothing here.
 torch::jit::Stack fwd_stack(const at::Tensor& logits, const std::vector<OptTensor>& tensors,
                             const std::vector<double>& scalars,
-                            const std::vector<int64_t>& codes, const OptTensor& temperatures) {
+                            const std::vector<int64_t>& codes,
+                            const std::vector<OptTensor>& rows) {
+  const std::vector<c10::Argument>& args = fwd_op().schema().arguments();
+  const size_t at_scalars = 1 + tensors.size();
+  TORCH_CHECK(args.size() >= at_scalars + 3 + rows.size() &&
+                  args[at_scalars].name() == "scalars" &&
+                  args[at_scalars + 2].name() == "compute_grad",
+              "tensors / rows: expected the per-token tensors ppo_kernels::ppo_loss_fwd takes "
+              "before its scalars and at most its per-row tensors after compute_grad, got ",
+              tensors.size(), " and ", rows.size());
   torch::jit::Stack stack;
-  size_t next = 0;
-  for (const c10::Argument& arg : fwd_op().schema().arguments()) {
-    const std::string& name = arg.name();
-    if (name == "logits") {
-      stack.emplace_back(logits);
-    } else if (name == "scalars") {
-      stack.emplace_back(scalars);
-    } else if (name == "codes") {
-      stack.emplace_back(codes);
-    } else if (name == "compute_grad") {
-      stack.emplace_back(true);
-    } else if (name == "temperatures") {
-      stack.emplace_back(temperatures);
-    } else {
-      TORCH_CHECK(next < tensors.size(), "tensors: expected one per per-token argument of "
-                  "ppo_kernels::ppo_loss_fwd, got ", tensors.size());
-      stack.emplace_back(tensors[next++]);
-    }
+  stack.reserve(args.size());
+  stack.emplace_back(logits);
+  for (const OptTensor& t : tensors) stack.emplace_back(t);
+  stack.emplace_back(scalars);
+  stack.emplace_back(codes);
+  stack.emplace_back(true);
+  for (const OptTensor& t : rows) stack.emplace_back(t);
+  for (size_t k = stack.size(); k < args.size(); ++k) {
+    TORCH_CHECK(args[k].default_value().has_value(), "rows: ppo_kernels::ppo_loss_fwd's ",
+                args[k].name(), " has no default and was not given");
+    stack.push_back(*args[k].default_value());
   }
-  TORCH_CHECK(next == tensors.size(), "tensors: expected ", next,
-              " (the per-token arguments of ppo_kernels::ppo_loss_fwd), got ", tensors.size());
   return stack;
 }
 
@@ -94,11 +95,11 @@ struct FusedLossFn : public torch::autograd::Function<FusedLossFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& logits,
                                const std::vector<OptTensor>& tensors,
                                const std::vector<double>& scalars,
-                               const std::vector<int64_t>& codes, const OptTensor& temperatures,
-                               int64_t grad_scale_slot) {
+                               const std::vector<int64_t>& codes,
+                               const std::vector<OptTensor>& rows, int64_t grad_scale_slot) {
     TORCH_CHECK(grad_scale_slot >= 0 && size_t(grad_scale_slot) < scalars.size(),
                 "grad_scale_slot: expected an index into scalars, got ", grad_scale_slot);
-    torch::jit::Stack stack = fwd_stack(logits, tensors, scalars, codes, temperatures);
+    torch::jit::Stack stack = fwd_stack(logits, tensors, scalars, codes, rows);
     {
       // straight to the device kernel: the op's autograd kernel (the Python formula) is
       // what this Function replaces
@@ -164,15 +165,16 @@ void init_eager_calls(pybind11::module_& m) {
       "fused_loss",
       [](const at::Tensor& logits, const std::vector<OptTensor>& tensors,
          const std::vector<double>& scalars, const std::vector<int64_t>& codes,
-         const OptTensor& temperatures, int64_t grad_scale_slot) {
-        variable_list out = FusedLossFn::apply(logits, tensors, scalars, codes, temperatures,
-                                               grad_scale_slot);
+         const std::vector<OptTensor>& rows, int64_t grad_scale_slot) {
+        variable_list out =
+            FusedLossFn::apply(logits, tensors, scalars, codes, rows, grad_scale_slot);
         return std::make_tuple(out[0], out[1], out[2], out[3]);
       },
       "(loss, loss_tok, logprobs, entropy) of ppo_kernels::ppo_loss_fwd with its gradient "
       "in the autograd graph (the eager cpu / cuda path of ppo_loss): the logits, the op's "
-      "per-token tensors in its schema's order (a list, None for an absent one), scalars, "
-      "codes, temperatures, then the index of grad_scale in scalars.",
+      "per-token tensors before its scalars (a list in the schema's order, None for an "
+      "absent one), scalars, codes, its per-row tensors after compute_grad (a list, as "
+      "many as given), then the index of grad_scale in scalars.",
       pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def(
       "metrics_dict",

@@ -26,7 +26,10 @@
 //   scalars) for every row. When given, row i divides its logits by temperatures[i] (1 /
 //   temperatures[i] taken in double and rounded once, as the scalar's) and the scalar is
 //   ignored; masked rows are not read. The Python layer expands a per-sequence [B]
-//   temperature to [B, T] and fills masked positions with 1.
+//   temperature to [B, T] and fills masked positions with 1. A new per-row tensor option of
+//   the ppo_loss ops goes at the end of both schemas, `Tensor? name=None` (a call without
+//   it is unchanged); the Python layer hands them over in that order
+//   (loss.KernelInputs.row_tensors), the kernels read them by name (csrc/loss_args.h).
 // Sampling replay (docs/SAMPLING.md): a row's kept set is given either as CSR kept_ids
 //   (int64 [nnz], global vocabulary ids, unique per row) + kept_offsets (int64 [B * T + 1],
 //   rows in row-major order) or as threshold (float64 [B, T], raw logit units: the kept set

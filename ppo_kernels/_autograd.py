@@ -288,16 +288,16 @@ if HAS_SCHEMAS:
 _CPP_FUSED_LOSS = eager_call("fused_loss")
 
 
-def fused_loss(prefix, logits, tensors, scalars, codes, temperatures):
+def fused_loss(prefix, logits, tensors, scalars, codes, rows):
     """(loss, loss_tok, logp, ent) of the prefix + ppo_loss_fwd op with its gradient in the
     autograd graph, in eager mode: for the compiled ops (prefix "", cpu and cuda) the C++
     autograd Function of csrc/eager_calls.cpp, which costs a few microseconds per
     forward and per backward where a Python Function costs tens; for the Triton ones
     FusedLoss. The same op, the same backward (hand_out's rules), the same bits."""
     if prefix == "" and _CPP_FUSED_LOSS is not None:
-        return _CPP_FUSED_LOSS(logits, tensors, scalars, codes, temperatures, F["grad_scale"])
+        return _CPP_FUSED_LOSS(logits, tensors, scalars, codes, rows, F["grad_scale"])
     return FusedLoss.apply(logits, getattr(torch.ops.ppo_kernels, prefix + "ppo_loss_fwd"),
-                           tensors, scalars, codes, prefix, temperatures)
+                           tensors, scalars, codes, prefix, rows)
 
 
 class FusedLoss(torch.autograd.Function):
@@ -313,14 +313,12 @@ class FusedLoss(torch.autograd.Function):
     the caller promised not to use the logits afterwards."""
 
     @staticmethod
-    def forward(ctx, logits, op, tensors, scalars, codes, prefix, temperatures=None,
-                inplace=False):
+    def forward(ctx, logits, op, tensors, scalars, codes, prefix, rows=(), inplace=False):
         ctx.prefix = prefix
         ctx.applied = applied_scale(scalars[F["grad_scale"]], logits)
         ctx.inplace = inplace
         if inplace:
-            loss, loss_tok, logp, ent = op(logits, *tensors, scalars, codes,
-                                           temperatures=temperatures)
+            loss, loss_tok, logp, ent = op(logits, *tensors, scalars, codes, *rows)
             # the logits now hold dlogits: anything that saved them for its own backward
             # must see the change (the C++ op has no ADInplaceOrView kernel to do this)
             torch.autograd.graph.increment_version(logits)
@@ -333,7 +331,7 @@ class FusedLoss(torch.autograd.Function):
             # redispatch, grad mode being off here)
             with torch._C._AutoDispatchBelowAutograd():
                 loss, loss_tok, logp, ent, dlogits = op(logits, *tensors, scalars, codes,
-                                                        True, temperatures=temperatures)
+                                                        True, *rows)
             ctx.save_for_backward(dlogits)
             ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(loss_tok, logp, ent)

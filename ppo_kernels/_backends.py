@@ -59,7 +59,7 @@ class KernelBackend:
         loss.two_phase's to choose): (loss, loss_tok, logp, ent), all but loss detached.
         kin: the call's loss.KernelInputs (the per-token tensors in the kernels' layout,
         the per-row temperature or None for spec.temperature)."""
-        tensors, temperatures = kin.op_tensors(), kin.temperatures
+        tensors, rows = kin.op_tensors(), kin.row_tensors()
         weights, w_ent = kin.weights, kin.w_ent
         scalars, codes = spec.kernel_args(logits.dtype)
         # under torch.jit.trace always: its check re-runs the call under no_grad, and the
@@ -71,17 +71,17 @@ class KernelBackend:
         if spec.inplace_backward and need_grad and not tracing:
             loss, loss_tok, logp, ent = FusedLoss.apply(
                 logits, self.op("ppo_loss_fwd_inplace"), tensors, scalars, codes, self.prefix,
-                temperatures, True)
+                rows, True)
         elif need_grad and not tracing and not torch.compiler.is_compiling():
             loss, loss_tok, logp, ent = fused_loss(self.prefix, logits, tensors, scalars, codes,
-                                                   temperatures)
+                                                   rows)
         elif recorded(logits):
             loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(
-                logits, *tensors, scalars, codes, need_grad, temperatures=temperatures)
+                logits, *tensors, scalars, codes, need_grad, *rows)
         else:  # (no gradient in eager mode: no pass through the op's Python autograd kernel)
             with torch._C._AutoDispatchBelowAutograd():
                 loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(
-                    logits, *tensors, scalars, codes, False, temperatures=temperatures)
+                    logits, *tensors, scalars, codes, False, *rows)
         if w_ent is not None and spec.entropy_coef != 0.0:
             # the kernel sums w * (... - entropy_coef H); the entropy term's own weights
             # are w_ent (its gradient already carries them)

@@ -65,7 +65,8 @@ class HeadLoss:
         before the kernel overwrites z), into the accumulators."""
         src, spec, x = self.src, self.spec, self.x
         hidden3 = inputs[0]
-        per_tok = x.kin.op_tensors()
+        kin = x.kin
+        per_tok, per_row = kin.op_tensors(), kin.row_tensors()
         g = Grads(src.n, src.chunk, *inputs, need)
         loss = torch.zeros((), dtype=src.acc, device=hidden3.device)
         logp, ent = [], []
@@ -73,20 +74,19 @@ class HeadLoss:
 
         def block(blk, hc, z3):
             rows = tuple(blk.rows(v) for v in per_tok)
-            temps = blk.rows(src.temperature) if isinstance(src.temperature,
-                                                             torch.Tensor) else None
+            trail = tuple(blk.rows(v) for v in per_row)
             if g.any:
                 z = z3.view(blk.r1 - blk.r0, -1)
                 factor = None if src.cap is None else softcap_factor_(z.clone(), src.cap)
                 lc, _, lp, en = src.be.op("ppo_loss_fwd_inplace")(z3, *rows, scalars, codes,
-                                                                   temperatures=temps)
+                                                                   *trail)
                 if factor is not None:
                     z.mul_(factor)
                     del factor
                 g.add(blk.r0, blk.r1, z, hc)
             else:
                 lc, _, lp, en, _ = src.be.op("ppo_loss_fwd")(z3, *rows, scalars, codes, False,
-                                                             temperatures=temps)
+                                                             *trail)
             loss.add_(lc)
             logp.append(lp)
             ent.append(en)
@@ -94,10 +94,10 @@ class HeadLoss:
         src.each_block(inputs, block)
         logp, ent = src.cat(logp), src.cat(ent)
         out = loss
-        if per_tok[7] is not None and spec.entropy_coef != 0.0:
+        if kin.w_ent is not None and spec.entropy_coef != 0.0:
             # as KernelBackend.ppo_loss: the kernel's value sums w * (... - entropy_coef H);
             # the entropy term's own weights are w_ent (its gradient already carries them)
-            out = loss + spec.entropy_coef * ((per_tok[4] - per_tok[7]) * ent).sum()
+            out = loss + spec.entropy_coef * ((kin.weights - kin.w_ent) * ent).sum()
         grads = g.finish(src.t, *inputs)
         return (out, x.padded(logp), x.padded(ent)), grads, spec.effective_grad_scale(
             hidden3.dtype)

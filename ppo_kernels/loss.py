@@ -419,9 +419,9 @@ def _replaced(x, **changes):
 class KernelInputs(NamedTuple):
     """The per-token tensors of a loss call in the layout the kernels read ([B, T], packed
     again with cu_seqlens), made once per call (weigh_loss: LossInputs.kin) and handed to
-    the backends and row sources as one record: the ppo_loss_fwd ops' arguments after the
-    logits, in their order (the first eight), and the per-row temperature (None:
-    spec.temperature)."""
+    the backends and row sources as one record: the ppo_loss_fwd ops' tensor arguments
+    (op_tensors before the options, row_tensors after them), the per-row temperature among
+    them (None: spec.temperature)."""
 
     tokens: Any
     mask: Any
@@ -438,6 +438,13 @@ class KernelInputs(NamedTuple):
         method, not a slice: torch 2.6's dynamo fails on slicing a NamedTuple)."""
         return (self.tokens, self.mask, self.old, self.adv, self.weights, self.ref, self.isw,
                 self.w_ent)
+
+    def row_tensors(self):
+        """The per-row tensors the ppo_loss_fwd ops take last (after compute_grad; after
+        codes in the in-place op), in their order, None where absent: the per-row
+        temperature. A new per-row tensor option goes at the end of both, with a None
+        default in the schemas (csrc/ops.cpp), so that a call without it is unchanged."""
+        return (self.temperatures,)
 
     def temperature(self, spec):
         """The temperature as the backends take it: the per-row tensor, or
