@@ -13,7 +13,7 @@ import torch
 from . import _torch_impl
 from ._autograd import FusedLoss, fused_loss, not_traceable, register, wants_grad
 from ._checks import detached, split_temperature
-from ._extension import HAS_CPU, HAS_CUDA, LOAD_ERROR, not_built_hint
+from ._extension import HAS_CPU, HAS_CUDA, HAS_SCHEMAS, LOAD_ERROR, not_built_hint
 from .spec import KL_ESTIMATORS
 
 
@@ -159,7 +159,8 @@ def _warn_eager_fallback(dev):
     if dev in _WARNED:
         return
     _WARNED.add(dev)
-    why = (not_built_hint() if dev != "cuda" else
+    # (without the compiled extension the Triton ops have no schemas either: build it)
+    why = (not_built_hint() if dev != "cuda" or not HAS_SCHEMAS else
            "the extension has no CUDA kernels here and triton is not importable "
            "(pip install triton, or build with a CUDA toolkit)")
     warnings.warn(f"ppo_kernels: backend='auto' runs the eager PyTorch composite on {dev} "
