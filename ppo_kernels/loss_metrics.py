@@ -2,8 +2,8 @@
 
 On a small call the metrics are a large part of the cost: one op over the [B, T]
 per-token values, then a 0-d tensor per metric (each a Python object), about 50 of the
-~250 us of a B 2, T 8 forward on the CPU (2026-12-06, AMD EPYC, 1 thread). A trainer that logs every k-th step, a benchmark or a
-gradient check never reads most of them, so on the paths where deferring is safe the dict
+~250 us of a B 2, T 8 forward on the CPU (2026-12-06, AMD EPYC, 1 thread). A trainer that
+logs every k-th step, a benchmark or a gradient check never reads most of them, so on the paths where deferring is safe the dict
 is filled at its first read instead: a caller that reads no metric pays for none, one that
 reads any gets every metric, with the bits the eager computation gives (the same op on the
 same tensors).
