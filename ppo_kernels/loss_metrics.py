@@ -3,10 +3,10 @@
 On a small call the metrics are a large part of the cost: one op over the [B, T]
 per-token values, then a 0-d tensor per metric (each a Python object), about 50 of the
 ~250 us of a B 2, T 8 forward on the CPU (2026-12-06, AMD EPYC, 1 thread). A trainer that
-logs every k-th step, a benchmark or a gradient check never reads most of them, so on the paths where deferring is safe the dict
-is filled at its first read instead: a caller that reads no metric pays for none, one that
-reads any gets every metric, with the bits the eager computation gives (the same op on the
-same tensors).
+logs every k-th step, a benchmark or a gradient check never reads most of them, so on the
+paths where deferring is safe the dict is filled at its first read instead: a caller that
+reads no metric pays for none, one that reads any gets every metric, with the bits the
+eager computation gives (the same op on the same tensors).
 
 Deferring is safe when the computation reads nothing but the call's own tensors, in a
 fixed order, without collectives or device streams: the cpu backend's one metrics op, in
