@@ -81,28 +81,8 @@ class LossMetrics(dict):
             self._pending = None
         return self
 
-    # every read and write fills first (the writes keep the eager dict's key order)
-    def __getitem__(self, k):
-        return dict.__getitem__(self._filled(), k)
-
-    def __setitem__(self, k, v):
-        dict.__setitem__(self._filled(), k, v)
-
-    def __delitem__(self, k):
-        dict.__delitem__(self._filled(), k)
-
-    def __contains__(self, k):
-        return dict.__contains__(self._filled(), k)
-
-    def __iter__(self):
-        return dict.__iter__(self._filled())
-
-    def __reversed__(self):
-        return dict.__reversed__(self._filled())
-
-    def __len__(self):
-        return dict.__len__(self._filled())
-
+    # every read and write fills first (the writes keep the eager dict's key order): the
+    # dict's own methods on the filled dict (_FILLED_FIRST below), and these
     def __eq__(self, other):
         if isinstance(other, LossMetrics):  # (dict's comparison reads the other's storage)
             other._filled()
@@ -114,9 +94,6 @@ class LossMetrics(dict):
 
     __hash__ = None
 
-    def __repr__(self):
-        return dict.__repr__(self._filled())
-
     def __or__(self, other):
         return dict.__or__(dict(self._filled()), other)
 
@@ -126,30 +103,6 @@ class LossMetrics(dict):
     def __ior__(self, other):
         dict.update(self._filled(), other)
         return self
-
-    def keys(self):
-        return dict.keys(self._filled())
-
-    def values(self):
-        return dict.values(self._filled())
-
-    def items(self):
-        return dict.items(self._filled())
-
-    def get(self, k, default=None):
-        return dict.get(self._filled(), k, default)
-
-    def pop(self, k, *default):
-        return dict.pop(self._filled(), k, *default)
-
-    def popitem(self):
-        return dict.popitem(self._filled())
-
-    def setdefault(self, k, default=None):
-        return dict.setdefault(self._filled(), k, default)
-
-    def update(self, *args, **kwargs):
-        dict.update(self._filled(), *args, **kwargs)
 
     def clear(self):
         self._pending = None
@@ -168,6 +121,25 @@ class LossMetrics(dict):
         # pickles by its class, which torch.load(weights_only=True) refuses, and builtins
         # dict is not among its allowed globals either; OrderedDict (a state dict's type) is
         return (collections.OrderedDict, (list(self._filled().items()),))
+
+
+def _on_filled(name):
+    """dict.<name> called on the filled dict."""
+    method = getattr(dict, name)
+
+    def on_filled(self, *args, **kwargs):
+        return method(self._filled(), *args, **kwargs)
+
+    on_filled.__name__, on_filled.__doc__ = name, method.__doc__
+    on_filled.__qualname__ = f"LossMetrics.{name}"
+    return on_filled
+
+
+_FILLED_FIRST = ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__iter__",
+                 "__reversed__", "__len__", "__repr__", "keys", "values", "items", "get",
+                 "pop", "popitem", "setdefault", "update")
+for _name in _FILLED_FIRST:
+    setattr(LossMetrics, _name, _on_filled(_name))
 
 
 # torch's pytree (tree_map, torch.compile's and torch.func's flattening) takes it as the
