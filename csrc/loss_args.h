@@ -67,9 +67,12 @@ class OpArgs {
     return args_[static_cast<size_t>(*i)];
   }
   at::Tensor tensor(const char* name) const { return (*this)[name].toTensor(); }
+  // None, or an undefined tensor (a C++ caller's), is absent: as row_args takes it, so
+  // that a flag read from presence (PolicyParams::has_ref) agrees with the checked tensor
   std::optional<at::Tensor> opt_tensor(const char* name) const {
     const c10::IValue& v = (*this)[name];
-    return v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor());
+    if (v.isNone() || !v.toTensor().defined()) return std::nullopt;
+    return v.toTensor();
   }
 
   // The call's outputs in the schema's order, in place of its arguments on the stack.
