@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import ppo_kernels as pk
 
@@ -149,9 +150,45 @@ def _loss_call(inp, kw):
     return old, adv, kw
 
 
+# ATen's transcendental functions of float / double tensors run MKL's vector math (VML) on
+# x86, whose code path MKL picks per CPU vendor and ISA (MKL_CBWR=COMPATIBLE or =AVX2 moves
+# their last bits): a case whose call runs one of them beside our kernels (the eager middle
+# of a sequence-level or two-phase loss) is exact only on the same CPU model
+# (https://www.intel.com/content/www/us/en/docs/onemkl/developer-guide-linux/2024-2/
+# obtaining-numerically-reproducible-results.html).
+VML_OPS = frozenset({"exp", "expm1", "log", "log1p", "log2", "log10", "sigmoid", "tanh",
+                     "log_sigmoid_forward", "log_sigmoid_backward", "pow", "sqrt", "rsqrt",
+                     "erf", "erfc", "sin", "cos", "tan", "atan", "asin", "acos", "sinh",
+                     "cosh", "lgamma"})
+# the case prefixes (f32/cpu/logits/gspo/none, ...) whose call ran one: filled by compute()
+RUNS_VML = set()
+
+
+class _VmlSpy(TorchDispatchMode):
+    """Records whether any op of VML_OPS was dispatched (from Python or from C++)."""
+
+    hit = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__.rstrip("_") in VML_OPS:
+            self.hit = True
+        return func(*args, **(kwargs or {}))
+
+
+def _watched(prefix, fn):
+    """fn() under _VmlSpy; prefix goes into RUNS_VML where it dispatched a VML op."""
+    spy = _VmlSpy()
+    with spy:
+        result = fn()
+    if spy.hit:
+        RUNS_VML.add(prefix)
+    return result
+
+
 def compute():
-    """{key: array} of every case."""
+    """{key: array} of every case (and RUNS_VML, the cases that ran torch's VML ops)."""
     out = {}
+    RUNS_VML.clear()
     for dtype, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16"),
                        (torch.float64, "f64")):
         inp = _inputs(dtype)
@@ -161,10 +198,13 @@ def compute():
             for name, kw in cases:
                 old, adv, kw = _loss_call(inp, kw)
                 x = inp["logits"].clone().requires_grad_(True)
-                loss, metrics = pk.ppo_loss(x, inp["tokens"], old, adv, inp["mask"],
-                                            inp["ref"], backend=backend, **kw)
-                grads = _backward(loss, [x])
-                _pack(out, f"{tag}/{backend}/logits/{name}", loss, metrics, grads, ["logits"])
+                prefix = f"{tag}/{backend}/logits/{name}"
+
+                def run():
+                    loss, metrics = pk.ppo_loss(x, inp["tokens"], old, adv, inp["mask"],
+                                                inp["ref"], backend=backend, **kw)
+                    return loss, metrics, _backward(loss, [x])
+                _pack(out, prefix, *_watched(prefix, run), ["logits"])
                 if dtype == torch.bfloat16 or kw.get("inplace_backward"):
                     continue
                 h = inp["hidden"].clone().requires_grad_(True)
@@ -185,17 +225,24 @@ def compute():
                                        clip_eps_high=4e-3, loss_agg_mode="seq-mean-token-mean"))):
             x = inp["logits"][:, :T].reshape(B * T, V)[sel].clone().requires_grad_(True)
             pick = lambda t: t.reshape(B * T)[sel]  # noqa: E731
-            loss, metrics = pk.ppo_loss(x, pick(inp["tokens"]), pick(inp["old"]),
-                                        pick(inp["adv"]), None, pick(inp["ref"]),
-                                        cu_seqlens=cu, backend="cpu", **kw)
-            grads = _backward(loss, [x])
-            _pack(out, f"{tag}/cpu/packed/{name}", loss, metrics, grads, ["logits"])
+
+            def run():
+                loss, metrics = pk.ppo_loss(x, pick(inp["tokens"]), pick(inp["old"]),
+                                            pick(inp["adv"]), None, pick(inp["ref"]),
+                                            cu_seqlens=cu, backend="cpu", **kw)
+                return loss, metrics, _backward(loss, [x])
+            _pack(out, f"{tag}/cpu/packed/{name}", *_watched(f"{tag}/cpu/packed/{name}", run),
+                  ["logits"])
         # token log-probs, from logits and from hidden
         x = inp["logits"].clone().requires_grad_(True)
-        logp, ent = pk.token_logprobs(x, inp["tokens"], inp["mask"], temperature=0.9,
-                                      return_entropy=True, backend="cpu")
-        grads = _backward((logp * inp["adv"].to(logp.dtype)).sum() + ent.sum(), [x])
-        _pack(out, f"{tag}/cpu/token_logprobs", logp, {"entropy": ent}, grads, ["logits"])
+
+        def run():
+            logp, ent = pk.token_logprobs(x, inp["tokens"], inp["mask"], temperature=0.9,
+                                          return_entropy=True, backend="cpu")
+            grads = _backward((logp * inp["adv"].to(logp.dtype)).sum() + ent.sum(), [x])
+            return logp, {"entropy": ent}, grads
+        _pack(out, f"{tag}/cpu/token_logprobs", *_watched(f"{tag}/cpu/token_logprobs", run),
+              ["logits"])
         h = inp["hidden"].clone().requires_grad_(True)
         w = inp["weight"].clone().requires_grad_(True)
         logp, ent = pk.token_logprobs_from_hidden(h, w, inp["tokens"], inp["mask"],
@@ -206,13 +253,15 @@ def compute():
               ["hidden", "weight"])
         # the rollout side
         for est in ("k1", "k3"):
-            r = pk.score_rollout(inp["logits"], inp["tokens"], inp["ref"], inp["values"],
-                                 inp["scores"], inp["mask"], kl_coef=0.05, kl_estimator=est,
-                                 gamma=0.99, lam=0.9, backend="cpu")
+            r = _watched(f"{tag}/cpu/score_rollout/{est}", lambda: pk.score_rollout(
+                inp["logits"], inp["tokens"], inp["ref"], inp["values"], inp["scores"],
+                inp["mask"], kl_coef=0.05, kl_estimator=est, gamma=0.99, lam=0.9,
+                backend="cpu"))
             for field, v in zip(r._fields, r):
                 out[f"{tag}/cpu/score_rollout/{est}/{field}"] = v.numpy()
-        a, ret = pk.gae(inp["scores"][:, None].expand(B, T).contiguous(), inp["values"],
-                        inp["mask"], gamma=0.97, lam=0.9, backend="cpu")
+        a, ret = _watched(f"{tag}/cpu/gae", lambda: pk.gae(
+            inp["scores"][:, None].expand(B, T).contiguous(), inp["values"], inp["mask"],
+            gamma=0.97, lam=0.9, backend="cpu"))
         out[f"{tag}/cpu/gae/advantages"], out[f"{tag}/cpu/gae/returns"] = a.numpy(), ret.numpy()
     return out
 
