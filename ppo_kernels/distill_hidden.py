@@ -48,7 +48,7 @@ class DistillHead:
                 dz = dz.view(n_c, -1)
                 if s.cap is not None:
                     dz.mul_(softcap_factor_(z3.view(n_c, -1), s.cap))
-                g.add(blk.r0, blk.r1, dz, hc)
+                g.add(blk, dz, hc)
                 del dz
             loss.add_(lc)
             for part, v in zip(terms, (k, p, t)):

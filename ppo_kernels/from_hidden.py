@@ -83,7 +83,7 @@ class HeadLoss:
                 if factor is not None:
                     z.mul_(factor)
                     del factor
-                g.add(blk.r0, blk.r1, z, hc)
+                g.add(blk, z, hc)
             else:
                 lc, _, lp, en, _ = src.be.op("ppo_loss_fwd")(z3, *rows, scalars, codes, False,
                                                              *trail)

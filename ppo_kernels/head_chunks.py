@@ -17,6 +17,15 @@ from .rows import Block, RowSource
 from .vocab_parallel import shard_of
 
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
+# A chunk's masked rows (prompt, padding) skip the head's three matmuls where that pays
+# (live_rows): the kept rows' logits and gradient are then gathered and scattered, about
+# three more passes over k x V elements, while each skipped row saves 6 H flops per element
+# of the logits; at the tens of flops per byte of today's CPUs and GPUs that pays once
+# masked * H >= LIVE_ROWS_BALANCE * kept (H = 4096: from 2% of the rows masked; H = 64:
+# from half of them).
+LIVE_ROWS_BALANCE = 64
+# torch.addmm(..., out_dtype=torch.float32, out=acc) of 16-bit operands (CUDA only)
+ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
 
 
 # ------------------------------------------------------------------ argument checks
@@ -155,6 +164,25 @@ def softcap_factor_(z, cap):
     return z.div_(cap).square_().neg_().add_(1.0)
 
 
+def live_rows(keep, chunk, h):
+    """For each chunk of chunk rows of keep [N] (bool: the rows the loss reads), None where
+    every row goes through the head's matmuls, else the indices of its kept rows (int64
+    [k]): where masked * h >= LIVE_ROWS_BALANCE * kept, the masked rows' matmuls cost more
+    than gathering the kept rows' logits and gradient. One host read of the chunks' counts
+    (a device sync on CUDA)."""
+    n = keep.numel()
+    if n == 0:
+        return []
+    counts = torch.nn.functional.pad(keep.int(), (0, -n % chunk)).view(-1, chunk).sum(1)
+    lives = []
+    for i, k in enumerate(counts.tolist()):
+        r0, r1 = i * chunk, min(n, (i + 1) * chunk)
+        masked = r1 - r0 - k
+        skip = masked > 0 and masked * h >= LIVE_ROWS_BALANCE * k
+        lives.append(keep[r0:r1].nonzero().view(-1) if skip else None)
+    return lives
+
+
 class Grads:
     """The gradient accumulators of hidden, W and b over the chunks of one pass (None
     for inputs that need none)."""
@@ -179,17 +207,24 @@ class Grads:
                 self.db = torch.zeros(v, dtype=self.wide, device=weight.device)
         self.any = need_h or need_w or need_b
 
-    def add(self, r0, r1, dz, h):
-        """Accumulate a chunk's dz [C, V] (d loss / d logits of rows r0:r1, h = their
-        hidden states). float32 dz of 16-bit weights (logits_dtype=torch.float32) is
-        rounded to the weights' dtype first: the two matmuls run as in the default path
-        (the float32 accumulation of cuBLAS / oneDNN), so d hidden and dW keep their dtype
-        and cost."""
+    def add(self, blk, dz, h):
+        """Accumulate a chunk's dz [C, V] (d loss / d logits of the block's rows, h = their
+        hidden states; where blk.live is set, h holds the unmasked rows alone, and the
+        masked rows, whose dz is 0, get a d hidden of 0 and no matmul). float32 dz of
+        16-bit weights (logits_dtype=torch.float32) is rounded to the weights' dtype
+        first: the two matmuls run as in the default path (the float32 accumulation of
+        cuBLAS / oneDNN), so d hidden and dW keep their dtype and cost."""
         weight = self.weight
+        r0, r1 = blk.r0, blk.r1
         if dz.dtype != weight.dtype:
             dz = dz.to(weight.dtype)
+        if blk.live is not None:
+            dz = dz.index_select(0, blk.live)
         if self.dh2 is not None:
-            torch.mm(dz, weight, out=self.dh2[r0:r1])
+            if blk.live is None:
+                torch.mm(dz, weight, out=self.dh2[r0:r1])
+            else:
+                self.dh2[r0:r1].zero_().index_copy_(0, blk.live, torch.mm(dz, weight))
         if self.single:
             if self.need_w:
                 self.dw = torch.mm(dz.t(), h)
@@ -199,7 +234,12 @@ class Grads:
         if self.dw is not None:
             if self.dw.dtype == dz.dtype:
                 self.dw.addmm_(dz.t(), h)
-            else:  # bf16 / fp16: the matmul accumulates in float32, rounds once per chunk
+            elif dz.is_cuda and ADDMM_OUT_DTYPE:
+                # bf16 / fp16 on CUDA: cuBLAS adds the product of the 16-bit operands into
+                # the float32 accumulator itself (beta = 1): no [V, H] temporary, no
+                # rounding per chunk
+                torch.addmm(self.dw, dz.t(), h, out_dtype=self.dw.dtype, out=self.dw)
+            else:  # bf16 / fp16 elsewhere: the matmul's float32 sum, rounded once per chunk
                 self.dw.add_(torch.mm(dz.t(), h))
         if self.db is not None:
             self.db.add_(dz.sum(0, dtype=self.wide))
@@ -237,21 +277,37 @@ class HeadRows(RowSource):
         self.cap, self.chunk, self.logits_dtype, self.acc = cap, chunk, logits_dtype, acc
 
     def each_block(self, inputs, fn):
-        """The one chunk loop: fn(block, h_c [C, H], z [1, C, V]) for each chunk of rows,
-        h_c with masked rows zeroed (whatever a padded position holds, NaN included, stays
-        out of dW = sum dz^T h, where its zero dz would meet it as 0 * NaN)."""
+        """The one chunk loop: fn(block, h, z [1, C, V]) for each chunk of rows. h: the
+        chunk's hidden rows [C, H] with masked rows zeroed (whatever a padded position
+        holds, NaN included, stays out of dW = sum dz^T h, where its zero dz would meet it
+        as 0 * NaN); or, where skipping the masked rows pays (live_rows), the unmasked rows
+        alone [k, H], block.live their indices, and the masked rows' logits those of a
+        zero hidden state (the bias, soft-capped) as before, computed once."""
         hidden3, weight, bias = inputs
         h2 = hidden3[:, :self.t].reshape(self.n, hidden3.shape[2])
         head = head_for_logits(weight, self.logits_dtype)
         keep = self.mask.reshape(self.n)
+        lives = live_rows(keep, self.chunk, h2.shape[1])
+        masked_row = None
         for i, r0 in enumerate(range(0, self.n, self.chunk)):
-            r1 = min(self.n, r0 + self.chunk)
-            hc = torch.where(keep[r0:r1, None], h2[r0:r1], 0.0)
-            # (logits_dtype only when set: the default call is chunk_logits(h, W, b, cap))
-            z = (chunk_logits(hc, head, bias, self.cap) if self.logits_dtype is None else
-                 chunk_logits(hc, head, bias, self.cap, self.logits_dtype))
-            fn(Block(i, r0, r1), hc, z.view(1, r1 - r0, -1))
+            r1, live = min(self.n, r0 + self.chunk), lives[i]
+            if live is None:
+                hc = torch.where(keep[r0:r1, None], h2[r0:r1], 0.0)
+                z = self.logits(hc, head, bias)
+            else:
+                if masked_row is None:
+                    masked_row = self.logits(h2.new_zeros(1, h2.shape[1]), head, bias)
+                hc = h2[r0:r1].index_select(0, live)
+                z = masked_row.expand(r1 - r0, -1).clone()
+                if live.numel():  # (a chunk of masked rows alone: no matmul at all)
+                    z.index_copy_(0, live, self.logits(hc, head, bias))
+            fn(Block(i, r0, r1, live=live), hc, z.view(1, r1 - r0, -1))
             del z
+
+    def logits(self, h, head, bias):
+        # (logits_dtype only when set: the default call is chunk_logits(h, W, b, cap))
+        return (chunk_logits(h, head, bias, self.cap) if self.logits_dtype is None else
+                chunk_logits(h, head, bias, self.cap, self.logits_dtype))
 
     def cat(self, pieces, dtype=None):
         if not pieces:
@@ -272,7 +328,7 @@ class HeadRows(RowSource):
         dz = dz.view(c, -1)
         if self.cap is not None:
             dz.mul_(softcap_factor_(z3.view(c, -1), self.cap))
-        g.add(blk.r0, blk.r1, dz, h)
+        g.add(blk, dz, h)
 
     def finish_grad(self, g, inputs):
         if g.dh2 is not None:

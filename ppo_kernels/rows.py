@@ -233,12 +233,15 @@ class RowSource:
 
 class Block(NamedTuple):
     """Rows r0:r1 of the flat [N] rows (index: the block's number); whole: the block is
-    every row in the [B, T] layout (the logits)."""
+    every row in the [B, T] layout (the logits); live: where the LM head's matmuls ran for
+    the block's unmasked rows alone, their indices in the block (int64 [k]; None: every
+    row went through them, head_chunks.live_rows)."""
 
     index: int
     r0: int
     r1: int
     whole: bool = False
+    live: Any = None
 
     def rows(self, x):
         """x [B, T] (or None) as this block's rows: [B, T] itself, or [1, C]."""
