@@ -10,6 +10,7 @@ import torch
 
 import ppo_kernels as pk
 from ppo_kernels import head_chunks
+from ppo_kernels._backends import get_backend
 
 from helpers.backends import backend_params
 from helpers.inputs import head_inputs, make_teacher, random_csr
@@ -92,10 +93,31 @@ def test_ppo_loss_from_hidden(monkeypatch, policy_loss, cap, chunk):
     skipped, computed = _skip_and_compute(monkeypatch, _ppo(d, policy_loss, cap, chunk))
     _close(skipped, computed, rtol=1e-5, atol=1e-6)
     assert (skipped[2][0][~d["mask"]] == 0).all()  # d hidden of masked rows
-    if cap is None:  # a masked row's logits are the bias either way: the same bits
-        pad = ~d["mask"]
-        for k in ("per_token_logprobs", "per_token_entropy"):
-            assert torch.equal(skipped[1][k][pad], computed[1][k][pad]), k
+
+
+@pytest.mark.parametrize("cap", [None, 2.5])
+def test_masked_rows_logits_are_a_zero_hidden_states(monkeypatch, cap):
+    """The row source's contract, whichever path a chunk takes: every row the kernels get
+    is finite and a masked row's logits are those of a zero hidden state (the bias,
+    soft-capped), whatever its hidden state holds; the kept rows' are h W^T + b."""
+    d = head_inputs(B=3, T=7, H=24, V=19, seed=7, bias=True)
+    h = d["hidden"].detach().clone()
+    h[~d["mask"]] = float("nan")
+    w, b = d["W"].detach(), d["b"].detach()
+    keep = d["mask"].reshape(-1)
+    want = torch.nn.functional.linear(torch.where(keep[:, None], h.reshape(-1, 24), 0.0), w, b)
+    if cap is not None:
+        want = cap * torch.tanh(want / cap)
+    be = get_backend("cpu", h.device)
+    for balance in (SKIP, COMPUTE):
+        monkeypatch.setattr(head_chunks, "LIVE_ROWS_BALANCE", balance)
+        src = head_chunks.HeadRows(be, cap, 4, None, d["tokens"], d["mask"], 1.0,
+                                   torch.float32)
+        rows, lives = [], []
+        src.each_block((h, w, b), lambda blk, hc, z: (rows.append(z[0].clone()),
+                                                      lives.append(blk.live)))
+        assert (any(x is not None for x in lives)) == (balance == SKIP)
+        torch.testing.assert_close(torch.cat(rows), want)
 
 
 @pytest.mark.parametrize("be", KERNELS)
