@@ -19,10 +19,12 @@ from .vocab_parallel import shard_of
 CHUNK_BYTES = 256 << 20  # chunk_size=None: one chunk of logits is about this many bytes
 # A chunk's masked rows (prompt, padding) skip the head's three matmuls where that pays
 # (live_rows): the kept rows' logits and gradient are then gathered and scattered, about
-# three more passes over k x V elements, while each skipped row saves 6 H flops per element
-# of the logits; at the tens of flops per byte of today's CPUs and GPUs that pays once
-# masked * H >= LIVE_ROWS_BALANCE * kept (H = 4096: from 2% of the rows masked; H = 64:
-# from half of them).
+# three more passes over the k x V elements (e bytes each), while each skipped row saves
+# 6 H flops per element; that pays once masked * H >= kept * e F / (2 BW), F / BW the
+# machine's flops per byte: about 20-40 for a 2-core CPU in float32, about 300 for an H100
+# in bf16. 64 sits between: at H = 4096 a GPU also skips where only 2-7% of a chunk is
+# masked, for a loss of a few per cent there; where prompt and padding are most of the
+# batch, the gain is their share of the matmuls.
 LIVE_ROWS_BALANCE = 64
 # torch.addmm(..., out_dtype=torch.float32, out=acc) of 16-bit operands (CUDA only)
 ADDMM_OUT_DTYPE = hasattr(torch.ops.aten.addmm, "dtype_out")
