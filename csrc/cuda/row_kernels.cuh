@@ -23,6 +23,8 @@
 // row (which the Python layer rejects before launch) is not read: its logprob is NaN.
 #pragma once
 
+#include <limits>
+
 #include "launch.h"
 #include "row_reduce.cuh"
 #include "token_epilogue.cuh"
@@ -183,7 +185,7 @@ __device__ __forceinline__ GradRow<A> grad_row_of(const GradSource<A>& src,
                                                   const RowsView<scalar_t>& rv,
                                                   const scalar_t* row, int64_t i, Temp<A> tp) {
   GradRow<A> g;
-  g.tok = rv.tokens[i];  // out of range: matches no entry (and is not read)
+  g.tok = tok_column(rv.tokens[i], rv.V);  // out of range: -1, matches no entry
   if (src.info) {
     const A* o = src.info + i * kInfo;
     g.xmax = o[kInfoXmax];
@@ -200,9 +202,8 @@ __device__ __forceinline__ GradRow<A> grad_row_of(const GradSource<A>& src,
   g.dlogp = src.glp[i];
   g.dent = src.gent ? src.gent[i] : A(0);
   g.entropy = (src.gent && src.entropy) ? src.entropy[i] : A(0);
-  const bool tok_ok = g.tok >= 0 && g.tok < rv.V;
-  const A logp = tok_ok ? token_logp(static_cast<A>(row[g.tok]), g.xmax, log_s, tp.inv)
-                        : quiet_nan<A>();
+  const A logp = g.tok >= 0 ? token_logp(static_cast<A>(row[g.tok]), g.xmax, log_s, tp.inv)
+                            : quiet_nan<A>();
   g.g_tok = token_grad(logp, g.entropy, g.dlogp, g.dent, tp.inv);
   return g;
 }
@@ -338,6 +339,9 @@ void run_rows(const RowsView<scalar_t>& rv, const TokenIO<acc_of<scalar_t>>& io,
 
 template <typename scalar_t>
 RowsView<scalar_t> make_view(const at::Tensor& logits, const RowArgs& r) {
+  // (GradRow::tok holds a column in 32 bits)
+  TORCH_CHECK_VALUE(r.V <= std::numeric_limits<int32_t>::max(), "logits: a vocabulary of ",
+                    r.V, " entries (2^31 or more) is not supported by the CUDA kernels");
   RowsView<scalar_t> rv;
   rv.logits = logits.data_ptr<scalar_t>();
   rv.sB = r.sB;

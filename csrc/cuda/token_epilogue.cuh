@@ -117,7 +117,7 @@ PPO_CUDA_HD GradRow<A> token_epilogue(const TokenIO<A>& io, int64_t i, const Tok
   g.dlogp = dlogp;
   g.dent = dent;
   g.g_tok = token_grad(logp, rs.entropy, dlogp, dent, tp.inv);
-  g.tok = in.tok;
+  g.tok = in.tok_ok ? static_cast<int32_t>(in.tok) : -1;  // (tok_column)
   return g;
 }
 

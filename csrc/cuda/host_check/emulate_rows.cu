@@ -246,7 +246,7 @@ static RowOut<T> run_row(const T* in, T* out, int64_t V, int64_t tok, Temp<acc_o
   r.rs = stats_finish(r.st);
   r.logp = token_logp(static_cast<A>(in[tok]), r.rs.xmax, r.rs.log_s, tp.inv);
   r.g = GradRow<A>{r.rs.xmax, r.rs.log_s2, r.rs.entropy, dlogp, dent,
-                   token_grad(r.logp, r.rs.entropy, dlogp, dent, tp.inv), tok};
+                   token_grad(r.logp, r.rs.entropy, dlogp, dent, tp.inv), tok_column(tok, V)};
   // fused gradient sweep: one range, nthr threads
   const bool inplace = in == out;
   std::vector<T> saved(in, in + V);
