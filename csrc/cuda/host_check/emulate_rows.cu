@@ -302,7 +302,8 @@ static void check_vs_ref(const RowOut<T>& r, const std::vector<double>& x, int64
   for (int64_t v = 0; v < V; ++v) {
     const A want_bits = v == tok ? r.g.g_tok
                                  : dense_grad(static_cast<A>(x[v]), r.g.xmax, r.g.log_s2,
-                                              r.g.entropy, r.g.dlogp, r.g.dent, tp.inv, tp.inv2);
+                                              tp.inv2, dense_coef(r.g.entropy, r.g.dlogp,
+                                                                  r.g.dent, tp.inv));
     bad_bits += !same_bits(r.grad[v], static_cast<T>(want_bits));
     const long double g = ref_grad(rr, x[v], v == tok, inv, r.g.dlogp, r.g.dent);
     const double want = static_cast<double>(static_cast<T>(static_cast<double>(g)));
