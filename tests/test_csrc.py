@@ -251,3 +251,21 @@ def test_cuda_per_thread_code_on_host(program, flags, tmp_path):
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert "passed" in run.stdout.splitlines()[-1], run.stdout[-4000:]
+
+
+@pytest.mark.skipif(not pk.build_info().get("cuda"),
+                    reason="the extension was built without CUDA (no nvcc)")
+def test_cuda_sweeps_instruction_counts_are_read():
+    """benchmarks/cuda_sass.py reads each row kernel's vocabulary sweeps off the build's
+    sm_90 SASS (csrc/cuda/NOTES.md's figures): every kernel and dtype is found and has a
+    plausible count (a figure, never a bound on it)."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cuda_sass.py")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = run.stdout.splitlines()
+    seen = {tuple(line.split()[:2]) for line in lines}
+    for kernel in ("partial_stats_kernel", "grad_chunks_kernel", "fused_rows_kernel"):
+        for dtype in ("bf16", "float32"):
+            assert (kernel, dtype) in seen, (kernel, dtype, run.stdout)
+    per = [float(line.rsplit(":", 1)[1].split()[0]) for line in lines]
+    assert per and all(4.0 < p < 200.0 for p in per), run.stdout
