@@ -170,8 +170,8 @@ def live_rows(keep, chunk, h):
     """For each chunk of chunk rows of keep [N] (bool: the rows the loss reads), None where
     every row goes through the head's matmuls, else the indices of its kept rows (int64
     [k]): where masked * h >= LIVE_ROWS_BALANCE * kept, the masked rows' matmuls cost more
-    than gathering the kept rows' logits and gradient. One host read of the chunks' counts
-    (a device sync on CUDA)."""
+    than gathering the kept rows' logits and gradient. Host reads (device syncs on CUDA):
+    the chunks' counts, once, and each skipping chunk's kept rows (nonzero)."""
     n = keep.numel()
     if n == 0:
         return []
