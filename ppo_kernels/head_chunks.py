@@ -170,8 +170,9 @@ def live_rows(keep, chunk, h):
     """For each chunk of chunk rows of keep [N] (bool: the rows the loss reads), None where
     every row goes through the head's matmuls, else the indices of its kept rows (int64
     [k]): where masked * h >= LIVE_ROWS_BALANCE * kept, the masked rows' matmuls cost more
-    than gathering the kept rows' logits and gradient. Host reads (device syncs on CUDA):
-    the chunks' counts, once, and each skipping chunk's kept rows (nonzero)."""
+    than gathering the kept rows' logits and gradient. One host read of the chunks' counts
+    (a device sync on CUDA); the kept rows' indices then come without one (nonzero_static,
+    their number known)."""
     n = keep.numel()
     if n == 0:
         return []
@@ -181,7 +182,7 @@ def live_rows(keep, chunk, h):
         r0, r1 = i * chunk, min(n, (i + 1) * chunk)
         masked = r1 - r0 - k
         skip = masked > 0 and masked * h >= LIVE_ROWS_BALANCE * k
-        lives.append(keep[r0:r1].nonzero().view(-1) if skip else None)
+        lives.append(torch.nonzero_static(keep[r0:r1], size=k).view(-1) if skip else None)
     return lives
 
 
