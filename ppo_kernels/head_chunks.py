@@ -278,6 +278,7 @@ class HeadRows(RowSource):
                  shard=None):
         super().__init__(be, tokens, mask, temperature, shard)
         self.cap, self.chunk, self.logits_dtype, self.acc = cap, chunk, logits_dtype, acc
+        self.lives = None  # live_rows of the mask, read at the first pass (the rest reuse it)
 
     def each_block(self, inputs, fn):
         """The one chunk loop: fn(block, h, z [1, C, V]) for each chunk of rows. h: the
@@ -290,10 +291,11 @@ class HeadRows(RowSource):
         h2 = hidden3[:, :self.t].reshape(self.n, hidden3.shape[2])
         head = head_for_logits(weight, self.logits_dtype)
         keep = self.mask.reshape(self.n)
-        lives = live_rows(keep, self.chunk, h2.shape[1])
+        if self.lives is None:
+            self.lives = live_rows(keep, self.chunk, h2.shape[1])
         masked_row = None
         for i, r0 in enumerate(range(0, self.n, self.chunk)):
-            r1, live = min(self.n, r0 + self.chunk), lives[i]
+            r1, live = min(self.n, r0 + self.chunk), self.lives[i]
             if live is None:
                 hc = torch.where(keep[r0:r1, None], h2[r0:r1], 0.0)
                 z = self.logits(hc, head, bias)

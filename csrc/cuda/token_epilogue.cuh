@@ -59,8 +59,7 @@ struct TokenIO {
 // that the loads are in flight during sweep 1, not after its barriers.
 template <typename A>
 struct TokenIn {
-  int64_t tok;
-  bool tok_ok;
+  int32_t col;  // the token's column (tok_column): -1, out of [0, V), is not read
   A x_tok, old_logp, adv, w, w_ent, ref, isw;
 };
 
@@ -68,9 +67,8 @@ template <typename scalar_t, typename A>
 PPO_CUDA_HD TokenIn<A> fetch_token(const TokenIO<A>& io, const RowsView<scalar_t>& rv,
                                    const scalar_t* row, int64_t i) {
   TokenIn<A> in{};
-  in.tok = rv.tokens[i];
-  in.tok_ok = in.tok >= 0 && in.tok < rv.V;
-  in.x_tok = in.tok_ok ? static_cast<A>(row[in.tok]) : A(0);
+  in.col = tok_column(rv.tokens[i], rv.V);
+  in.x_tok = in.col >= 0 ? static_cast<A>(row[in.col]) : A(0);
   in.isw = A(1);
   if (io.mode == kModePpo) {
     if (io.old_logp) in.old_logp = io.old_logp[i];
@@ -90,7 +88,7 @@ PPO_CUDA_HD TokenIn<A> fetch_token(const TokenIO<A>& io, const RowsView<scalar_t
 template <typename A>
 PPO_CUDA_HD GradRow<A> token_epilogue(const TokenIO<A>& io, int64_t i, const TokenIn<A>& in,
                                       const RowStats<A>& rs, Temp<A> tp) {
-  const A logp = in.tok_ok ? token_logp(in.x_tok, rs.xmax, rs.log_s, tp.inv) : quiet_nan<A>();
+  const A logp = in.col >= 0 ? token_logp(in.x_tok, rs.xmax, rs.log_s, tp.inv) : quiet_nan<A>();
   if (io.logp) io.logp[i] = logp;
   if (io.entropy) io.entropy[i] = rs.entropy;
   if (io.row_max) io.row_max[i] = rs.xmax;
@@ -117,7 +115,7 @@ PPO_CUDA_HD GradRow<A> token_epilogue(const TokenIO<A>& io, int64_t i, const Tok
   g.dlogp = dlogp;
   g.dent = dent;
   g.g_tok = token_grad(logp, rs.entropy, dlogp, dent, tp.inv);
-  g.tok = in.tok_ok ? static_cast<int32_t>(in.tok) : -1;  // (tok_column)
+  g.tok = in.col;
   return g;
 }
 
