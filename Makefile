@@ -22,25 +22,10 @@ test: setup
 	$(PY) -m pytest -q -n auto --dist loadgroup --durations=10
 
 # The tests whose results depend on the CPU's SIMD level, again under the lower
-# capabilities this machine can force (ATen and the CPU kernels both follow
-# ATEN_CPU_CAPABILITY): what `make test` checks on an AVX2 or a plain x86-64 CPU. Not the
-# torch.compile tests: inductor's C++ code generation under a forced lower capability is
-# torch's own (torch 2.14 fails its bounds check in a vectorised tail under avx2 and does
-# not compile under default), and our kernels are not in it.
-CAPABILITY_TESTS = tests/test_golden.py tests/test_reference.py tests/test_loss.py \
-  tests/test_loss_precision.py tests/test_loss_token_logprobs.py tests/test_seed_sheet.py \
-  tests/test_batch_invariance.py tests/test_distill.py tests/test_distill_tp.py
-# A capability equal to this processor's own is skipped: `make test` ran the same code.
+# capabilities this machine can force (ATEN_CPU_CAPABILITY=avx2 and default, side by side):
+# what `make test` checks on an AVX2 or a plain x86-64 CPU (scripts/test_capabilities.sh)
 test-capabilities: setup
-	native=$$($(PY) -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())"); \
-	for cap in avx2 default; do \
-	  if [ "$$cap" = "$$native" ]; then \
-	    echo "== ATEN_CPU_CAPABILITY=$$cap: this processor's own, run by make test"; continue; \
-	  fi; \
-	  echo "== ATEN_CPU_CAPABILITY=$$cap"; \
-	  ATEN_CPU_CAPABILITY=$$cap $(PY) -m pytest -q -n auto --dist loadgroup \
-	    -k "not triton and not compile" $(CAPABILITY_TESTS) || exit 1; \
-	done
+	bash scripts/test_capabilities.sh
 
 bench: setup-demo
 	$(PY) benchmarks/cpu_bench.py

@@ -170,6 +170,16 @@ def test_max_jobs_fits_cores_and_memory(setup_py):
         assert jobs * (setup_py.GIB_PER_JOB << 30) <= avail
 
 
+@pytest.mark.parametrize("avail_gib,jobs,want", [(None, 2, 4), (22.7, 2, 4), (12.5, 2, 3),
+                                                 (5.0, 2, 1), (0.5, 1, 1), (300, 64, 2)])
+def test_parallel_builds_fit_the_memory(setup_py, monkeypatch, avail_gib, jobs, want):
+    """The extensions compile side by side (a ninja of jobs jobs each) as far as the memory
+    holds GIB_PER_JOB for every job of every one; never fewer than one at a time."""
+    avail = None if avail_gib is None else int(avail_gib * 2**30)
+    monkeypatch.setattr(setup_py, "max_jobs", lambda: (jobs, jobs, avail))
+    assert setup_py.parallel_builds(4, jobs) == want
+
+
 def installed_wheel():
     """The installed ppo-kernels distribution (a wheel, maybe editable), else skip (a
     source tree on sys.path, or its ppo_kernels.egg-info)."""
