@@ -6,6 +6,13 @@
 
 PY = .venv/bin/python
 
+# Python writes each imported module's bytecode (__pycache__) the first time, and every
+# later process reads it: with PYTHONDONTWRITEBYTECODE set (some CI images set it) every
+# process compiled torch's, transformers' and the tests' sources again (~2 s for torch
+# alone, and the suite starts ~100 processes). Only .venv and this checkout get the caches
+# (__pycache__ is in .gitignore).
+unexport PYTHONDONTWRITEBYTECODE
+
 setup-demo:
 	./scripts/setup.sh demo
 

@@ -43,9 +43,10 @@ cleanup() {
   if [ "${KEEP_VENVS:-0}" = 1 ]; then echo "kept: $TMP"; else rm -rf "$TMP"; fi
 }
 trap cleanup EXIT
-# nothing from the caller's environment steers the builds below
+# nothing from the caller's environment steers the builds below; the venvs' modules keep
+# their bytecode (Makefile, PYTHONDONTWRITEBYTECODE)
 unset CUDA_HOME CUDA_PATH TORCH_CUDA_ARCH_LIST MAX_JOBS PPO_KERNELS_NO_CUDA \
-  PPO_KERNELS_NO_EXTENSION PYTHONPATH
+  PPO_KERNELS_NO_EXTENSION PYTHONPATH PYTHONDONTWRITEBYTECODE
 
 # install VENV PACKAGES...: scripts/pip_install.sh (uv from .venv, whose cache holds .venv's
 # torch already, else the venv's pip)

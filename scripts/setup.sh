@@ -21,6 +21,8 @@ MODE=${1:-test}
 case "$MODE" in demo|test) ;; *) echo "usage: $0 [demo|test]" >&2; exit 2 ;; esac
 PY=${PYTHON:-python3}
 T0=$SECONDS
+# .venv's modules keep their bytecode once imported (Makefile, PYTHONDONTWRITEBYTECODE)
+unset PYTHONDONTWRITEBYTECODE
 
 step() { printf '[setup %3ss] %s\n' "$((SECONDS - T0))" "$*"; }
 # pip without the local mirror's "Location ... is ignored" lines, keeping pip's status
