@@ -118,8 +118,10 @@ if built; then
   [ -z "$need_packages" ] || test_packages
 elif [ -n "$need_packages" ]; then
   build & pid=$!
+  trap 'kill "$pid" 2> /dev/null || true' EXIT  # (a failed install stops the build too)
   test_packages
   wait "$pid" || exit 1
+  trap - EXIT
 else
   build
 fi
