@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import datetime
 import fcntl
+import functools
 import gc
 import json
 import multiprocessing
@@ -71,16 +72,12 @@ def run_ranks(script, out, n=2, timeout=180, args=()):
         return _run_ranks(script, out, n, timeout, args)
 
 
+@functools.cache
 def _forkserver():
     """multiprocessing's fork-server context, torch preloaded (made once per process)."""
-    global _CTX
-    if _CTX is None:
-        _CTX = multiprocessing.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed"])
-    return _CTX
-
-
-_CTX = None
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
 
 
 def _rank_process(script, argv, env, log):
