@@ -280,6 +280,39 @@ def test_ppo_loss_inplace(layout, dtype):
         assert torch.equal(base[:, T:], before[:, T:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_one_tile_is_the_two_sweeps_bit_for_bit(monkeypatch, dtype):
+    """ONE_TILE (the row read once, held whole between the statistics and the gradient)
+    gives the bits of the two sweeps with the same block: out of place and in place, with
+    -inf entries, masked rows, weight-0 rows (the zero-gradient shortcut), a temperature,
+    the entropy term. Under the interpreter the configs are 32 wide and V = 7 takes the
+    tile, V = 100 the loop; here both run V = 100 in one 128-wide block."""
+    from ppo_kernels.triton_kernels import _config, ppo_loss as pl
+    logits, tokens, mask = make_case(B=3, T=5, V=100, dtype=dtype, layout="raw",
+                                     padding="interior", neginf=True, seed=170)
+    inp = ppo_inputs(logits, tokens, mask, seed=171, with_isw=True)
+    inp["w"] = np.where(np.arange(5) == 2, 0.0, inp["w"])  # weight 0: the zero rows
+    kw = dict(dual=3.0, kl_est=2, ent_coef=0.05, temp=0.7)
+    acc = inp["acc"]
+    outs = []
+    for one in (False, True):
+        cfg = triton.Config({"BLOCK_V": 128, "ONE_TILE": one}, num_warps=1)
+        monkeypatch.setattr(pl._ppo_loss_kernel, "configs", [cfg])
+        monkeypatch.setattr(pl._ppo_loss_kernel, "cache", {})
+        monkeypatch.setattr(_config, "inplace_tile_row_config",
+                            lambda V, one=one: {"BLOCK_V": 128, "num_warps": 1, "ONE_TILE": one})
+        out = run_ppo(logits, tokens, mask, inp, **kw)
+        lg = logits.clone()
+        res = OPS.triton_ppo_loss_fwd_inplace(
+            lg, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
+            per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
+            None, *slot_args(0.2, 0.28, 3.0, 0.1, 2, 0.05, 0.7, 1.0, 0, 1.0, 1.05, False))
+        outs.append((*out, *res, lg))
+    assert (outs[0][4][:, 2] == 0).all() and (outs[0][4] != 0).sum() > 100
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------ loss menu
 
 POLICY = ("vanilla", "cispo", "sapo")
@@ -1022,3 +1055,21 @@ def test_bad_input_raises():
         OPS.triton_scale_grad_(logits[0].clone(), one, one.clone())
     with pytest.raises((ValueError, TypeError), match="bootstrap_values"):
         OPS.triton_gae(z, z, mask, torch.zeros(3, device=DEV), 1.0, 0.9)
+
+
+@pytest.mark.parametrize("V", [7, 1000, 32000, 32768, 50257, 151936])
+def test_tile_configs_hold_the_row_exactly_where_flagged(monkeypatch, V):
+    """The GPU's candidate configs of the fused loss (_config.tile_row_configs after
+    prune_tile_row_configs): ONE_TILE exactly where the block holds the row, the 32 Ki
+    whole-row blocks only where V fits them, and the loops of row_configs otherwise."""
+    from ppo_kernels.triton_kernels import _config
+    monkeypatch.setattr(_config, "INTERPRET", False)
+    got = _config.prune_tile_row_configs(_config.tile_row_configs(), {"V": V})
+    assert got
+    for c in got:
+        assert c.kwargs["ONE_TILE"] == (c.kwargs["BLOCK_V"] >= V), c
+        assert c.kwargs["BLOCK_V"] <= 16384 or c.kwargs["ONE_TILE"], c
+    assert any(c.kwargs["ONE_TILE"] for c in got) == (V <= 32768)
+    assert any(not c.kwargs["ONE_TILE"] for c in got) == (V > 16384)
+    inplace = _config.inplace_tile_row_config(V)
+    assert inplace["ONE_TILE"] == (inplace["BLOCK_V"] >= V)

@@ -175,10 +175,23 @@ VARIANTS["ppo_loss-sapo-bias-fp64"] = (
          HAS_WENT=True, POLICY_LOSS=2, KL_BIAS=True, COMPUTE_GRAD=True, BLOCK_V=2048), HOPPER)
 # the loss-menu constexprs the older variants leave at their defaults (vanilla PPO with
 # old_logprobs, entropy weights = weights, no KL bias correction)
-_MENU_DEFAULTS = dict(HAS_OLD=True, HAS_WENT=False, POLICY_LOSS=0, KL_BIAS=False)
+_MENU_DEFAULTS = dict(HAS_OLD=True, HAS_WENT=False, POLICY_LOSS=0, KL_BIAS=False,
+                      ONE_TILE=False)
 for _name, (_mod, _attr, _types, _consts, _opts) in list(VARIANTS.items()):
     if _attr == "_ppo_loss_jit":
         VARIANTS[_name] = (_mod, _attr, _types, {**_MENU_DEFAULTS, **_consts}, _opts)
+# the whole row in registers (ONE_TILE, _config.tile_row_configs): the largest blocks,
+# every logits dtype, and float64
+for dt, bv, w in (("bf16", 32768, 16), ("fp16", 32768, 32), ("bf16", 65536, 32),
+                  ("fp32", 32768, 16), ("bf16", 128, 1)):
+    VARIANTS[f"ppo_loss-tile{bv}-{dt}"] = (
+        "ppo_loss", "_ppo_loss_jit", _row_types(dt),
+        dict(_MENU_DEFAULTS, ACC="fp32", KL_EST=2, HAS_REF=True, HAS_ISW=True, HAS_DUAL=True,
+             COMPUTE_GRAD=True, BLOCK_V=bv, ONE_TILE=True), {"num_warps": w})
+VARIANTS["ppo_loss-tile-fp64"] = (
+    "ppo_loss", "_ppo_loss_jit", _row_types("fp64", "fp64"),
+    dict(_MENU_DEFAULTS, ACC="fp64", KL_EST=2, HAS_REF=True, HAS_ISW=True, HAS_DUAL=True,
+         COMPUTE_GRAD=True, BLOCK_V=4096, ONE_TILE=True), HOPPER)
 # the per-row temperature (ROW_TEMP: each row's 1 / T loaded from invt_ptr): off in the
 # variants above, on in the copies below
 _ROW_KERNELS = ("_ppo_loss_jit", "logprobs_fwd_kernel", "_logprobs_bwd_kernel")
@@ -192,7 +205,8 @@ for _base in ("ppo_loss-bf16", "logprobs_fwd-bf16", "logprobs_bwd-fp32", "score_
 
 # Kernels whose 16-byte alignment the runtime would know (it specializes pointers and
 # ints divisible by 16): with that, the vocabulary loop must use 128-bit loads.
-ALIGNED = {"ppo_loss-bf16-aligned": "ppo_loss-bf16", "logprobs_fwd-fp16-aligned":
+ALIGNED = {"ppo_loss-bf16-aligned": "ppo_loss-bf16", "ppo_loss-tile-bf16-aligned":
+           "ppo_loss-tile32768-bf16", "logprobs_fwd-fp16-aligned":
            "logprobs_fwd-fp16", "scale_grad-bf16-aligned": "scale_grad-bf16"}
 
 CHILD = r"""

@@ -67,6 +67,45 @@ def prune_row_configs(configs, named_args, **kwargs):
     return out
 
 
+# Blocks that hold a whole row in registers (the fused loss's ONE_TILE: one read of the
+# logits for both sweeps): only where BLOCK_V >= V (prune_tile_row_configs). On Hopper a
+# thread holds up to 255 registers, 64 at 1024 threads; the row is held as float32: 32 Ki
+# entries over 16 warps take 128 registers (64 B spilled), over 32 warps 64 (40 B); 64 Ki
+# over 32 warps spilled 456 B, so larger rows loop (benchmarks/triton_sass.py, sm_90).
+_HOPPER_TILE_CONFIGS = [(32768, 16), (32768, 32)]
+
+
+def tile_row_configs():
+    """row_configs plus the whole-row blocks, each with its ONE_TILE flag (set by
+    prune_tile_row_configs from V); under the interpreter the one small block twice, as a
+    loop (V > INTERPRET_BLOCK_V) and as one tile (V <= INTERPRET_BLOCK_V)."""
+    if INTERPRET:
+        return [triton.Config({"BLOCK_V": INTERPRET_BLOCK_V, "ONE_TILE": one}, num_warps=1)
+                for one in (False, True)]
+    return [triton.Config({"BLOCK_V": bv, "ONE_TILE": False}, num_warps=w)
+            for bv, w in _HOPPER_ROW_CONFIGS + _HOPPER_TILE_CONFIGS]
+
+
+def prune_tile_row_configs(configs, named_args, **kwargs):
+    """prune_row_configs for tile_row_configs: ONE_TILE where the (capped) block holds the
+    row; the whole-row blocks (sized to hold a row, not to loop) only where they do."""
+    V = int(named_args["V"])
+    if INTERPRET:
+        return [c for c in configs if c.kwargs["ONE_TILE"] == (V <= INTERPRET_BLOCK_V)]
+    loops = {bv for bv, _ in _HOPPER_ROW_CONFIGS}
+    keep = [c for c in configs if c.kwargs["BLOCK_V"] in loops or c.kwargs["BLOCK_V"] >= V]
+    out = prune_row_configs(keep, named_args)
+    for c in out:
+        c.kwargs["ONE_TILE"] = c.kwargs["BLOCK_V"] >= V
+    return out
+
+
+def inplace_tile_row_config(V):
+    """inplace_row_config with the fused loss's ONE_TILE flag."""
+    cfg = inplace_row_config(V)
+    return {**cfg, "ONE_TILE": cfg["BLOCK_V"] >= int(V)}
+
+
 def inplace_row_config(V):
     """Launch options of the kernels that write their input in place (the in-place loss,
     scale_grad_), which are not autotuned (their trials would overwrite the data): a mid

@@ -15,8 +15,9 @@ csrc/cpu/row_kernels.h and csrc/cuda/row_reduce.cuh: the row statistics (m, rest
 docs/DESIGN.md ("Row statistics"). tl has no expm1 / log1p in every triton version: expm1,
 expm1_minus_x and log1p below are written here (no libdevice). The per-token exps (the
 ratio, the KL estimators, expm1 beyond its series) use exp_acc, float32 arithmetic within
-1e-7 relative; the vocabulary sweeps keep tl.exp, a GPU's ex2.approx (docs/DESIGN.md,
-"Precision").
+1e-7 relative; the vocabulary sweeps run in base 2 (d2 = (x - max) inv2, inv2 = log2(e) /
+temperature folded once per row) with exp2_sweep, a GPU's ex2.approx.ftz alone
+(docs/DESIGN.md, "Precision"), as csrc/cuda/row_reduce.cuh.
 """
 
 import math
@@ -75,6 +76,10 @@ _F12 = tl.constexpr(1.0 / math.factorial(12))
 # exp_split (Cody and Waite 1980; the split of Cephes expf, Moshier 1989): ln 2 = _LN2_HI +
 # _LN2_LO with _LN2_HI = 355/512, 9 significant bits, so n * _LN2_HI is exact for |n| < 2^15.
 _LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+# The floor of a dense gradient entry's log2 p (csrc/cuda/row_reduce.cuh dense_grad): keeps
+# a * l2 finite for a banned entry (l2 = -inf, p = 0), whose entry is then 0, never NaN.
+_L2_FLOOR = tl.constexpr(-2048.0)
 _LN2_HI = tl.constexpr(0.693359375)
 _LN2_LO = tl.constexpr(-2.1219444005469057e-04)
 
@@ -416,10 +421,37 @@ def token_loss(logp, ent, old_logp, adv, ref_logp, is_w, w, w_ent, FS, ACC: tl.c
 
 
 @triton.jit
-def dlogit_dense(logp_v, pv, entropy, dlogp, dent):
-    """ppo_math.h dlogit_dense: d loss / d z_v = -p_v (dlogp + dent (log p_v + H)) of
-    every entry v but the token (times inv_temp for d / d logits)."""
-    return 0.0 - pv * (dlogp + dent * (logp_v + entropy))
+def exp2_sweep(x, ACC: tl.constexpr):
+    """2^x per vocabulary entry. float32 on a GPU: the PTX ex2.approx.ftz.f32, MUFU.EX2
+    alone (2 ulp; a result below 2^-126 is 0: no probability that small changes a float32
+    sum whose largest term is 1), without the denormal fix-up (3 instructions) that
+    tl.exp2 puts around it; csrc/cuda/row_reduce.cuh vexp2 is the same instruction.
+    float64, and the interpreter (numpy, which has no PTX): tl.exp2."""
+    if INTERPRETED or ACC == tl.float64:
+        return tl.exp2(x)
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def sweep_scale(inv_temp):
+    """inv2 = log2(e) / temperature, the base-2 scale of the sweeps (d2 = (x - max) inv2,
+    2^d2 = e^d), rounded once and capped at the dtype's largest finite value (a temperature
+    near 0 must not make 0 * inf = NaN on the top entry)."""
+    if inv_temp.dtype == tl.float64:
+        return tl.minimum(inv_temp * _LOG2E, 1.7976931348623157e308)
+    else:
+        return tl.minimum(inv_temp * _LOG2E, 3.4028234663852886e38)
+
+
+@triton.jit
+def dense_coef(entropy, dlogp, dent, inv_temp):
+    """The row constants (a, b) of a dense gradient entry, d loss / d logits_v =
+    p_v (a l2_v + b) with l2_v = log2 p_v: ppo_math.h dlogit_dense, -p_v (dlogp + dent
+    (log p_v + H)) inv_temp, with log p_v = ln2 l2_v folded in once per row
+    (csrc/cuda/row_reduce.cuh dense_coef)."""
+    return 0.0 - (dent * _LN2) * inv_temp, 0.0 - (dlogp + dent * entropy) * inv_temp
 
 
 @triton.jit
@@ -432,29 +464,38 @@ def dlogit_token(logp, p, entropy, dlogp, dent):
 
 
 @triton.jit
-def block_stats(x, inv_temp, NEED_ENT: tl.constexpr):
+def _add3(a0, b0, c0, a1, b1, c1):
+    return a0 + a1, b0 + b1, c0 + c1
+
+
+@triton.jit
+def block_stats(x, inv2, NEED_ENT: tl.constexpr):
     """Partial row statistics (m, rest, t) of one block of raw logits x (ACC; lanes past V
     hold -inf), spec section 2:
 
-    m = max x (raw units), d = (x - m) inv_temp (exactly 0 on the entries equal to m),
-    rest = sum exp(d) - 1 computed without adding the top entries' 1s (their exp is 1
-    exactly: they are counted instead), t = sum exp(d) d (0 unless NEED_ENT).
+    m = max x (raw units), d2 = (x - m) inv2 (base 2, sweep_scale; exactly 0 on the
+    entries equal to m), rest = sum 2^d2 - 1 computed without adding the top entries' 1s
+    (their 2^0 is 1 exactly: they are counted instead), t = ln2 sum 2^d2 d2 = sum e^d d
+    in natural units (0 unless NEED_ENT), the term as one multiply-add of max(d2, lowest)
+    (a banned entry's d2 = -inf has 2^d2 = 0: 0 * lowest, never 0 * -inf = NaN).
     An all -inf block is the empty state (-inf, -1, 0): its shift is 0, not -inf - -inf.
     A NaN entry makes rest NaN (tl.max skips NaN, the sums do not): loud, never dropped.
+
+    Two block reductions: the max, then the three sums at once (one tl.reduce of a tuple:
+    one exchange through shared memory, where three tl.sum would take three).
     """
     m = tl.max(x, axis=0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    d = (x - m_safe) * inv_temp
-    e = tl.exp(d)
-    top = d == 0.0
-    # (ties - 1) first: an exact small integer, so the tiny sum is never added to a 1
-    rest = tl.sum(tl.where(top, 0.0, e), axis=0) + (tl.sum(top.to(x.dtype), axis=0) - 1.0)
+    d2 = (x - m_safe) * inv2
+    e = exp2_sweep(d2, x.dtype)
+    top = d2 == 0.0
     if NEED_ENT:
-        # -inf entries: e = 0, and zeroing their d keeps 0 * -inf = NaN out of t
-        t = tl.sum(e * tl.where(e > 0.0, d, 0.0), axis=0)
+        tt = e * tl.maximum(d2, -3.4028234663852886e38)
     else:
-        t = tl.zeros([], x.dtype)
-    return m, rest, t
+        tt = tl.zeros_like(e)
+    r, ties, t2 = tl.reduce((tl.where(top, 0.0, e), top.to(x.dtype), tt), 0, _add3)
+    # (ties - 1) first: an exact small integer, so the tiny sum is never added to a 1
+    return m, r + (ties - 1.0), t2 * _LN2
 
 
 @triton.jit
@@ -524,21 +565,49 @@ def row_stats(in_row, V, inv_temp, ACC: tl.constexpr, NEED_ENT: tl.constexpr,
     depend on the other rows of the batch.
     """
     offs = tl.arange(0, BLOCK_V)
+    inv2 = sweep_scale(inv_temp)
     m = tl.full([], float("-inf"), ACC)
     rest = tl.full([], -1.0, ACC)
     t = tl.zeros([], ACC)
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         x = tl.load(in_row + cols, mask=cols < V, other=float("-inf")).to(ACC)
-        m_b, r_b, t_b = block_stats(x, inv_temp, NEED_ENT)
+        m_b, r_b, t_b = block_stats(x, inv2, NEED_ENT)
         m, rest, t = stats_merge(m, rest, t, m_b, r_b, t_b, inv_temp)
+    return stats_final(m, rest, t, NEED_ENT)
+
+
+@triton.jit
+def stats_final(m, rest, t, NEED_ENT: tl.constexpr):
+    """(row_max, log_sum, H) of a row's merged (m, rest, t) (row_stats)."""
     row_max = tl.where(m == float("-inf"), 0.0, m)
     log_sum = log1p(rest)
     if NEED_ENT:
         ent = log_sum - t / (1.0 + rest)
     else:
-        ent = tl.zeros([], ACC)
+        ent = tl.zeros_like(rest)
     return row_max, log_sum, ent
+
+
+@triton.jit
+def row_load(in_row, V, ACC: tl.constexpr, BLOCK_V: tl.constexpr):
+    """A whole row (V <= BLOCK_V) as ACC, -inf past V: the one tile that tile_stats and
+    tile_grad share, so the row is read from memory once for both."""
+    cols = tl.arange(0, BLOCK_V)
+    return tl.load(in_row + cols, mask=cols < V, other=float("-inf")).to(ACC)
+
+
+@triton.jit
+def tile_stats(x, inv_temp, NEED_ENT: tl.constexpr):
+    """row_stats of a row held whole in x (row_load): its one block merged into the empty
+    state, as row_stats merges its first block, so the bits are those of row_stats with
+    the same BLOCK_V."""
+    m_b, r_b, t_b = block_stats(x, sweep_scale(inv_temp), NEED_ENT)
+    empty_m = tl.full([], float("-inf"), x.dtype)
+    empty_r = tl.full([], -1.0, x.dtype)
+    m, rest, t = stats_merge(empty_m, empty_r, tl.zeros([], x.dtype), m_b, r_b, t_b,
+                             inv_temp)
+    return stats_final(m, rest, t, NEED_ENT)
 
 
 @triton.jit
@@ -570,8 +639,8 @@ def row_grad(in_row, out_row, V, tok_col, logp_tok, row_max, log_sum, ent, dlogp
     log p_v = (x_v - row_max) inv_temp - log_sum (row_stats), dlogp = d loss / d logp and
     dent = d loss / d H of the row's token (column tok_col, logp logp_tok).
 
-    Dense entries use dlogit_dense; the token's entry is computed once, as a scalar, by
-    dlogit_token and put in its lane by a select. A banned entry (p_v = 0,
+    Dense entries are grad_block's p_v (a l2_v + b); the token's entry is computed once, as
+    a scalar, by dlogit_token and put in its lane by a select. A banned entry (p_v = 0,
     also the lanes past V) gets exactly 0, never 0 * inf. dlogp == dent == 0 (a clipped
     token without KL/entropy terms, or weight 0) skips the sweep: the row is all zeros.
 
@@ -583,19 +652,51 @@ def row_grad(in_row, out_row, V, tok_col, logp_tok, row_max, log_sum, ent, dlogp
     if (dlogp == 0.0) & (dent == 0.0):
         row_zero(out_row, V, BLOCK_V)
     else:
-        g_tok = dlogit_token(logp_tok, exp_acc(logp_tok), ent, dlogp, dent)
+        k = grad_consts(logp_tok, row_max, log_sum, ent, dlogp, dent, inv_temp)
         offs = tl.arange(0, BLOCK_V)
         nblk = tl.cdiv(V, BLOCK_V)
         for i in range(0, nblk):
             cols = (nblk - 1 - i) * BLOCK_V + offs
             inb = cols < V
             x = tl.load(in_row + cols, mask=inb, other=float("-inf")).to(ACC)
-            logp_v = (x - row_max) * inv_temp - log_sum
-            pv = tl.exp(logp_v)
-            # p_v == 0: log p_v = -inf is zeroed first, so the entry is 0 - 0 = +0 exactly
-            g = dlogit_dense(tl.where(pv == 0.0, 0.0, logp_v), pv, ent, dlogp, dent)
-            g = tl.where(cols == tok_col, g_tok, g) * inv_temp
+            g = grad_block(x, cols, tok_col, k)
             tl.store(out_row + cols, round_to(g, out_row.dtype.element_ty), mask=inb)
+
+
+@triton.jit
+def tile_grad(x, out_row, V, tok_col, logp_tok, row_max, log_sum, ent, dlogp, dent,
+              inv_temp, BLOCK_V: tl.constexpr):
+    """row_grad of a row held whole in x (row_load): no second read of the row, the same
+    bits as row_grad with the same BLOCK_V."""
+    cols = tl.arange(0, BLOCK_V)
+    inb = cols < V
+    if (dlogp == 0.0) & (dent == 0.0):
+        tl.store(out_row + cols, tl.zeros([BLOCK_V], out_row.dtype.element_ty), mask=inb)
+    else:
+        k = grad_consts(logp_tok, row_max, log_sum, ent, dlogp, dent, inv_temp)
+        g = grad_block(x, cols, tok_col, k)
+        tl.store(out_row + cols, round_to(g, out_row.dtype.element_ty), mask=inb)
+
+
+@triton.jit
+def grad_consts(logp_tok, row_max, log_sum, ent, dlogp, dent, inv_temp):
+    """The per-row constants of grad_block: (row_max, inv2, log2 sum, a, b, the token's
+    entry times inv_temp), computed once per row."""
+    a, b = dense_coef(ent, dlogp, dent, inv_temp)
+    g_tok = dlogit_token(logp_tok, exp_acc(logp_tok), ent, dlogp, dent) * inv_temp
+    return row_max, sweep_scale(inv_temp), log_sum * _LOG2E, a, b, g_tok
+
+
+@triton.jit
+def grad_block(x, cols, tok_col, k):
+    """d loss / d logits of a block of raw logits x (ACC) at columns cols: p_v (a l2 + b)
+    with l2 = (x - row_max) inv2 - log2 sum = log2 p_v (csrc/cuda/row_reduce.cuh
+    dense_grad; l2 floored at -2048 so that a banned entry's p_v = 0 gives 0, never NaN),
+    the token's column the precomputed scalar. k: grad_consts."""
+    row_max, inv2, ls2, a, b, g_tok = k
+    l2 = (x - row_max) * inv2 - ls2
+    g = exp2_sweep(l2, x.dtype) * (a * tl.maximum(l2, _L2_FLOOR) + b)
+    return tl.where(cols == tok_col, g_tok, g)
 
 
 @triton.jit

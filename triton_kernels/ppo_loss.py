@@ -17,7 +17,10 @@ such a gradient in place by grad_output / applied (autograd's backward), with no
 
 One program per row of [B, Tl] on grid axis 0. Pass 1 streams the row once for
 (lse, H); the per-token math of csrc/ppo_math.h (token_loss) gives dlogp and dent; pass 2
-streams the row again (still in L2: it was just read) and writes the gradient. The loss
+streams the row again (still in L2: it was just read) and writes the gradient. Where the
+launch config's block holds the whole row (ONE_TILE: BLOCK_V >= V, up to 64 Ki entries,
+_config.tile_row_configs) the row stays in registers between the two: one read of the
+logits and one write of the gradient, the same bits as the two passes with that block. The loss
 is a scalar whose weights w_i are known before the launch, so the gradient can be written
 now and autograd's backward only scales it by grad_output / grad_scale (nothing at all when
 the forward's grad_scale was the grad_output): one read of the logits for the forward, one
@@ -30,8 +33,8 @@ import triton.language as tl
 
 from . import _config
 from ..spec import FLOAT_SLOTS, INT_SLOTS, KERNEL_POLICY_LOSSES, POLICY_LOSSES, F, I
-from ._math import (F_GRAD_SCALE, as_acc, round_to, row_grad, row_stats, row_zero, token_col,
-                    token_logit, token_logp, token_loss)
+from ._math import (F_GRAD_SCALE, as_acc, round_to, row_grad, row_load, row_stats, row_zero,
+                    tile_grad, tile_stats, token_col, token_logit, token_logp, token_loss)
 from .logprobs import (check_logits, acc_dtype, check_kl_estimator, check_per_token,
                        device_guard, inv_temperature, inv_temperatures, tl_acc)
 
@@ -51,7 +54,7 @@ def _ppo_loss_kernel_fn(
     ACC: tl.constexpr, KL_EST: tl.constexpr, HAS_REF: tl.constexpr, HAS_ISW: tl.constexpr,
     HAS_DUAL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_WENT: tl.constexpr,
     POLICY_LOSS: tl.constexpr, KL_BIAS: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
-    ROW_TEMP: tl.constexpr, BLOCK_V: tl.constexpr,
+    ROW_TEMP: tl.constexpr, BLOCK_V: tl.constexpr, ONE_TILE: tl.constexpr,
 ):
     """Row r = b * TG + t (TG = Tl with a gradient, so that rows t >= T get their zeros,
     else T). grad_ptr/stride_g* address the gradient rows: a fresh contiguous buffer, or
@@ -98,7 +101,11 @@ def _ppo_loss_kernel_fn(
             is_w = tl.load(isw_ptr + idx).to(ACC)
         else:
             is_w = tl.full([], 1.0, ACC)
-        row_max, log_sum, ent = row_stats(in_row, V, inv, ACC, True, BLOCK_V)
+        if ONE_TILE:  # (the row whole in registers: read once for both sweeps)
+            x = row_load(in_row, V, ACC, BLOCK_V)
+            row_max, log_sum, ent = tile_stats(x, inv, True)
+        else:
+            row_max, log_sum, ent = row_stats(in_row, V, inv, ACC, True, BLOCK_V)
         logp = token_logp(x_tok, row_max, log_sum, inv)
         if not HAS_OLD:
             old = logp  # on-policy: rho = exp(logp - sg(logp)) = 1, d rho / d logp = 1
@@ -109,8 +116,12 @@ def _ppo_loss_kernel_fn(
         tl.store(ent_ptr + idx, ent)
         if COMPUTE_GRAD:
             gs = as_acc(FS[F_GRAD_SCALE], ACC)
-            row_grad(in_row, out_row, V, token_col(tok, V), logp, row_max, log_sum, ent,
-                     dlogp * gs, dent * gs, inv, ACC, BLOCK_V)
+            if ONE_TILE:
+                tile_grad(x, out_row, V, token_col(tok, V), logp, row_max, log_sum, ent,
+                          dlogp * gs, dent * gs, inv, BLOCK_V)
+            else:
+                row_grad(in_row, out_row, V, token_col(tok, V), logp, row_max, log_sum,
+                         ent, dlogp * gs, dent * gs, inv, ACC, BLOCK_V)
     else:
         zero = tl.zeros([], ACC)
         tl.store(loss_tok_ptr + idx, zero, mask=in_seq)
@@ -122,9 +133,9 @@ def _ppo_loss_kernel_fn(
 
 # Keyed on V and the flags, not on the row count: see logprobs.py (batch invariance).
 _KEY = ["V", "COMPUTE_GRAD", "HAS_REF", "KL_EST", "POLICY_LOSS"]
-_PRUNE = {"early_config_prune": _config.prune_row_configs}
+_PRUNE = {"early_config_prune": _config.prune_tile_row_configs}
 _ppo_loss_jit = triton.jit(_ppo_loss_kernel_fn)
-_ppo_loss_kernel = triton.autotune(configs=_config.row_configs(), key=_KEY,
+_ppo_loss_kernel = triton.autotune(configs=_config.tile_row_configs(), key=_KEY,
                                    prune_configs_by=_PRUNE)(_ppo_loss_jit)
 # The in-place variant is NOT autotuned: trials overwrite the input, so the autotuner would
 # have to clone the logits (restore_value) - a second [N, V] buffer, the very allocation
@@ -181,7 +192,7 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
     if rows > 0:
         kernel, launch = _ppo_loss_kernel, {}
         if inplace:
-            kernel, launch = _ppo_loss_jit, _config.inplace_row_config(V)
+            kernel, launch = _ppo_loss_jit, _config.inplace_tile_row_config(V)
         g = grad if compute_grad else logits
         with device_guard(logits):
             _config.wrap(kernel)[(rows,)](

@@ -1,0 +1,169 @@
+"""Instructions per element, block barriers and registers of the Triton row kernels' hot
+loops, compiled for sm_90 without a GPU (triton.compile for GPUTarget("cuda", 90, 32), the
+cubin disassembled with cuobjdump -sass): the Triton half of benchmarks/cuda_sass.py.
+
+    python benchmarks/triton_sass.py [--dtype bf16] [--configs 4096:8,16384:16,32768:16]
+
+For each kernel and launch config (BLOCK_V:num_warps[:1], the knobs of
+triton_kernels/_config.py; :1 the fused loss's ONE_TILE) it prints the registers per thread, the stack bytes (spills), and each
+hot loop (a backward branch's span holding MUFU.EX2: one exp per logit of the vocabulary
+sweeps) as instructions per exp and the BAR.SYNC it executes per BLOCK_V entries. A
+kernel whose row fits one block (ONE_TILE) has no vocabulary loop: its straight-line
+sweeps are counted over the whole function instead ("whole"). Static counts: what a sweep
+issues per element, not a time. Row pointers, strides and V are declared 16-byte aligned,
+as the runtime specialises them for V = 32768 or 151936.
+
+Runs triton's compiler, so TRITON_INTERPRET must be unset (this script removes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+import cuda_sass  # noqa: E402
+
+LOGITS = {"fp32": "*fp32", "bf16": "*bf16", "fp16": "*fp16"}
+# name: (module, kernel attribute, constexprs beside ACC and BLOCK_V): the fused loss as
+# the default options launch it, the forward-only statistics, the gradient of the two-phase
+# path
+KERNELS = {
+    "ppo_loss (fwd+grad)": ("ppo_loss", "_ppo_loss_jit",
+                            dict(KL_EST=2, HAS_REF=False, HAS_ISW=False, HAS_DUAL=False,
+                                 HAS_OLD=True, HAS_WENT=False, POLICY_LOSS=0, KL_BIAS=False,
+                                 COMPUTE_GRAD=True, ROW_TEMP=False)),
+    "token_logprobs fwd": ("logprobs", "logprobs_fwd_kernel",
+                           dict(NEED_ENT=True, SCORE=False, KL_EST=0, ROW_TEMP=False)),
+    "token_logprobs bwd": ("logprobs", "_logprobs_bwd_kernel",
+                           dict(HAS_GENT=True, ROW_TEMP=False)),
+}
+
+
+def types(dtype):
+    a = "*fp32"
+    t = {"logits_ptr": LOGITS[dtype], "grad_ptr": LOGITS[dtype], "tokens_ptr": "*i64",
+         "mask_ptr": "*i1", "T": "i32", "TL": "i32", "TG": "i32", "V": "i32"}
+    for n in ("stride_lb", "stride_lt", "stride_gb", "stride_gt"):
+        t[n] = "i64"
+    for n in ("logp_ptr", "ent_ptr", "max_ptr", "lsum_ptr", "ref_ptr", "kl_ptr", "rew_ptr",
+              "glogp_ptr", "gent_ptr", "old_ptr", "adv_ptr", "w_ptr", "isw_ptr", "went_ptr",
+              "loss_tok_ptr", "invt_ptr"):
+        t[n] = a
+    return t
+
+
+def jit_of(kernel):
+    """The JITFunction under autotuner / heuristics wrappers."""
+    while not isinstance(kernel, triton.runtime.jit.JITFunction):
+        kernel = kernel.fn
+    return kernel
+
+
+def compile_kernel(modname, attr, consts, dtype, block_v, warps, one_tile=False):
+    import importlib
+    mod = importlib.import_module("ppo_kernels.triton_kernels." + modname)
+    fn = jit_of(getattr(mod, attr))
+    consts = dict(consts, ACC=tl.float32, BLOCK_V=block_v, ONE_TILE=one_tile)
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    ty = types(dtype)
+    sig = {}
+    for n in fn.arg_names:
+        if n in consts:
+            sig[n] = "constexpr"
+        else:
+            sig[n] = ty.get(n, "fp64")  # (the float options: float64 by annotation)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n not in consts and (sig[n].startswith("*") or n.startswith("stride")
+                                     or n == "V")}
+    ckeys = {(fn.arg_names.index(n),): v for n, v in consts.items()}
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ckeys, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def dump(k, flag):
+    """cuobjdump FLAG (-sass, -res-usage) of the kernel's cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        return subprocess.run([cuda_sass.cuobjdump(), flag, f.name], capture_output=True,
+                              text=True, check=True).stdout
+
+
+def resources(k):
+    """(registers per thread, stack bytes per thread: spills) from cuobjdump -res-usage."""
+    text = dump(k, "-res-usage")
+    reg = re.search(r"REG:(\d+)", text)
+    stack = re.search(r"STACK:(\d+)", text)
+    return int(reg.group(1)), int(stack.group(1))
+
+
+def loops(body):
+    """[(exp count, instructions, barriers)] of the loops holding at least 4 MUFU.EX2, or of
+    the whole function where it has none (a one-tile kernel: straight-line sweeps)."""
+    out = set()
+    for addr, ins in body:
+        if "BRA" not in ins:
+            continue
+        target = ins.split()[-1]
+        try:
+            start = int(target, 16)
+        except ValueError:
+            continue
+        if start < addr:
+            seg = [x for a, x in body if start <= a <= addr and not x.startswith("NOP")]
+            ex = sum("MUFU.EX2" in x for x in seg)
+            if ex >= 4:
+                out.add((ex, len(seg), sum(x.startswith("BAR") for x in seg)))
+    if not out:
+        seg = [x for _, x in body if not x.startswith("NOP")]
+        out.add((sum("MUFU.EX2" in x for x in seg), len(seg),
+                 sum(x.startswith("BAR") for x in seg)))
+    return sorted(out, key=lambda lp: -lp[0])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="bf16", choices=sorted(LOGITS))
+    ap.add_argument("--configs", default="4096:8,16384:16,32768:16:1,32768:32:1",
+                    help="BLOCK_V:num_warps[:1 for the fused loss's ONE_TILE, the row "
+                         "whole in registers], comma-separated")
+    ap.add_argument("--kernels", default=",".join(KERNELS))
+    a = ap.parse_args(argv)
+    if cuda_sass.cuobjdump() is None:
+        print("no cuobjdump (triton's bundled copy or CUDA's)", file=sys.stderr)
+        return 1
+    for name in a.kernels.split(","):
+        modname, attr, consts = KERNELS[name]
+        for cfg in a.configs.split(","):
+            bv, w, *tile = (int(x) for x in cfg.split(":"))
+            one = bool(tile and tile[0])
+            if one and attr != "_ppo_loss_jit":
+                continue
+            k = compile_kernel(modname, attr, consts, a.dtype, bv, w, one)
+            body = next(iter(cuda_sass.functions(dump(k, "-sass")).values()))
+            regs, spill = resources(k)
+            for ex, n, bars in loops(body):
+                per = f"{n / ex:5.1f}" if ex else "  -  "
+                print(f"{name:20s} {a.dtype} BLOCK_V {bv:6d}{' tile' if one else '     '} "
+                      f"warps {w:2d}: {regs:3d} regs, "
+                      f"{spill:4d} B spilled; loop of {n:5d} instructions, {ex:4d} exp "
+                      f"({per} per element), {bars:2d} BAR")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
