@@ -612,14 +612,20 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
     # group, whose ranks must agree on validity before any collective
     kernel_checks = (single_pass and be.name == "cpu" and replay is None and packing is None
                      and spec.cp_group is None and ck.host_readable(tokens2))
-    if vocab is not None and not kernel_checks:
+    # on a CUDA device the fused pass's weights come from two Triton launches that check the
+    # ids too (the kernels never read an id outside [0, V): it gives NaN)
+    device_weights = fused and _device_weights(spec, be, tokens2, packing, global_num_tokens,
+                                               norm_length, global_num_seqs)
+    if vocab is not None and not kernel_checks and not device_weights:
         tokens2 = ck.token_range(tokens2, mask, vocab)
     x = LossInputs(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref, isw=isw,
                    rollout=rollout, rc_w=None, behaviour=behaviour, weights=None, w_ent=None,
                    be=be, flat=out_flat if packing is not None else flat, packing=packing,
                    temperature=temperature, replay=replay)
     return spec, x, dict(bounds=bounds, global_num_tokens=global_num_tokens,
-                         global_num_seqs=global_num_seqs, norm_length=norm_length, fused=fused)
+                         global_num_seqs=global_num_seqs, norm_length=norm_length, fused=fused,
+                         device_weights=device_weights,
+                         check_vocab=vocab if device_weights else None)
 
 
 def weigh_loss(spec, x, pending):
@@ -628,7 +634,12 @@ def weigh_loss(spec, x, pending):
     weights. pending: check_loss's third result."""
     group = spec.cp_group
     isw, rc_w = x.isw, None
-    if pending["bounds"] is not None:
+    device = pending.get("device_weights", False)
+    if device:  # the weights, the id check and the rollout correction in two launches
+        weights, rc_w = _device_loss_weights(spec, x, pending)
+        if rc_w is not None:
+            isw = rc_w if isw is None else isw * rc_w
+    elif pending["bounds"] is not None:
         lo, hi = pending["bounds"]
         rc_w = _rc.weights(x.old, x.rollout, x.mask, spec.rollout_correction, lo, hi, group,
                            valid_only=pending.get("fused", False) and _host_metrics(spec, x))
@@ -641,18 +652,23 @@ def weigh_loss(spec, x, pending):
         # an all-reduce, so only for the mode that reads it)
         lens = _cp.group_sum(x.packing.lens.to(x.acc), group)
         norm_length = lens.max().clamp(min=1.0) if x.packing.num_seqs else 1.0
-    weights = w_ent = None
+    if not device:
+        weights = None
+    w_ent = None
     if spec.loss_agg_mode != "none":
         def weights_of(mode):
             w = _host_weights(x, mode, pending["global_num_tokens"], norm_length,
                               pending["global_num_seqs"], group)
             if w is not None:
                 return w
+            if device:
+                return _device_weights_of(x, mode, pending)[0]
             return _torch_impl.agg_weights(x.mask, mode, pending["global_num_tokens"],
                                            norm_length, dtype=x.acc,
                                            global_num_seqs=pending["global_num_seqs"],
                                            group=group)
-        weights = weights_of(spec.loss_agg_mode)
+        if not device:
+            weights = weights_of(spec.loss_agg_mode)
         w_ent = None if spec.entropy_agg_mode in (None, spec.loss_agg_mode) else weights_of(
             spec.entropy_agg_mode)
     k = x.kernel
@@ -669,22 +685,72 @@ def _host_weights(x, mode, global_num_tokens, norm_length, global_num_seqs, grou
     if x.be.name != "cpu" or group is not None or not hasattr(torch.ops.ppo_kernels,
                                                                  "agg_weights"):
         return None
+    code = _weights_code(x.mask.shape, mode, global_num_tokens, norm_length, global_num_seqs)
+    if code is None:
+        return None
+    return torch.ops.ppo_kernels.agg_weights(x.mask, *code, x.acc == torch.float64)
+
+
+def _device_loss_weights(spec, x, pending):
+    """(weights of loss_agg_mode, rollout-correction weights or None) from the two launches
+    of triton_kernels/weights.py (_device_weights), the token ids of valid positions
+    checked in the same launches: an asynchronous device assertion naming `tokens`
+    (token_range's, without its 8 ops)."""
+    vocab = pending["check_vocab"]
+    rc = None
+    if pending["bounds"] is not None:
+        rc = dict(old=x.old, rollout=x.rollout, rc_mode=spec.rollout_correction,
+                  lo=pending["bounds"][0], hi=pending["bounds"][1])
+    w, ok, rc_w = _device_weights_of(x, spec.loss_agg_mode, pending, vocab, rc)
+    if ok is not None:
+        torch._assert_async(ok, f"tokens: ids must lie in [0, {vocab}) on valid positions")
+    return w, rc_w
+
+
+def _device_weights_of(x, mode, pending, vocab=None, rc=None):
+    """triton_kernels/weights.py loss_weights for loss_agg_mode mode: (w, ok, rc_w)."""
+    from .triton_kernels import weights as device_weights
+    code = _weights_code(x.mask.shape, mode, pending["global_num_tokens"],
+                         pending["norm_length"], pending["global_num_seqs"])
+    return device_weights.loss_weights(x.mask, *code, x.acc == torch.float64,
+                                       x.tokens if vocab is not None else None, vocab or 0,
+                                       **(rc or {}))
+
+
+def _weights_code(shape, mode, global_num_tokens, norm_length, global_num_seqs):
+    """(mode code, denominator) of the agg_weights ops (csrc/ops_host.cpp) for
+    loss_agg_mode mode on a [B, T] mask, or None where a denominator is a tensor (the
+    eager formulas then divide by it on its device)."""
     if isinstance(global_num_tokens, torch.Tensor) or isinstance(norm_length, torch.Tensor) \
             or isinstance(global_num_seqs, torch.Tensor):
         return None
-    b, t = x.mask.shape
+    b, t = shape
     if mode == "token-mean":
-        code, denom = 0, 0.0 if global_num_tokens is None else float(global_num_tokens)
-    elif mode == "token-sum":
-        code, denom = 1, 0.0
-    elif mode == "seq-mean-token-sum":
-        code, denom = 2, float(b if global_num_seqs is None else global_num_seqs)
-    elif mode == "seq-mean-token-mean":
-        code, denom = 3, 0.0 if global_num_seqs is None else float(global_num_seqs)
-    else:  # seq-mean-token-sum-norm: (n * length) in Python arithmetic, as agg_weights
-        n = b if global_num_seqs is None else global_num_seqs
-        code, denom = 2, float(n * (t if norm_length is None else norm_length))
-    return torch.ops.ppo_kernels.agg_weights(x.mask, code, denom, x.acc == torch.float64)
+        return 0, 0.0 if global_num_tokens is None else float(global_num_tokens)
+    if mode == "token-sum":
+        return 1, 0.0
+    if mode == "seq-mean-token-sum":
+        return 2, float(b if global_num_seqs is None else global_num_seqs)
+    if mode == "seq-mean-token-mean":
+        return 3, 0.0 if global_num_seqs is None else float(global_num_seqs)
+    # seq-mean-token-sum-norm: (n * length) in Python arithmetic, as agg_weights
+    n = b if global_num_seqs is None else global_num_seqs
+    return 2, float(n * (t if norm_length is None else norm_length))
+
+
+def _device_weights(spec, be, tokens, packing, global_num_tokens, norm_length,
+                    global_num_seqs):
+    """Whether the weights and the token-id check come from the two Triton launches of
+    triton_kernels/weights.py (the CPU op agg_weights's twin) rather than about 12 small
+    eager ops: the fused single pass on the triton or cuda backend with CUDA tensors, eager
+    mode, no context-parallel group or packing, every denominator a number. Unrun on a GPU
+    since it was added (tests/test_triton_weights.py runs the kernels under the Triton
+    interpreter)."""
+    if not (_device_eager(be, tokens) and spec.cp_group is None and packing is None):
+        return False
+    return all(_weights_code(tokens.shape, mode, global_num_tokens, norm_length,
+                             global_num_seqs) is not None
+               for mode in (spec.loss_agg_mode, spec.entropy_agg_mode) if mode is not None)
 
 
 def prepare_loss(like, vocab, tokens2, flat, options):
@@ -742,9 +808,16 @@ def _device_metrics(spec, x, logp):
     compiled graph fuses the formulas itself), outside a context-parallel group.
     Unrun on a GPU since it was added (tests/test_triton_metrics.py runs the kernels under
     the Triton interpreter)."""
-    return (x.be.name in ("triton", "cuda") and logp.is_cuda and spec.cp_group is None
-            and logp.dtype in (torch.float32, torch.float64)
-            and not torch.compiler.is_compiling() and triton_importable())
+    return (_device_eager(x.be, logp) and spec.cp_group is None
+            and logp.dtype in (torch.float32, torch.float64))
+
+
+def _device_eager(be, t):
+    """Whether a call's [B, T] work may run as the Triton launches of a CUDA device: the
+    triton or cuda backend, t on a CUDA device, eager mode (a compiled graph fuses the
+    eager formulas itself), triton importable."""
+    return (be.name in ("triton", "cuda") and t.is_cuda and not torch.compiler.is_compiling()
+            and triton_importable())
 
 
 def _metrics_op(spec, x, logp):
@@ -766,12 +839,12 @@ _CPP_METRICS_DICT = eager_call("metrics_dict")
 def loss_metrics(spec, x, logp, ent, aux=None):
     """ppo_loss's metrics dict from the per-token logp and entropy (DESIGN.md, Metrics).
     aux: with a kept set (sampling replay), (full logp, kept mass, kept size, missing)
-    [B, T]; logp is then logp_kept. On the cpu backend in eager mode (outside a
-    context-parallel group) a LossMetrics filled at its first read (loss_metrics.py: the
-    caller's tensors it reads are watched for in-place changes until then), else
-    metrics_now's dict."""
-    if _host_metrics(spec, x) and not (torch.compiler.is_compiling()
-                                       or torch.jit.is_tracing()):
+    [B, T]; logp is then logp_kept. Where one op computes them all in eager mode (the CPU
+    op, or its Triton twin on a CUDA device; outside a context-parallel group) a
+    LossMetrics filled at its first read (loss_metrics.py: the caller's tensors it reads
+    are watched for in-place changes until then), else metrics_now's dict."""
+    if (_host_metrics(spec, x) or (aux is None and _device_metrics(spec, x, logp))) and not (
+            torch.compiler.is_compiling() or torch.jit.is_tracing()):
         return LossMetrics.deferred(lambda: metrics_now(spec, x, logp, ent, aux), (
             ("response_mask", x.mask), ("old_logprobs", x.old), ("advantages", x.adv),
             ("ref_logprobs", x.ref), ("rollout_logprobs", x.rollout)))

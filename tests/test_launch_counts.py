@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ppo_kernels as pk
 from ppo_kernels._extension import HAS_CPU
 
+from helpers.backends import INTERPRET
+
 pytestmark = pytest.mark.skipif(not HAS_CPU, reason="the C++ extension is not built")
 
 B, T, V = 2, 8, 64
@@ -150,3 +152,116 @@ def test_metrics_op_matches_the_eager_formulas(monkeypatch, policy, extra, input
         assert got[name].dtype == torch.float32 and got[name].shape == (), name
         torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6,
                                    equal_nan=True, msg=name)
+
+
+# ------------------------------------------------------------------ the device path
+
+try:
+    from triton.runtime import interpreter as _interp
+except ImportError:  # (no triton: the device-path counts are skipped, said why)
+    _interp = None
+
+
+class DeviceCounter(TorchDispatchMode):
+    """The launches of a call on the device path (the triton backend as it runs on a CUDA
+    device), counted on the CPU under the Triton interpreter: each Triton kernel launch
+    (an interpreter GridExecutor call, counted by device_launches) and each aten op outside
+    them that launches a kernel on a device: allocations (no launch), views, detach and
+    the interpreter's own copies inside a launch left out. The extension's Triton ops
+    (ppo_kernels::triton_*) are opened up: the aten ops of their launchers count too."""
+
+    NO_LAUNCH = ("empty", "empty_like", "empty_strided", "new_empty", "detach", "lift_fresh",
+                 "scalar_tensor")
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+        self.inside = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "ppo_kernels":
+            from ppo_kernels.triton_kernels.library import LAUNCHERS
+            launcher = LAUNCHERS.get(func.overloadpacket.__name__)
+            if launcher is None:
+                return func(*args, **(kwargs or {}))
+            with self:  # (its launcher's own ops, under this mode again)
+                return launcher(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not (self.inside or func.is_view or name in self.NO_LAUNCH):
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def device_launches(monkeypatch):
+    """Puts the call on the device path (loss._device_eager, no host reads of tensor
+    values) and counts each interpreter launch into the innermost DeviceCounter running;
+    returns the list that holds it (push a counter, run, pop)."""
+    from ppo_kernels import _checks, loss as loss_module
+    monkeypatch.setattr(_checks, "host_readable", lambda x: False)
+    monkeypatch.setattr(loss_module, "_device_eager",
+                        lambda be, t: be.name in ("triton", "cuda"))
+    running, launch = [], _interp.GridExecutor.__call__
+
+    def counted(executor, *args, **kwargs):
+        if not running:
+            return launch(executor, *args, **kwargs)
+        c = running[-1]
+        c.ops["triton launch"] += 1
+        c.inside += 1
+        try:
+            return launch(executor, *args, **kwargs)
+        finally:
+            c.inside -= 1
+
+    monkeypatch.setattr(_interp.GridExecutor, "__call__", counted)
+    return running
+
+
+# name: (keywords of ppo_loss, the most launches forward, backward). Counted: 6 forward
+# (the weights, the id check and the rollout correction in two Triton launches,
+# triton_kernels/weights.py, its assertion, the applied scale's full, the loss kernel and
+# its dot), 3 backward (autograd's ones_like, scale_grad_'s two launches), 3 more when the
+# metrics are read (triton_kernels/metrics.py); before: 15 forward (token_range's 8, the
+# weights' 4) plus the metrics' 3 at every call, 29 with "tis" (its 11 eager ops). GSPO's
+# two-phase middle stays eager here too: 73 forward.
+DEVICE_CONFIGS = {
+    "default": (lambda ref, roll: {}, 8, 3),
+    "kl-k3": (lambda ref, roll: dict(ref_logprobs=ref, kl_coef=0.1), 8, 3),
+    "entropy": (lambda ref, roll: dict(entropy_coef=0.01), 8, 3),
+    "tis": (lambda ref, roll: dict(rollout_logprobs=roll, rollout_correction="tis"), 8, 3),
+}
+
+
+def count_device_launches(monkeypatch, name):
+    """Counters of the launches of one call of configuration name on the device path,
+    after a warm-up call: forward, backward, the first read of the metrics."""
+    running = device_launches(monkeypatch)
+    logits, tokens, old, adv, mask, ref, roll = _inputs()
+    kw = DEVICE_CONFIGS[name][0](ref, roll)
+    for _ in range(2):
+        logits.grad = None
+        fwd, bwd, met = DeviceCounter(), DeviceCounter(), DeviceCounter()
+        running.append(fwd)
+        with fwd:
+            loss, metrics = pk.ppo_loss(logits, tokens, old, adv, mask, backend="triton", **kw)
+        running[-1] = bwd
+        with bwd:
+            loss.backward()
+        running[-1] = met
+        with met:
+            dict(metrics)
+        running.pop()
+    return fwd.ops, bwd.ops, met.ops
+
+
+@pytest.mark.skipif(_interp is None or not INTERPRET, reason="counts the Triton launches "
+                    "under the interpreter (TRITON_INTERPRET=1, no GPU)")
+@pytest.mark.parametrize("name", list(DEVICE_CONFIGS))
+def test_device_path_launch_counts(monkeypatch, name):
+    fwd, bwd, met = count_device_launches(monkeypatch, name)
+    n_fwd, n_bwd = sum(fwd.values()), sum(bwd.values())
+    print(f"\n{name}: forward {n_fwd} launches {dict(fwd)}, backward {n_bwd} {dict(bwd)}, "
+          f"metrics {sum(met.values())} {dict(met)}")
+    assert fwd["triton launch"] >= 3 and bwd["triton launch"] >= 1  # (the counter sees them)
+    assert n_fwd <= DEVICE_CONFIGS[name][1], dict(fwd)
+    assert n_bwd <= DEVICE_CONFIGS[name][2], dict(bwd)

@@ -132,7 +132,8 @@ def test_bad_inputs_name_the_argument():
                          ids=["k3-entropy", "gspo", "mis"])
 def test_ppo_loss_reads_its_metrics_from_the_device_kernels(monkeypatch, opts):
     """ppo_loss on the triton backend takes its metrics dict from the two launches where
-    the tensors are on a CUDA device (loss._device_metrics); here that path is forced on
+    the tensors are on a CUDA device (loss._device_metrics), at the dict's first read
+    (a caller that reads none launches none); here that path is forced on
     the interpreter's CPU tensors and the dict equals the eager formulas' (the torch
     backend's) name for name."""
     g = torch.Generator().manual_seed(11)
@@ -158,6 +159,8 @@ def test_ppo_loss_reads_its_metrics_from_the_device_kernels(monkeypatch, opts):
     monkeypatch.setattr(loss_module, "_device_metrics",
                         lambda spec, x, logp: x.be.name == "triton" and spec.cp_group is None)
     _, got = pk.ppo_loss(logits, tokens, old, adv, mask, backend="triton", **kw)
+    assert not calls, "the metrics wait for their first read"
+    got = dict(got)
     assert calls, "the device metrics kernels did not run"
     _, want = pk.ppo_loss(logits, tokens, old, adv, mask, backend="torch", **kw)
     assert set(got) == set(want)
