@@ -175,6 +175,15 @@ _KERNEL_BACKENDS = {name: KernelBackend(name, prefix)
 _TORCH_BACKEND = TorchBackend()
 
 
+def device_eager(be, t):
+    """Whether a call's [B, T] work may run as the Triton launches of a CUDA device
+    (triton_kernels/metrics.py, weights.py, seq_loss.py): the triton or cuda backend, t on
+    a CUDA device, eager mode (a compiled graph fuses the eager formulas itself), triton
+    importable."""
+    return (be.name in ("triton", "cuda") and t.is_cuda and not torch.compiler.is_compiling()
+            and triton_importable())
+
+
 def get_backend(backend, device):
     """The backend object for `backend` and the tensors' device, or a ValueError (a
     NotImplementedError for a kernel backend under a torch.func transform)."""

@@ -5,7 +5,8 @@ sequence ratio). One extra read of the logits compared with the fused single pas
   1. statistics: token_logprobs_fwd reads the logits once -> logp, H, row max, log-sum;
   2. the [B, T] middle: the sequence reductions and the per-token loss, from the eager
      composite's formulas (_torch_impl: one source of truth for these losses), and their
-     gradient in logp and H (torch.func.grad on [B, T] tensors: cheap next to [N, V]);
+     gradient in logp and H (torch.func.grad on [B, T] tensors: cheap next to [N, V]); on
+     a CUDA device GSPO's in one launch, their Triton twin (triton_kernels/seq_loss.py);
   3. gradient: token_logprobs_bwd reads the logits again and writes dlogits once
      (d/dz of sum(dlogp * logp + dH * H), pre-scaled by grad_scale).
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _torch_impl
+from . import _backends, _torch_impl
 from ._autograd import LossWithGrad, not_traceable, wants_grad
 from .kept import kept_mass
 from .rows import LogitRows
@@ -42,7 +43,13 @@ def middle_grad(logp, ent, spec, x, logp_kl=None):
     gradient in logp and H ([B, T] tensors: cheap next to [N, V]); the last only for a
     logp_kl. Eagerly by autograd on detached leaves, which also runs under saved-tensor
     hooks (activation offloading, non-reentrant checkpoints), where torch.func cannot;
-    traced (torch.compile) by torch.func, which Dynamo captures whole."""
+    traced (torch.compile) by torch.func, which Dynamo captures whole. On a CUDA device in
+    eager mode GSPO's middle is one Triton launch (device_middle)."""
+    if logp_kl is None and device_middle(spec, x, logp):
+        from .triton_kernels import seq_loss
+        scalars, codes = spec.kernel_args(torch.float32)
+        return seq_loss.seq_loss_grad(logp.detach(), ent.detach(), x.mask, x.old, x.adv,
+                                      x.ref, x.isw, x.weights, x.w_ent, scalars, codes)
     if logp_kl is not None:
         leaves = (logp, ent, logp_kl)
         f = lambda lp, h, lk: middle(lp, h, spec, x, lk)  # noqa: E731
@@ -59,6 +66,18 @@ def middle_grad(logp, ent, spec, x, logp_kl=None):
         grads = torch.autograd.grad(loss, ls, allow_unused=True)
     grads = [torch.zeros_like(v) if g is None else g for g, v in zip(grads, ls)]
     return (grads[0], grads[1], loss.detach(), pol.detach(), *grads[2:])
+
+
+def device_middle(spec, x, logp):
+    """Whether the middle runs as triton_kernels/seq_loss.py's one launch (GSPO's loss and
+    its gradient, the eager formulas' values up to the summation order) rather than
+    autograd through about 60 eager ops: gspo or gspo-token on a CUDA device in eager mode
+    (_backends.device_eager), without an off-policy mask or a context-parallel group.
+    Unrun on a GPU since it was added (tests/test_triton_seq_loss.py runs it under the
+    Triton interpreter)."""
+    return (spec.policy_loss in ("gspo", "gspo-token") and x.behaviour is None
+            and spec.cp_group is None and x.weights is not None
+            and _backends.device_eager(x.be, logp))
 
 
 def passes(source, inputs, spec, x, need):

@@ -13,7 +13,8 @@ from . import sampling as _sampling
 from . import context_parallel as _cp
 from . import rollout_correction as _rc
 from . import vocab_parallel as _vp
-from ._backends import get_backend, triton_importable
+from . import _backends
+from ._backends import get_backend
 from ._extension import eager_call
 from ._two_phase import per_token_loss, replay_loss
 from .loss_metrics import LossMetrics
@@ -612,10 +613,12 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
     # group, whose ranks must agree on validity before any collective
     kernel_checks = (single_pass and be.name == "cpu" and replay is None and packing is None
                      and spec.cp_group is None and ck.host_readable(tokens2))
-    # on a CUDA device the fused pass's weights come from two Triton launches that check the
-    # ids too (the kernels never read an id outside [0, V): it gives NaN)
-    device_weights = fused and _device_weights(spec, be, tokens2, packing, global_num_tokens,
-                                               norm_length, global_num_seqs)
+    # on a CUDA device the weights of a call on the logits come from two Triton launches
+    # that check the ids too (the row kernels never read an id outside [0, V): it gives NaN)
+    device_weights = (single_pass and be.is_kernel and replay is None
+                      and spec.loss_agg_mode != "none"
+                      and _device_weights(spec, be, tokens2, packing, global_num_tokens,
+                                          norm_length, global_num_seqs))
     if vocab is not None and not kernel_checks and not device_weights:
         tokens2 = ck.token_range(tokens2, mask, vocab)
     x = LossInputs(tokens=tokens2, mask=mask, acc=acc, old=old, adv=adv, ref=ref, isw=isw,
@@ -742,11 +745,11 @@ def _device_weights(spec, be, tokens, packing, global_num_tokens, norm_length,
                     global_num_seqs):
     """Whether the weights and the token-id check come from the two Triton launches of
     triton_kernels/weights.py (the CPU op agg_weights's twin) rather than about 12 small
-    eager ops: the fused single pass on the triton or cuda backend with CUDA tensors, eager
-    mode, no context-parallel group or packing, every denominator a number. Unrun on a GPU
-    since it was added (tests/test_triton_weights.py runs the kernels under the Triton
-    interpreter)."""
-    if not (_device_eager(be, tokens) and spec.cp_group is None and packing is None):
+    eager ops: a kernel backend's pass over whole-vocabulary logits (the fused one or the
+    two-phase path's, no kept set) with CUDA tensors, eager mode, no context-parallel group
+    or packing, every denominator a number. Unrun on a GPU since it was added
+    (tests/test_triton_weights.py runs the kernels under the Triton interpreter)."""
+    if not (_backends.device_eager(be, tokens) and spec.cp_group is None and packing is None):
         return False
     return all(_weights_code(tokens.shape, mode, global_num_tokens, norm_length,
                              global_num_seqs) is not None
@@ -808,16 +811,9 @@ def _device_metrics(spec, x, logp):
     compiled graph fuses the formulas itself), outside a context-parallel group.
     Unrun on a GPU since it was added (tests/test_triton_metrics.py runs the kernels under
     the Triton interpreter)."""
-    return (_device_eager(x.be, logp) and spec.cp_group is None
+    return (_backends.device_eager(x.be, logp) and spec.cp_group is None
             and logp.dtype in (torch.float32, torch.float64))
 
-
-def _device_eager(be, t):
-    """Whether a call's [B, T] work may run as the Triton launches of a CUDA device: the
-    triton or cuda backend, t on a CUDA device, eager mode (a compiled graph fuses the
-    eager formulas itself), triton importable."""
-    return (be.name in ("triton", "cuda") and t.is_cuda and not torch.compiler.is_compiling()
-            and triton_importable())
 
 
 def _metrics_op(spec, x, logp):

@@ -193,13 +193,12 @@ class DeviceCounter(TorchDispatchMode):
 
 
 def device_launches(monkeypatch):
-    """Puts the call on the device path (loss._device_eager, no host reads of tensor
+    """Puts the call on the device path (_backends.device_eager, no host reads of tensor
     values) and counts each interpreter launch into the innermost DeviceCounter running;
     returns the list that holds it (push a counter, run, pop)."""
-    from ppo_kernels import _checks, loss as loss_module
+    from ppo_kernels import _backends, _checks
     monkeypatch.setattr(_checks, "host_readable", lambda x: False)
-    monkeypatch.setattr(loss_module, "_device_eager",
-                        lambda be, t: be.name in ("triton", "cuda"))
+    monkeypatch.setattr(_backends, "device_eager", lambda be, t: be.name in ("triton", "cuda"))
     running, launch = [], _interp.GridExecutor.__call__
 
     def counted(executor, *args, **kwargs):
@@ -222,13 +221,15 @@ def device_launches(monkeypatch):
 # triton_kernels/weights.py, its assertion, the applied scale's full, the loss kernel and
 # its dot), 3 backward (autograd's ones_like, scale_grad_'s two launches), 3 more when the
 # metrics are read (triton_kernels/metrics.py); before: 15 forward (token_range's 8, the
-# weights' 4) plus the metrics' 3 at every call, 29 with "tis" (its 11 eager ops). GSPO's
-# two-phase middle stays eager here too: 73 forward.
+# weights' 4) plus the metrics' 3 at every call, 29 with "tis" (its 11 eager ops). GSPO:
+# 13 forward (the statistics pass, its middle in one launch, triton_kernels/seq_loss.py,
+# the gradient pass, the weights' two), 16 in all (the goal: 20); before: 76 forward.
 DEVICE_CONFIGS = {
     "default": (lambda ref, roll: {}, 8, 3),
     "kl-k3": (lambda ref, roll: dict(ref_logprobs=ref, kl_coef=0.1), 8, 3),
     "entropy": (lambda ref, roll: dict(entropy_coef=0.01), 8, 3),
     "tis": (lambda ref, roll: dict(rollout_logprobs=roll, rollout_correction="tis"), 8, 3),
+    "gspo": (lambda ref, roll: dict(policy_loss="gspo"), 17, 3),
 }
 
 

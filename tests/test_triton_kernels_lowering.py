@@ -155,6 +155,44 @@ for acc in ("fp32", "fp64"):
         "metrics", "_finish_kernel", {"part_ptr": "*fp64", "out_ptr": "*fp32", "B": "i32"},
         dict(ACC=acc, SEQ=True, HAS_REF=True, HAS_ROLL=True, BLOCK=1024), {"num_warps": 4})
 
+# the weights' two launches (weights.py): the id check, each rollout-correction mode
+def _weights_types(acc):
+    a = f"*{acc}"
+    return {"mask_ptr": "*i1", "tokens_ptr": "*i64", "counts_ptr": "*i32", "old_ptr": a,
+            "roll_ptr": a, "lsum_ptr": a, "w_ptr": a, "ok_ptr": "*i1", "rc_ptr": a,
+            "T": "i32", "V": "i32", "B": "i32", "denom": "fp64", "lo": "fp64", "hi": "fp64"}
+
+
+for acc, mode, rc in (("fp32", 0, -1), ("fp32", 3, 0), ("fp32", 2, 3), ("fp64", 0, 4),
+                      ("fp64", 1, 1), ("fp32", 0, 2)):
+    VARIANTS[f"weights_counts-rc{rc}-{acc}"] = (
+        "weights", "_counts_kernel", _weights_types(acc),
+        dict(CHECK=True, RC=rc, ACC=acc, BLOCK=1024), {"num_warps": 4})
+    VARIANTS[f"weights_rows-m{mode}-rc{rc}-{acc}"] = (
+        "weights", "_weights_kernel", _weights_types(acc),
+        dict(MODE=mode, CHECK=rc != 1, RC=rc, ACC=acc, BLOCK=1024), {"num_warps": 4})
+
+
+# GSPO's middle (seq_loss.py): gspo and gspo-token with every input, float64
+def _seq_types(acc):
+    a = f"*{acc}"
+    return {**{n: a for n in ("logp_ptr", "ent_ptr", "old_ptr", "adv_ptr", "ref_ptr",
+                              "isw_ptr", "w_ptr", "went_ptr", "dlogp_ptr", "dent_ptr",
+                              "pol_ptr", "part_ptr")},
+            "mask_ptr": "*i1", "T": "i32", "clip_eps_low": "fp64", "clip_eps_high": "fp64",
+            "dual_clip_c": "fp64", "kl_coef": "fp64", "entropy_coef": "fp64"}
+
+
+for acc, token, flags in (("fp32", False, (True, True, True, True, True, True)),
+                          ("fp32", True, (True, True, True, True, True, True)),
+                          ("fp32", False, (False, False, False, False, False, False)),
+                          ("fp64", True, (True, True, False, True, False, True))):
+    VARIANTS[f"seq_loss-{'token' if token else 'seq'}-{sum(flags)}-{acc}"] = (
+        "seq_loss", "_seq_loss_kernel", _seq_types(acc),
+        dict(ACC=acc, TOKEN=token, KL_EST=2, BLOCK=1024,
+             **dict(zip(("HAS_OLD", "HAS_REF", "HAS_ISW", "HAS_WENT", "HAS_DUAL", "KL_BIAS"),
+                        flags))), {"num_warps": 4})
+
 # the loss menu: each policy loss, the KL bias correction, on-policy (no
 # old_logprobs), separate entropy weights, the straight-through KL estimators
 for dt in ("fp32", "bf16"):

@@ -2,7 +2,7 @@
 ppo_kernels::agg_weights and the eager formulas, under the Triton interpreter (CPU
 tensors): every mode and denominator, empty sequences, an all-masked batch, shapes that
 span several of the interpreter's 8-wide blocks, both dtypes; and ppo_loss on the path
-that uses them (loss._device_eager forced), whose loss and gradient keep their bits."""
+that uses them (_backends.device_eager forced), whose loss and gradient keep their bits."""
 
 import os
 
@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import ppo_kernels as pk
-from ppo_kernels import _checks, _torch_impl
-from ppo_kernels import loss as loss_module
+from ppo_kernels import _backends, _checks, _torch_impl
 
 try:
     from ppo_kernels.triton_kernels import weights as tw
@@ -121,8 +120,7 @@ def test_bad_arguments_raise():
 
 def _device_path(monkeypatch, calls):
     monkeypatch.setattr(_checks, "host_readable", lambda x: False)
-    monkeypatch.setattr(loss_module, "_device_eager",
-                        lambda be, t: be.name in ("triton", "cuda"))
+    monkeypatch.setattr(_backends, "device_eager", lambda be, t: be.name in ("triton", "cuda"))
     real = tw.loss_weights
 
     def spy(*a, **k):
@@ -191,10 +189,11 @@ def test_ppo_loss_rollout_correction_on_the_device_path(monkeypatch, rc_mode):
         torch.testing.assert_close(got_m[name], want_m[name].float(), rtol=1e-6, atol=1e-7)
 
 
-def test_ppo_loss_on_the_device_path_rejects_bad_ids(monkeypatch):
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_ppo_loss_on_the_device_path_rejects_bad_ids(monkeypatch, policy_loss):
     """An id outside [0, V) on a valid position fails the call (the asynchronous device
     assertion, raised at once on the CPU) with a message naming `tokens`; one on a masked
-    position is never read."""
+    position is never read. The fused pass and the two-phase path (gspo) alike."""
     calls = []
     _device_path(monkeypatch, calls)
     g = torch.Generator().manual_seed(5)
@@ -205,8 +204,9 @@ def test_ppo_loss_on_the_device_path_rejects_bad_ids(monkeypatch):
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, 3:] = False
     tokens[1, 4] = V + 3
-    loss, _ = pk.ppo_loss(logits, tokens, old, adv, mask, backend="triton")
+    kw = dict(backend="triton", policy_loss=policy_loss)
+    loss, _ = pk.ppo_loss(logits, tokens, old, adv, mask, **kw)
     assert torch.isfinite(loss) and calls
     tokens[0, 2] = V
     with pytest.raises(RuntimeError, match="tokens"):
-        pk.ppo_loss(logits, tokens, old, adv, mask, backend="triton")
+        pk.ppo_loss(logits, tokens, old, adv, mask, **kw)

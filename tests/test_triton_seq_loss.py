@@ -1,0 +1,149 @@
+"""GSPO's middle on the device (triton_kernels/seq_loss.py) against the two-phase path's
+eager middle (_two_phase.middle_grad: autograd through _torch_impl's formulas), under the
+Triton interpreter (CPU tensors): gspo and gspo-token with the dual clip, the KL estimators
+with and without the bias correction, entropy weights of their own, rollout weights,
+on-policy, an empty sequence, a sequence whose mean log-ratio is clamped, NaN on a valid
+token, float64; and ppo_loss on the path that uses it (_backends.device_eager forced)."""
+
+import os
+import types
+
+import pytest
+import torch
+
+import ppo_kernels as pk
+from ppo_kernels import _backends, _checks, _two_phase
+from ppo_kernels.spec import LossSpec
+
+try:
+    from ppo_kernels.triton_kernels import seq_loss as ts
+except Exception as e:  # noqa: BLE001 (triton missing or not starting: skipped, said why)
+    ts, _WHY = None, f"ppo_kernels.triton_kernels does not import: {e}"
+else:
+    _WHY = "the Triton interpreter runs CPU tensors only with TRITON_INTERPRET=1 and no GPU"
+
+pytestmark = pytest.mark.skipif(
+    ts is None or os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
+    reason=_WHY)
+
+OPTIONS = {
+    "plain": {},
+    "dual-k3": dict(dual_clip_c=3.0, kl_coef=0.1, kl_estimator="k3"),
+    "k1plus-bias": dict(kl_coef=0.2, kl_estimator="k1+", kl_bias_correction=True),
+    "k2-entropy": dict(kl_coef=0.05, kl_estimator="k2", entropy_coef=0.01),
+}
+INPUTS = ["plain", "on-policy", "isw-went", "clamped", "nan-adv", "nan-logp", "float64"]
+
+
+def _case(policy, opts, inputs):
+    dt = torch.float64 if inputs == "float64" else torch.float32
+    g = torch.Generator().manual_seed(len(policy) * 7 + len(opts) * 3 + len(inputs))
+    B, T = 5, 19  # 19: more than two of the interpreter's 8-wide blocks, the last partial
+    logp = -torch.rand(B, T, generator=g, dtype=dt) * 3
+    ent = torch.rand(B, T, generator=g, dtype=dt) * 2
+    old = logp + 0.2 * torch.randn(B, T, generator=g, dtype=dt)
+    old[0] = logp[0] + 0.04  # a sequence inside the clip band
+    adv = torch.randn(B, T, generator=g, dtype=dt)
+    adv[3] = -adv[3].abs()  # the dual clip's side
+    old[3] = logp[3] - 0.5
+    mask = torch.rand(B, T, generator=g) > 0.3
+    mask[2] = False  # an empty sequence
+    ref = logp + 0.1 * torch.randn(B, T, generator=g, dtype=dt)
+    w = mask.to(dt) / mask.sum().clamp(min=1)
+    isw = w_ent = None
+    if inputs == "on-policy":
+        old = None
+    if inputs == "isw-went":
+        isw = torch.rand(B, T, generator=g, dtype=dt) * 2
+        w_ent = 0.5 * mask.to(dt)
+    if inputs == "clamped":
+        old[1] = logp[1] + 30.0  # the mean log-ratio past -20: no gradient through s
+    if inputs == "nan-adv":
+        adv[4, mask[4].nonzero()[0, 0]] = float("nan")
+    if inputs == "nan-logp":
+        logp[4, mask[4].nonzero()[-1, 0]] = float("nan")
+    x = types.SimpleNamespace(old=old, adv=adv, mask=mask, ref=ref if opts.get("kl_coef")
+                              else None, isw=isw, weights=w, w_ent=w_ent, behaviour=None,
+                              be=_backends.get_backend("torch", logp.device))
+    spec = LossSpec.from_options(dt, dict(policy_loss=policy, **opts))
+    return logp, ent, spec, x
+
+
+@pytest.mark.parametrize("inputs", INPUTS)
+@pytest.mark.parametrize("opts", list(OPTIONS))
+@pytest.mark.parametrize("policy", ["gspo", "gspo-token"])
+def test_device_middle_matches_the_eager_middle(policy, opts, inputs):
+    logp, ent, spec, x = _case(policy, OPTIONS[opts], inputs)
+    want = _two_phase.middle_grad(logp, ent, spec, x)
+    scalars, codes = spec.kernel_args(torch.float32)
+    got = ts.seq_loss_grad(logp, ent, x.mask, x.old, x.adv, x.ref, x.isw, x.weights, x.w_ent,
+                           scalars, codes)
+    tol = dict(rtol=1e-12, atol=1e-14) if logp.dtype == torch.float64 else \
+        dict(rtol=2e-6, atol=2e-7)
+    for a, b, name in zip(got, want, ("dlogp", "dent", "loss", "pol")):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if name in ("dlogp", "pol"):
+            # only the valid positions are read (the gradient pass writes zero rows for the
+            # masked ones; the eager middle's autograd leaves them NaN in a NaN sequence)
+            a, b = a[x.mask], b[x.mask]
+        if name == "dent" and spec.entropy_coef == 0.0:
+            continue  # (not read: the two-phase path passes no entropy gradient then)
+        torch.testing.assert_close(a, b, equal_nan=True, msg=name, **tol)
+    assert (got[0][~x.mask] == 0).all()
+    if inputs == "clamped" and policy == "gspo" and not spec.kl_coef:
+        assert (got[0][1] == 0).all()  # no gradient through a clamped sequence ratio
+    if inputs.startswith("nan"):
+        assert got[2].isnan() and got[0][4][x.mask[4]].isnan().any()
+        assert torch.isfinite(got[0][:4]).all()  # the other sequences keep their values
+
+
+def test_bad_arguments_raise():
+    logp, ent, spec, x = _case("gspo", {}, "plain")
+    scalars, codes = spec.kernel_args(torch.float32)
+    vanilla = list(codes)
+    vanilla[0] = 0
+    with pytest.raises(ValueError, match="policy_loss"):
+        ts.seq_loss_grad(logp, ent, x.mask, x.old, x.adv, None, None, x.weights, None,
+                         scalars, vanilla)
+    with pytest.raises(ValueError, match="adv"):
+        ts.seq_loss_grad(logp, ent, x.mask, x.old, x.adv[:, :3], None, None, x.weights,
+                         None, scalars, codes)
+
+
+@pytest.mark.parametrize("policy,opts", [("gspo", dict(kl_coef=0.1, entropy_coef=0.01)),
+                                         ("gspo-token", dict(dual_clip_c=3.0))])
+def test_ppo_loss_gspo_on_the_device_path(monkeypatch, policy, opts):
+    """ppo_loss with GSPO on the triton backend: the middle from the one launch where the
+    tensors are on a CUDA device (forced here), loss and gradient the eager middle's within
+    float32 rounding."""
+    g = torch.Generator().manual_seed(41)
+    B, T, V = 3, 9, 13
+    logits = torch.randn(B, T, V, generator=g)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    old = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    old = old + 0.1 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, 1, generator=g).expand(B, T)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    kw = dict(policy_loss=policy, backend="triton", **opts)
+    if "kl_coef" in opts:
+        kw["ref_logprobs"] = old + 0.05 * torch.randn(B, T, generator=g)
+    a = logits.clone().requires_grad_()
+    want, _ = pk.ppo_loss(a, tokens, old, adv, mask, **kw)
+    want.backward()
+    calls = []
+    real = ts.seq_loss_grad
+
+    def spy(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(ts, "seq_loss_grad", spy)
+    monkeypatch.setattr(_checks, "host_readable", lambda x: False)
+    monkeypatch.setattr(_backends, "device_eager", lambda be, t: be.name in ("triton", "cuda"))
+    b = logits.clone().requires_grad_()
+    got, metrics = pk.ppo_loss(b, tokens, old, adv, mask, **kw)
+    got.backward()
+    assert calls, "the device middle did not run"
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(b.grad, a.grad, rtol=2e-6, atol=1e-7)
+    assert "seq_clip_frac" in dict(metrics)
