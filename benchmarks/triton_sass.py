@@ -9,7 +9,8 @@ triton_kernels/_config.py; :1 the fused loss's ONE_TILE) it prints the registers
 hot loop (a backward branch's span holding MUFU.EX2: one exp per logit of the vocabulary
 sweeps) as instructions per exp and the BAR.SYNC it executes per BLOCK_V entries. A
 kernel whose row fits one block (ONE_TILE) has no vocabulary loop: its straight-line
-sweeps are counted over the whole function instead ("whole"). Static counts: what a sweep
+sweeps are counted over the whole function instead ("whole kernel": both sweeps, the
+token's epilogue and the stores, over the row's entries per thread). Static counts: what a sweep
 issues per element, not a time. Row pointers, strides and V are declared 16-byte aligned,
 as the runtime specialises them for V = 32768 or 151936.
 
@@ -112,8 +113,9 @@ def resources(k):
 
 
 def loops(body):
-    """[(exp count, instructions, barriers)] of the loops holding at least 4 MUFU.EX2, or of
-    the whole function where it has none (a one-tile kernel: straight-line sweeps)."""
+    """[(exp count, instructions, barriers, whole)] of the loops holding at least 4
+    MUFU.EX2, or of the whole function (whole True) where it has none (a one-tile kernel:
+    straight-line sweeps, the token's epilogue and the stores included)."""
     out = set()
     for addr, ins in body:
         if "BRA" not in ins:
@@ -127,11 +129,11 @@ def loops(body):
             seg = [x for a, x in body if start <= a <= addr and not x.startswith("NOP")]
             ex = sum("MUFU.EX2" in x for x in seg)
             if ex >= 4:
-                out.add((ex, len(seg), sum(x.startswith("BAR") for x in seg)))
+                out.add((ex, len(seg), sum(x.startswith("BAR") for x in seg), False))
     if not out:
         seg = [x for _, x in body if not x.startswith("NOP")]
         out.add((sum("MUFU.EX2" in x for x in seg), len(seg),
-                 sum(x.startswith("BAR") for x in seg)))
+                 sum(x.startswith("BAR") for x in seg), True))
     return sorted(out, key=lambda lp: -lp[0])
 
 
@@ -156,12 +158,16 @@ def main(argv=None):
             k = compile_kernel(modname, attr, consts, a.dtype, bv, w, one)
             body = next(iter(cuda_sass.functions(dump(k, "-sass")).values()))
             regs, spill = resources(k)
-            for ex, n, bars in loops(body):
-                per = f"{n / ex:5.1f}" if ex else "  -  "
-                print(f"{name:20s} {a.dtype} BLOCK_V {bv:6d}{' tile' if one else '     '} "
-                      f"warps {w:2d}: {regs:3d} regs, "
-                      f"{spill:4d} B spilled; loop of {n:5d} instructions, {ex:4d} exp "
-                      f"({per} per element), {bars:2d} BAR")
+            for ex, n, bars, whole in loops(body):
+                head = (f"{name:20s} {a.dtype} BLOCK_V {bv:6d}{' tile' if one else '     '} "
+                        f"warps {w:2d}: {regs:3d} regs, {spill:4d} B spilled; ")
+                if whole:  # (the row's entries per thread: both sweeps and the epilogue)
+                    per = n / (bv / (32 * w))
+                    print(head + f"whole kernel {n:5d} instructions, {ex:4d} exp "
+                          f"({per:5.1f} per element, both sweeps), {bars:2d} BAR")
+                else:
+                    print(head + f"loop of {n:5d} instructions, {ex:4d} exp "
+                          f"({n / ex:5.1f} per element), {bars:2d} BAR")
     return 0
 
 

@@ -636,16 +636,15 @@ def weigh_loss(spec, x, pending):
     the rollout-correction weights, the packed default sum-norm length and the aggregation
     weights. pending: check_loss's third result."""
     group = spec.cp_group
-    isw, rc_w = x.isw, None
+    isw, rc_w, weights = x.isw, None, None
     device = pending.get("device_weights", False)
     if device:  # the weights, the id check and the rollout correction in two launches
         weights, rc_w = _device_loss_weights(spec, x, pending)
-        if rc_w is not None:
-            isw = rc_w if isw is None else isw * rc_w
     elif pending["bounds"] is not None:
         lo, hi = pending["bounds"]
         rc_w = _rc.weights(x.old, x.rollout, x.mask, spec.rollout_correction, lo, hi, group,
                            valid_only=pending.get("fused", False) and _host_metrics(spec, x))
+    if rc_w is not None:
         isw = rc_w if isw is None else isw * rc_w
     norm_length = pending["norm_length"]
     if x.packing is not None and norm_length is None and "seq-mean-token-sum-norm" in (
@@ -655,8 +654,6 @@ def weigh_loss(spec, x, pending):
         # an all-reduce, so only for the mode that reads it)
         lens = _cp.group_sum(x.packing.lens.to(x.acc), group)
         norm_length = lens.max().clamp(min=1.0) if x.packing.num_seqs else 1.0
-    if not device:
-        weights = None
     w_ent = None
     if spec.loss_agg_mode != "none":
         def weights_of(mode):
@@ -670,7 +667,7 @@ def weigh_loss(spec, x, pending):
                                            norm_length, dtype=x.acc,
                                            global_num_seqs=pending["global_num_seqs"],
                                            group=group)
-        if not device:
+        if weights is None:
             weights = weights_of(spec.loss_agg_mode)
         w_ent = None if spec.entropy_agg_mode in (None, spec.loss_agg_mode) else weights_of(
             spec.entropy_agg_mode)
@@ -815,7 +812,6 @@ def _device_metrics(spec, x, logp):
             and logp.dtype in (torch.float32, torch.float64))
 
 
-
 def _metrics_op(spec, x, logp):
     """The one op that computes every metric of the call (the CPU op, or its Triton twin
     on a CUDA device; the same arguments), or None: the eager formulas."""
@@ -836,15 +832,23 @@ def loss_metrics(spec, x, logp, ent, aux=None):
     """ppo_loss's metrics dict from the per-token logp and entropy (DESIGN.md, Metrics).
     aux: with a kept set (sampling replay), (full logp, kept mass, kept size, missing)
     [B, T]; logp is then logp_kept. Where one op computes them all in eager mode (the CPU
-    op, or its Triton twin on a CUDA device; outside a context-parallel group) a
-    LossMetrics filled at its first read (loss_metrics.py: the caller's tensors it reads
-    are watched for in-place changes until then), else metrics_now's dict."""
-    if (_host_metrics(spec, x) or (aux is None and _device_metrics(spec, x, logp))) and not (
+    op, or its Triton twin on a CUDA device outside a CUDA graph's capture; outside a
+    context-parallel group) a LossMetrics filled at its first read (loss_metrics.py: the
+    caller's tensors it reads are watched for in-place changes until then), else
+    metrics_now's dict."""
+    if (_host_metrics(spec, x) or (aux is None and _device_metrics(spec, x, logp)
+                                   and not _capturing(logp))) and not (
             torch.compiler.is_compiling() or torch.jit.is_tracing()):
         return LossMetrics.deferred(lambda: metrics_now(spec, x, logp, ent, aux), (
             ("response_mask", x.mask), ("old_logprobs", x.old), ("advantages", x.adv),
             ("ref_logprobs", x.ref), ("rollout_logprobs", x.rollout)))
     return metrics_now(spec, x, logp, ent, aux)
+
+
+def _capturing(t):
+    """Whether a CUDA graph is being captured on t's device's current stream (its replays
+    must then update the metrics' tensors: they are computed at the call)."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def metrics_now(spec, x, logp, ent, aux=None):

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ppo_kernels as pk
 from ppo_kernels._extension import HAS_CPU
 
+from helpers import device_path
 from helpers.backends import INTERPRET
 
 pytestmark = pytest.mark.skipif(not HAS_CPU, reason="the C++ extension is not built")
@@ -196,9 +197,7 @@ def device_launches(monkeypatch):
     """Puts the call on the device path (_backends.device_eager, no host reads of tensor
     values) and counts each interpreter launch into the innermost DeviceCounter running;
     returns the list that holds it (push a counter, run, pop)."""
-    from ppo_kernels import _backends, _checks
-    monkeypatch.setattr(_checks, "host_readable", lambda x: False)
-    monkeypatch.setattr(_backends, "device_eager", lambda be, t: be.name in ("triton", "cuda"))
+    device_path.force(monkeypatch)
     running, launch = [], _interp.GridExecutor.__call__
 
     def counted(executor, *args, **kwargs):

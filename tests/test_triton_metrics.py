@@ -16,6 +16,8 @@ from ppo_kernels import rollout_correction as rc
 from ppo_kernels.loss import METRIC_SLOTS
 from ppo_kernels.spec import LossSpec
 
+from helpers import device_path
+
 try:
     from ppo_kernels.triton_kernels import metrics as tm
 except Exception as e:  # noqa: BLE001 (triton missing or not starting: skipped, said why)
@@ -148,14 +150,7 @@ def test_ppo_loss_reads_its_metrics_from_the_device_kernels(monkeypatch, opts):
     kw = dict(ref_logprobs=ref, **opts)
     if "rollout_correction" in opts:
         kw["rollout_logprobs"] = old + 0.3 * torch.randn(B, T, generator=g)
-    calls = []
-    real = tm.ppo_loss_metrics
-
-    def spy(*a):
-        calls.append(1)
-        return real(*a)
-
-    monkeypatch.setattr(tm, "ppo_loss_metrics", spy)
+    calls = device_path.spy(monkeypatch, tm, "ppo_loss_metrics")
     monkeypatch.setattr(loss_module, "_device_metrics",
                         lambda spec, x, logp: x.be.name == "triton" and spec.cp_group is None)
     _, got = pk.ppo_loss(logits, tokens, old, adv, mask, backend="triton", **kw)
@@ -167,3 +162,20 @@ def test_ppo_loss_reads_its_metrics_from_the_device_kernels(monkeypatch, opts):
     for name in want:
         torch.testing.assert_close(got[name], want[name].float(), rtol=2e-6, atol=2e-6,
                                    equal_nan=True, msg=name)
+
+
+def test_device_metrics_at_the_call_while_a_cuda_graph_is_captured(monkeypatch):
+    """Inside a CUDA graph's capture the device metrics launch at the call (the graph's
+    replays then update the dict's tensors), not at the dict's first read."""
+    g = torch.Generator().manual_seed(12)
+    B, T, V = 2, 5, 7
+    logits = torch.randn(B, T, V, generator=g)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    old, adv = -torch.rand(B, T, generator=g), torch.randn(B, T, generator=g)
+    calls = device_path.spy(monkeypatch, tm, "ppo_loss_metrics")
+    monkeypatch.setattr(loss_module, "_device_metrics",
+                        lambda spec, x, logp: x.be.name == "triton" and spec.cp_group is None)
+    monkeypatch.setattr(loss_module, "_capturing", lambda t: True)
+    _, got = pk.ppo_loss(logits, tokens, old, adv, None, backend="triton")
+    assert calls, "the metrics waited for their first read during a capture"
+    assert type(got) is dict

@@ -1,30 +1,24 @@
 """GSPO's middle on the device (triton_kernels/seq_loss.py) against the two-phase path's
-eager middle (_two_phase.middle_grad: autograd through _torch_impl's formulas), under the
-Triton interpreter (CPU tensors): gspo and gspo-token with the dual clip, the KL estimators
+eager middle (_two_phase.middle_grad: autograd through _torch_impl's formulas), on a CUDA
+device where one is present, else under the Triton interpreter (CPU tensors): gspo and gspo-token with the dual clip, the KL estimators
 with and without the bias correction, entropy weights of their own, rollout weights,
 on-policy, an empty sequence, a sequence whose mean log-ratio is clamped, NaN on a valid
 token, float64; and ppo_loss on the path that uses it (_backends.device_eager forced)."""
 
-import os
 import types
 
 import pytest
 import torch
 
-import ppo_kernels as pk
-from ppo_kernels import _backends, _checks, _two_phase
+from ppo_kernels import _backends, _two_phase
 from ppo_kernels.spec import LossSpec
+from ppo_kernels.triton_kernels import seq_loss as ts
 
-try:
-    from ppo_kernels.triton_kernels import seq_loss as ts
-except Exception as e:  # noqa: BLE001 (triton missing or not starting: skipped, said why)
-    ts, _WHY = None, f"ppo_kernels.triton_kernels does not import: {e}"
-else:
-    _WHY = "the Triton interpreter runs CPU tensors only with TRITON_INTERPRET=1 and no GPU"
+from helpers import device_path
+from helpers.backends import TRITON_DEVICE as DEV, triton_ops
 
-pytestmark = pytest.mark.skipif(
-    ts is None or os.environ.get("TRITON_INTERPRET") != "1" or torch.cuda.is_available(),
-    reason=_WHY)
+# (on CUDA where a device is present, else CPU tensors under the interpreter)
+pytestmark = triton_ops
 
 OPTIONS = {
     "plain": {},
@@ -62,6 +56,9 @@ def _case(policy, opts, inputs):
         adv[4, mask[4].nonzero()[0, 0]] = float("nan")
     if inputs == "nan-logp":
         logp[4, mask[4].nonzero()[-1, 0]] = float("nan")
+    logp, ent, old, adv, mask, ref, w, isw, w_ent = (
+        None if v is None else v.to(DEV) for v in (logp, ent, old, adv, mask, ref, w, isw,
+                                                    w_ent))
     x = types.SimpleNamespace(old=old, adv=adv, mask=mask, ref=ref if opts.get("kl_coef")
                               else None, isw=isw, weights=w, w_ent=w_ent, behaviour=None,
                               be=_backends.get_backend("torch", logp.device))
@@ -126,24 +123,11 @@ def test_ppo_loss_gspo_on_the_device_path(monkeypatch, policy, opts):
     mask = torch.rand(B, T, generator=g) > 0.2
     kw = dict(policy_loss=policy, backend="triton", **opts)
     if "kl_coef" in opts:
-        kw["ref_logprobs"] = old + 0.05 * torch.randn(B, T, generator=g)
-    a = logits.clone().requires_grad_()
-    want, _ = pk.ppo_loss(a, tokens, old, adv, mask, **kw)
-    want.backward()
-    calls = []
-    real = ts.seq_loss_grad
-
-    def spy(*args):
-        calls.append(1)
-        return real(*args)
-
-    monkeypatch.setattr(ts, "seq_loss_grad", spy)
-    monkeypatch.setattr(_checks, "host_readable", lambda x: False)
-    monkeypatch.setattr(_backends, "device_eager", lambda be, t: be.name in ("triton", "cuda"))
-    b = logits.clone().requires_grad_()
-    got, metrics = pk.ppo_loss(b, tokens, old, adv, mask, **kw)
-    got.backward()
+        kw["ref_logprobs"] = (old + 0.05 * torch.randn(B, T, generator=g)).to(DEV)
+    logits, tokens, old, adv, mask = (v.to(DEV) for v in (logits, tokens, old, adv, mask))
+    want, got, calls = device_path.eager_and_device(monkeypatch, ts, "seq_loss_grad", logits,
+                                                    tokens, old, adv, mask, **kw)
     assert calls, "the device middle did not run"
-    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
-    torch.testing.assert_close(b.grad, a.grad, rtol=2e-6, atol=1e-7)
-    assert "seq_clip_frac" in dict(metrics)
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
+    assert "seq_clip_frac" in got[2]
