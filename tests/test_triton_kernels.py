@@ -286,7 +286,8 @@ def test_one_tile_is_the_two_sweeps_bit_for_bit(monkeypatch, dtype):
     gives the bits of the two sweeps with the same block: out of place and in place, with
     -inf entries, masked rows, weight-0 rows (the zero-gradient shortcut), a temperature,
     the entropy term. Under the interpreter the configs are 32 wide and V = 7 takes the
-    tile, V = 100 the loop; here both run V = 100 in one 128-wide block."""
+    tile, V = 100 the loop (_config.inplace_tile_row_config, which the launcher uses for
+    both variants there); here both run V = 100 in one 128-wide block."""
     from ppo_kernels.triton_kernels import _config, ppo_loss as pl
     logits, tokens, mask = make_case(B=3, T=5, V=100, dtype=dtype, layout="raw",
                                      padding="interior", neginf=True, seed=170)
@@ -296,9 +297,10 @@ def test_one_tile_is_the_two_sweeps_bit_for_bit(monkeypatch, dtype):
     acc = inp["acc"]
     outs = []
     for one in (False, True):
-        cfg = triton.Config({"BLOCK_V": 128, "ONE_TILE": one}, num_warps=1)
-        monkeypatch.setattr(pl._ppo_loss_kernel, "configs", [cfg])
-        monkeypatch.setattr(pl._ppo_loss_kernel, "cache", {})
+        if not _config.INTERPRET:  # (on a GPU the out-of-place launch is autotuned)
+            cfg = triton.Config({"BLOCK_V": 128, "ONE_TILE": one}, num_warps=1)
+            monkeypatch.setattr(pl._ppo_loss_kernel, "configs", [cfg])
+            monkeypatch.setattr(pl._ppo_loss_kernel, "cache", {})
         monkeypatch.setattr(_config, "inplace_tile_row_config",
                             lambda V, one=one: {"BLOCK_V": 128, "num_warps": 1, "ONE_TILE": one})
         out = run_ppo(logits, tokens, mask, inp, **kw)

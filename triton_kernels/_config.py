@@ -77,11 +77,12 @@ _HOPPER_TILE_CONFIGS = [(32768, 16), (32768, 32)]
 
 def tile_row_configs():
     """row_configs plus the whole-row blocks, each with its ONE_TILE flag (set by
-    prune_tile_row_configs from V); under the interpreter the one small block twice, as a
-    loop (V > INTERPRET_BLOCK_V) and as one tile (V <= INTERPRET_BLOCK_V)."""
+    prune_tile_row_configs from V). Under the interpreter one config (an autotuner of more
+    than one benchmarks them even where the pruning leaves one: triton 3.6), which the
+    launcher does not use: it launches the plain kernel with inplace_tile_row_config(V),
+    a loop where V > INTERPRET_BLOCK_V and one tile where not."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_V": INTERPRET_BLOCK_V, "ONE_TILE": one}, num_warps=1)
-                for one in (False, True)]
+        return [triton.Config({"BLOCK_V": INTERPRET_BLOCK_V, "ONE_TILE": False}, num_warps=1)]
     return [triton.Config({"BLOCK_V": bv, "ONE_TILE": False}, num_warps=w)
             for bv, w in _HOPPER_ROW_CONFIGS + _HOPPER_TILE_CONFIGS]
 
@@ -89,9 +90,9 @@ def tile_row_configs():
 def prune_tile_row_configs(configs, named_args, **kwargs):
     """prune_row_configs for tile_row_configs: ONE_TILE where the (capped) block holds the
     row; the whole-row blocks (sized to hold a row, not to loop) only where they do."""
-    V = int(named_args["V"])
     if INTERPRET:
-        return [c for c in configs if c.kwargs["ONE_TILE"] == (V <= INTERPRET_BLOCK_V)]
+        return configs
+    V = int(named_args["V"])
     loops = {bv for bv, _ in _HOPPER_ROW_CONFIGS}
     keep = [c for c in configs if c.kwargs["BLOCK_V"] in loops or c.kwargs["BLOCK_V"] >= V]
     out = prune_row_configs(keep, named_args)

@@ -191,7 +191,7 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
     rows = B * (TL if compute_grad else T)
     if rows > 0:
         kernel, launch = _ppo_loss_kernel, {}
-        if inplace:
+        if inplace or _config.INTERPRET:  # (not autotuned: see below and tile_row_configs)
             kernel, launch = _ppo_loss_jit, _config.inplace_tile_row_config(V)
         g = grad if compute_grad else logits
         with device_guard(logits):
