@@ -4,9 +4,6 @@ on, so that the Triton interpreter's CPU tensors take it too, and the helpers of
 that compare it with the eager formulas (test_triton_weights.py, test_triton_seq_loss.py,
 test_triton_metrics.py, test_launch_counts.py)."""
 
-import pytest  # noqa: F401 (the monkeypatch fixture's type)
-import torch
-
 import ppo_kernels as pk
 from ppo_kernels import _backends, _checks
 
