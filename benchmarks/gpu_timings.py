@@ -1,6 +1,8 @@
 """GPU timings of the fused loss (info lines, not correctness checks; the checks are in
 tests/gpu/), run by benchmarks/gpu_check.sh as one stage:
 
+- kernel_launches: the kernels one small call launches on the device, per backend and
+  option set (the fixed cost of a small call);
 - view_vs_raw: forward + backward of logits[:, :-1] (odd V: most rows off the 16-byte
   phase) against the raw [B, T + 1, V] tensor and against V + 7;
 - launch_timings: threads per block, wave quantization over the row count, and Triton's
@@ -24,6 +26,47 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from _harness import check, inputs, main, report, timed  # noqa: E402
 
 import ppo_kernels as pk  # noqa: E402  (after _harness: the repository root on sys.path)
+
+
+@check
+def kernel_launches(ctx):
+    """Kernels (and memsets / copies) one ppo_loss forward and its backward launch on the
+    device, after a warm-up call (torch.profiler's CUDA events), B 2, T 8, V 64, per kernel
+    backend and option set; the metrics are not read (they launch when first read). The
+    goal: 8 forward and 3 backward (GSPO 20 in all); tests/test_launch_counts.py counts the
+    same path on the CPU under the Triton interpreter (6 and 3, GSPO 13 and 3). The dry run
+    counts the CPU profiler's aten events instead (a smoke test of this check)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    full, tokens, mask, old, adv = inputs(ctx, 2, 8, 64, torch.float32)
+    opts = {"default": {}, "kl-k3": dict(ref_logprobs=old + 0.05, kl_coef=0.1),
+            "entropy": dict(entropy_coef=0.01),
+            "tis": dict(rollout_logprobs=old + 0.05, rollout_correction="tis"),
+            "gspo": dict(policy_loss="gspo")}
+    act = [ProfilerActivity.CUDA] if ctx.gpu else [ProfilerActivity.CPU]
+
+    def launches(fn):
+        with profile(activities=act) as p:
+            fn()
+            ctx.sync()
+        if ctx.gpu:
+            return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in p.events())
+        return sum(e.name.startswith("aten::") for e in p.events())
+
+    for be in ctx.kern:
+        parts = []
+        for name, kw in opts.items():
+            x = full.detach().requires_grad_()
+            loss, _ = pk.ppo_loss(x, tokens, old, adv, mask, backend=be, **kw)
+            loss.backward()  # (warm-up: autotuning, caches)
+            x.grad = None
+            out = []
+            n_fwd = launches(lambda: out.append(
+                pk.ppo_loss(x, tokens, old, adv, mask, backend=be, **kw)[0]))
+            n_bwd = launches(lambda: out[0].backward())
+            parts.append(f"{name} {n_fwd} + {n_bwd}")
+        report(f"kernel_launches[{be}]", "info",
+               ("fwd + bwd: " if ctx.gpu else "dry run, CPU aten events: ") + ", ".join(parts))
 
 
 @check
@@ -116,7 +159,7 @@ def launch_timings(ctx):
                (r.stdout.strip() or r.stderr.strip().splitlines()[-1:] or ["?"])[-1][:120])
 
 
-CHECKS = [view_vs_raw, launch_timings]
+CHECKS = [kernel_launches, view_vs_raw, launch_timings]
 
 if __name__ == "__main__":
     sys.exit(main(CHECKS, __doc__))
