@@ -97,6 +97,16 @@ def as_acc(x, ACC: tl.constexpr):
 
 
 @triton.jit
+def div_rn(a, b, ACC: tl.constexpr):
+    """a / b correctly rounded in ACC: float32 `/` lowers on a GPU to an approximate
+    (2-ulp) division, so float32 takes tl.math.div_rn; float64 `/` is IEEE already."""
+    if ACC == tl.float64:
+        return a / b
+    else:
+        return tl.math.div_rn(a, b)
+
+
+@triton.jit
 def clampv(x, lo, hi):
     """ppo_math.h clampv: x < lo ? lo : (x > hi ? hi : x); NaN passes through."""
     return tl.where(x < lo, lo, tl.where(x > hi, hi, x))

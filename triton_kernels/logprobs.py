@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from . import _config
+from ..spec import FLOAT_SLOTS, INT_SLOTS
 from ._math import (as_acc, kl_term, row_grad, row_stats, row_zero, token_col, token_logit,
                     token_logp)
 
@@ -212,6 +213,15 @@ def check_per_token(name, x, shape, dtype, device):
         raise ValueError(f"{name}: expected device {device}, got {x.device}")
     if not x.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor")
+
+
+def check_slots(scalars, codes):
+    """scalars / codes as the loss ops take them: the slots of ppo_kernels/spec.py
+    (FLOAT_SLOTS numbers, INT_SLOTS integers), or a ValueError."""
+    if len(scalars) != len(FLOAT_SLOTS) or len(codes) != len(INT_SLOTS):
+        raise ValueError(f"scalars / codes: expected {len(FLOAT_SLOTS)} numbers and "
+                         f"{len(INT_SLOTS)} integers in the slot order of ppo_kernels/spec.py, "
+                         f"got {len(scalars)} and {len(codes)}")
 
 
 def check_kl_estimator(kl_estimator):

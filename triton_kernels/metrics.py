@@ -24,10 +24,10 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ..spec import FLOAT_SLOTS, INT_SLOTS, POLICY_LOSSES, F, I
+from ..spec import POLICY_LOSSES, F, I
 from ._math import (LOG_RATIO_CLAMP, as_acc, clampv, dppo_masked, exp_acc, expm1_minus_x,
                     kl_term)
-from .logprobs import check_kl_estimator, device_guard, tl_acc
+from .logprobs import check_kl_estimator, check_slots, device_guard, tl_acc
 
 N_METRICS = 24  # ppo_kernels/loss.py METRIC_SLOTS
 N_PARTS = 24  # the partials of one sequence (P_* below)
@@ -345,8 +345,7 @@ def ppo_loss_metrics(logp, ent, mask, old, adv, ref, roll, isw, scalars, codes, 
     that are not the slots of ppo_kernels/spec.py."""
     if mask.dim() != 2 or mask.dtype != torch.bool:
         raise ValueError(f"mask: expected bool [B, T], got {mask.dtype} {list(mask.shape)}")
-    if len(scalars) != len(FLOAT_SLOTS) or len(codes) != len(INT_SLOTS):
-        raise ValueError("scalars / codes: expected the slots of ppo_kernels/spec.py")
+    check_slots(scalars, codes)
     acc = logp.dtype
     if acc not in (torch.float32, torch.float64):
         raise ValueError(f"logp: expected float32 or float64, got {acc}")

@@ -32,11 +32,12 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ..spec import FLOAT_SLOTS, INT_SLOTS, KERNEL_POLICY_LOSSES, POLICY_LOSSES, F, I
-from ._math import (F_GRAD_SCALE, as_acc, round_to, row_grad, row_load, row_stats, row_zero,
-                    tile_grad, tile_stats, token_col, token_logit, token_logp, token_loss)
+from ..spec import KERNEL_POLICY_LOSSES, POLICY_LOSSES, F, I
+from ._math import (F_GRAD_SCALE, as_acc, div_rn, round_to, row_grad, row_load, row_stats,
+                    row_zero, tile_grad, tile_stats, token_col, token_logit, token_logp,
+                    token_loss)
 from .logprobs import (check_logits, acc_dtype, check_kl_estimator, check_per_token,
-                       device_guard, inv_temperature, inv_temperatures, tl_acc)
+                       check_slots, device_guard, inv_temperature, inv_temperatures, tl_acc)
 
 
 def _ppo_loss_kernel_fn(
@@ -153,10 +154,7 @@ def check_grad_scale(grad_scale):
 
 def _check_args(scalars, codes):
     """The ops' float[] / int[] (the slots of ppo_kernels/spec.py): (floats, codes)."""
-    if len(scalars) != len(FLOAT_SLOTS) or len(codes) != len(INT_SLOTS):
-        raise ValueError(f"scalars / codes: expected {len(FLOAT_SLOTS)} numbers and "
-                         f"{len(INT_SLOTS)} integers in the slot order of ppo_kernels/spec.py, "
-                         f"got {len(scalars)} and {len(codes)}")
+    check_slots(scalars, codes)
     check_kl_estimator(codes[I["kl_estimator"]])
     pl = codes[I["policy_loss"]]
     kernel_ids = [POLICY_LOSSES.index(x) for x in KERNEL_POLICY_LOSSES]
@@ -254,11 +252,7 @@ def _scale_grad_kernel(grad_ptr, stride_gb, stride_gt, go_ptr, applied_ptr, TL, 
     go = tl.load(go_ptr).to(ACC)
     ap = tl.load(applied_ptr).to(ACC)
     if go != ap:
-        # float32: div_rn, not the approximate (2-ulp) division `/` lowers to on a GPU
-        if ACC == tl.float64:
-            f = go / ap
-        else:
-            f = tl.math.div_rn(go, ap)
+        f = div_rn(go, ap, ACC)
         row = tl.program_id(0).to(tl.int64)
         g_row = grad_ptr + (row // TL) * stride_gb + (row % TL) * stride_gt
         offs = tl.arange(0, BLOCK_V)

@@ -28,9 +28,9 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ..spec import FLOAT_SLOTS, INT_SLOTS, POLICY_LOSSES, F, I
+from ..spec import POLICY_LOSSES, F, I
 from ._math import LOG_RATIO_CLAMP, as_acc, clampv, exp_acc, kl_term
-from .logprobs import check_kl_estimator, device_guard, tl_acc
+from .logprobs import check_kl_estimator, check_slots, device_guard, tl_acc
 
 # the policy losses this kernel computes (ppo_kernels/spec.py POLICY_LOSSES ids)
 SEQ_LOSSES = ("gspo", "gspo-token")
@@ -155,9 +155,7 @@ def seq_loss_grad(logp, ent, mask, old, adv, ref, isw, w, w_ent, scalars, codes)
     in the slot order of ppo_kernels/spec.py (LossSpec.kernel_args), codes' policy_loss one
     of SEQ_LOSSES. Eager launches only (the two-phase path calls it outside tracing).
     Raises ValueError for another policy loss or a shape other than logp's."""
-    if len(scalars) != len(FLOAT_SLOTS) or len(codes) != len(INT_SLOTS):
-        raise ValueError(f"scalars / codes: expected {len(FLOAT_SLOTS)} numbers and "
-                         f"{len(INT_SLOTS)} integers (ppo_kernels/spec.py)")
+    check_slots(scalars, codes)
     pl = int(codes[I["policy_loss"]])
     if pl not in [POLICY_LOSSES.index(x) for x in SEQ_LOSSES]:
         raise ValueError(f"policy_loss: expected the id of one of {SEQ_LOSSES}, got {pl}")

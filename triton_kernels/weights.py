@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import _config
-from ._math import LOG_RATIO_CLAMP, as_acc, clampv, exp_acc
+from ._math import LOG_RATIO_CLAMP, as_acc, clampv, div_rn, exp_acc
 from .logprobs import device_guard, tl_acc
 
 # the block of positions (launch 1) and of sequences (launch 2) a program reads at once;
@@ -97,15 +97,6 @@ def _correct(r, lo, hi, RC: tl.constexpr):
 
 
 @triton.jit
-def _div(a, b, ACC: tl.constexpr):
-    """a / b correctly rounded in ACC (float32 `/` lowers to a 2-ulp division on a GPU)."""
-    if ACC == tl.float64:
-        return a / b
-    else:
-        return tl.math.div_rn(a, b)
-
-
-@triton.jit
 def _weights_kernel(mask_ptr, counts_ptr, w_ptr, ok_ptr, old_ptr, roll_ptr, lsum_ptr,
                     rc_ptr, B, T, denom: tl.float64, lo: tl.float64, hi: tl.float64,
                     MODE: tl.constexpr, CHECK: tl.constexpr, RC: tl.constexpr,
@@ -130,13 +121,13 @@ def _weights_kernel(mask_ptr, counts_ptr, w_ptr, ok_ptr, old_ptr, roll_ptr, lsum
     one = tl.full([], 1.0, ACC)
     if MODE == 0:
         total = tl.maximum(tl.sum(n_tok, axis=0), 1).to(ACC)
-        wb = _div(one, tl.where(d > 0.0, d, total), ACC)
+        wb = div_rn(one, tl.where(d > 0.0, d, total), ACC)
     elif MODE == 2:
-        wb = _div(one, d, ACC)
+        wb = div_rn(one, d, ACC)
     elif MODE == 3:
         n = tl.where(d > 0.0, d, tl.maximum(tl.sum(n_seq, axis=0), 1).to(ACC))
         len_b = tl.maximum(tl.load(counts_ptr + 2 * b), 1).to(ACC)
-        wb = _div(one, len_b * n, ACC)
+        wb = div_rn(one, len_b * n, ACC)
     else:
         wb = one
     lo_a = as_acc(lo, ACC)
