@@ -14,6 +14,7 @@
 
 #include "../ppo_math.h"
 #include "common.h"
+#include "seq_ratio.h"
 
 namespace ppo_cpu {
 inline namespace CPU_CAPABILITY {
@@ -27,9 +28,6 @@ enum Metric : int {
   kRolloutRatioOutsideFrac, kRolloutKlK3, kRolloutChi2, kRolloutIsMean, kRolloutIsMax,
   kRolloutMaskedFrac, kNumMetrics
 };
-
-// VESPO's lower clamp of the sequence log-ratio (TRL's get_gamma_weights: log 1e-8)
-constexpr double kVespoLogWMin = -18.420680743952367;
 
 // max with NaN propagation (torch.max's)
 template <typename T>
@@ -96,24 +94,14 @@ void metrics_impl(const at::Tensor& logp_t, const at::Tensor& ent_t, const at::T
   T r_max = T(0), r_min = std::numeric_limits<T>::infinity(), w_max = T(0);
   for (int64_t b = 0; b < B; ++b) {
     const int64_t row = b * Tn;
-    // the sequence ratio of the sequence-level losses (_torch_impl.pg_terms)
+    // the sequence ratio of the sequence-level losses (seq_ratio.h)
     T s = T(1);
     int64_t len = 0;
     if (seq) {
-      double acc = 0;
-      for (int64_t t = 0; t < Tn; ++t) {
-        const int64_t i = row + t;
-        if (!m[i]) continue;
-        ++len;
-        const T o = old ? old[i] : lp[i];
-        acc += pl == ppo::kVespo ? double(ppo::clampv(lp[i] - o, -lim, lim)) : double(lp[i] - o);
-      }
-      if (pl == ppo::kVespo) {
-        s = ppo::ppo_exp(ppo::clampv(T(acc), T(kVespoLogWMin), lim));
-      } else {
-        const T ls = T(acc) / T(len > 0 ? len : 1);
-        s = ppo::ppo_exp(ppo::clampv(ls, -lim, lim));
-      }
+      const SeqRatio<T> sr = seq_ratio<T>(lp + row, old ? old + row : nullptr, m + row, Tn,
+                                          pl == ppo::kVespo);
+      s = sr.ratio;
+      len = sr.len;
     } else {
       for (int64_t t = 0; t < Tn; ++t) len += m[row + t] ? 1 : 0;
     }
