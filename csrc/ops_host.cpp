@@ -1,8 +1,9 @@
 // Schemas of the ops that only the CPU kernels implement: the [B, T]-sized work of a
 // ppo_loss call beside the fused pass (ppo_kernels/loss.py), in one op each so that a small
-// call dispatches no chain of eager element-wise ops. They have no Triton / CUDA twin:
-// those backends keep the eager torch formulas (ppo_kernels/_torch_impl.py), whose values
-// these ops give up to the summation order.
+// call dispatches no chain of eager element-wise ops. On a CUDA device their twins are
+// Triton launches (triton_kernels/metrics.py, weights.py, seq_loss.py); elsewhere the
+// eager torch formulas run (ppo_kernels/_torch_impl.py), whose values these ops give up to
+// the summation order.
 //   ppo_loss_metrics: the metrics of ppo_loss (docs/DESIGN.md, Metrics) as one float32
 //   [len(slots)] vector, entry k the metric slots[k] of ppo_kernels/loss.py METRIC_SLOTS
 //   (each slot in [0, len(METRIC_SLOTS))), from logp, entropy
@@ -17,6 +18,12 @@
 //   denom <= 0), 1 token-sum (w = 1), 2 a constant denominator (w = 1 / denom, denom
 //   rounded once to the dtype), 3 seq-mean-token-mean (w = 1 / (max(len_b, 1) * n),
 //   n = denom, or max(non-empty sequences, 1) for denom <= 0).
+//   seq_loss_grad: GSPO's [B, T] middle (csrc/cpu/seq_loss.cpp; its Triton twin
+//   triton_kernels/seq_loss.py): from logprobs, entropy, the per-token inputs as
+//   ppo_loss_fwd's (old_logprobs None: on-policy) and scalars / codes with the policy_loss id
+//   of gspo or gspo-token, (dlogprobs, dentropy, loss, pol): d loss / d logp and d loss / d H
+//   [B, T] (0 where masked), the loss (0-d), the policy part of each token's loss [B, T]
+//   (0 where masked), all of the accumulation dtype; sums in double.
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
@@ -25,4 +32,9 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
       "Tensor advantages, Tensor? ref_logprobs, Tensor? rollout_logprobs, "
       "Tensor? rollout_is_weights, float[] scalars, int[] codes, int[] slots) -> Tensor");
   m.def("agg_weights(Tensor mask, int mode, float denom, bool float64) -> Tensor");
+  m.def(
+      "seq_loss_grad(Tensor logprobs, Tensor entropy, Tensor mask, Tensor? old_logprobs, "
+      "Tensor advantages, Tensor? ref_logprobs, Tensor? rollout_is_weights, Tensor weights, "
+      "Tensor? entropy_weights, float[] scalars, int[] codes) "
+      "-> (Tensor dlogprobs, Tensor dentropy, Tensor loss, Tensor pol)");
 }

@@ -65,6 +65,11 @@ def _fake_agg_weights(mask, mode, denom, float64):
     return mask.new_empty(mask.shape, dtype=torch.float64 if float64 else torch.float32)
 
 
+def _fake_seq_loss_grad(logprobs, *_, **__):
+    return (torch.empty_like(logprobs), torch.empty_like(logprobs),
+            logprobs.new_empty(()), torch.empty_like(logprobs))
+
+
 def _fake_sampling_threshold(logits, mask, *_, **__):
     return mask.new_empty(mask.shape, dtype=torch.float64)
 
@@ -262,6 +267,7 @@ def register(prefix):
     for name, fn in (("ppo_loss_metrics", lambda: _fake_ppo_loss_metrics(
                          _arg_index(prefix + "ppo_loss_metrics", "slots"))),
                      ("agg_weights", lambda: _fake_agg_weights),
+                     ("seq_loss_grad", lambda: _fake_seq_loss_grad),
                      ("sampling_threshold", lambda: _fake_sampling_threshold),
                      ("kept_logprobs_fwd", lambda: _fake_kept_logprobs_fwd),
                      ("kept_logprobs_bwd_", lambda: _fake_none)):

@@ -5,8 +5,9 @@ sequence ratio). One extra read of the logits compared with the fused single pas
   1. statistics: token_logprobs_fwd reads the logits once -> logp, H, row max, log-sum;
   2. the [B, T] middle: the sequence reductions and the per-token loss, from the eager
      composite's formulas (_torch_impl: one source of truth for these losses), and their
-     gradient in logp and H (torch.func.grad on [B, T] tensors: cheap next to [N, V]); on
-     a CUDA device GSPO's in one launch, their Triton twin (triton_kernels/seq_loss.py);
+     gradient in logp and H (torch.func.grad on [B, T] tensors: cheap next to [N, V]);
+     GSPO's in eager mode one op with the same formulas (fused_middle: C++ on the CPU,
+     Triton on a CUDA device);
   3. gradient: token_logprobs_bwd reads the logits again and writes dlogits once
      (d/dz of sum(dlogp * logp + dH * H), pre-scaled by grad_scale).
 
@@ -43,13 +44,13 @@ def middle_grad(logp, ent, spec, x, logp_kl=None):
     gradient in logp and H ([B, T] tensors: cheap next to [N, V]); the last only for a
     logp_kl. Eagerly by autograd on detached leaves, which also runs under saved-tensor
     hooks (activation offloading, non-reentrant checkpoints), where torch.func cannot;
-    traced (torch.compile) by torch.func, which Dynamo captures whole. On a CUDA device in
-    eager mode GSPO's middle is one Triton launch (device_middle)."""
-    if logp_kl is None and device_middle(spec, x, logp):
-        from .triton_kernels import seq_loss
+    traced (torch.compile) by torch.func, which Dynamo captures whole. GSPO's middle in
+    eager mode is one op instead (fused_middle)."""
+    op = fused_middle(spec, x, logp) if logp_kl is None else None
+    if op is not None:
         scalars, codes = spec.kernel_args(torch.float32)
-        return seq_loss.seq_loss_grad(logp.detach(), ent.detach(), x.mask, x.old, x.adv,
-                                      x.ref, x.isw, x.weights, x.w_ent, scalars, codes)
+        return op(logp.detach(), ent.detach(), x.mask, x.old, x.adv, x.ref, x.isw, x.weights,
+                  x.w_ent, scalars, codes)
     if logp_kl is not None:
         leaves = (logp, ent, logp_kl)
         f = lambda lp, h, lk: middle(lp, h, spec, x, lk)  # noqa: E731
@@ -68,16 +69,23 @@ def middle_grad(logp, ent, spec, x, logp_kl=None):
     return (grads[0], grads[1], loss.detach(), pol.detach(), *grads[2:])
 
 
-def device_middle(spec, x, logp):
-    """Whether the middle runs as triton_kernels/seq_loss.py's one launch (GSPO's loss and
-    its gradient, the eager formulas' values up to the summation order) rather than
-    autograd through about 60 eager ops: gspo or gspo-token on a CUDA device in eager mode
-    (_backends.device_eager), without an off-policy mask or a context-parallel group.
-    Unrun on a GPU since it was added (tests/test_triton_seq_loss.py runs it under the
-    Triton interpreter)."""
-    return (spec.policy_loss in ("gspo", "gspo-token") and x.behaviour is None
+def fused_middle(spec, x, logp):
+    """The one op that computes GSPO's or GSPO-token's middle and its analytic gradient (the
+    eager formulas' values up to the summation order) in place of autograd through about 60
+    eager ops, or None where none applies: on the cpu backend with CPU tensors the C++ op
+    ppo_kernels::seq_loss_grad (csrc/cpu/seq_loss.cpp), on a CUDA device its Triton twin
+    (triton_kernels/seq_loss.py; unrun on a GPU since it was added); in eager mode only,
+    without an off-policy mask, a context-parallel group or loss_agg_mode="none"."""
+    if not (spec.policy_loss in ("gspo", "gspo-token") and x.behaviour is None
             and spec.cp_group is None and x.weights is not None
-            and _backends.device_eager(x.be, logp))
+            and not torch.compiler.is_compiling()):
+        return None
+    if x.be.name == "cpu" and logp.device.type == "cpu":
+        return torch.ops.ppo_kernels.seq_loss_grad
+    if _backends.device_eager(x.be, logp):
+        from .triton_kernels import seq_loss
+        return seq_loss.seq_loss_grad
+    return None
 
 
 def passes(source, inputs, spec, x, need):

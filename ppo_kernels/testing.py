@@ -744,6 +744,15 @@ def opcheck_arguments(op, options=None, *, shape=(3, 5, 37), seed=0, requires_gr
                 list(range(len(METRIC_SLOTS)))), {}
     if op == "agg_weights":
         return (mask, 3, 0.0, False), {}
+    if op == "seq_loss_grad":  # (GSPO's middle: the policy_loss of options, else gspo)
+        if spec.policy_loss not in ("gspo", "gspo-token"):
+            spec = LossSpec.build(**{**{k: v for k, v in options.items() if k != "backend"},
+                                     "policy_loss": "gspo"})
+        scalars, codes = spec.kernel_args(logits.dtype)
+        lp, ent, _, _ = ops.token_logprobs_fwd(logits, tok, mask, temp, True, **kw)
+        return (lp, ent, mask, b["old_logprobs"], b["advantages"],
+                b["ref_logprobs"] if spec.kl_coef else None, w * 0.5 + 0.5, w,
+                w * 0.5 if options.get("entropy_agg_mode") else None, scalars, codes), {}
     if op == "distill_fwd":
         from . import _autograd
         _autograd.register_distill("")

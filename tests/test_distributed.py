@@ -163,7 +163,9 @@ def test_world_of_one_equals_the_plain_op(group1, policy):
     backend (whose metrics op sums in float64, where the group's metrics are torch's
     float32 sums across ranks); tp_group the same where it runs the same path (the
     sequence-level losses, "none", token_logprobs), and within a few float32 roundings where
-    it swaps the fused single pass for the two-phase path."""
+    it swaps the fused single pass for the two-phase path. On the cpu backend cp_group's
+    GSPO middle is the eager formulas (its sequence sums cross the group) where the plain
+    op's is one C++ op (_two_phase.fused_middle): its gradient within float32 rounding."""
     lg, tok, mask, old, roll, adv = _batch3()
     opts = dict(policy_loss=policy, entropy_coef=0.01, rollout_logprobs=roll,
                 rollout_correction="tis-seq", rollout_is_threshold=(0.5, 2.0))
@@ -180,8 +182,12 @@ def test_world_of_one_equals_the_plain_op(group1, policy):
                                    **opts, **kw)
             ref = _loss_run(plain, lg, mode)
             cp = _loss_run(lambda x: plain(x, cp_group=group1), lg, mode)
-            assert torch.equal(cp[0], ref[0]), (mode, be)
-            assert torch.equal(cp[2], ref[2]), (mode, be)
+            if be == "cpu" and policy in ("gspo", "gspo-token") and mode != "none":
+                _close(cp[0], ref[0], (mode, be), rel=5e-7)
+                _close(cp[2], ref[2], (mode, be), rel=5e-7)
+            else:
+                assert torch.equal(cp[0], ref[0]), (mode, be)
+                assert torch.equal(cp[2], ref[2]), (mode, be)
             for k in ref[1]:
                 if be == "torch":
                     assert torch.equal(cp[1][k], ref[1][k]), (mode, be, k)

@@ -18,6 +18,9 @@ capability, the CPU model) and where it is read:
 - anywhere else (another capability: ATEN_CPU_CAPABILITY=avx2 / default on the same
   machine, another CPU, another torch) every array is within BOUND_ULPS units of its
   dtype's rounding of its own largest entry: the same float result, summed in another order.
+A case re-frozen since (golden_cases.py --refreeze: a computation that changed its rounding,
+not its result, within that bound) carries the tags of the platform that re-froze it, and
+the rule reads those for its arrays.
 """
 
 import numpy as np
@@ -27,15 +30,20 @@ import torch
 import golden_cases
 
 FROZEN = np.load(golden_cases.DATA)
-TAGS = ("torch_version", "cpu_capability", "cpu_model")
+TAGS = golden_cases.TAGS
 MADE = {k: str(FROZEN[k]) for k in TAGS}
+# the cases re-frozen since (golden_cases.py --refreeze): the platform that made each
+MADE_CASE = {k[len(golden_cases.MADE):]: dict(zip(TAGS, map(str, FROZEN[k])))
+             for k in FROZEN.files if k.startswith(golden_cases.MADE)}
+ARRAYS = [k for k in FROZEN.files if k not in TAGS and not k.startswith(golden_cases.MADE)]
 HERE = golden_cases.platform_tags()
-SAME_BUILD = all(MADE[k] == HERE[k] for k in ("torch_version", "cpu_capability"))
-SAME_CPU = SAME_BUILD and MADE["cpu_model"] == HERE["cpu_model"]
-# (measured when the table was written, on an AMD EPYC with AVX-512, against
-# ATEN_CPU_CAPABILITY=avx2 and =default there: at most 19 ulps, VESPO's float64 loss, whose
-# sequence ratio reaches 1.8e8; 64 leaves room for other CPUs' summation orders)
-BOUND_ULPS = 64
+BOUND_ULPS = golden_cases.BOUND_ULPS
+within_bound = golden_cases.within_bound
+
+
+def made(key):
+    """The tags of the platform that froze key: its case's own where it was re-frozen."""
+    return MADE_CASE.get(golden_cases.case_of(key), MADE)
 
 
 def kernel_only(key):
@@ -52,24 +60,10 @@ def runs_vml(key):
 
 
 def exact(key):
-    return SAME_CPU or (SAME_BUILD and kernel_only(key) and not runs_vml(key))
-
-
-def within_bound(key, a, b):
-    """(ok, error in ulps of the largest entry): |a - b| <= BOUND_ULPS * eps * max|b|, eps
-    the rounding unit of the case's dtype (bfloat16's for the bf16 cases: their gradients
-    are bfloat16 values), max|b| at least 1 for a 0-d loss or metric."""
-    eps = float(torch.finfo(torch.bfloat16).eps) if key.startswith("bf16/") \
-        else float(np.finfo(b.dtype).eps)
-    if not np.array_equal(np.isnan(a), np.isnan(b)):
-        return False, float("inf")
-    fin = ~np.isnan(b)
-    scale = float(np.abs(b[fin]).max()) if fin.any() else 0.0
-    if b.ndim == 0:  # a loss or a metric: a mean of per-token terms of order 1 (ratios,
-        scale = max(scale, 1.0)  # advantages, log-probs) that can cancel to near 0
-    err = float(np.abs(a[fin] - b[fin]).max()) if fin.any() else 0.0
-    ulps = err / (eps * scale) if scale > 0 else (0.0 if err == 0 else float("inf"))
-    return ulps <= BOUND_ULPS, ulps
+    m = made(key)
+    same_build = all(m[k] == HERE[k] for k in ("torch_version", "cpu_capability"))
+    same_cpu = same_build and m["cpu_model"] == HERE["cpu_model"]
+    return same_cpu or (same_build and kernel_only(key) and not runs_vml(key))
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +72,11 @@ def computed():
 
 
 def test_every_frozen_case_is_computed(computed):
-    frozen = set(FROZEN.files) - set(TAGS)
+    frozen = set(ARRAYS)
     assert frozen == set(computed), sorted(frozen ^ set(computed))[:10]
 
 
-@pytest.mark.parametrize("prefix", sorted({"/".join(k.split("/")[:3]) for k in FROZEN.files
-                                           if k not in TAGS}))
+@pytest.mark.parametrize("prefix", sorted({"/".join(k.split("/")[:3]) for k in ARRAYS}))
 def test_outputs_match_frozen_table(computed, prefix):
     keys = [k for k in computed if k.startswith(prefix + "/")]
     assert keys
@@ -91,10 +84,10 @@ def test_outputs_match_frozen_table(computed, prefix):
         a, b = computed[k], FROZEN[k]
         assert a.shape == b.shape and a.dtype == b.dtype, k
         if exact(k):
-            assert np.array_equal(a, b, equal_nan=True), (k, MADE, np.nanmax(np.abs(a - b)))
+            assert np.array_equal(a, b, equal_nan=True), (k, made(k), np.nanmax(np.abs(a - b)))
         else:
             ok, ulps = within_bound(k, a, b)
-            assert ok, (k, f"{ulps:.1f} ulps of the largest entry", MADE, HERE)
+            assert ok, (k, f"{ulps:.1f} ulps of the largest entry", made(k), HERE)
 
 
 def test_the_bound_catches_a_real_change(computed):
@@ -105,8 +98,16 @@ def test_the_bound_catches_a_real_change(computed):
     assert within_bound(k, computed[k], FROZEN[k])[0]
 
 
+def test_case_of_a_key():
+    assert golden_cases.case_of("f32/cpu/logits/gspo/token-mean/m/clip_frac") == \
+        "f32/cpu/logits/gspo/token-mean"
+    assert golden_cases.case_of("f32/cpu/logits/seq_adv/dlogits") == "f32/cpu/logits/seq_adv"
+    assert golden_cases.case_of("f64/cpu/gae/returns") == "f64/cpu/gae"
+    assert set(MADE_CASE) <= {golden_cases.case_of(k) for k in ARRAYS}
+
+
 def test_kernel_only_cases_are_classified():
-    keys = [k for k in FROZEN.files if k not in TAGS]
+    keys = ARRAYS
     assert kernel_only("f32/cpu/logits/vanilla/token-mean/loss")
     assert not kernel_only("f32/cpu/hidden/vanilla/token-mean/dhidden")
     assert not kernel_only("f32/torch/logits/vanilla/token-mean/loss")
@@ -115,13 +116,15 @@ def test_kernel_only_cases_are_classified():
 
 
 def test_vml_cases_are_recorded(computed):
-    """The eager middle of a sequence-level loss calls exp (recorded); the fused single pass
-    of a token-level one, the token log-probs and GAE call none of torch's transcendental
-    functions (our kernels compute theirs), so they stay exact on any CPU model."""
-    assert runs_vml("f32/cpu/logits/gspo/token-mean/loss")
+    """The eager middle of VESPO calls exp (recorded); the fused single pass of a
+    token-level loss, GSPO's middle op, the token log-probs and GAE call none of torch's
+    transcendental functions (our kernels compute theirs), so they stay exact on any CPU
+    model."""
+    assert runs_vml("f32/cpu/logits/vespo/token-mean/loss")
     assert runs_vml("f32/cpu/logits/sapo/none/dlogits")
     for k in ("f32/cpu/logits/vanilla/token-mean/loss", "f32/cpu/token_logprobs/dlogits",
-              "f64/cpu/gae/returns", "f32/cpu/logits/vanilla/token-mean/m/entropy"):
+              "f64/cpu/gae/returns", "f32/cpu/logits/vanilla/token-mean/m/entropy",
+              "f32/cpu/logits/gspo/token-mean/dlogits"):
         assert k in computed and not runs_vml(k), k
     ours = [k for k in computed if kernel_only(k)]
     exact_anywhere = [k for k in ours if not runs_vml(k)]

@@ -2,7 +2,8 @@
 (gspo, gspo-token) and its gradient in the per-token log-probs and entropies, which the
 two-phase path (ppo_kernels/_two_phase.py middle_grad) otherwise differentiates by
 autograd through the eager formulas (ppo_kernels/_torch_impl.py pg_terms, token_losses,
-aggregate): about 60 small torch ops, each a kernel launch.
+aggregate): about 60 small torch ops, each a kernel launch. Its C++ twin on the CPU is
+csrc/cpu/seq_loss.cpp.
 
 GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 5 and 10): per sequence
 the ratio s = exp(clamp(mean_t (logp_t - old_t), -20, 20)) over its valid tokens, and per
@@ -19,7 +20,7 @@ old = sg(logp): s = 1 with its gradient), adv, ref, isw, w, w_ent (the last four
 but w), mask bool; scalars / codes the loss options in the slot order of
 ppo_kernels/spec.py. Outputs: dlogp, dent (d loss / d logp, d loss / d H; 0 where
 masked), pol (the policy part of each token's loss), loss (0-d): the eager formulas'
-values up to the summation order, NaN where they give NaN (tests/test_triton_seq_loss.py).
+values up to the summation order, NaN where they give NaN (tests/test_seq_loss.py).
 One program per sequence; the loss is the sum of the sequences' partials.
 """
 

@@ -1,7 +1,7 @@
 """The device path of ppo_loss (the [B, T] work of a call as Triton launches, which runs for
 CUDA tensors on the triton and cuda backends: ppo_kernels/_backends.device_eager) forced
 on, so that the Triton interpreter's CPU tensors take it too, and the helpers of the tests
-that compare it with the eager formulas (test_triton_weights.py, test_triton_seq_loss.py,
+that compare it with the eager formulas (test_triton_weights.py, test_seq_loss.py,
 test_triton_metrics.py, test_launch_counts.py)."""
 
 import ppo_kernels as pk
