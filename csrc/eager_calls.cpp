@@ -71,7 +71,7 @@ torch::jit::Stack fwd_stack(const at::Tensor& logits, const std::vector<OptTenso
 using MetricsSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                               const OptTensor&, const at::Tensor&, const OptTensor&,
                               const OptTensor&, const OptTensor&, c10::ArrayRef<double>,
-                              c10::ArrayRef<int64_t>, c10::ArrayRef<int64_t>);
+                              c10::ArrayRef<int64_t>, c10::ArrayRef<int64_t>, const OptTensor&);
 
 const c10::TypedOperatorHandle<MetricsSig>& metrics_op() {
   static const auto op = c10::Dispatcher::singleton()
@@ -182,7 +182,7 @@ void init_eager_calls(pybind11::module_& m) {
          const at::Tensor& mask, const OptTensor& old, const at::Tensor& adv,
          const OptTensor& ref, const OptTensor& rollout, const OptTensor& rollout_w,
          const std::vector<double>& scalars, const std::vector<int64_t>& codes,
-         const std::vector<int64_t>& slots) {
+         const std::vector<int64_t>& slots, const OptTensor& kl_logprobs) {
         TORCH_CHECK(names.size() == slots.size(), "names: expected one per slot, got ",
                     names.size(), " names and ", slots.size(), " slots");
         std::vector<at::Tensor> values;
@@ -190,7 +190,7 @@ void init_eager_calls(pybind11::module_& m) {
           pybind11::gil_scoped_release no_gil;
           values = metrics_op()
                        .call(logp, ent, mask, old, adv, ref, rollout, rollout_w, scalars, codes,
-                             slots)
+                             slots, kl_logprobs)
                        .unbind();
         }
         pybind11::dict out;

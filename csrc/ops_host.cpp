@@ -11,7 +11,9 @@
 //   [B, T], the per-token inputs (old_logprobs None: on-policy), rollout_logprobs and
 //   rollout_is_weights for the rollout_* metrics (read only with old_logprobs; weights
 //   None: 1), and scalars / codes as ppo_loss_fwd's (every policy_loss id, the
-//   sequence-level ones included). Only valid positions are read. Means over valid tokens
+//   sequence-level ones included); kl_logprobs: the log-probs kl_ref reads where they are
+//   not logprobs (sampling replay: logprobs over the kept set, these the full ones). Only
+//   valid positions are read. Means over valid tokens
 //   (or non-empty sequences) are summed in double, divided in the accumulation dtype.
 //   agg_weights: the loss_agg_mode weights w [B, T] of the accumulation dtype (0 where
 //   masked): mode 0 token-mean (w = 1 / denom, or 1 / max(valid tokens, 1) for
@@ -24,17 +26,28 @@
 //   of gspo or gspo-token, (dlogprobs, dentropy, loss, pol): d loss / d logp and d loss / d H
 //   [B, T] (0 where masked), the loss (0-d), the policy part of each token's loss [B, T]
 //   (0 where masked), all of the accumulation dtype; sums in double.
+//   token_loss_grad: the same middle for the token-level policy losses (the policy_loss id
+//   of vanilla, cispo, sapo, dppo-tv or dppo-kl; csrc/cpu/token_middle.cpp, its Triton twin
+//   triton_kernels/token_middle.py), the KL on kl_logprobs where given (else on
+//   logprobs): (dlogprobs, dentropy, loss, pol, dkl_logprobs), d loss / d kl_logprobs
+//   [B, T] where kl_logprobs is given (its part then not in dlogprobs), else empty [0].
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
   m.def(
       "ppo_loss_metrics(Tensor logprobs, Tensor entropy, Tensor mask, Tensor? old_logprobs, "
       "Tensor advantages, Tensor? ref_logprobs, Tensor? rollout_logprobs, "
-      "Tensor? rollout_is_weights, float[] scalars, int[] codes, int[] slots) -> Tensor");
+      "Tensor? rollout_is_weights, float[] scalars, int[] codes, int[] slots, "
+      "Tensor? kl_logprobs=None) -> Tensor");
   m.def("agg_weights(Tensor mask, int mode, float denom, bool float64) -> Tensor");
   m.def(
       "seq_loss_grad(Tensor logprobs, Tensor entropy, Tensor mask, Tensor? old_logprobs, "
       "Tensor advantages, Tensor? ref_logprobs, Tensor? rollout_is_weights, Tensor weights, "
       "Tensor? entropy_weights, float[] scalars, int[] codes) "
       "-> (Tensor dlogprobs, Tensor dentropy, Tensor loss, Tensor pol)");
+  m.def(
+      "token_loss_grad(Tensor logprobs, Tensor entropy, Tensor mask, Tensor? old_logprobs, "
+      "Tensor advantages, Tensor? ref_logprobs, Tensor? rollout_is_weights, Tensor weights, "
+      "Tensor? entropy_weights, float[] scalars, int[] codes, Tensor? kl_logprobs=None) "
+      "-> (Tensor dlogprobs, Tensor dentropy, Tensor loss, Tensor pol, Tensor dkl_logprobs)");
 }

@@ -70,6 +70,12 @@ def _fake_seq_loss_grad(logprobs, *_, **__):
             logprobs.new_empty(()), torch.empty_like(logprobs))
 
 
+def _fake_token_loss_grad(logprobs, *args, **kwargs):
+    kl = kwargs.get("kl_logprobs", args[10] if len(args) > 10 else None)
+    return (*_fake_seq_loss_grad(logprobs),
+            torch.empty_like(logprobs) if kl is not None else logprobs.new_empty((0,)))
+
+
 def _fake_sampling_threshold(logits, mask, *_, **__):
     return mask.new_empty(mask.shape, dtype=torch.float64)
 
@@ -268,6 +274,7 @@ def register(prefix):
                          _arg_index(prefix + "ppo_loss_metrics", "slots"))),
                      ("agg_weights", lambda: _fake_agg_weights),
                      ("seq_loss_grad", lambda: _fake_seq_loss_grad),
+                     ("token_loss_grad", lambda: _fake_token_loss_grad),
                      ("sampling_threshold", lambda: _fake_sampling_threshold),
                      ("kept_logprobs_fwd", lambda: _fake_kept_logprobs_fwd),
                      ("kept_logprobs_bwd_", lambda: _fake_none)):

@@ -29,6 +29,7 @@ from . import _backends, _torch_impl
 from ._autograd import LossWithGrad, not_traceable, wants_grad
 from .kept import kept_mass
 from .rows import LogitRows
+from .spec import KERNEL_POLICY_LOSSES
 
 
 def middle(logp, ent, spec, x, logp_kl=None):
@@ -44,13 +45,17 @@ def middle_grad(logp, ent, spec, x, logp_kl=None):
     gradient in logp and H ([B, T] tensors: cheap next to [N, V]); the last only for a
     logp_kl. Eagerly by autograd on detached leaves, which also runs under saved-tensor
     hooks (activation offloading, non-reentrant checkpoints), where torch.func cannot;
-    traced (torch.compile) by torch.func, which Dynamo captures whole. GSPO's middle in
-    eager mode is one op instead (fused_middle)."""
-    op = fused_middle(spec, x, logp) if logp_kl is None else None
+    traced (torch.compile) by torch.func, which Dynamo captures whole. In eager mode one
+    op instead, where there is one (fused_middle)."""
+    op = fused_middle(spec, x, logp, logp_kl)
     if op is not None:
         scalars, codes = spec.kernel_args(torch.float32)
-        return op(logp.detach(), ent.detach(), x.mask, x.old, x.adv, x.ref, x.isw, x.weights,
-                  x.w_ent, scalars, codes)
+        args = (logp.detach(), ent.detach(), x.mask, x.old, x.adv, x.ref, x.isw, x.weights,
+                x.w_ent, scalars, codes)
+        if spec.sequence_loss:
+            return op(*args)
+        out = op(*args, None if logp_kl is None else logp_kl.detach())
+        return out if logp_kl is not None else out[:4]
     if logp_kl is not None:
         leaves = (logp, ent, logp_kl)
         f = lambda lp, h, lk: middle(lp, h, spec, x, lk)  # noqa: E731
@@ -69,22 +74,29 @@ def middle_grad(logp, ent, spec, x, logp_kl=None):
     return (grads[0], grads[1], loss.detach(), pol.detach(), *grads[2:])
 
 
-def fused_middle(spec, x, logp):
-    """The one op that computes GSPO's or GSPO-token's middle and its analytic gradient (the
-    eager formulas' values up to the summation order) in place of autograd through about 60
-    eager ops, or None where none applies: on the cpu backend with CPU tensors the C++ op
-    ppo_kernels::seq_loss_grad (csrc/cpu/seq_loss.cpp), on a CUDA device its Triton twin
-    (triton_kernels/seq_loss.py; unrun on a GPU since it was added); in eager mode only,
-    without an off-policy mask, a context-parallel group or loss_agg_mode="none"."""
-    if not (spec.policy_loss in ("gspo", "gspo-token") and x.behaviour is None
-            and spec.cp_group is None and x.weights is not None
+def fused_middle(spec, x, logp, logp_kl=None):
+    """The one op that computes the middle and its analytic gradient (the eager formulas'
+    values up to the summation order) in place of autograd through 40-60 eager ops, or
+    None where none applies: GSPO's and GSPO-token's (ppo_kernels::seq_loss_grad,
+    csrc/cpu/seq_loss.cpp; with no logp_kl) and the token-level losses'
+    (ppo_kernels::token_loss_grad, csrc/cpu/token_middle.cpp; the KL on logp_kl where
+    given) on the cpu backend with CPU tensors, their Triton twins on a CUDA device
+    (triton_kernels/seq_loss.py, token_middle.py; unrun on a GPU since they were added);
+    in eager mode only, without an off-policy mask, a context-parallel group or
+    loss_agg_mode="none"."""
+    seq = spec.policy_loss in ("gspo", "gspo-token")
+    if not ((seq and logp_kl is None) or spec.policy_loss in KERNEL_POLICY_LOSSES) or not (
+            x.behaviour is None and spec.cp_group is None and x.weights is not None
             and not torch.compiler.is_compiling()):
         return None
     if x.be.name == "cpu" and logp.device.type == "cpu":
-        return torch.ops.ppo_kernels.seq_loss_grad
+        return getattr(torch.ops.ppo_kernels, "seq_loss_grad" if seq else "token_loss_grad")
     if _backends.device_eager(x.be, logp):
-        from .triton_kernels import seq_loss
-        return seq_loss.seq_loss_grad
+        if seq:
+            from .triton_kernels import seq_loss
+            return seq_loss.seq_loss_grad
+        from .triton_kernels import token_middle
+        return token_middle.token_loss_grad
     return None
 
 

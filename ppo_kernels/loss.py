@@ -836,7 +836,7 @@ def loss_metrics(spec, x, logp, ent, aux=None):
     context-parallel group) a LossMetrics filled at its first read (loss_metrics.py: the
     caller's tensors it reads are watched for in-place changes until then), else
     metrics_now's dict."""
-    if (_host_metrics(spec, x) or (aux is None and _device_metrics(spec, x, logp)
+    if (_host_metrics(spec, x) or (_device_metrics(spec, x, logp)
                                    and not _capturing(logp))) and not (
             torch.compiler.is_compiling() or torch.jit.is_tracing()):
         return LossMetrics.deferred(lambda: metrics_now(spec, x, logp, ent, aux), (
@@ -860,12 +860,13 @@ def metrics_now(spec, x, logp, ent, aux=None):
     if aux is not None and spec.kl_logprobs != "kept":
         logp_kl = aux[0]
     rollout = x.rollout is not None and x.old is not None
-    op = _metrics_op(spec, x, logp) if aux is None else None
+    op = _metrics_op(spec, x, logp)
     if op is not None:
         scalars, codes = spec.kernel_args(torch.float32)
         names, slots = _metric_names(spec, rollout)
         args = (ck.detached(logp), ck.detached(ent), x.mask, x.old, x.adv, x.ref, x.rollout,
-                x.rc_w, scalars, codes, slots)
+                x.rc_w, scalars, codes, slots,
+                None if logp_kl is None else ck.detached(logp_kl))
         if op is torch.ops.ppo_kernels.ppo_loss_metrics and _CPP_METRICS_DICT is not None \
                 and not (torch.compiler.is_compiling() or torch.jit.is_tracing()):
             # the op and its unbind in one C++ call, in eager mode (traced, the op and its

@@ -753,6 +753,12 @@ def opcheck_arguments(op, options=None, *, shape=(3, 5, 37), seed=0, requires_gr
         return (lp, ent, mask, b["old_logprobs"], b["advantages"],
                 b["ref_logprobs"] if spec.kl_coef else None, w * 0.5 + 0.5, w,
                 w * 0.5 if options.get("entropy_agg_mode") else None, scalars, codes), {}
+    if op == "token_loss_grad":  # (a kept set's middle: the KL on the full log-probs)
+        lp, ent, _, _ = ops.token_logprobs_fwd(logits, tok, mask, temp, True, **kw)
+        return (lp, ent, mask, b["old_logprobs"], b["advantages"],
+                b["ref_logprobs"] if spec.kl_coef else None, w * 0.5 + 0.5, w,
+                w * 0.5 if options.get("entropy_agg_mode") else None, scalars, codes,
+                lp + 0.1 * rnd(B, T)), {}
     if op == "distill_fwd":
         from . import _autograd
         _autograd.register_distill("")

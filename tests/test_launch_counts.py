@@ -52,19 +52,31 @@ def _inputs(seed=0):
     return logits, tokens, old, adv, mask, ref, roll
 
 
+def _kept(tokens, k=8):
+    """Sampling replay's given kept sets: k ids per position, the sampled token among them."""
+    ids = (tokens.reshape(-1, 1) + torch.arange(k) * 7) % V
+    return pk.SamplingMask(ids.reshape(-1), torch.arange(0, ids.numel() + 1, k))
+
+
 # name: (keywords of ppo_loss, the most ops fwd + bwd may dispatch). Before the metrics,
 # checks and weights moved into CPU ops: 100, 136, 100, 185 and 194. The fused single pass
 # now dispatches 1 (autograd's ones_like: the backward compares grad_output with the applied
 # scale on the host, csrc/eager_calls.cpp, and the metrics wait for their first read,
 # loss_metrics.py), tis 5 (its four element-wise weight ops). GSPO's two-phase [B, T] middle
 # is one op, ppo_kernels::seq_loss_grad (it was autograd through the eager formulas: 60):
-# 7, the per-token loss's three ops among them.
+# 7, the per-token loss's three ops among them. Sampling replay (a given kept set with a
+# KL; a re-derived top-k / top-p set): its token-level middle one op too,
+# ppo_kernels::token_loss_grad (was 168 and 75 with the eager middle), most of the rest the
+# kept set's checks (the CSR's order, range and uniqueness) and the threshold's derivation.
 CONFIGS = {
-    "default": (lambda ref, roll: {}, 12),
-    "kl-k3": (lambda ref, roll: dict(ref_logprobs=ref, kl_coef=0.1), 12),
-    "entropy": (lambda ref, roll: dict(entropy_coef=0.01), 12),
-    "tis": (lambda ref, roll: dict(rollout_logprobs=roll, rollout_correction="tis"), 12),
-    "gspo": (lambda ref, roll: dict(policy_loss="gspo"), 20),
+    "default": (lambda ref, roll, tok: {}, 12),
+    "kl-k3": (lambda ref, roll, tok: dict(ref_logprobs=ref, kl_coef=0.1), 12),
+    "entropy": (lambda ref, roll, tok: dict(entropy_coef=0.01), 12),
+    "tis": (lambda ref, roll, tok: dict(rollout_logprobs=roll, rollout_correction="tis"), 12),
+    "gspo": (lambda ref, roll, tok: dict(policy_loss="gspo"), 20),
+    "replay": (lambda ref, roll, tok: dict(sampling_mask=_kept(tok), ref_logprobs=ref,
+                                           kl_coef=0.1), 46),
+    "top-p": (lambda ref, roll, tok: dict(top_k=16, top_p=0.8), 34),
 }
 
 
@@ -72,7 +84,7 @@ def count_ops(name):
     """(forward ops, backward ops, the forward's Counter) of one call of configuration
     name, after a warm-up call (caches filled, as in a training loop)."""
     logits, tokens, old, adv, mask, ref, roll = _inputs()
-    kw = CONFIGS[name][0](ref, roll)
+    kw = CONFIGS[name][0](ref, roll, tokens)
     for _ in range(2):
         logits.grad = None
         with OpCounter() as fwd:
@@ -223,12 +235,19 @@ def device_launches(monkeypatch):
 # weights' 4) plus the metrics' 3 at every call, 29 with "tis" (its 11 eager ops). GSPO:
 # 13 forward (the statistics pass, its middle in one launch, triton_kernels/seq_loss.py,
 # the gradient pass, the weights' two), 16 in all (the goal: 20); before: 76 forward.
+# Replay (as CONFIGS): its middle in one launch (triton_kernels/token_middle.py) and its
+# metrics at the dict's first read (the metrics kernel's KL on the full log-probs):
+# forward 63 and 79 (before: 204 and 221 with the metrics at the call, 184 and 119 with the
+# eager middle alone); the metrics 20 at their first read.
 DEVICE_CONFIGS = {
-    "default": (lambda ref, roll: {}, 8, 3),
-    "kl-k3": (lambda ref, roll: dict(ref_logprobs=ref, kl_coef=0.1), 8, 3),
-    "entropy": (lambda ref, roll: dict(entropy_coef=0.01), 8, 3),
-    "tis": (lambda ref, roll: dict(rollout_logprobs=roll, rollout_correction="tis"), 8, 3),
-    "gspo": (lambda ref, roll: dict(policy_loss="gspo"), 17, 3),
+    "default": (lambda ref, roll, tok: {}, 8, 3),
+    "kl-k3": (lambda ref, roll, tok: dict(ref_logprobs=ref, kl_coef=0.1), 8, 3),
+    "entropy": (lambda ref, roll, tok: dict(entropy_coef=0.01), 8, 3),
+    "tis": (lambda ref, roll, tok: dict(rollout_logprobs=roll, rollout_correction="tis"), 8, 3),
+    "gspo": (lambda ref, roll, tok: dict(policy_loss="gspo"), 17, 3),
+    "replay": (lambda ref, roll, tok: dict(sampling_mask=_kept(tok), ref_logprobs=ref,
+                                           kl_coef=0.1), 63, 3),
+    "top-p": (lambda ref, roll, tok: dict(top_k=16, top_p=0.8), 79, 3),
 }
 
 
@@ -237,7 +256,7 @@ def count_device_launches(monkeypatch, name):
     after a warm-up call: forward, backward, the first read of the metrics."""
     running = device_launches(monkeypatch)
     logits, tokens, old, adv, mask, ref, roll = _inputs()
-    kw = DEVICE_CONFIGS[name][0](ref, roll)
+    kw = DEVICE_CONFIGS[name][0](ref, roll, tokens)
     for _ in range(2):
         logits.grad = None
         fwd, bwd, met = DeviceCounter(), DeviceCounter(), DeviceCounter()

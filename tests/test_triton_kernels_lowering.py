@@ -137,16 +137,17 @@ for acc, flags in (("fp32", dict(HAS_BOOT=True, HAS_SCORES=False)),
 def _metrics_types(acc):
     a = f"*{acc}"
     return {"logp_ptr": a, "ent_ptr": a, "mask_ptr": "*i1", "old_ptr": a, "adv_ptr": a,
-            "ref_ptr": a, "roll_ptr": a, "isw_ptr": a, "part_ptr": "*fp64", "T": "i32",
+            "ref_ptr": a, "roll_ptr": a, "isw_ptr": a, "lkl_ptr": a, "part_ptr": "*fp64",
+            "T": "i32",
             "clip_eps_low": "fp64", "clip_eps_high": "fp64", "dual_clip_c": "fp64"}
 
 
 for acc, pl, flags in (("fp32", 0, dict(HAS_OLD=True, HAS_REF=True, HAS_ROLL=True,
-                                         HAS_ISW=True, HAS_DUAL=True)),
+                                         HAS_ISW=True, HAS_DUAL=True, HAS_LKL=True)),
                        ("fp32", 5, dict(HAS_OLD=False, HAS_REF=True, HAS_ROLL=False,
-                                        HAS_ISW=False, HAS_DUAL=False)),
+                                        HAS_ISW=False, HAS_DUAL=False, HAS_LKL=False)),
                        ("fp64", 7, dict(HAS_OLD=True, HAS_REF=False, HAS_ROLL=True,
-                                        HAS_ISW=False, HAS_DUAL=False))):
+                                        HAS_ISW=False, HAS_DUAL=False, HAS_LKL=False))):
     VARIANTS[f"metrics_rows-pl{pl}-{acc}"] = (
         "metrics", "_rows_kernel", _metrics_types(acc),
         dict(ACC=acc, PL=pl, KL_EST=2, BLOCK=1024, **flags), {"num_warps": 4})
@@ -192,6 +193,30 @@ for acc, token, flags in (("fp32", False, (True, True, True, True, True, True)),
         dict(ACC=acc, TOKEN=token, KL_EST=2, BLOCK=1024,
              **dict(zip(("HAS_OLD", "HAS_REF", "HAS_ISW", "HAS_WENT", "HAS_DUAL", "KL_BIAS"),
                         flags))), {"num_warps": 4})
+
+# the token-level losses' middle (token_middle.py): each policy loss, the KL on log-probs of
+# its own or on logp, float64
+def _token_middle_types(acc):
+    a = f"*{acc}"
+    return {**{n: a for n in ("logp_ptr", "lkl_ptr", "ent_ptr", "old_ptr", "adv_ptr",
+                              "ref_ptr", "isw_ptr", "w_ptr", "went_ptr", "dlogp_ptr",
+                              "dkl_ptr", "dent_ptr", "pol_ptr", "part_ptr")},
+            "mask_ptr": "*i1", "N": "i32",
+            **{n: "fp64" for n in ("clip_eps_low", "clip_eps_high", "dual_clip_c", "kl_coef",
+                                   "entropy_coef", "temperature", "grad_scale",
+                                   "sapo_tau_pos", "sapo_tau_neg")}}
+
+
+for acc, pl, flags in (("fp32", 0, (True, True, True, True, True, True, True)),
+                       ("fp32", 1, (True, True, False, False, False, False, True)),
+                       ("fp32", 2, (False, True, True, True, False, True, False)),
+                       ("fp32", 3, (True, True, False, False, True, False, True)),
+                       ("fp64", 4, (True, True, True, True, False, True, True))):
+    VARIANTS[f"token_middle-pl{pl}-{sum(flags)}-{acc}"] = (
+        "token_middle", "_token_middle_kernel", _token_middle_types(acc),
+        dict(ACC=acc, POLICY_LOSS=pl, KL_EST=2, BLOCK=1024,
+             **dict(zip(("HAS_OLD", "HAS_REF", "HAS_ISW", "HAS_WENT", "HAS_DUAL", "KL_BIAS",
+                         "HAS_LKL"), flags))), {"num_warps": 4})
 
 # the loss menu: each policy loss, the KL bias correction, on-policy (no
 # old_logprobs), separate entropy weights, the straight-through KL estimators

@@ -2,7 +2,7 @@
 ppo_kernels::ppo_loss_metrics and the eager formulas, under the Triton interpreter (CPU
 tensors), for every policy loss and the inputs whose rules differ: on- and off-policy, the
 rollout corrections, NaN on masked and on valid positions, empty sequences, an all-masked
-batch, float64."""
+batch, float64; and the KL on log-probs of its own (sampling replay)."""
 
 import os
 
@@ -104,6 +104,31 @@ def test_device_metrics_match_the_cpu_op_and_the_eager_formulas(policy, extra, i
         assert (got == 0).all()
     if inputs == "nan":
         assert got[METRIC_SLOTS.index("ratio_max")].isnan()
+
+
+@pytest.mark.parametrize("policy", ["vanilla", "gspo"])
+def test_kl_logprobs_feed_kl_ref_alone(policy):
+    """kl_logprobs (sampling replay's full log-probs, logp being the kept set's): kl_ref reads
+    them, every other metric is the call's without them; the device kernel, the CPU op and
+    the eager formulas (logp_kl) agree."""
+    logp, ent, mask, old, adv, ref, roll, isw, spec = _case(policy, {}, "plain")
+    lkl = logp - 0.5 * torch.rand(logp.shape, generator=torch.Generator().manual_seed(5))
+    scalars, codes = spec.kernel_args(logp.dtype)
+    args = (logp, ent, mask, old, adv, ref, roll, isw, scalars, codes)
+    got = tm.ppo_loss_metrics(*args, kl_logprobs=lkl)
+    without = tm.ppo_loss_metrics(*args)
+    k = METRIC_SLOTS.index("kl_ref")
+    assert not torch.equal(got[k], without[k])
+    others = [i for i in range(len(METRIC_SLOTS)) if i != k]
+    assert torch.equal(got[others], without[others])
+    want = _torch_impl.metrics(logp, ent, old, adv, ref, mask, spec, lkl)
+    for name, value in want.items():
+        torch.testing.assert_close(got[METRIC_SLOTS.index(name)], value.float(), rtol=2e-6,
+                                   atol=2e-6, msg=name)
+    if hasattr(torch.ops.ppo_kernels, "ppo_loss_metrics"):
+        every = torch.ops.ppo_kernels.ppo_loss_metrics(
+            *args, list(range(len(METRIC_SLOTS))), kl_logprobs=lkl)
+        torch.testing.assert_close(got, every, rtol=2e-6, atol=2e-6)
 
 
 def test_no_sequences():

@@ -82,12 +82,14 @@ def _block_min(acc):
 
 @triton.jit
 def _rows_kernel(logp_ptr, ent_ptr, mask_ptr, old_ptr, adv_ptr, ref_ptr, roll_ptr, isw_ptr,
-                 part_ptr, T,
+                 lkl_ptr, part_ptr, T,
                  clip_eps_low: tl.float64, clip_eps_high: tl.float64, dual_clip_c: tl.float64,
                  ACC: tl.constexpr, PL: tl.constexpr, KL_EST: tl.constexpr,
                  HAS_OLD: tl.constexpr, HAS_REF: tl.constexpr, HAS_ROLL: tl.constexpr,
-                 HAS_ISW: tl.constexpr, HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr):
-    """Sequence b = program 0: its NUM_PARTS partials (P_*) into part_ptr[b]."""
+                 HAS_ISW: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_LKL: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Sequence b = program 0: its NUM_PARTS partials (P_*) into part_ptr[b]. HAS_LKL:
+    kl_ref reads lkl_ptr (the KL's log-probs) in place of logp."""
     SEQ: tl.constexpr = (PL == PL_GSPO) | (PL == PL_GSPO_TOKEN) | (PL == PL_VESPO)
     SURROGATE: tl.constexpr = (PL == PL_VANILLA) | (PL == PL_GSPO) | (PL == PL_GSPO_TOKEN)
     DPPO: tl.constexpr = (PL == PL_DPPO_TV) | (PL == PL_DPPO_KL)
@@ -182,7 +184,11 @@ def _rows_kernel(logp_ptr, ent_ptr, mask_ptr, old_ptr, adv_ptr, ref_ptr, roll_pt
         akl += tl.where(m, expm1_minus_x(d).to(tl.float64), 0.0)
         if HAS_REF:
             rf = tl.load(ref_ptr + row + idx, mask=m, other=0.0).to(ACC)
-            k, _ = kl_term(lp - rf, KL_EST)
+            if HAS_LKL:
+                lk = tl.load(lkl_ptr + row + idx, mask=m, other=0.0).to(ACC)
+            else:
+                lk = lp
+            k, _ = kl_term(lk - rf, KL_EST)
             kl += tl.where(m, k.to(tl.float64), 0.0)
         e = tl.load(ent_ptr + row + idx, mask=m, other=0.0).to(ACC)
         ent += tl.where(m, e.to(tl.float64), 0.0)
@@ -336,11 +342,13 @@ def _finish_kernel(part_ptr, out_ptr, B, ACC: tl.constexpr, SEQ: tl.constexpr,
             tl.store(out_ptr + k, zero)
 
 
-def ppo_loss_metrics(logp, ent, mask, old, adv, ref, roll, isw, scalars, codes, slots=None):
+def ppo_loss_metrics(logp, ent, mask, old, adv, ref, roll, isw, scalars, codes, slots=None,
+                     kl_logprobs=None):
     """The [N_METRICS] float32 metrics vector (ppo_kernels/loss.py METRIC_SLOTS) of a
     ppo_loss call from its per-token tensors, in two launches on their device; with slots
     (a list of METRIC_SLOTS indices, as the CPU op takes them) those entries only. roll
-    (and with it isw) is read only with old given, as the CPU op does. Raises ValueError
+    (and with it isw) is read only with old given, as the CPU op does; kl_logprobs: what
+    kl_ref reads where it is not logp (sampling replay's full log-probs). Raises ValueError
     for inputs of another shape, dtype or device than logp's [B, T], or scalars / codes
     that are not the slots of ppo_kernels/spec.py."""
     if mask.dim() != 2 or mask.dtype != torch.bool:
@@ -352,7 +360,8 @@ def ppo_loss_metrics(logp, ent, mask, old, adv, ref, roll, isw, scalars, codes, 
     if roll is None or old is None:
         roll = isw = None
     named = (("logp", logp), ("entropy", ent), ("old_logprobs", old), ("advantages", adv),
-             ("ref_logprobs", ref), ("rollout_logprobs", roll), ("rollout_is_weights", isw))
+             ("ref_logprobs", ref), ("rollout_logprobs", roll), ("rollout_is_weights", isw),
+             ("kl_logprobs", kl_logprobs))
     for name, x in named:
         if x is not None and (x.shape != mask.shape or x.dtype != acc
                               or x.device != mask.device):
@@ -368,7 +377,7 @@ def ppo_loss_metrics(logp, ent, mask, old, adv, ref, roll, isw, scalars, codes, 
     part = torch.empty((B, N_PARTS), dtype=torch.float64, device=dev)
     out = torch.empty((N_METRICS,), dtype=torch.float32, device=dev)
     c = [x.contiguous() if x is not None else None for x in (logp, ent, mask, old, adv, ref,
-                                                             roll, isw)]
+                                                             roll, isw, kl_logprobs)]
     stand_in = c[0]  # an absent optional tensor is never read: any pointer stands in
     with device_guard(logp):
         if B > 0:
@@ -378,7 +387,8 @@ def ppo_loss_metrics(logp, ent, mask, old, adv, ref, roll, isw, scalars, codes, 
                 float(scalars[F["dual_clip_c"]]),
                 ACC=tl_acc(acc), PL=pl, KL_EST=est, HAS_OLD=old is not None,
                 HAS_REF=ref is not None, HAS_ROLL=roll is not None, HAS_ISW=isw is not None,
-                HAS_DUAL=float(scalars[F["dual_clip_c"]]) > 0.0, BLOCK=BLOCK)
+                HAS_DUAL=float(scalars[F["dual_clip_c"]]) > 0.0,
+                HAS_LKL=kl_logprobs is not None, BLOCK=BLOCK)
         seq = POLICY_LOSSES[pl] in ("gspo", "gspo-token", "vespo")
         _config.wrap(_finish_kernel)[(1,)](
             part, out, B, ACC=tl_acc(acc), SEQ=seq, HAS_REF=ref is not None,

@@ -68,7 +68,8 @@ void metrics_impl(const at::Tensor& logp_t, const at::Tensor& ent_t, const at::T
                   const std::optional<at::Tensor>& old_t, const at::Tensor& adv_t,
                   const std::optional<at::Tensor>& ref_t,
                   const std::optional<at::Tensor>& roll_t,
-                  const std::optional<at::Tensor>& isw_t, const ppo::PolicyParams& p,
+                  const std::optional<at::Tensor>& isw_t,
+                  const std::optional<at::Tensor>& lkl_t, const ppo::PolicyParams& p,
                   float* out) {
   const int64_t B = mask_t.size(0), Tn = mask_t.size(1);
   const T* lp = logp_t.data_ptr<T>();
@@ -79,6 +80,7 @@ void metrics_impl(const at::Tensor& logp_t, const at::Tensor& ent_t, const at::T
   const T* ref = opt_ptr<T>(ref_t, mask_t, "ref_logprobs");
   const T* roll = old ? opt_ptr<T>(roll_t, mask_t, "rollout_logprobs") : nullptr;
   const T* isw = roll ? opt_ptr<T>(isw_t, mask_t, "rollout_is_weights") : nullptr;
+  const T* lkl = opt_ptr<T>(lkl_t, mask_t, "kl_logprobs");  // (null: the KL reads lp)
   const int pl = p.code(ppo::slot::policy_loss), est = p.code(ppo::slot::kl_estimator);
   const bool seq = pl == ppo::kGspo || pl == ppo::kGspoToken || pl == ppo::kVespo;
   const bool surrogate = pl == ppo::kVanilla || pl == ppo::kGspo || pl == ppo::kGspoToken;
@@ -145,7 +147,7 @@ void metrics_impl(const at::Tensor& logp_t, const at::Tensor& ent_t, const at::T
       clip_any += ch || cl;
       dual += du;
       akl += double(ppo::expm1_minus_x(d));
-      if (ref) kl += double(ppo::kl_term<T>(l - ref[i], est).kl);
+      if (ref) kl += double(ppo::kl_term<T>((lkl ? lkl[i] : l) - ref[i], est).kl);
       ent += double(en[i]);
       rho_sum += double(rho);
       rho_max = nan_max(rho_max, rho);
@@ -204,7 +206,8 @@ at::Tensor ppo_loss_metrics(const at::Tensor& logp_in, const at::Tensor& ent_in,
                             const std::optional<at::Tensor>& roll,
                             const std::optional<at::Tensor>& isw,
                             c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
-                            c10::ArrayRef<int64_t> slots) {
+                            c10::ArrayRef<int64_t> slots,
+                            const std::optional<at::Tensor>& kl_logprobs) {
   TORCH_CHECK(mask_in.dim() == 2 && mask_in.scalar_type() == at::kBool,
               "mask: expected bool [B, T], got ", mask_in.scalar_type(), " ", mask_in.sizes());
   TORCH_CHECK(scalars.size() == static_cast<size_t>(ppo::slot::kNumFloat) &&
@@ -233,7 +236,8 @@ at::Tensor ppo_loss_metrics(const at::Tensor& logp_in, const at::Tensor& ent_in,
   };
   AT_DISPATCH_FLOATING_TYPES(acc, "ppo_loss_metrics", [&] {
     metrics_impl<scalar_t>(logp_in.contiguous(), ent_in.contiguous(), mask, c(old),
-                           adv_in.contiguous(), c(ref), c(roll), c(isw), p, all);
+                           adv_in.contiguous(), c(ref), c(roll), c(isw), c(kl_logprobs), p,
+                           all);
   });
   at::Tensor out = at::empty({static_cast<int64_t>(slots.size())},
                              mask.options().dtype(at::kFloat));
