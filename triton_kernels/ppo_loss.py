@@ -152,7 +152,7 @@ def check_grad_scale(grad_scale):
     return g
 
 
-def _check_args(scalars, codes):
+def check_loss_args(scalars, codes):
     """The ops' float[] / int[] (the slots of ppo_kernels/spec.py): (floats, codes)."""
     check_slots(scalars, codes)
     check_kl_estimator(codes[I["kl_estimator"]])
@@ -179,7 +179,7 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
                     ("entropy_weights", entropy_weights)):
         if x is not None:
             check_per_token(name, x, (B, T), acc, dev)
-    fs, codes = _check_args(scalars, codes)
+    fs, codes = check_loss_args(scalars, codes)
     inv = inv_temperature(fs[F["temperature"]], acc)
     invt, row_temp = inv_temperatures(temperatures, (B, T), acc, dev)
     loss_tok = torch.empty((B, T), dtype=acc, device=dev)

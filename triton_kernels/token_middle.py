@@ -25,7 +25,7 @@ from . import _config
 from ._math import (F_CLIP_EPS_HIGH, F_CLIP_EPS_LOW, F_DUAL_CLIP_C, F_ENTROPY_COEF,
                     F_KL_COEF, F_SAPO_TAU_NEG, F_SAPO_TAU_POS, as_acc, kl_term, pg_term)
 from .logprobs import device_guard, tl_acc
-from .ppo_loss import _check_args
+from .ppo_loss import check_loss_args
 from ..spec import F, I
 
 # the block of positions a program reads; small under the interpreter, so that the test
@@ -113,7 +113,7 @@ def token_loss_grad(logp, ent, mask, old, adv, ref, isw, w, w_ent, scalars, code
     options in the slot order of ppo_kernels/spec.py with the id of a token-level policy
     loss. Eager launches only (the two-phase path calls it outside tracing). Raises
     ValueError for another policy loss, bad slots or a shape other than logp's."""
-    fs, codes = _check_args(scalars, codes)
+    fs, codes = check_loss_args(scalars, codes)
     B, T = logp.shape
     for name, x in (("entropy", ent), ("mask", mask), ("old_logprobs", old),
                     ("advantages", adv), ("ref_logprobs", ref), ("rollout_is_weights", isw),
