@@ -607,15 +607,18 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
         global_num_tokens = ck.count("global_num_tokens", global_num_tokens, like, acc)
     if global_num_seqs is not None:
         global_num_seqs = ck.count("global_num_seqs", global_num_seqs, like, acc)
-    # the cpu kernels that read the logits first (ppo_loss_fwd, token_logprobs_fwd) check
-    # the ids of valid rows themselves, before they compute anything (csrc/cpu/common.h
-    # Rows::check_tokens: the ValueError token_range raises); outside a context-parallel
-    # group, whose ranks must agree on validity before any collective
-    kernel_checks = (single_pass and be.name == "cpu" and replay is None and packing is None
+    # the cpu kernels that read the logits first (ppo_loss_fwd, token_logprobs_fwd: with a
+    # kept set too, the kept-set op reads the ids after it) check the ids of valid rows
+    # themselves, before they compute anything (csrc/cpu/common.h Rows::check_tokens: the
+    # ValueError token_range raises); outside a context-parallel group, whose ranks must
+    # agree on validity before any collective
+    kernel_checks = (single_pass and be.name == "cpu" and packing is None
                      and spec.cp_group is None and ck.host_readable(tokens2))
     # on a CUDA device the weights of a call on the logits come from two Triton launches
-    # that check the ids too (the row kernels never read an id outside [0, V): it gives NaN)
-    device_weights = (single_pass and be.is_kernel and replay is None
+    # that check the ids too, an asynchronous assertion ahead of every kernel that reads
+    # them (token_range's on a device is one as well; the row kernels never read an id
+    # outside [0, V): it gives NaN)
+    device_weights = (single_pass and be.is_kernel
                       and spec.loss_agg_mode != "none"
                       and _device_weights(spec, be, tokens2, packing, global_num_tokens,
                                           norm_length, global_num_seqs))
@@ -743,8 +746,8 @@ def _device_weights(spec, be, tokens, packing, global_num_tokens, norm_length,
     """Whether the weights and the token-id check come from the two Triton launches of
     triton_kernels/weights.py (the CPU op agg_weights's twin) rather than about 12 small
     eager ops: a kernel backend's pass over whole-vocabulary logits (the fused one or the
-    two-phase path's, no kept set) with CUDA tensors, eager mode, no context-parallel group
-    or packing, every denominator a number. Unrun on a GPU since it was added
+    two-phase path's, with or without a kept set) with CUDA tensors, eager mode, no
+    context-parallel group or packing, every denominator a number. Unrun on a GPU since it was added
     (tests/test_triton_weights.py runs the kernels under the Triton interpreter)."""
     if not (_backends.device_eager(be, tokens) and spec.cp_group is None and packing is None):
         return False

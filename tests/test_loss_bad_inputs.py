@@ -310,6 +310,29 @@ def test_out_of_range_tokens_on_masked_positions_are_fine(bad):
             fn(**d)
 
 
+@pytest.mark.parametrize("replay", [dict(top_k=3, top_p=0.9), "given"])
+@pytest.mark.parametrize("bad", [-1, V, 2**40])
+def test_out_of_range_tokens_with_a_kept_set(bad, replay):
+    """With sampling replay on the cpu backend (the kernels check the ids, token_logprobs_fwd
+    before the kept-set op reads them): an out-of-range id on a valid position is the
+    ValueError naming tokens, on a masked one fine."""
+    d = base_ppo()
+    d["backend"] = "cpu"
+    d["tokens"] = d["tokens"].clone()
+    d["tokens"][1, 2] = bad
+    if replay == "given":
+        ids = (torch.arange(B * T)[:, None] + torch.arange(3)) % V
+        replay = dict(sampling_mask=pk.SamplingMask(ids.reshape(-1),
+                                                    torch.arange(0, B * T * 3 + 1, 3)))
+    d["response_mask"] = d["response_mask"].clone()
+    d["response_mask"][1, 2] = False
+    loss, _ = pk.ppo_loss(**d, **replay)
+    assert torch.isfinite(loss)
+    d["response_mask"][1, 2] = True
+    with pytest.raises(ValueError, match="^tokens: ids must lie in"):
+        pk.ppo_loss(**d, **replay)
+
+
 def test_int32_tokens_and_mask_dtypes_accepted():
     """int32 tokens and int / float / no masks give the loss of int64 tokens and a bool
     mask."""
