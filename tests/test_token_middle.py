@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import ppo_kernels as pk
-from ppo_kernels import _two_phase
 from ppo_kernels.spec import KERNEL_POLICY_LOSSES
 
 from helpers import device_path
 from helpers.backends import TRITON_DEVICE, triton_ops
 from helpers.inputs import random_csr
-from helpers.middle_cases import (IMPLS, INPUTS, OPTIONS, assert_middle_close, case, cpu_op,
-                                  eager, op_of)
+from helpers.middle_cases import (IMPLS, INPUTS, OPTIONS, assert_bad_arguments_raise,
+                                  assert_loss_close, assert_middle_close, case, cpu_op, eager,
+                                  eager_and_cpu_op, loss_inputs, op_of)
 
 
 def _op(impl):
@@ -42,41 +42,23 @@ def test_token_middle_matches_the_eager_middle(monkeypatch, impl, policy, opts, 
         got = got[:4]
     elif x.ref is None:  # (autograd: no gradient in the unused logp_kl, zeros)
         assert (got[4] == 0).all()
-    assert_middle_close(got, want, spec, x)
-    if inputs.startswith("nan"):
-        assert got[2].isnan() and got[0][4][x.mask[4]].isnan().any()
-        assert torch.isfinite(got[0][:4]).all()  # the other sequences keep their values
+    assert_middle_close(got, want, spec, x, inputs)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bad_arguments_raise(impl):
     op, dev = _op(impl)
-    logp, ent, spec, x, _ = case("vanilla", {}, "plain", dev)
-    scalars, codes = spec.kernel_args(torch.float32)
-    gspo = list(codes)
-    gspo[0] = 5
     err = ValueError if impl == "triton" else RuntimeError  # (the raw C++ op's TORCH_CHECK)
-    with pytest.raises(err, match="policy_loss"):
-        op(logp, ent, x.mask, x.old, x.adv, None, None, x.weights, None, scalars, gspo)
-    with pytest.raises(err, match="adv"):
-        op(logp, ent, x.mask, x.old, x.adv[:, :3], None, None, x.weights, None, scalars, codes)
+    logp, ent, x, scalars, codes = assert_bad_arguments_raise(op, dev, "vanilla", 5, err, err)
     with pytest.raises(err, match="kl_logprobs"):
         op(logp, ent, x.mask, x.old, x.adv, None, None, x.weights, None, scalars, codes,
            logp[:, :2])
 
 
 def _loss_inputs(dev):
-    g = torch.Generator().manual_seed(43)
-    B, T, V = 3, 9, 13
-    logits = torch.randn(B, T, V, generator=g)
-    tokens = torch.randint(0, V, (B, T), generator=g)
-    old = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
-    old = old + 0.1 * torch.randn(B, T, generator=g)
-    adv = torch.randn(B, 1, generator=g).expand(B, T)
-    mask = torch.rand(B, T, generator=g) > 0.2
-    ref = old + 0.05 * torch.randn(B, T, generator=g)
-    csr, _ = random_csr(B, T, V, g, tokens=tokens)
-    return [v.to(dev) for v in (logits, tokens, old, adv, mask)], ref.to(dev), csr
+    args, ref, g = loss_inputs(43, dev)
+    csr, _ = random_csr(*args[0].shape, g, tokens=args[1].cpu())
+    return args, ref, csr
 
 
 # (the kept set given or re-derived, the KL over the full or the kept log-probs)
@@ -95,14 +77,6 @@ def _loss_kw(replay, csr, ref, dev):
     return kw
 
 
-def _close(got, want):
-    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
-    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
-    assert got[2].keys() == want[2].keys()
-    for k in want[2]:
-        torch.testing.assert_close(got[2][k], want[2][k], rtol=2e-6, atol=1e-7, msg=k)
-
-
 @triton_ops
 @pytest.mark.parametrize("replay", list(REPLAYS))
 def test_ppo_loss_replay_on_the_device_path(monkeypatch, replay):
@@ -116,7 +90,7 @@ def test_ppo_loss_replay_on_the_device_path(monkeypatch, replay):
                                                     "token_loss_grad", *args,
                                                     backend="triton", **kw)
     assert calls, "the device middle did not run"
-    _close(got, want)
+    assert_loss_close(got, want)
 
 
 @cpu_op
@@ -130,15 +104,5 @@ def test_ppo_loss_two_phase_on_the_cpu_backend(monkeypatch, replay, request):
         kw = dict(kl_coef=0.1, ref_logprobs=ref, tp_group=request.getfixturevalue("group1"))
     else:
         kw = _loss_kw(replay, csr, ref, "cpu")
-    out = []
-    for fused in (False, True):
-        with monkeypatch.context() as mp:
-            if not fused:
-                mp.setattr(_two_phase, "fused_middle", lambda *a: None)
-            calls = device_path.spy(mp, torch.ops.ppo_kernels, "token_loss_grad")
-            x = logits.clone().requires_grad_()
-            loss, metrics = pk.ppo_loss(x, *rest, backend="cpu", **kw)
-            loss.backward()
-            out.append((loss.detach(), x.grad, dict(metrics)))
-            assert bool(calls) == fused
-    _close(out[1], out[0])
+    want, got = eager_and_cpu_op(monkeypatch, "token_loss_grad", logits, *rest, **kw)
+    assert_loss_close(got, want)

@@ -41,6 +41,21 @@ inline void check_per_token(const at::Tensor& x, const char* name, const at::Ten
   TORCH_CHECK(x.is_contiguous(), name, ": expected a contiguous tensor");
 }
 
+// The data pointer of an optional [B, T] input checked as check_per_token does against
+// like and the dtype of T; null where it is absent.
+template <typename T>
+inline const T* opt_per_token(const std::optional<at::Tensor>& x, const at::Tensor& like,
+                              const char* name) {
+  if (!x.has_value()) return nullptr;
+  check_per_token(*x, name, like, c10::CppTypeToScalarType<T>::value);
+  return x->data_ptr<T>();
+}
+
+// An optional tensor made contiguous (a copy at most).
+inline std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& x) {
+  return x.has_value() ? std::optional<at::Tensor>(x->contiguous()) : x;
+}
+
 // The per-row temperatures' values (row_args checked their shape, dtype and device): every
 // valid row's finite, > 0, with a reciprocal finite in the accumulation dtype T (masked rows
 // are never read). Read here on the host; the CUDA launchers leave this to the Python

@@ -39,13 +39,6 @@ inline T nan_min(T a, T b) {
   return (a != a || b != b) ? std::numeric_limits<T>::quiet_NaN() : (b < a ? b : a);
 }
 
-template <typename T>
-const T* opt_ptr(const std::optional<at::Tensor>& x, const at::Tensor& like, const char* name) {
-  if (!x.has_value()) return nullptr;
-  check_per_token(*x, name, like, c10::CppTypeToScalarType<T>::value);
-  return x->data_ptr<T>();
-}
-
 // DPPO's mask, as ppo_math.h pg_dppo decides it (and _torch_impl.dppo_masked)
 template <typename T>
 bool dppo_masked(T logp, T old_logp, T adv, bool kl, const ppo::PolicyParams& p) {
@@ -75,12 +68,12 @@ void metrics_impl(const at::Tensor& logp_t, const at::Tensor& ent_t, const at::T
   const T* lp = logp_t.data_ptr<T>();
   const T* en = ent_t.data_ptr<T>();
   const bool* m = mask_t.data_ptr<bool>();
-  const T* old = opt_ptr<T>(old_t, mask_t, "old_logprobs");
+  const T* old = opt_per_token<T>(old_t, mask_t, "old_logprobs");
   const T* adv = adv_t.data_ptr<T>();
-  const T* ref = opt_ptr<T>(ref_t, mask_t, "ref_logprobs");
-  const T* roll = old ? opt_ptr<T>(roll_t, mask_t, "rollout_logprobs") : nullptr;
-  const T* isw = roll ? opt_ptr<T>(isw_t, mask_t, "rollout_is_weights") : nullptr;
-  const T* lkl = opt_ptr<T>(lkl_t, mask_t, "kl_logprobs");  // (null: the KL reads lp)
+  const T* ref = opt_per_token<T>(ref_t, mask_t, "ref_logprobs");
+  const T* roll = old ? opt_per_token<T>(roll_t, mask_t, "rollout_logprobs") : nullptr;
+  const T* isw = roll ? opt_per_token<T>(isw_t, mask_t, "rollout_is_weights") : nullptr;
+  const T* lkl = opt_per_token<T>(lkl_t, mask_t, "kl_logprobs");  // (null: the KL reads lp)
   const int pl = p.code(ppo::slot::policy_loss), est = p.code(ppo::slot::kl_estimator);
   const bool seq = pl == ppo::kGspo || pl == ppo::kGspoToken || pl == ppo::kVespo;
   const bool surrogate = pl == ppo::kVanilla || pl == ppo::kGspo || pl == ppo::kGspoToken;
@@ -231,13 +224,11 @@ at::Tensor ppo_loss_metrics(const at::Tensor& logp_in, const at::Tensor& ent_in,
     TORCH_CHECK(k >= 0 && k < kNumMetrics, "slots: expected indices in [0, ", int(kNumMetrics),
                 "), got ", k);
   float all[kNumMetrics];
-  const auto c = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : t;
-  };
   AT_DISPATCH_FLOATING_TYPES(acc, "ppo_loss_metrics", [&] {
-    metrics_impl<scalar_t>(logp_in.contiguous(), ent_in.contiguous(), mask, c(old),
-                           adv_in.contiguous(), c(ref), c(roll), c(isw), c(kl_logprobs), p,
-                           all);
+    metrics_impl<scalar_t>(logp_in.contiguous(), ent_in.contiguous(), mask,
+                           contiguous_opt(old), adv_in.contiguous(), contiguous_opt(ref),
+                           contiguous_opt(roll), contiguous_opt(isw),
+                           contiguous_opt(kl_logprobs), p, all);
   });
   at::Tensor out = at::empty({static_cast<int64_t>(slots.size())},
                              mask.options().dtype(at::kFloat));

@@ -11,14 +11,12 @@
 //   gspo: d s / d logp_t = s / n on every valid token of the sequence; gspo-token: s on the
 //   token itself; neither where the mean log-ratio was clamped.
 #include <ATen/Dispatch.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <tuple>
 
 #include "../ppo_math.h"
-#include "common.h"
+#include "middle_args.h"
 #include "seq_ratio.h"
 
 namespace ppo_cpu {
@@ -44,19 +42,11 @@ inline void pg_of_seq_ratio(T s, T a, T lo, T hi, bool has_dual, T cap_c, T& pg,
 }
 
 template <typename T>
-const T* opt_in(const std::optional<at::Tensor>& x, const at::Tensor& mask, const char* name,
-                at::ScalarType acc) {
-  if (!x.has_value()) return nullptr;
-  check_per_token(*x, name, mask, acc);
-  return x->data_ptr<T>();
-}
-
-template <typename T>
-T seq_loss_impl(const at::Tensor& mask_t, const T* lp, const T* en, const T* old, const T* adv,
-                const T* ref, const T* isw, const T* w, const T* went,
-                const ppo::PolicyParams& p, bool token, T* dlogp, T* dent, T* pol) {
-  const int64_t B = mask_t.size(0), Tn = mask_t.size(1);
-  const bool* m = mask_t.data_ptr<bool>();
+T seq_loss_impl(int64_t B, int64_t Tn, const MiddlePtrs<T>& in, const ppo::PolicyParams& p,
+                bool token, T* dlogp, T* dent, T* pol) {
+  const bool* m = in.m;
+  const T *lp = in.lp, *en = in.ent, *old = in.old, *adv = in.adv, *ref = in.ref,
+          *isw = in.isw, *w = in.w, *went = in.went;
   // the option scalars as torch combines them with a tensor: the Python double rounded
   // once to T (the band's edges as 1 - eps_low, 1 + eps_high in double first)
   const T lo = T(1.0 - p[ppo::slot::clip_eps_low]), hi = T(1.0 + p[ppo::slot::clip_eps_high]);
@@ -123,52 +113,30 @@ T seq_loss_impl(const at::Tensor& mask_t, const T* lp, const T* en, const T* old
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_grad(
-    const at::Tensor& logp_in, const at::Tensor& ent_in, const at::Tensor& mask_in,
-    const std::optional<at::Tensor>& old_in, const at::Tensor& adv_in,
-    const std::optional<at::Tensor>& ref_in, const std::optional<at::Tensor>& isw_in,
-    const at::Tensor& w_in, const std::optional<at::Tensor>& went_in,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes) {
-  TORCH_CHECK(mask_in.dim() == 2 && mask_in.scalar_type() == at::kBool,
-              "mask: expected bool [B, T], got ", mask_in.scalar_type(), " ", mask_in.sizes());
+    const at::Tensor& logp, const at::Tensor& ent, const at::Tensor& mask,
+    const std::optional<at::Tensor>& old, const at::Tensor& adv,
+    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& isw,
+    const at::Tensor& w, const std::optional<at::Tensor>& went, c10::ArrayRef<double> scalars,
+    c10::ArrayRef<int64_t> codes) {
+  const MiddleArgs a = middle_args(logp, ent, mask, old, adv, ref, isw, w, went);
   TORCH_CHECK(scalars.size() == static_cast<size_t>(ppo::slot::kNumFloat) &&
                   codes.size() == static_cast<size_t>(ppo::slot::kNumInt),
               "scalars / codes: expected the slots of ppo_kernels/spec.py");
   const ppo::PolicyParams p =
-      ppo::policy_params(scalars.data(), codes.data(), ref_in.has_value(), isw_in.has_value());
+      ppo::policy_params(scalars.data(), codes.data(), ref.has_value(), isw.has_value());
   const int pl = p.code(ppo::slot::policy_loss);
   TORCH_CHECK_VALUE(pl == ppo::kGspo || pl == ppo::kGspoToken,
                     "policy_loss: expected the id of gspo or gspo-token (ppo_kernels/spec.py "
                     "POLICY_LOSSES), got ", pl);
   ppo::check_kl_estimator(p.code(ppo::slot::kl_estimator));
-  const at::ScalarType acc = logp_in.scalar_type();
-  TORCH_CHECK(acc == at::kFloat || acc == at::kDouble,
-              "logprobs: expected float32 or float64, got ", acc);
-  const at::Tensor mask = mask_in.contiguous();
-  const auto c = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : t;
-  };
-  const at::Tensor logp = logp_in.contiguous(), ent = ent_in.contiguous(),
-                   adv = adv_in.contiguous(), w = w_in.contiguous();
-  const std::optional<at::Tensor> old = c(old_in), ref = c(ref_in), isw = c(isw_in),
-                                  went = c(went_in);
-  at::Tensor dlogp = at::empty_like(logp), dent = at::empty_like(logp),
-             pol = at::empty_like(logp), loss = at::empty({}, logp.options());
-  AT_DISPATCH_FLOATING_TYPES(acc, "seq_loss_grad", [&] {
+  const MiddleOut out = middle_out(a.logp);
+  AT_DISPATCH_FLOATING_TYPES(a.acc, "seq_loss_grad", [&] {
     using T = scalar_t;
-    const T* in[4];
-    const char* names[4] = {"logprobs", "entropy", "advantages", "weights"};
-    const at::Tensor* ts[4] = {&logp, &ent, &adv, &w};
-    for (int k = 0; k < 4; ++k) {
-      check_per_token(*ts[k], names[k], mask, acc);
-      in[k] = ts[k]->template data_ptr<T>();
-    }
-    *loss.data_ptr<T>() = seq_loss_impl<T>(
-        mask, in[0], in[1], opt_in<T>(old, mask, "old_logprobs", acc), in[2],
-        opt_in<T>(ref, mask, "ref_logprobs", acc), opt_in<T>(isw, mask, "rollout_is_weights", acc),
-        in[3], opt_in<T>(went, mask, "entropy_weights", acc), p, pl == ppo::kGspoToken,
-        dlogp.data_ptr<T>(), dent.data_ptr<T>(), pol.data_ptr<T>());
+    *out.loss.data_ptr<T>() = seq_loss_impl<T>(
+        a.mask.size(0), a.mask.size(1), a.ptrs<T>(), p, pl == ppo::kGspoToken,
+        out.dlogp.data_ptr<T>(), out.dent.data_ptr<T>(), out.pol.data_ptr<T>());
   });
-  return {dlogp, dent, loss, pol};
+  return {out.dlogp, out.dent, out.loss, out.pol};
 }
 
 }  // namespace

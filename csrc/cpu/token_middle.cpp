@@ -18,26 +18,19 @@
 
 #include "../loss_args.h"
 #include "../ppo_math.h"
-#include "common.h"
+#include "middle_args.h"
 
 namespace ppo_cpu {
 inline namespace CPU_CAPABILITY {
 namespace {
 
+// in.lkl null: the KL reads lp, and its gradient joins dlogp (dkl unwritten).
 template <typename T>
-const T* opt_in(const std::optional<at::Tensor>& x, const at::Tensor& mask, const char* name,
-                at::ScalarType acc) {
-  if (!x.has_value()) return nullptr;
-  check_per_token(*x, name, mask, acc);
-  return x->data_ptr<T>();
-}
-
-// lkl null: the KL reads lp, and its gradient joins dlogp (dkl unwritten).
-template <typename T>
-T token_middle_impl(const bool* m, int64_t n, const T* lp, const T* lkl, const T* en,
-                    const T* old, const T* adv, const T* ref, const T* isw, const T* w,
-                    const T* went, const ppo::PolicyParams& p, T* dlogp, T* dent, T* pol,
-                    T* dkl) {
+T token_middle_impl(int64_t n, const MiddlePtrs<T>& in, const ppo::PolicyParams& p, T* dlogp,
+                    T* dent, T* pol, T* dkl) {
+  const bool* m = in.m;
+  const T *lp = in.lp, *en = in.ent, *old = in.old, *adv = in.adv, *ref = in.ref,
+          *isw = in.isw, *w = in.w, *went = in.went, *lkl = in.lkl;
   const T kc = T(p[ppo::slot::kl_coef]), ec = T(p[ppo::slot::entropy_coef]);
   const int est = p.code(ppo::slot::kl_estimator);
   const bool bias = p.code(ppo::slot::kl_bias_correction) != 0;
@@ -84,47 +77,23 @@ T token_middle_impl(const bool* m, int64_t n, const T* lp, const T* lkl, const T
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> token_loss_grad(
-    const at::Tensor& logp_in, const at::Tensor& ent_in, const at::Tensor& mask_in,
-    const std::optional<at::Tensor>& old_in, const at::Tensor& adv_in,
-    const std::optional<at::Tensor>& ref_in, const std::optional<at::Tensor>& isw_in,
-    const at::Tensor& w_in, const std::optional<at::Tensor>& went_in,
-    c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
-    const std::optional<at::Tensor>& lkl_in) {
-  TORCH_CHECK(mask_in.dim() == 2 && mask_in.scalar_type() == at::kBool,
-              "mask: expected bool [B, T], got ", mask_in.scalar_type(), " ", mask_in.sizes());
-  const ppo::PolicyParams p =
-      ppo::loss_params(scalars, codes, ref_in.has_value(), isw_in.has_value());
-  const at::ScalarType acc = logp_in.scalar_type();
-  TORCH_CHECK(acc == at::kFloat || acc == at::kDouble,
-              "logprobs: expected float32 or float64, got ", acc);
-  const at::Tensor mask = mask_in.contiguous();
-  const auto c = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() ? std::optional<at::Tensor>(t->contiguous()) : t;
-  };
-  const at::Tensor logp = logp_in.contiguous(), ent = ent_in.contiguous(),
-                   adv = adv_in.contiguous(), w = w_in.contiguous();
-  const std::optional<at::Tensor> old = c(old_in), ref = c(ref_in), isw = c(isw_in),
-                                  went = c(went_in), lkl = c(lkl_in);
-  at::Tensor dlogp = at::empty_like(logp), dent = at::empty_like(logp),
-             pol = at::empty_like(logp), loss = at::empty({}, logp.options()),
-             dkl = lkl.has_value() ? at::empty_like(logp) : at::empty({0}, logp.options());
-  AT_DISPATCH_FLOATING_TYPES(acc, "token_loss_grad", [&] {
+    const at::Tensor& logp, const at::Tensor& ent, const at::Tensor& mask,
+    const std::optional<at::Tensor>& old, const at::Tensor& adv,
+    const std::optional<at::Tensor>& ref, const std::optional<at::Tensor>& isw,
+    const at::Tensor& w, const std::optional<at::Tensor>& went, c10::ArrayRef<double> scalars,
+    c10::ArrayRef<int64_t> codes, const std::optional<at::Tensor>& lkl) {
+  const MiddleArgs a = middle_args(logp, ent, mask, old, adv, ref, isw, w, went, lkl);
+  const ppo::PolicyParams p = ppo::loss_params(scalars, codes, ref.has_value(), isw.has_value());
+  const MiddleOut out = middle_out(a.logp);
+  const at::Tensor dkl =
+      lkl.has_value() ? at::empty_like(a.logp) : at::empty({0}, a.logp.options());
+  AT_DISPATCH_FLOATING_TYPES(a.acc, "token_loss_grad", [&] {
     using T = scalar_t;
-    const T* in[4];
-    const char* names[4] = {"logprobs", "entropy", "advantages", "weights"};
-    const at::Tensor* ts[4] = {&logp, &ent, &adv, &w};
-    for (int k = 0; k < 4; ++k) {
-      check_per_token(*ts[k], names[k], mask, acc);
-      in[k] = ts[k]->template data_ptr<T>();
-    }
-    *loss.data_ptr<T>() = token_middle_impl<T>(
-        mask.data_ptr<bool>(), mask.numel(), in[0], opt_in<T>(lkl, mask, "kl_logprobs", acc),
-        in[1], opt_in<T>(old, mask, "old_logprobs", acc), in[2],
-        opt_in<T>(ref, mask, "ref_logprobs", acc), opt_in<T>(isw, mask, "rollout_is_weights", acc),
-        in[3], opt_in<T>(went, mask, "entropy_weights", acc), p, dlogp.data_ptr<T>(),
-        dent.data_ptr<T>(), pol.data_ptr<T>(), lkl.has_value() ? dkl.data_ptr<T>() : nullptr);
+    *out.loss.data_ptr<T>() = token_middle_impl<T>(
+        a.mask.numel(), a.ptrs<T>(), p, out.dlogp.data_ptr<T>(), out.dent.data_ptr<T>(),
+        out.pol.data_ptr<T>(), lkl.has_value() ? dkl.data_ptr<T>() : nullptr);
   });
-  return {dlogp, dent, loss, pol, dkl};
+  return {out.dlogp, out.dent, out.loss, out.pol, dkl};
 }
 
 }  // namespace

@@ -10,10 +10,12 @@ import types
 import pytest
 import torch
 
+import ppo_kernels as pk
 from ppo_kernels import _backends, _two_phase
 from ppo_kernels._extension import HAS_CPU
 from ppo_kernels.spec import LossSpec
 
+from helpers import device_path
 from helpers.backends import TRITON_DEVICE, triton_ops
 
 cpu_op = pytest.mark.skipif(not HAS_CPU, reason="the C++ extension is not built")
@@ -92,12 +94,14 @@ def eager(monkeypatch, logp, ent, spec, x, logp_kl=None):
         return _two_phase.middle_grad(logp, ent, spec, x, logp_kl)
 
 
-def assert_middle_close(got, want, spec, x, names=("dlogp", "dent", "loss", "pol", "dkl")):
+def assert_middle_close(got, want, spec, x, inputs,
+                        names=("dlogp", "dent", "loss", "pol", "dkl")):
     """An op's outputs against the eager middle's: float32 within 2e-6 relative, float64
     within 1e-12; dlogp, pol and dkl on valid positions (the op writes 0 on masked ones;
     autograd leaves NaN there in a NaN sequence), dent only where the entropy has a
     coefficient (the two-phase path passes no entropy gradient otherwise); NaN where the
-    eager middle gives NaN. The op's masked dlogp are 0."""
+    eager middle gives NaN. The op's masked dlogp are 0; a NaN input (case's "nan-*", in
+    sequence 4) makes the loss NaN and stays in its sequence."""
     tol = dict(rtol=1e-12, atol=1e-14) if got[0].dtype == torch.float64 else \
         dict(rtol=2e-6, atol=2e-7)
     for a, b, name in zip(got, want, names):
@@ -108,3 +112,62 @@ def assert_middle_close(got, want, spec, x, names=("dlogp", "dent", "loss", "pol
             continue
         torch.testing.assert_close(a, b, equal_nan=True, msg=name, **tol)
     assert (got[0][~x.mask] == 0).all()
+    if inputs.startswith("nan"):
+        assert got[2].isnan() and got[0][4][x.mask[4]].isnan().any()
+        assert torch.isfinite(got[0][:4]).all()  # the other sequences keep their values
+
+
+def assert_bad_arguments_raise(op, dev, policy, other_policy_id, policy_error, shape_error):
+    """op (a middle op) refuses the id of a policy loss it does not compute and an input
+    of another shape than logp's, each with an error naming the argument."""
+    logp, ent, spec, x, _ = case(policy, {}, "plain", dev)
+    scalars, codes = spec.kernel_args(torch.float32)
+    other = list(codes)
+    other[0] = other_policy_id
+    with pytest.raises(policy_error, match="policy_loss"):
+        op(logp, ent, x.mask, x.old, x.adv, None, None, x.weights, None, scalars, other)
+    with pytest.raises(shape_error, match="adv"):
+        op(logp, ent, x.mask, x.old, x.adv[:, :3], None, None, x.weights, None, scalars, codes)
+    return logp, ent, x, scalars, codes
+
+
+def loss_inputs(seed, dev):
+    """([logits [3, 9, 13], tokens, old (the logits' own log-probs moved a little), adv (one
+    per sequence), mask] on dev, ref on dev, the CPU generator for more draws)."""
+    g = torch.Generator().manual_seed(seed)
+    B, T, V = 3, 9, 13
+    logits = torch.randn(B, T, V, generator=g)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    old = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0]
+    old = old + 0.1 * torch.randn(B, T, generator=g)
+    adv = torch.randn(B, 1, generator=g).expand(B, T)
+    mask = torch.rand(B, T, generator=g) > 0.2
+    ref = old + 0.05 * torch.randn(B, T, generator=g)
+    return [v.to(dev) for v in (logits, tokens, old, adv, mask)], ref.to(dev), g
+
+
+def eager_and_cpu_op(monkeypatch, op_name, logits, *args, **kw):
+    """ppo_loss(logits.clone(), *args, backend="cpu", **kw) forward and backward with the
+    eager middle, then with the C++ op ppo_kernels.<op_name> (spied on: it must run then and
+    only then). Returns ((loss, logits grad, metrics) eager, the same with the op)."""
+    out = []
+    for fused in (False, True):
+        with monkeypatch.context() as mp:
+            if not fused:
+                mp.setattr(_two_phase, "fused_middle", lambda *a: None)
+            calls = device_path.spy(mp, torch.ops.ppo_kernels, op_name)
+            x = logits.detach().clone().requires_grad_()
+            loss, metrics = pk.ppo_loss(x, *args, backend="cpu", **kw)
+            loss.backward()
+            out.append((loss.detach(), x.grad, dict(metrics)))
+            assert bool(calls) == fused, op_name
+    return out[0], out[1]
+
+
+def assert_loss_close(got, want):
+    """(loss, logits grad, metrics) within float32 rounding of the eager middle's."""
+    torch.testing.assert_close(got[0], want[0], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], want[1], rtol=2e-6, atol=1e-7)
+    assert got[2].keys() == want[2].keys()
+    for k in want[2]:
+        torch.testing.assert_close(got[2][k], want[2][k], rtol=2e-6, atol=1e-7, msg=k)
