@@ -26,6 +26,11 @@
 //   of gspo or gspo-token, (dlogprobs, dentropy, loss, pol): d loss / d logp and d loss / d H
 //   [B, T] (0 where masked), the loss (0-d), the policy part of each token's loss [B, T]
 //   (0 where masked), all of the accumulation dtype; sums in double.
+//   check_kept_ids: a given kept set's CSR (token_ids int64 [nnz], offsets int64 [N + 1];
+//   csrc/ops.cpp, sampling replay) checked on the host in one pass: offsets from 0 to nnz
+//   and non-decreasing, ids in [0, vocab) (vocab < 0: not checked), no id twice within a
+//   row; the first rule broken is a ValueError naming sampling_mask.offsets or
+//   sampling_mask.token_ids (csrc/cpu/sampling.cpp).
 //   token_loss_grad: the same middle for the token-level policy losses (the policy_loss id
 //   of vanilla, cispo, sapo, dppo-tv or dppo-kl; csrc/cpu/token_middle.cpp, its Triton twin
 //   triton_kernels/token_middle.py), the KL on kl_logprobs where given (else on
@@ -40,6 +45,7 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
       "Tensor? rollout_is_weights, float[] scalars, int[] codes, int[] slots, "
       "Tensor? kl_logprobs=None) -> Tensor");
   m.def("agg_weights(Tensor mask, int mode, float denom, bool float64) -> Tensor");
+  m.def("check_kept_ids(Tensor token_ids, Tensor offsets, int vocab) -> ()");
   m.def(
       "seq_loss_grad(Tensor logprobs, Tensor entropy, Tensor mask, Tensor? old_logprobs, "
       "Tensor advantages, Tensor? ref_logprobs, Tensor? rollout_is_weights, Tensor weights, "

@@ -274,6 +274,7 @@ def register(prefix):
                          _arg_index(prefix + "ppo_loss_metrics", "slots"))),
                      ("agg_weights", lambda: _fake_agg_weights),
                      ("seq_loss_grad", lambda: _fake_seq_loss_grad),
+                     ("check_kept_ids", lambda: _fake_none),
                      ("token_loss_grad", lambda: _fake_token_loss_grad),
                      ("sampling_threshold", lambda: _fake_sampling_threshold),
                      ("kept_logprobs_fwd", lambda: _fake_kept_logprobs_fwd),

@@ -172,13 +172,17 @@ def check_replay(sampling_mask, top_k, top_p, min_p, tokens2, vocab, packing=Non
                              f"mask for the wrong number of positions)")
         ids, offs = ids.long().contiguous(), offs.long().contiguous()
         nnz = ids.shape[0]
+        on_host = ck.host_readable(ids)
+        if on_host and hasattr(torch.ops.ppo_kernels, "check_kept_ids"):
+            # every rule below in one pass of the CPU op, the same ValueErrors
+            torch.ops.ppo_kernels.check_kept_ids(ids, offs, -1 if vocab is None else int(vocab))
+            return Replay(ids=ids, offsets=offs)
         conds = [((offs[:1] == 0).all() & (offs[-1:] == nnz).all(),
                   "sampling_mask.offsets: must start at 0 and end at nnz = len(token_ids)"),
                  ((offs[1:] >= offs[:-1]).all(), "sampling_mask.offsets: must be non-decreasing")]
         if vocab is not None:
             conds.append((((ids >= 0) & (ids < vocab)).all(),
                           f"sampling_mask.token_ids: ids must lie in [0, V) = [0, {vocab})"))
-        on_host = ids.device.type == "cpu"
         if on_host:
             for ok, msg in conds:
                 if not bool(ok):

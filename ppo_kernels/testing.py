@@ -744,6 +744,9 @@ def opcheck_arguments(op, options=None, *, shape=(3, 5, 37), seed=0, requires_gr
                 list(range(len(METRIC_SLOTS)))), {}
     if op == "agg_weights":
         return (mask, 3, 0.0, False), {}
+    if op == "check_kept_ids":  # (three ids a position, every id of a row distinct)
+        ids = (torch.arange(B * T, device=device)[:, None] + torch.arange(3, device=device)) % V
+        return (ids.reshape(-1), torch.arange(0, B * T * 3 + 1, 3, device=device), V), {}
     if op == "seq_loss_grad":  # (GSPO's middle: the policy_loss of options, else gspo)
         if spec.policy_loss not in ("gspo", "gspo-token"):
             spec = LossSpec.build(**{**{k: v for k, v in options.items() if k != "backend"},

@@ -67,8 +67,8 @@ def _kept(tokens, k=8):
 # 7, the per-token loss's three ops among them. Sampling replay (a given kept set with a
 # KL; a re-derived top-k / top-p set): its token-level middle one op too,
 # ppo_kernels::token_loss_grad (was 168 and 75 with the eager middle), the token ids checked
-# by the kernels, most of the rest the kept set's checks (the CSR's order, range and
-# uniqueness) and the threshold's derivation.
+# by the kernels, a given set's CSR by one op (ppo_kernels::check_kept_ids; was about 20
+# eager ops), most of the rest of top-p the threshold's derivation.
 CONFIGS = {
     "default": (lambda ref, roll, tok: {}, 12),
     "kl-k3": (lambda ref, roll, tok: dict(ref_logprobs=ref, kl_coef=0.1), 12),
@@ -76,7 +76,7 @@ CONFIGS = {
     "tis": (lambda ref, roll, tok: dict(rollout_logprobs=roll, rollout_correction="tis"), 12),
     "gspo": (lambda ref, roll, tok: dict(policy_loss="gspo"), 20),
     "replay": (lambda ref, roll, tok: dict(sampling_mask=_kept(tok), ref_logprobs=ref,
-                                           kl_coef=0.1), 40),
+                                           kl_coef=0.1), 15),
     "top-p": (lambda ref, roll, tok: dict(top_k=16, top_p=0.8), 28),
 }
 
@@ -238,7 +238,7 @@ def device_launches(monkeypatch):
 # the gradient pass, the weights' two), 16 in all (the goal: 20); before: 76 forward.
 # Replay (as CONFIGS): its middle in one launch (triton_kernels/token_middle.py), its
 # weights and id check in the weights' two and its metrics at the dict's first read (the
-# metrics kernel's KL on the full log-probs): forward 54 and 70 (before: 204 and 221 with
+# metrics kernel's KL on the full log-probs): forward 55 and 70 (before: 204 and 221 with
 # the metrics at the call, 184 and 119 with the eager middle alone); the metrics 20 at
 # their first read.
 DEVICE_CONFIGS = {
@@ -248,7 +248,7 @@ DEVICE_CONFIGS = {
     "tis": (lambda ref, roll, tok: dict(rollout_logprobs=roll, rollout_correction="tis"), 8, 3),
     "gspo": (lambda ref, roll, tok: dict(policy_loss="gspo"), 17, 3),
     "replay": (lambda ref, roll, tok: dict(sampling_mask=_kept(tok), ref_logprobs=ref,
-                                           kl_coef=0.1), 54, 3),
+                                           kl_coef=0.1), 55, 3),
     "top-p": (lambda ref, roll, tok: dict(top_k=16, top_p=0.8), 70, 3),
 }
 

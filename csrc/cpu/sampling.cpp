@@ -392,9 +392,42 @@ void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
   });
 }
 
+// ------------------------------------------------------------------ check_kept_ids
+
+// A given kept set's CSR (contract in csrc/ops_host.cpp) checked in one pass, the first
+// failing rule a ValueError with ppo_kernels/sampling.py check_replay's message: offsets
+// from 0 to nnz, non-decreasing; ids in [0, vocab) (vocab < 0: not checked here); no id
+// twice within a row (each row's ids sorted in a scratch copy).
+void check_kept_ids(const at::Tensor& ids_in, const at::Tensor& offs_in, int64_t vocab) {
+  TORCH_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong && offs_in.dim() == 1 &&
+                  offs_in.scalar_type() == at::kLong && offs_in.numel() >= 1,
+              "check_kept_ids: expected int64 token_ids [nnz] and offsets [N + 1]");
+  const at::Tensor ids_t = ids_in.contiguous(), offs_t = offs_in.contiguous();
+  const int64_t* ids = ids_t.data_ptr<int64_t>();
+  const int64_t* offs = offs_t.data_ptr<int64_t>();
+  const int64_t n = offs_t.numel() - 1, nnz = ids_t.numel();
+  TORCH_CHECK_VALUE(offs[0] == 0 && offs[n] == nnz,
+                    "sampling_mask.offsets: must start at 0 and end at nnz = len(token_ids)");
+  for (int64_t r = 0; r < n; ++r)
+    TORCH_CHECK_VALUE(offs[r + 1] >= offs[r], "sampling_mask.offsets: must be non-decreasing");
+  if (vocab >= 0)
+    for (int64_t j = 0; j < nnz; ++j)
+      TORCH_CHECK_VALUE(ids[j] >= 0 && ids[j] < vocab,
+                        "sampling_mask.token_ids: ids must lie in [0, V) = [0, ", vocab, ")");
+  std::vector<int64_t> row;
+  for (int64_t r = 0; r < n; ++r) {
+    row.assign(ids + offs[r], ids + offs[r + 1]);
+    std::sort(row.begin(), row.end());
+    TORCH_CHECK_VALUE(std::adjacent_find(row.begin(), row.end()) == row.end(),
+                      "sampling_mask.token_ids: an id repeats within a row (the sets must be "
+                      "sets)");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_kernels, CPU, m) {
+  m.impl("check_kept_ids", &check_kept_ids);
   m.impl("sampling_threshold", &sampling_threshold);
   m.impl("kept_logprobs_fwd", &kept_logprobs_fwd);
   m.impl("kept_logprobs_bwd_", &kept_logprobs_bwd_);
