@@ -141,6 +141,13 @@ def outputs(lp_k, ent_k, logp, ent, return_full, return_entropy, entropy_over, s
     return out if len(out) > 1 else out[0]
 
 
+def csr_check_op():
+    """ppo_kernels::check_kept_ids (csrc/cpu/sampling.cpp) where this build has it, else
+    None (check_replay's eager checks)."""
+    ops = torch.ops.ppo_kernels
+    return ops.check_kept_ids if hasattr(ops, "check_kept_ids") else None
+
+
 def check_replay(sampling_mask, top_k, top_p, min_p, tokens2, vocab, packing=None):
     """The Replay of a call (None without a kept set). tokens2: the kernels' [B, T] (packed
     [1, total]); vocab: the global V (None: not checked here, a split vocabulary checks the
@@ -173,9 +180,9 @@ def check_replay(sampling_mask, top_k, top_p, min_p, tokens2, vocab, packing=Non
         ids, offs = ids.long().contiguous(), offs.long().contiguous()
         nnz = ids.shape[0]
         on_host = ck.host_readable(ids)
-        if on_host and hasattr(torch.ops.ppo_kernels, "check_kept_ids"):
-            # every rule below in one pass of the CPU op, the same ValueErrors
-            torch.ops.ppo_kernels.check_kept_ids(ids, offs, -1 if vocab is None else int(vocab))
+        op = csr_check_op() if on_host else None
+        if op is not None:  # every rule below in one pass of the CPU op, the same ValueErrors
+            op(ids, offs, -1 if vocab is None else int(vocab))
             return Replay(ids=ids, offsets=offs)
         conds = [((offs[:1] == 0).all() & (offs[-1:] == nnz).all(),
                   "sampling_mask.offsets: must start at 0 and end at nnz = len(token_ids)"),

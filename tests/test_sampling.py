@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
+from helpers import device_path
 from helpers.asserts import assert_close_np, assert_grad_close
 from helpers.backends import BACKENDS_CPU, TRITON_DEVICE
 from helpers.inputs import random_csr
@@ -877,3 +878,39 @@ def test_opcheck_kept_ops_per_row_temperature(prefix):
             torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
         with pytest.raises((RuntimeError, TypeError), match="temperatures"):
             fwd(logits, tokens, mask, 1.0, *kept, temps.double())
+
+
+# every rule of a given kept set's CSR broken once: (token_ids, offsets) over N = 4 positions
+BAD_CSR = {
+    "offsets-start": ([0, 1], [1, 1, 2, 2, 2]),
+    "offsets-end": ([0, 1], [0, 1, 1, 1, 1]),
+    "offsets-order": ([0, 1], [0, 2, 1, 2, 2]),
+    "id-above-V": ([0, 5], [0, 1, 2, 2, 2]),
+    "id-negative": ([0, -1], [0, 1, 2, 2, 2]),
+    "id-twice": ([3, 1, 3], [0, 3, 3, 3, 3]),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CSR))
+def test_bad_kept_sets_the_same_error_with_and_without_the_cpu_op(monkeypatch, name):
+    """check_replay's one CPU op (ppo_kernels::check_kept_ids) and its eager checks (a build
+    without the op) raise the same ValueError for each broken rule; a good set passes
+    both."""
+    from ppo_kernels import sampling
+    tokens = torch.zeros(2, 2, dtype=torch.long)
+    ids, offs = (torch.tensor(v) for v in BAD_CSR[name])
+    errors = []
+    for with_op in (True, False):
+        with monkeypatch.context() as mp:
+            if not with_op:
+                mp.setattr(sampling, "csr_check_op", lambda: None)
+            calls = device_path.spy(mp, torch.ops.ppo_kernels, "check_kept_ids")
+            with pytest.raises(ValueError) as e:
+                sampling.check_replay(pk.SamplingMask(ids, offs), None, None, None, tokens, 5)
+            errors.append(str(e.value))
+            good = sampling.check_replay(pk.SamplingMask(torch.tensor([0, 1, 4]),
+                                                         torch.tensor([0, 2, 2, 3, 3])),
+                                         None, None, None, tokens, 5)
+            assert good.ids.tolist() == [0, 1, 4]
+            assert len(calls) == (2 if with_op else 0)
+    assert errors[0] == errors[1], errors
