@@ -14,13 +14,17 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include "ppo_math.h"
 #include "row_args.h"
 
 namespace ppo {
 
-inline PolicyParams loss_params(c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
+// The float[] / int[] of the loss ops in slot order, checked for what every one of them
+// reads: their counts, codes that fit the kernels' int (a truncated 2^32 + 5 would pass for
+// 5), a known KL estimator, kl_bias_correction 0 or 1. The policy loss is each op's to check.
+inline PolicyParams slot_params(c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
                                 bool has_ref, bool has_is_weights) {
   TORCH_CHECK(scalars.size() == static_cast<size_t>(slot::kNumFloat), "scalars: expected ",
               static_cast<int>(slot::kNumFloat),
@@ -29,9 +33,22 @@ inline PolicyParams loss_params(c10::ArrayRef<double> scalars, c10::ArrayRef<int
   TORCH_CHECK(codes.size() == static_cast<size_t>(slot::kNumInt), "codes: expected ",
               static_cast<int>(slot::kNumInt),
               " integers in the slot order of ppo_kernels/spec.py INT_SLOTS, got ", codes.size());
+  static const char* const names[slot::kNumInt] = {"policy_loss", "kl_estimator",
+                                                   "kl_bias_correction"};
+  for (int k = 0; k < slot::kNumInt; ++k)
+    TORCH_CHECK(codes[k] >= INT32_MIN && codes[k] <= INT32_MAX, names[k],
+                ": expected an id of ppo_kernels/spec.py, got ", codes[k]);
   const PolicyParams p = policy_params(scalars.data(), codes.data(), has_ref, has_is_weights);
-  const int est = p.code(slot::kl_estimator), pl = p.code(slot::policy_loss);
-  check_kl_estimator(est);
+  check_kl_estimator(p.code(slot::kl_estimator));
+  TORCH_CHECK(p.code(slot::kl_bias_correction) == 0 || p.code(slot::kl_bias_correction) == 1,
+              "kl_bias_correction: expected 0 or 1, got ", p.code(slot::kl_bias_correction));
+  return p;
+}
+
+inline PolicyParams loss_params(c10::ArrayRef<double> scalars, c10::ArrayRef<int64_t> codes,
+                                bool has_ref, bool has_is_weights) {
+  const PolicyParams p = slot_params(scalars, codes, has_ref, has_is_weights);
+  const int pl = p.code(slot::policy_loss);
   TORCH_CHECK(kernel_policy_loss(pl),
               "policy_loss: expected the id of a token-level policy loss (ppo_kernels/spec.py "
               "KERNEL_POLICY_LOSSES), got ", pl);

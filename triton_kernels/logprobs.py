@@ -215,13 +215,44 @@ def check_per_token(name, x, shape, dtype, device):
         raise ValueError(f"{name}: expected a contiguous tensor")
 
 
+def middle_inputs(logp, mask, named):
+    """The [B, T] middle launchers' inputs (seq_loss.py, token_middle.py) checked as the C++
+    ops check them (csrc/cpu/middle_args.h): logp float32 or float64 [B, T], mask bool of
+    its shape, each (name, tensor or None) of named of logp's dtype, shape and device.
+    Returns (logp, mask, [each tensor or None]) contiguous; raises ValueError / TypeError
+    naming the argument."""
+    if logp.dim() != 2 or logp.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"logprobs: expected float32 or float64 [B, T], got {logp.dtype} "
+                         f"{list(logp.shape)}")
+    if mask.dtype != torch.bool or mask.shape != logp.shape:
+        raise ValueError(f"mask: expected bool {list(logp.shape)}, got {mask.dtype} "
+                         f"{list(mask.shape)}")
+    out = []
+    for name, x in named:
+        if x is not None:
+            if x.shape != logp.shape:
+                raise ValueError(f"{name}: expected shape {list(logp.shape)}, got "
+                                 f"{list(x.shape)}")
+            if x.dtype != logp.dtype:
+                raise TypeError(f"{name}: expected dtype {logp.dtype}, got {x.dtype}")
+            if x.device != logp.device:
+                raise ValueError(f"{name}: expected device {logp.device}, got {x.device}")
+            x = x.contiguous()
+        out.append(x)
+    return logp.contiguous(), mask.contiguous(), out
+
+
 def check_slots(scalars, codes):
     """scalars / codes as the loss ops take them: the slots of ppo_kernels/spec.py
-    (FLOAT_SLOTS numbers, INT_SLOTS integers), or a ValueError."""
+    (FLOAT_SLOTS numbers, INT_SLOTS integers, kl_bias_correction 0 or 1), or a ValueError
+    (as the C++ ops' ppo::slot_params)."""
     if len(scalars) != len(FLOAT_SLOTS) or len(codes) != len(INT_SLOTS):
         raise ValueError(f"scalars / codes: expected {len(FLOAT_SLOTS)} numbers and "
                          f"{len(INT_SLOTS)} integers in the slot order of ppo_kernels/spec.py, "
                          f"got {len(scalars)} and {len(codes)}")
+    bias = codes[INT_SLOTS.index("kl_bias_correction")]
+    if isinstance(bias, bool) or int(bias) not in (0, 1):
+        raise ValueError(f"kl_bias_correction: expected 0 or 1, got {bias}")
 
 
 def check_kl_estimator(kl_estimator):

@@ -372,6 +372,8 @@ def ppo_loss_metrics(logp, ent, mask, old, adv, ref, roll, isw, scalars, codes, 
         raise ValueError(f"policy_loss: expected an id of ppo_kernels/spec.py POLICY_LOSSES, "
                          f"got {pl}")
     check_kl_estimator(est)
+    if slots is not None and any(not 0 <= int(k) < N_METRICS for k in slots):
+        raise ValueError(f"slots: expected indices in [0, {N_METRICS}), got {list(slots)}")
     B, T = mask.shape
     dev = mask.device
     part = torch.empty((B, N_PARTS), dtype=torch.float64, device=dev)

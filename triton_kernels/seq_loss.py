@@ -31,7 +31,7 @@ import triton.language as tl
 from . import _config
 from ..spec import POLICY_LOSSES, F, I
 from ._math import LOG_RATIO_CLAMP, as_acc, clampv, exp_acc, kl_term
-from .logprobs import check_kl_estimator, check_slots, device_guard, tl_acc
+from .logprobs import check_kl_estimator, check_slots, device_guard, middle_inputs, tl_acc
 
 # the policy losses this kernel computes (ppo_kernels/spec.py POLICY_LOSSES ids)
 SEQ_LOSSES = ("gspo", "gspo-token")
@@ -132,7 +132,7 @@ def _seq_loss_kernel(
         else:
             g_seq += tl.where(m, d_s, 0.0)
             tl.store(dlogp_ptr + row + t, tl.where(m, d_own, 0.0), mask=t < T)
-        tl.store(pol_ptr + row + t, pol, mask=t < T)
+        tl.store(pol_ptr + row + t, tl.where(m, pol, 0.0), mask=t < T)
         if HAS_WENT:
             we = tl.load(went_ptr + row + t, mask=m, other=0.0)
         else:
@@ -155,21 +155,18 @@ def seq_loss_grad(logp, ent, mask, old, adv, ref, isw, w, w_ent, scalars, codes)
     """(dlogp, dent, loss, pol) of the module docstring. scalars / codes: the loss options
     in the slot order of ppo_kernels/spec.py (LossSpec.kernel_args), codes' policy_loss one
     of SEQ_LOSSES. Eager launches only (the two-phase path calls it outside tracing).
-    Raises ValueError for another policy loss or a shape other than logp's."""
+    Raises ValueError for another policy loss or an input of another shape than logp's,
+    TypeError for one of another dtype (logprobs.middle_inputs)."""
     check_slots(scalars, codes)
     pl = int(codes[I["policy_loss"]])
     if pl not in [POLICY_LOSSES.index(x) for x in SEQ_LOSSES]:
         raise ValueError(f"policy_loss: expected the id of one of {SEQ_LOSSES}, got {pl}")
     check_kl_estimator(codes[I["kl_estimator"]])
+    logp, mask, (ent, adv, w, *opt) = middle_inputs(logp, mask, (
+        ("entropy", ent), ("advantages", adv), ("weights", w), ("old_logprobs", old),
+        ("ref_logprobs", ref), ("rollout_is_weights", isw), ("entropy_weights", w_ent)))
     B, T = logp.shape
-    for name, x in (("ent", ent), ("mask", mask), ("old", old), ("adv", adv), ("ref", ref),
-                    ("isw", isw), ("w", w), ("w_ent", w_ent)):
-        if x is not None and tuple(x.shape) != (B, T):
-            raise ValueError(f"{name}: expected shape {[B, T]}, got {list(x.shape)}")
     acc = logp.dtype
-    logp, ent, adv, w = (x.contiguous() for x in (logp, ent, adv, w))
-    mask = mask.contiguous()
-    opt = [None if x is None else x.to(acc).contiguous() for x in (old, ref, isw, w_ent)]
     dlogp, dent, pol = (torch.empty_like(logp) for _ in range(3))
     part = torch.empty((B,), dtype=acc, device=logp.device)
     if B * T == 0:

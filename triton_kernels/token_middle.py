@@ -24,7 +24,7 @@ import triton.language as tl
 from . import _config
 from ._math import (F_CLIP_EPS_HIGH, F_CLIP_EPS_LOW, F_DUAL_CLIP_C, F_ENTROPY_COEF,
                     F_KL_COEF, F_SAPO_TAU_NEG, F_SAPO_TAU_POS, as_acc, kl_term, pg_term)
-from .logprobs import device_guard, tl_acc
+from .logprobs import device_guard, middle_inputs, tl_acc
 from .ppo_loss import check_loss_args
 from ..spec import F, I
 
@@ -112,18 +112,15 @@ def token_loss_grad(logp, ent, mask, old, adv, ref, isw, w, w_ent, scalars, code
     ref, isw, w_ent, kl_logprobs optional), mask bool [B, T]; scalars / codes the loss
     options in the slot order of ppo_kernels/spec.py with the id of a token-level policy
     loss. Eager launches only (the two-phase path calls it outside tracing). Raises
-    ValueError for another policy loss, bad slots or a shape other than logp's."""
+    ValueError for another policy loss, bad slots or an input of another shape than logp's,
+    TypeError for one of another dtype (logprobs.middle_inputs)."""
     fs, codes = check_loss_args(scalars, codes)
+    logp, mask, (ent, adv, w, *opt) = middle_inputs(logp, mask, (
+        ("entropy", ent), ("advantages", adv), ("weights", w), ("old_logprobs", old),
+        ("ref_logprobs", ref), ("rollout_is_weights", isw), ("entropy_weights", w_ent),
+        ("kl_logprobs", kl_logprobs)))
     B, T = logp.shape
-    for name, x in (("entropy", ent), ("mask", mask), ("old_logprobs", old),
-                    ("advantages", adv), ("ref_logprobs", ref), ("rollout_is_weights", isw),
-                    ("weights", w), ("entropy_weights", w_ent), ("kl_logprobs", kl_logprobs)):
-        if x is not None and tuple(x.shape) != (B, T):
-            raise ValueError(f"{name}: expected shape {[B, T]}, got {list(x.shape)}")
     acc = logp.dtype
-    logp, ent, adv, w, mask = (x.contiguous() for x in (logp, ent, adv, w, mask))
-    opt = [None if x is None else x.to(acc).contiguous()
-           for x in (old, ref, isw, w_ent, kl_logprobs)]
     dlogp, dent, pol = (torch.empty_like(logp) for _ in range(3))
     dkl = torch.empty_like(logp) if kl_logprobs is not None else logp.new_empty((0,))
     n = B * T

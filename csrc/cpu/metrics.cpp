@@ -10,8 +10,10 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
+#include "../loss_args.h"
 #include "../ppo_math.h"
 #include "common.h"
 #include "seq_ratio.h"
@@ -203,23 +205,20 @@ at::Tensor ppo_loss_metrics(const at::Tensor& logp_in, const at::Tensor& ent_in,
                             const std::optional<at::Tensor>& kl_logprobs) {
   TORCH_CHECK(mask_in.dim() == 2 && mask_in.scalar_type() == at::kBool,
               "mask: expected bool [B, T], got ", mask_in.scalar_type(), " ", mask_in.sizes());
-  TORCH_CHECK(scalars.size() == static_cast<size_t>(ppo::slot::kNumFloat) &&
-                  codes.size() == static_cast<size_t>(ppo::slot::kNumInt),
-              "scalars / codes: expected the slots of ppo_kernels/spec.py");
-  const ppo::PolicyParams p =
-      ppo::policy_params(scalars.data(), codes.data(), ref.has_value(), isw.has_value());
+  const ppo::PolicyParams p = ppo::slot_params(scalars, codes, ref.has_value(), isw.has_value());
   TORCH_CHECK(p.code(ppo::slot::policy_loss) >= ppo::kVanilla &&
                   p.code(ppo::slot::policy_loss) <= ppo::kVespo,
-              "policy_loss: expected an id of ppo_kernels/spec.py POLICY_LOSSES");
-  ppo::check_kl_estimator(p.code(ppo::slot::kl_estimator));
+              "policy_loss: expected an id of ppo_kernels/spec.py POLICY_LOSSES, got ",
+              p.code(ppo::slot::policy_loss));
   const at::Tensor mask = mask_in.contiguous();
   const at::ScalarType acc = logp_in.scalar_type();
   TORCH_CHECK(acc == at::kFloat || acc == at::kDouble,
               "logprobs: expected float32 or float64, got ", acc);
-  for (const at::Tensor* x : {&logp_in, &ent_in, &adv_in})
-    TORCH_CHECK(x->sizes() == mask.sizes() && x->scalar_type() == acc,
-                "logprobs / entropy / advantages: expected ", acc, " of the mask's shape ",
-                mask.sizes(), ", got ", x->scalar_type(), " ", x->sizes());
+  for (const auto& [x, name] : {std::pair<const at::Tensor*, const char*>{&logp_in, "logprobs"},
+                                {&ent_in, "entropy"}, {&adv_in, "advantages"}})
+    TORCH_CHECK(x->sizes() == mask.sizes() && x->scalar_type() == acc, name, ": expected ", acc,
+                " of the mask's shape ", mask.sizes(), ", got ", x->scalar_type(), " ",
+                x->sizes());
   for (const int64_t k : slots)
     TORCH_CHECK(k >= 0 && k < kNumMetrics, "slots: expected indices in [0, ", int(kNumMetrics),
                 "), got ", k);

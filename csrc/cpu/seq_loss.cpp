@@ -15,6 +15,7 @@
 
 #include <tuple>
 
+#include "../loss_args.h"
 #include "../ppo_math.h"
 #include "middle_args.h"
 #include "seq_ratio.h"
@@ -119,16 +120,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> seq_loss_grad(
     const at::Tensor& w, const std::optional<at::Tensor>& went, c10::ArrayRef<double> scalars,
     c10::ArrayRef<int64_t> codes) {
   const MiddleArgs a = middle_args(logp, ent, mask, old, adv, ref, isw, w, went);
-  TORCH_CHECK(scalars.size() == static_cast<size_t>(ppo::slot::kNumFloat) &&
-                  codes.size() == static_cast<size_t>(ppo::slot::kNumInt),
-              "scalars / codes: expected the slots of ppo_kernels/spec.py");
-  const ppo::PolicyParams p =
-      ppo::policy_params(scalars.data(), codes.data(), ref.has_value(), isw.has_value());
+  const ppo::PolicyParams p = ppo::slot_params(scalars, codes, ref.has_value(), isw.has_value());
   const int pl = p.code(ppo::slot::policy_loss);
   TORCH_CHECK_VALUE(pl == ppo::kGspo || pl == ppo::kGspoToken,
                     "policy_loss: expected the id of gspo or gspo-token (ppo_kernels/spec.py "
                     "POLICY_LOSSES), got ", pl);
-  ppo::check_kl_estimator(p.code(ppo::slot::kl_estimator));
   const MiddleOut out = middle_out(a.logp);
   AT_DISPATCH_FLOATING_TYPES(a.acc, "seq_loss_grad", [&] {
     using T = scalar_t;

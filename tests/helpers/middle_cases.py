@@ -123,7 +123,7 @@ def assert_middle_close(got, want, spec, x, inputs,
         if name == "dent" and spec.entropy_coef == 0.0:
             continue
         torch.testing.assert_close(a, b, equal_nan=True, msg=name, **tol)
-    assert (got[0][~x.mask] == 0).all()
+    assert (got[0][~x.mask] == 0).all() and (got[3][~x.mask] == 0).all()
     if inputs.startswith("nan"):
         assert got[2].isnan() and got[0][4][x.mask[4]].isnan().any()
         assert torch.isfinite(got[0][:4]).all()  # the other sequences keep their values
@@ -140,6 +140,15 @@ def assert_bad_arguments_raise(op, dev, policy, other_policy_id, policy_error, s
         op(logp, ent, x.mask, x.old, x.adv, None, None, x.weights, None, scalars, other)
     with pytest.raises(shape_error, match="adv"):
         op(logp, ent, x.mask, x.old, x.adv[:, :3], None, None, x.weights, None, scalars, codes)
+    # an id that a cast to the kernels' int would truncate to the right one; a flag not 0 / 1
+    wrapped = list(codes)
+    wrapped[0] += 2**32
+    with pytest.raises((ValueError, RuntimeError), match="policy_loss"):
+        op(logp, ent, x.mask, x.old, x.adv, None, None, x.weights, None, scalars, wrapped)
+    flag = list(codes)
+    flag[2] = 2
+    with pytest.raises((ValueError, RuntimeError), match="kl_bias_correction"):
+        op(logp, ent, x.mask, x.old, x.adv, None, None, x.weights, None, scalars, flag)
     return logp, ent, x, scalars, codes
 
 
