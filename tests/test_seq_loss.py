@@ -13,20 +13,17 @@ import torch
 from helpers import device_path
 from helpers.backends import TRITON_DEVICE, triton_ops
 from helpers.middle_cases import (IMPLS, INPUTS, OPTIONS, assert_bad_arguments_raise,
-                                  assert_loss_close, assert_middle_close, case, cpu_op, device_subset, eager,
-                                  eager_and_cpu_op, loss_inputs, op_of)
+                                  assert_loss_close, assert_middle_close, case, cpu_op, eager,
+                                  eager_and_cpu_op, loss_inputs, op_of, twin_cases)
 
 
 def _op(impl):
     return op_of(impl, "seq_loss_grad", "seq_loss")
 
 
-@pytest.mark.parametrize("inputs", [i for i in INPUTS if i != "kl-logp"])
-@pytest.mark.parametrize("opts", list(OPTIONS))
 @pytest.mark.parametrize("policy", ["gspo", "gspo-token"])
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl,opts,inputs", twin_cases([i for i in INPUTS if i != "kl-logp"]))
 def test_fused_middle_matches_the_eager_middle(monkeypatch, impl, policy, opts, inputs):
-    device_subset(impl, opts, inputs)
     op, dev = _op(impl)
     logp, ent, spec, x, _ = case(policy, OPTIONS[opts], inputs, dev)
     want = eager(monkeypatch, logp, ent, spec, x)

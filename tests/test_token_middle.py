@@ -17,21 +17,18 @@ from ppo_kernels.spec import KERNEL_POLICY_LOSSES
 from helpers import device_path
 from helpers.backends import TRITON_DEVICE, triton_ops
 from helpers.inputs import random_csr
-from helpers.middle_cases import (IMPLS, INPUTS, OPTIONS, assert_bad_arguments_raise,
-                                  assert_loss_close, assert_middle_close, case, cpu_op, device_subset, eager,
-                                  eager_and_cpu_op, loss_inputs, op_of)
+from helpers.middle_cases import (IMPLS, OPTIONS, assert_bad_arguments_raise,
+                                  assert_loss_close, assert_middle_close, case, cpu_op, eager,
+                                  eager_and_cpu_op, loss_inputs, op_of, twin_cases)
 
 
 def _op(impl):
     return op_of(impl, "token_loss_grad", "token_middle")
 
 
-@pytest.mark.parametrize("inputs", INPUTS)
-@pytest.mark.parametrize("opts", list(OPTIONS))
 @pytest.mark.parametrize("policy", KERNEL_POLICY_LOSSES)
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl,opts,inputs", twin_cases())
 def test_token_middle_matches_the_eager_middle(monkeypatch, impl, policy, opts, inputs):
-    device_subset(impl, opts, inputs)
     op, dev = _op(impl)
     logp, ent, spec, x, logp_kl = case(policy, OPTIONS[opts], inputs, dev)
     want = eager(monkeypatch, logp, ent, spec, x, logp_kl)

@@ -34,16 +34,16 @@ INPUTS = ["plain", "on-policy", "isw-went", "clamped", "nan-adv", "nan-logp", "f
           "kl-logp"]
 
 
-def device_subset(impl, opts, inputs):
-    """Skips the Triton twin's case on a CUDA device unless it is one option set with every
-    input set or every option set with plain inputs: each case there is a specialisation
-    to compile, and benchmarks/gpu_check.sh's test stage has a budget; the interpreter (no
-    GPU) and the C++ op run every case."""
-    if impl == "triton" and TRITON_DEVICE == "cuda" and opts != "dual-k3" \
-            and inputs != "plain":
-        pytest.skip("on a CUDA device the Triton middle runs its subset (every input set "
-                    "with dual-k3, every option set with plain inputs); the interpreter "
-                    "runs every case")
+def twin_cases(inputs=INPUTS):
+    """(impl, option set, input set) params: the C++ op every pair, the Triton twin every
+    input set with one option set (dual-k3) and every option set with plain inputs, which
+    reaches each of its specialisations' flags (each Triton case is ~1 s under the
+    interpreter and a compilation on a device, where benchmarks/gpu_check.sh's test stage
+    has a budget)."""
+    return [pytest.param(impl, o, i, marks=cpu_op if impl == "cpu" else triton_ops,
+                         id=f"{impl}-{o}-{i}")
+            for impl in ("cpu", "triton") for o in OPTIONS for i in inputs
+            if impl == "cpu" or o == "dual-k3" or i == "plain"]
 
 
 def op_of(impl, name, module):
