@@ -26,6 +26,16 @@ def recorded(*tensors):
     return wants_grad(*tensors) or torch.jit.is_tracing() or torch.compiler.is_compiling()
 
 
+def call_op(op, like, *args, **kwargs):
+    """op(*args, **kwargs) for a kernel op whose differentiable input is like: through its
+    autograd kernel where the call is recorded (recorded(like)), else below autograd,
+    straight to the device kernel."""
+    if recorded(like):
+        return op(*args, **kwargs)
+    with torch._C._AutoDispatchBelowAutograd():
+        return op(*args, **kwargs)
+
+
 class KernelBackend:
     """A backend made of the compiled ops (prefix "") or the Triton ones ("triton_")."""
 
@@ -45,13 +55,8 @@ class KernelBackend:
     def token_logprobs(self, logits, tokens, mask, temperature, return_entropy):
         """temperature: a number or the per-row [B, T] tensor (the ops' `temperatures`)."""
         t, temps = split_temperature(temperature)
-        op = self.op("token_logprobs_fwd")
-        if recorded(logits):
-            logp, ent, _, _ = op(logits, tokens, mask, t, return_entropy, temperatures=temps)
-        else:  # (no gradient in eager mode: no pass through the op's Python autograd kernel)
-            with torch._C._AutoDispatchBelowAutograd():
-                logp, ent, _, _ = op(logits, tokens, mask, t, return_entropy,
-                                     temperatures=temps)
+        logp, ent, _, _ = call_op(self.op("token_logprobs_fwd"), logits, logits, tokens, mask,
+                                  t, return_entropy, temperatures=temps)
         return logp, (ent if return_entropy else None)
 
     def ppo_loss(self, logits, kin, spec):
@@ -75,13 +80,9 @@ class KernelBackend:
         elif need_grad and not tracing and not torch.compiler.is_compiling():
             loss, loss_tok, logp, ent = fused_loss(self.prefix, logits, tensors, scalars, codes,
                                                    rows)
-        elif recorded(logits):
-            loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(
-                logits, *tensors, scalars, codes, need_grad, *rows)
-        else:  # (no gradient in eager mode: no pass through the op's Python autograd kernel)
-            with torch._C._AutoDispatchBelowAutograd():
-                loss, loss_tok, logp, ent, _ = self.op("ppo_loss_fwd")(
-                    logits, *tensors, scalars, codes, False, *rows)
+        else:  # (need_grad: traced; with no gradient in eager mode below autograd, call_op)
+            loss, loss_tok, logp, ent, _ = call_op(self.op("ppo_loss_fwd"), logits, logits,
+                                                   *tensors, scalars, codes, need_grad, *rows)
         if w_ent is not None and spec.entropy_coef != 0.0:
             # the kernel sums w * (... - entropy_coef H); the entropy term's own weights
             # are w_ent (its gradient already carries them)

@@ -26,22 +26,12 @@ from typing import Any, NamedTuple
 import torch
 
 from ._autograd import first_order_only, wants_grad
-from ._backends import recorded
+from ._backends import call_op
 from ._checks import acc_dtype, split_temperature
 from .kept import kept_mass, replay_logprobs_torch
 from .kept_rows import (KeptStats, kernel_grad_, kernel_stats, merge_kept, require_ops,
                         shard_grad_, shard_partials)
 from .vocab_parallel import all_reduce_sum_
-
-
-def _call(op, like, *args, **kwargs):
-    """op(*args, **kwargs), below autograd where the call records no gradient (inside the
-    losses' autograd Functions, under no_grad; _backends.recorded): the op's autograd
-    kernel registered from Python would only redispatch, at tens of microseconds a call."""
-    if recorded(like):
-        return op(*args, **kwargs)
-    with torch._C._AutoDispatchBelowAutograd():
-        return op(*args, **kwargs)
 
 
 class RowStats(NamedTuple):
@@ -178,7 +168,7 @@ class RowSource:
             rows = blk.rows
             temp, msk = blk.temperature(self.temperature), rows(self.mask)
             t, temps = split_temperature(temp)
-            for part, v in zip(full, _call(fwd, z3, z3, rows(self.tokens), msk, t, need_ent,
+            for part, v in zip(full, call_op(fwd, z3, z3, rows(self.tokens), msk, t, need_ent,
                                            temperatures=temps)):
                 part.append(v)
             if rp is not None:
@@ -214,7 +204,7 @@ class RowSource:
             t, temps = split_temperature(temp)
             ent = rows(st.ent) if st.ent.numel() else st.ent
             lp_b, ent_b, mx, ls = g(g_lp), g(g_ent), rows(st.row_max), rows(st.log_sum)
-            dz = _call(bwd, z3, lp_b, ent_b, z3, rows(st.tokens), msk, mx, ls, ent, t,
+            dz = call_op(bwd, z3, lp_b, ent_b, z3, rows(st.tokens), msk, mx, ls, ent, t,
                        temperatures=temps)
             # (a shard's placeholder entries, before the soft cap's factor reuses z)
             self.vocab.fix_(dz, z3, rows(st.own), msk, lp_b, ent_b, mx, ls, ent, temp)
