@@ -5,9 +5,10 @@ cubin disassembled with cuobjdump -sass): the Triton half of benchmarks/cuda_sas
     python benchmarks/triton_sass.py [--dtype bf16] [--configs 4096:8,16384:16,32768:16]
 
 For each kernel and launch config (BLOCK_V:num_warps[:1], the knobs of
-triton_kernels/_config.py; :1 the fused loss's ONE_TILE) it prints the registers per thread, the stack bytes (spills), and each
-hot loop (a backward branch's span holding MUFU.EX2: one exp per logit of the vocabulary
-sweeps) as instructions per exp and the BAR.SYNC it executes per BLOCK_V entries. A
+triton_kernels/_config.py; :1 the fused loss's ONE_TILE) it prints the registers per
+thread, the stack bytes (spills), and each hot loop (a backward branch's span holding
+MUFU.EX2: one exp per logit of the vocabulary sweeps) as instructions per exp and the
+BAR.SYNC it executes per BLOCK_V entries. A
 kernel whose row fits one block (ONE_TILE) has no vocabulary loop: its straight-line
 sweeps are counted over the whole function instead ("whole kernel": both sweeps, the
 token's epilogue and the stores, over the row's entries per thread). Static counts: what a sweep

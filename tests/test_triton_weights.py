@@ -1,8 +1,9 @@
 """The device weights and token-id check (triton_kernels/weights.py) against the CPU op
 ppo_kernels::agg_weights and the eager formulas, on a CUDA device where one is present,
-else under the Triton interpreter (CPU tensors): every mode and denominator, empty sequences, an all-masked batch, shapes that
-span several of the interpreter's 8-wide blocks, both dtypes; and ppo_loss on the path
-that uses them (_backends.device_eager forced), whose loss and gradient keep their bits."""
+else under the Triton interpreter (CPU tensors): every mode and denominator, empty
+sequences, an all-masked batch, shapes that span several of the interpreter's 8-wide
+blocks, both dtypes; and ppo_loss on the path that uses them (_backends.device_eager
+forced), whose loss and gradient keep their bits."""
 
 import pytest
 import torch
