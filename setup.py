@@ -24,6 +24,10 @@ environment variable is needed; each choice below can be overridden:
   ninja each, MAX_JOBS jobs each, as many at once as the memory allows at 2 GiB a job):
   one module's long file (a CUDA unit) no longer leaves a core idle while the others wait.
 
+The CPU modules' files include the torch headers precompiled once per module
+(csrc/cpu/torch_headers.h, GCC's precompiled headers; precompile_headers): about a third
+less compile time for each CPU variant, and the same code.
+
 The torch the build used (version, CUDA version, C++ ABI) and these choices are written to
 ppo_kernels/_build_meta.py next to the compiled modules; the extension refuses to load
 under another torch (an ImportError saying how to rebuild), and the wheel's metadata pins
@@ -319,6 +323,69 @@ def cuda_units(torch):
     return paths
 
 
+PCH_HEADER = "csrc/cpu/torch_headers.h"
+
+
+def pch_header(torch, cap):
+    """Where capability cap's copy of PCH_HEADER lives in build/, its precompiled form
+    (".gch") beside it: GCC looks for the .gch next to the header an -include names."""
+    return os.path.join(build_base(torch), "pch", cap, os.path.basename(PCH_HEADER))
+
+
+def is_gcc(cxx):
+    try:
+        out = subprocess.run([cxx, "-dM", "-E", "-x", "c++", os.devnull],
+                             capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "__GNUC__" in out and "__clang__" not in out
+
+
+def precompile_headers(compiler, ext):
+    """Precompiles the copy of PCH_HEADER that ext's files -include (a _cpu_<cap> module),
+    with the flags ninja compiles them with: torch's BuildExtension runs
+    `$cxx $cflags -c $in -o $out $post_cflags`, cflags being the -D / -I options and the
+    compiler's own flags (compiler_so), post_cflags ext's extra_compile_args. Redone when
+    the command or the header's text changes (a stamp beside it), which also rewrites the
+    copy, so that ninja recompiles the files that include it. With a compiler other than
+    GCC, or when precompiling fails, the copy is included as plain text: the build is
+    slower, not different. Returns the seconds spent."""
+    args = list(ext.extra_compile_args["cxx"])
+    i = args.index("-include")
+    header = args[i + 1]
+    del args[i:i + 2]
+    text = _read(os.path.join(ROOT, PCH_HEADER))
+    cxx = os.environ.get("CXX", "c++")  # torch's ninja file compiles with this
+    cmd = [cxx, *[f"-D{n}" if v is None else f"-D{n}={v}" for n, v in ext.define_macros],
+           *[f"-I{d}" for d in ext.include_dirs], *compiler.compiler_so[1:],
+           "-x", "c++-header", "-c", header, "-o", header + ".gch", *args]
+    stamp = "\n".join(cmd) + "\n" + text
+    stamp_path = header + ".stamp"
+    os.makedirs(os.path.dirname(header), exist_ok=True)
+    if os.path.isfile(header + ".gch") and os.path.isfile(stamp_path) and \
+            _read(stamp_path) == stamp and os.path.isfile(header) and _read(header) == text:
+        return 0.0
+    for path in (header + ".gch", stamp_path):
+        if os.path.exists(path):
+            os.remove(path)
+    with open(header, "w") as f:  # a new mtime: ninja recompiles what includes it
+        f.write(text)
+    if not is_gcc(cxx):
+        say(f"{cxx} is not GCC: the torch headers are not precompiled for {ext.name}")
+        return 0.0
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        say(f"precompiling the torch headers for {ext.name} failed (compiling without): "
+            f"{r.stderr[-2000:]}")
+        if os.path.exists(header + ".gch"):
+            os.remove(header + ".gch")
+        return 0.0
+    with open(stamp_path, "w") as f:
+        f.write(stamp)
+    return time.monotonic() - t0
+
+
 def extensions(cpp_extension, cuda, torch):
     include = [os.path.join(ROOT, "csrc")]
     c_sources = rel("csrc/*.cpp")
@@ -339,7 +406,8 @@ def extensions(cpp_extension, cuda, torch):
     for cap in simd_caps():
         exts.append(cpp_extension.CppExtension(
             f"ppo_kernels._cpu_{cap}", rel("csrc/cpu/*.cpp"), include_dirs=list(include),
-            extra_compile_args={"cxx": CXX_FLAGS + SIMD[cap]},
+            extra_compile_args={"cxx": CXX_FLAGS + SIMD[cap] + [
+                "-Winvalid-pch", "-include", pch_header(torch, cap)]},
             extra_link_args=["-fopenmp"]))
     return exts
 
@@ -411,8 +479,12 @@ def build_ext_class(cpp_extension, torch, meta):
                 what = WHAT["_C_cuda" if any(s.endswith(".cu") for s in ext.sources) else "_C"]
             else:
                 what = WHAT["_cpu"].format(name[5:])
-            progress(f"compiling {ext.name}, {len(ext.sources)} files: {what}")
             t0 = time.monotonic()
+            if name.startswith("_cpu_"):
+                took = precompile_headers(self.compiler, ext)
+                if took:
+                    progress(f"{ext.name}: torch headers precompiled in {took:.0f} s")
+            progress(f"compiling {ext.name}, {len(ext.sources)} files: {what}")
             try:
                 super().build_extension(ext)
             finally:

@@ -238,3 +238,68 @@ def test_build_progress_reaches_the_terminal_under_pip(setup_py, monkeypatch, ca
     monkeypatch.setattr(setup_py, "open", no_tty, raising=False)
     setup_py.progress("done")
     assert "ppo_kernels setup: done" in capsys.readouterr().err
+
+
+@pytest.fixture
+def fake_cxx(tmp_path, monkeypatch):
+    """A stand-in C++ compiler (CXX): answers GCC's predefined macros (or clang's with
+    FAKE_CLANG=1), logs each compile, writes its -o file, fails with FAKE_FAIL=1."""
+    log = tmp_path / "cxx.log"
+    cxx = tmp_path / "c++"
+    cxx.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        case "$*" in
+          *-dM*) echo "#define __GNUC__ 13"; [ "$FAKE_CLANG" = 1 ] && echo "#define __clang__ 1"
+                 exit 0;;
+        esac
+        echo "$*" >> {log}
+        [ "$FAKE_FAIL" = 1 ] && {{ echo "cc1plus: fatal error" >&2; exit 1; }}
+        while [ $# -gt 0 ]; do [ "$1" = -o ] && echo gch > "$2"; shift; done
+        """))
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    return log
+
+
+def pch_ext(header, flags=("-O3",)):
+    return types.SimpleNamespace(
+        name="ppo_kernels._cpu_avx2", define_macros=[], include_dirs=["/inc"],
+        extra_compile_args={"cxx": [*flags, "-include", str(header), "-DX=1"]})
+
+
+@needs_checkout
+def test_precompiled_headers_rebuilt_only_when_stale(setup_py, fake_cxx, tmp_path):
+    """The torch headers are precompiled with the flags the module's files compile with
+    (minus the -include of the header itself), once: again only when the command or the
+    header's text changes, which also rewrites the copy the files include (its mtime makes
+    ninja recompile them)."""
+    compiler = types.SimpleNamespace(compiler_so=["gcc", "-fPIC", "-O2"])
+    header = tmp_path / "pch" / "torch_headers.h"
+    setup_py.precompile_headers(compiler, pch_ext(header))
+    calls = fake_cxx.read_text().splitlines()
+    assert len(calls) == 1
+    assert "-x c++-header -c " + str(header) + " -o " + str(header) + ".gch" in calls[0]
+    assert "-include" not in calls[0] and "-I/inc" in calls[0] and "-DX=1" in calls[0]
+    assert "-fPIC -O2" in calls[0] and calls[0].endswith("-O3 -DX=1")
+    src = open(os.path.join(ROOT, setup_py.PCH_HEADER)).read()
+    assert header.read_text() == src and (tmp_path / "pch" / "torch_headers.h.gch").is_file()
+
+    setup_py.precompile_headers(compiler, pch_ext(header))
+    assert len(fake_cxx.read_text().splitlines()) == 1  # up to date: nothing run
+    setup_py.precompile_headers(compiler, pch_ext(header, flags=("-O3", "-mavx2")))
+    assert len(fake_cxx.read_text().splitlines()) == 2  # other flags: precompiled again
+
+
+@needs_checkout
+@pytest.mark.parametrize("why", ["FAKE_CLANG", "FAKE_FAIL"])
+def test_precompiled_headers_fall_back_to_text(setup_py, fake_cxx, tmp_path, monkeypatch,
+                                                capsys, why):
+    """Another compiler than GCC, or a failed precompile: no .gch, the copy of the header
+    is there to be included as plain text (slower, the same code), and the build says so."""
+    monkeypatch.setenv(why, "1")
+    header = tmp_path / "pch" / "torch_headers.h"
+    took = setup_py.precompile_headers(types.SimpleNamespace(compiler_so=["gcc"]),
+                                       pch_ext(header))
+    assert took == 0.0 and header.is_file()
+    assert not (tmp_path / "pch" / "torch_headers.h.gch").exists()
+    assert ("is not GCC" if why == "FAKE_CLANG" else "failed") in capsys.readouterr().err
