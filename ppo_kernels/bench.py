@@ -320,8 +320,9 @@ def show_options(opts):
 def make_inputs(op, b, t, v, h, dtype, device, mask_frac, teacher_k, seed=0):
     """Random inputs of op (CPU generator, then moved): logits [B, T, V] (x 2, so the softmax
     is not flat) or hidden [B, T, H] and W [V, H]; tokens; mask (mask_frac of the tokens
-    masked, the first of each sequence always valid); old / ref log-probs near the current
-    ones; per-sequence advantages broadcast over T; values, scores; a top-k teacher."""
+    masked, the first of each sequence always valid); old / ref / rollout log-probs near the
+    current ones; per-sequence advantages broadcast over T; values, scores; a top-k
+    teacher."""
     g = torch.Generator().manual_seed(seed)
     x = {}
     tokens = torch.randint(0, v, (b, t), generator=g)
@@ -345,6 +346,9 @@ def make_inputs(op, b, t, v, h, dtype, device, mask_frac, teacher_k, seed=0):
              adv=torch.randn(b, 1, generator=g).expand(b, t).contiguous(),
              values=torch.randn(b, t, generator=g), scores=torch.randn(b, generator=g),
              rewards=torch.randn(b, t, generator=g))
+    # the inference engine's log-probs, near the old ones (drawn last: the inputs above stay
+    # those of earlier runs with the same seed)
+    x["rollout"] = x["old"] + 0.05 * torch.randn(b, t, generator=g)
     if op == "distill_loss":
         n, k = b * t, min(teacher_k, v)
         stride = max(1, v // k)  # k distinct ids per position: (start + j * stride) mod V
@@ -590,18 +594,25 @@ def fused_fn(op, backend, opts, x_extra=None):
     o = op_options(opts)
     inplace = bool(o.get("inplace_backward"))
 
+    def rollout(x):
+        # rollout_logprobs where the options read them (a rollout correction needs them)
+        if o.get("rollout_correction") or o.get("off_policy_mask_threshold") is not None:
+            return {"rollout_logprobs": x["rollout"]}
+        return {}
+
     def ppo(x):
         lg = x["logits"]
         if inplace and lg.requires_grad:
             lg = lg.view_as(lg)  # (a non-leaf: the logits' storage receives the gradient)
         ref = x["ref"] if o.get("kl_coef", 0.0) else None
         return (pk.ppo_loss(lg, x["tokens"], x["old"], x["adv"], x["mask"], ref,
-                            backend=backend, **o)[0],)
+                            backend=backend, **rollout(x), **o)[0],)
 
     def ppo_h(x):
         ref = x["ref"] if o.get("kl_coef", 0.0) else None
         return (pk.ppo_loss_from_hidden(x["hidden"], x["w"], x["tokens"], x["old"], x["adv"],
-                                        x["mask"], ref, backend=backend, **o)[0],)
+                                        x["mask"], ref, backend=backend, **rollout(x),
+                                        **o)[0],)
 
     fns = {
         "ppo_loss": ppo,

@@ -38,6 +38,11 @@ def run_json(tmp_path, *args):
     ("gae", [], {"plain composite", "eager composite"}),
     ("distill_loss", ["--teacher-k", "4"], {"plain composite", "eager composite"}),
     ("ppo_loss", ["--opt", "top_k=8", "--opt", "top_p=0.9"], {"eager composite"}),
+    # the options that read the inference engine's log-probs get the benchmark's own
+    ("ppo_loss", ["--opt", "rollout_correction=tis"], {"eager composite"}),
+    ("ppo_loss_from_hidden", ["--opt", "rollout_correction=mis-seq", "--opt",
+                              "off_policy_mask_threshold=0.5"],
+     {"eager composite", "materialised"}),
 ])
 def test_ops_json(tmp_path, op, args, baselines):
     data = run_json(tmp_path, "--op", op, *args)
