@@ -498,6 +498,7 @@ _TENSOR_OPTIONS = ("old_logprobs", "advantages", "response_mask", "ref_logprobs"
 # the arguments ppo_loss reads itself (the logits' path, the split vocabulary)
 _CALL_ARGUMENTS = ("logits", "tokens", "tp_group", "vocab_start")
 _NOT_SPEC_OPTIONS = frozenset(_TENSOR_OPTIONS + _CALL_ARGUMENTS)
+_NOT_SPEC_OPTIONS_PER_ROW_T = _NOT_SPEC_OPTIONS | {"temperature"}  # (a tensor temperature)
 
 
 def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
@@ -520,14 +521,13 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
     given = options.get  # (the tensor options by name; None where not given)
     acc = ck.acc_dtype(like)
     temperature = options.get("temperature")
-    spec_options = {k: v for k, v in options.items() if k not in _NOT_SPEC_OPTIONS}
     if isinstance(temperature, torch.Tensor):  # per row: LossSpec keeps the default 1
-        spec_options.pop("temperature")
+        spec = LossSpec.from_options(acc, options, _NOT_SPEC_OPTIONS_PER_ROW_T)
         if temperature.dim() == 0:  # one value, left on its device
             temperature = temperature.reshape(1, 1).expand(tokens2.shape)
     else:
         temperature = None
-    spec = LossSpec.from_options(acc, spec_options)
+        spec = LossSpec.from_options(acc, options, _NOT_SPEC_OPTIONS)
     _cp.check_group(spec.cp_group)
     response_mask, old_logprobs, advantages = (given("response_mask"), given("old_logprobs"),
                                                given("advantages"))

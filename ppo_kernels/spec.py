@@ -17,6 +17,7 @@ option".
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Optional
 
 import torch
@@ -107,20 +108,22 @@ class LossSpec:
         return cls.from_options(dtype, options)
 
     @classmethod
-    def from_options(cls, dtype, options):
+    def from_options(cls, dtype, options, ignore=frozenset()):
         """build(dtype, **options) from the dict itself (no keyword repacking: a repeated
-        call costs one key and one look-up)."""
+        call costs one key and one look-up). ignore: keys of options that are not the
+        record's (a call's tensors), left out without copying the dict."""
         if torch.compiler.is_compiling():  # (traced: no cache to consult or fill)
-            return cls._build(dtype, **options)
-        values = tuple(options.values())
+            return cls._build(dtype, **{k: v for k, v in options.items() if k not in ignore})
+        names, pick = _picker(tuple(options), ignore)
+        values = pick(options)
         try:  # (looked up first: the check of every value below costs more than a hit)
-            key = (dtype, tuple(options), values, tuple(map(type, values)))
+            key = (dtype, names, values, tuple(map(type, values)))
             spec = _BUILT.get(key)
         except (TypeError, RuntimeError):  # unhashable (a list), or a tensor compared
-            return cls._build(dtype, **options)
+            return cls._build(dtype, **dict(zip(names, values)))
         if spec is not None:
             return spec
-        spec = cls._build(dtype, **options)
+        spec = cls._build(dtype, **dict(zip(names, values)))
         # only plain values are keys: a process group or a tensor (cp_group, a tensor
         # global_num_tokens) kept alive by the cache would outlive its group (a gloo group
         # destroyed at interpreter exit aborts the process) or pin a step's tensor
@@ -250,6 +253,22 @@ class LossSpec:
 # LossSpec.build's records by their keyword values (cleared when full)
 _BUILT = {}
 _BUILT_MAX = 256
+_PICKERS = {}
+
+
+def _picker(keys, ignore):
+    """(names, pick) for a dict with these keys: the keys not in ignore, in order, and a
+    function of the dict returning their values as a tuple (operator.itemgetter: one C
+    call, where a comprehension over every keyword of a call costs microseconds)."""
+    got = _PICKERS.get((keys, ignore))
+    if got is None:
+        names = tuple(k for k in keys if k not in ignore)
+        get = operator.itemgetter(*names) if names else (lambda d: ())
+        pick = get if len(names) != 1 else (lambda d: (get(d),))
+        if len(_PICKERS) >= _BUILT_MAX:
+            _PICKERS.clear()
+        got = _PICKERS[(keys, ignore)] = (names, pick)
+    return got
 
 # ppo_loss's defaults, by option (read by LossSpec.build, where torch.compile cannot trace
 # dataclasses.fields)

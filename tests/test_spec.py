@@ -86,6 +86,27 @@ def test_build_checks_and_fills():
         pk.LossSpec.build(dual_clip_c=1.1, clip_eps_high=0.28)
 
 
+def test_from_options_reuses_records_and_leaves_out_ignored_keys():
+    """A repeated call's options give the same record (one look-up); another value, or the
+    same value of another type (1 vs 1.0 vs True), a record of its own; the keys named in
+    ignore (a call's tensors) are left out, whatever they hold; an unknown key is still the
+    TypeError."""
+    t = torch.zeros(2)
+    opts = dict(logits=t, kl_coef=0.1, tokens=t, loss_agg_mode="token-sum")
+    ignore = frozenset({"logits", "tokens"})
+    a = pk.LossSpec.from_options(torch.float32, opts, ignore)
+    assert a is pk.LossSpec.from_options(torch.float32, dict(opts, logits=t + 1), ignore)
+    assert (a.kl_coef, a.loss_agg_mode) == (0.1, "token-sum")
+    assert a == pk.LossSpec.build(kl_coef=0.1, loss_agg_mode="token-sum")
+    b = pk.LossSpec.from_options(torch.float32, dict(opts, kl_coef=0.2), ignore)
+    assert b.kl_coef == 0.2 and b is not a
+    one = pk.LossSpec.from_options(torch.float32, {"entropy_coef": 1})
+    assert one is not pk.LossSpec.from_options(torch.float32, {"entropy_coef": 1.0})
+    assert pk.LossSpec.from_options(torch.float32, {}) == pk.LossSpec.build()
+    with pytest.raises(TypeError, match="logits"):
+        pk.LossSpec.from_options(torch.float32, opts)
+
+
 def test_kernel_args_by_slot():
     s = pk.LossSpec.build(policy_loss="sapo", kl_coef=0.3, kl_estimator="k3+",
                           kl_bias_correction=True, temperature=0.7, grad_scale=4.0)
