@@ -102,8 +102,8 @@ def fused_middle(spec, x, logp, logp_kl=None):
 
 def passes(source, inputs, spec, x, need):
     """The three steps on a row source (its inputs: the logits, or hidden and the LM head):
-    (loss, loss_tok, logp, ent, grads, the scale grads carry, aux); logp, ent and loss_tok
-    in the layout of the LossInputs x, grads one per input (None where need says no). With
+    (loss, logp, ent, grads, the scale grads carry, aux); logp and ent in the layout of the
+    LossInputs x, grads one per input (None where need says no). With
     a kept set (x.replay) logp is logp_kept, the ratio's log-prob, the KL's the full or kept
     logp and the entropy the full or kept one (spec.kl_logprobs, spec.entropy_over); aux
     then holds the full logp, the kept mass, the kept set's size and whether the set lacked
@@ -116,7 +116,7 @@ def passes(source, inputs, spec, x, need):
     ent_sel = st.kept.entropy if ent_kept else st.ent
     lp_kl = None if rp is None or kl_kept else x.padded(st.logp)
     out = middle_grad(x.padded(lp_sel), x.padded(ent_sel), spec, x, lp_kl)
-    dsel, dent, loss, pol = out[:4]
+    dsel, dent, loss = out[:3]
     gs = spec.effective_grad_scale(inputs[0].dtype)
     grads = (None,) * len(inputs)
     if any(need):  # else no second pass over the rows
@@ -130,15 +130,13 @@ def passes(source, inputs, spec, x, need):
             g_full = torch.zeros_like(st.logp) if kl_kept else k(out[4])
             grads = source.grad(inputs, st, g_full, None if ent_kept else g_ent, k(dsel),
                                 g_ent if ent_kept else None, rp, need=need)
-    ent_p = x.padded(ent_sel)
-    loss_tok = torch.where(x.mask, pol - spec.entropy_coef * ent_p, 0.0)
     aux = ()
     if rp is not None:
         temp, msk = source.temperature, source.mask
         mass = kept_mass(st.kept.lse(temp), st.row_max, st.log_sum, temp, msk)
         aux = (x.padded(st.logp), x.padded(mass), x.padded(st.kept.kept_size),
                x.padded(st.kept.missing))
-    return loss.detach(), loss_tok, x.padded(lp_sel), ent_p, grads, gs, aux
+    return loss.detach(), x.padded(lp_sel), x.padded(ent_sel), grads, gs, aux
 
 
 class TwoPhase:
@@ -151,15 +149,14 @@ class TwoPhase:
         self.prefix = source.be.prefix
 
     def loss(self, inputs, need):
-        loss, loss_tok, logp, ent, grads, gs, aux = passes(self.source, inputs, self.spec,
-                                                           self.x, need)
-        return (loss, loss_tok, logp, ent, *aux), grads, gs
+        loss, logp, ent, grads, gs, aux = passes(self.source, inputs, self.spec, self.x, need)
+        return (loss, logp, ent, *aux), grads, gs
 
 
 def ppo_loss(be, logits, spec, x, shard=None):
-    """(loss, loss_tok, logp, ent) of the two-phase path on a kernel backend (loss.two_phase
-    says when); logp, ent and loss_tok in the layout of the LossInputs x. With a kept set
-    (x.replay) four more [B, T] tensors follow: the full logp, the kept mass, the kept set's
+    """(loss, logp, ent) of the two-phase path on a kernel backend (loss.two_phase says
+    when); logp and ent in the layout of the LossInputs x. With a kept set (x.replay) four
+    more [B, T] tensors follow: the full logp, the kept mass, the kept set's
     size and whether the set lacked the sampled token; logp is then logp_kept and ent the
     entropy spec.entropy_over names."""
     if torch.jit.is_tracing():  # (its middle is differentiated by autograd, even without grad)
@@ -170,7 +167,7 @@ def ppo_loss(be, logits, spec, x, shard=None):
     if not wants_grad(logits):
         with torch.no_grad():
             out = passes(src, (logits,), spec, x, (False,))
-            return (*out[:4], *out[6])
+            return (*out[:3], *out[5])
     return LossWithGrad.apply(TwoPhase(src, spec, x), logits)
 
 

@@ -14,7 +14,7 @@ from . import sampling as _sampling
 from . import vocab_parallel as vp
 from .context_parallel import check_group
 from .rank_agreement import checks_together, groups
-from ._backends import get_backend
+from ._backends import device_eager, get_backend
 from .rows import logits_logprobs
 from .spec import KL_ESTIMATORS
 
@@ -382,7 +382,8 @@ def score_rollout(logits, tokens, ref_logprobs, values, scores, response_mask, *
                              replay)
     mask, ref, vals, kl_coef, gamma, lams, temperature, be = checked
     rp = _sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
-                                None if shard is not None else logits3.shape[2])
+                                None if shard is not None else logits3.shape[2],
+                                device=device_eager(be, tokens2))
     if rp is not None:
         with torch.no_grad():
             if shard is None:

@@ -25,7 +25,7 @@ import torch
 from . import _checks as ck
 from . import packed, sampling
 from ._autograd import LossWithGrad, wants_grad
-from ._backends import get_backend
+from ._backends import device_eager, get_backend
 from ._checks import acc_dtype
 from ._two_phase import passes, per_token_loss, replay_loss
 from .advantages import (packed_rollout_inputs, rollout_from_logprobs, rollout_inputs,
@@ -54,8 +54,7 @@ class HeadLoss:
         """((loss, logp, H), (d hidden, dW, db), the scale they carry); logp and H in
         the LossInputs' layout."""
         if two_phase(self.spec, self.x, self.src.shard):
-            loss, _, logp, ent, grads, gs, _ = passes(self.src, inputs, self.spec, self.x,
-                                                      need)
+            loss, logp, ent, grads, gs, _ = passes(self.src, inputs, self.spec, self.x, need)
             return (loss, logp, ent), grads, gs
         return self.fused(inputs, need)
 
@@ -171,7 +170,8 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
         if shard is None:
             tokens2 = ck.token_range(tokens2, mask, w.shape[0])
         rp = sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
-                                   None if shard is not None else w.shape[0])
+                                   None if shard is not None else w.shape[0],
+                                   device=device_eager(be, tokens2))
         sampling.check_outputs(rp, return_full, entropy_over)
         _vp_given_only(rp, shard)
         return w, bias, shard, hidden3, tokens2, flat, mask, t, cap, chunk, be, ldt, rp

@@ -87,7 +87,8 @@ def token_logprobs(logits, tokens, response_mask=None, *, temperature=1.0,
         be = get_backend(backend, logits3.device)
         _vp.require_kernels(be, shard)
         rp = _sampling.check_replay(sampling_mask, top_k, top_p, min_p, tokens2,
-                                    None if shard is not None else logits3.shape[2])
+                                    None if shard is not None else logits3.shape[2],
+                                    device=_backends.device_eager(be, tokens2))
         _sampling.check_outputs(rp, return_full, entropy_over)
         return logits3, shard, tokens2, flat, mask, t, be, rp
 
@@ -349,7 +350,7 @@ def _replay_loss_of_logits(spec, x, logits3, shard):
     log-probs (the eager composite, and loss_agg_mode="none"). H is the entropy
     spec.entropy_over names; aux: (full logp, kept mass, kept size, missing), [B, T]."""
     if x.weights is not None and x.be.is_kernel:
-        loss, _, logp, ent, *aux = _two_phase.ppo_loss(x.be, logits3, spec, x, shard)
+        loss, logp, ent, *aux = _two_phase.ppo_loss(x.be, logits3, spec, x, shard)
         return loss, logp, ent, tuple(aux)
     kin = x.kin
     out = logits_logprobs(x.be, logits3, kin.tokens, kin.mask, kin.temperature(spec),
@@ -387,7 +388,7 @@ def _loss_of_logits(spec, x, logits3, shard):
         if two_phase(spec, x, shard):
             return composite_padded(spec, x, logits3)
     elif two_phase(spec, x, shard):
-        loss, _, logp, ent = _two_phase.ppo_loss(x.be, logits3, spec, x, shard)
+        loss, logp, ent = _two_phase.ppo_loss(x.be, logits3, spec, x, shard)
         return loss, logp, ent
     loss, _, logp, ent = x.be.ppo_loss(logits3, kin, spec)
     return loss, x.padded(logp), x.padded(ent)
@@ -574,7 +575,8 @@ def check_loss(like, vocab, tokens2, flat, options, single_pass=False):
         temperature = ck.temperature(temperature, like, tokens2, flat, mask)
     be = get_backend(given("backend", "auto"), like.device)
     replay = _sampling.check_replay(given("sampling_mask"), given("top_k"), given("top_p"),
-                                    given("min_p"), tokens_k, vocab, packing)
+                                    given("min_p"), tokens_k, vocab, packing,
+                                    device=_backends.device_eager(be, tokens_k))
     # the fused single pass: the kernels and the metrics read valid positions alone
     fused = (single_pass and be.is_kernel and replay is None and not spec.sequence_loss
              and spec.off_policy_mask_threshold is None and spec.loss_agg_mode != "none")

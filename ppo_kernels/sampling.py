@@ -141,6 +141,22 @@ def outputs(lp_k, ent_k, logp, ent, return_full, return_entropy, entropy_over, s
     return out if len(out) > 1 else out[0]
 
 
+# A given kept set's rules, in the order they are checked (the CPU op check_kept_ids, the
+# eager checks and triton_kernels/csr_check.py raise these; {vocab} the global V)
+CSR_RULES = ("sampling_mask.offsets: must start at 0 and end at nnz = len(token_ids)",
+             "sampling_mask.offsets: must be non-decreasing",
+             "sampling_mask.token_ids: ids must lie in [0, V) = [0, {vocab})",
+             "sampling_mask.token_ids: an id repeats within a row (the sets must be sets)")
+
+
+def _csr_kernel_applies(n, vocab):
+    """Whether triton_kernels/csr_check.py checks a kept set of n positions: V known (a
+    split vocabulary's ids are checked against its global size by the merge), one program
+    per position within a launch's grid, and triton importable."""
+    from ._backends import triton_importable
+    return vocab is not None and 0 < n < 2**31 - 1 and triton_importable()
+
+
 def csr_check_op():
     """ppo_kernels::check_kept_ids (csrc/cpu/sampling.cpp) where this build has it, else
     None (check_replay's eager checks)."""
@@ -148,12 +164,15 @@ def csr_check_op():
     return ops.check_kept_ids if hasattr(ops, "check_kept_ids") else None
 
 
-def check_replay(sampling_mask, top_k, top_p, min_p, tokens2, vocab, packing=None):
+def check_replay(sampling_mask, top_k, top_p, min_p, tokens2, vocab, packing=None,
+                 device=False):
     """The Replay of a call (None without a kept set). tokens2: the kernels' [B, T] (packed
     [1, total]); vocab: the global V (None: not checked here, a split vocabulary checks the
     ids against its global size itself). Every bad value a ValueError / TypeError naming
     the argument (on a device the checks that read device memory are asynchronous
-    assertions)."""
+    assertions). device: the call's [B, T] work runs as Triton launches
+    (_backends.device_eager): a given set's CSR is checked by one kernel
+    (triton_kernels/csr_check.py) instead of about 25 torch ops."""
     derived = (top_k, top_p, min_p) != (None, None, None)
     if sampling_mask is None and not derived:
         return None
@@ -184,12 +203,22 @@ def check_replay(sampling_mask, top_k, top_p, min_p, tokens2, vocab, packing=Non
         if op is not None:  # every rule below in one pass of the CPU op, the same ValueErrors
             op(ids, offs, -1 if vocab is None else int(vocab))
             return Replay(ids=ids, offsets=offs)
-        conds = [((offs[:1] == 0).all() & (offs[-1:] == nnz).all(),
-                  "sampling_mask.offsets: must start at 0 and end at nnz = len(token_ids)"),
-                 ((offs[1:] >= offs[:-1]).all(), "sampling_mask.offsets: must be non-decreasing")]
+        rules = [r.format(vocab=vocab) for r in CSR_RULES]
+        if device and not on_host and _csr_kernel_applies(n, vocab):
+            # three rules' flags and the sort keys from one launch; a repeat within a row
+            # two equal neighbours among the sorted keys
+            from .triton_kernels import csr_check
+            flags, keys = csr_check.csr_check(ids, offs, int(vocab))
+            for k in range(csr_check.FLAGS):
+                torch._assert_async(flags[k], rules[k])
+            if nnz > 1:
+                srt = keys.sort().values
+                torch._assert_async((srt[1:] != srt[:-1]).all(), rules[3])
+            return Replay(ids=ids, offsets=offs)
+        conds = [((offs[:1] == 0).all() & (offs[-1:] == nnz).all(), rules[0]),
+                 ((offs[1:] >= offs[:-1]).all(), rules[1])]
         if vocab is not None:
-            conds.append((((ids >= 0) & (ids < vocab)).all(),
-                          f"sampling_mask.token_ids: ids must lie in [0, V) = [0, {vocab})"))
+            conds.append((((ids >= 0) & (ids < vocab)).all(), rules[2]))
         if on_host:
             for ok, msg in conds:
                 if not bool(ok):
@@ -204,7 +233,7 @@ def check_replay(sampling_mask, top_k, top_p, min_p, tokens2, vocab, packing=Non
             width = int(vocab) if vocab is not None else int(ids.max()) + 1
             srt = (row * width + ids).sort().values
             dup = (srt[1:] == srt[:-1]).any()
-            msg = "sampling_mask.token_ids: an id repeats within a row (the sets must be sets)"
+            msg = rules[3]
             if on_host:
                 if bool(dup):
                     raise ValueError(msg)

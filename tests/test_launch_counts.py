@@ -64,11 +64,11 @@ def _kept(tokens, k=8):
 # scale on the host, csrc/eager_calls.cpp, and the metrics wait for their first read,
 # loss_metrics.py), tis 5 (its four element-wise weight ops). GSPO's two-phase [B, T] middle
 # is one op, ppo_kernels::seq_loss_grad (it was autograd through the eager formulas: 60):
-# 7, the per-token loss's three ops among them. Sampling replay (a given kept set with a
-# KL; a re-derived top-k / top-p set): its token-level middle one op too,
-# ppo_kernels::token_loss_grad (was 168 and 75 with the eager middle), the token ids checked
-# by the kernels, a given set's CSR by one op (ppo_kernels::check_kept_ids; was about 20
-# eager ops), most of the rest of top-p the threshold's derivation.
+# 4 (7 while the two-phase path also built an unused per-token loss). Sampling replay (a
+# given kept set with a KL; a re-derived top-k / top-p set): its token-level middle one op
+# too, ppo_kernels::token_loss_grad (was 168 and 75 with the eager middle), the token ids
+# checked by the kernels, a given set's CSR by one op (ppo_kernels::check_kept_ids; was
+# about 20 eager ops): 12 and 25, most of the rest of top-p the threshold's derivation.
 CONFIGS = {
     "default": (lambda ref, roll, tok: {}, 12),
     "kl-k3": (lambda ref, roll, tok: dict(ref_logprobs=ref, kl_coef=0.1), 12),
@@ -76,8 +76,8 @@ CONFIGS = {
     "tis": (lambda ref, roll, tok: dict(rollout_logprobs=roll, rollout_correction="tis"), 12),
     "gspo": (lambda ref, roll, tok: dict(policy_loss="gspo"), 20),
     "replay": (lambda ref, roll, tok: dict(sampling_mask=_kept(tok), ref_logprobs=ref,
-                                           kl_coef=0.1), 15),
-    "top-p": (lambda ref, roll, tok: dict(top_k=16, top_p=0.8), 28),
+                                           kl_coef=0.1), 12),
+    "top-p": (lambda ref, roll, tok: dict(top_k=16, top_p=0.8), 25),
 }
 
 
@@ -234,22 +234,24 @@ def device_launches(monkeypatch):
 # its dot), 3 backward (autograd's ones_like, scale_grad_'s two launches), 3 more when the
 # metrics are read (triton_kernels/metrics.py); before: 15 forward (token_range's 8, the
 # weights' 4) plus the metrics' 3 at every call, 29 with "tis" (its 11 eager ops). GSPO:
-# 13 forward (the statistics pass, its middle in one launch, triton_kernels/seq_loss.py,
-# the gradient pass, the weights' two), 16 in all (the goal: 20); before: 76 forward.
+# 10 forward (the statistics pass, its middle in one launch, triton_kernels/seq_loss.py,
+# the gradient pass, the weights' two), 13 in all (the goal: 20); before: 76 forward.
 # Replay (as CONFIGS): its middle in one launch (triton_kernels/token_middle.py), its
 # weights and id check in the weights' two and its metrics at the dict's first read (the
-# metrics kernel's KL on the full log-probs): forward 55 and 70 (before: 204 and 221 with
-# the metrics at the call, 184 and 119 with the eager middle alone); the metrics 20 at
-# their first read.
+# metrics kernel's KL on the full log-probs), a given set's CSR checked by one kernel and a
+# sort (triton_kernels/csr_check.py, was about 20 torch ops): forward 35 and 67 (before: 204
+# and 221 with the metrics at the call, 184 and 119 with the eager middle alone, 55 and 70
+# with the eager CSR checks and an unused per-token loss); the metrics 20 at their first
+# read.
 DEVICE_CONFIGS = {
     "default": (lambda ref, roll, tok: {}, 8, 3),
     "kl-k3": (lambda ref, roll, tok: dict(ref_logprobs=ref, kl_coef=0.1), 8, 3),
     "entropy": (lambda ref, roll, tok: dict(entropy_coef=0.01), 8, 3),
     "tis": (lambda ref, roll, tok: dict(rollout_logprobs=roll, rollout_correction="tis"), 8, 3),
-    "gspo": (lambda ref, roll, tok: dict(policy_loss="gspo"), 17, 3),
+    "gspo": (lambda ref, roll, tok: dict(policy_loss="gspo"), 14, 3),
     "replay": (lambda ref, roll, tok: dict(sampling_mask=_kept(tok), ref_logprobs=ref,
-                                           kl_coef=0.1), 55, 3),
-    "top-p": (lambda ref, roll, tok: dict(top_k=16, top_p=0.8), 70, 3),
+                                           kl_coef=0.1), 35, 3),
+    "top-p": (lambda ref, roll, tok: dict(top_k=16, top_p=0.8), 67, 3),
 }
 
 

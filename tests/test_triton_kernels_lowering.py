@@ -174,6 +174,13 @@ for acc, mode, rc in (("fp32", 0, -1), ("fp32", 3, 0), ("fp32", 2, 3), ("fp64", 
         dict(MODE=mode, CHECK=rc != 1, RC=rc, ACC=acc, BLOCK=1024), {"num_warps": 4})
 
 
+# a given kept set's CSR check (csr_check.py)
+VARIANTS["csr_check"] = (
+    "csr_check", "_csr_check_kernel",
+    {"ids_ptr": "*i64", "offs_ptr": "*i64", "keys_ptr": "*i64", "flags_ptr": "*i32",
+     "n": "i32", "nnz": "i32", "V": "i32"}, dict(BLOCK_K=128), {"num_warps": 4})
+
+
 # GSPO's middle (seq_loss.py): gspo and gspo-token with every input, float64
 def _seq_types(acc):
     a = f"*{acc}"
