@@ -270,6 +270,7 @@ def _picker(keys, ignore):
         got = _PICKERS[(keys, ignore)] = (names, pick)
     return got
 
+
 # ppo_loss's defaults, by option (read by LossSpec.build, where torch.compile cannot trace
 # dataclasses.fields)
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(LossSpec)}

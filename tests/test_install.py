@@ -293,7 +293,7 @@ def test_precompiled_headers_rebuilt_only_when_stale(setup_py, fake_cxx, tmp_pat
 @needs_checkout
 @pytest.mark.parametrize("why", ["FAKE_CLANG", "FAKE_FAIL"])
 def test_precompiled_headers_fall_back_to_text(setup_py, fake_cxx, tmp_path, monkeypatch,
-                                                capsys, why):
+                                               capsys, why):
     """Another compiler than GCC, or a failed precompile: no .gch, the copy of the header
     is there to be included as plain text (slower, the same code), and the build says so."""
     monkeypatch.setenv(why, "1")
