@@ -136,9 +136,10 @@ def pg_terms(logp, old_logprobs, advantages, mask, spec, flags=True):
         if kind == "gspo":
             s = torch.exp(ls).expand_as(logp)
         else:  # gspo-token: the value of s, the gradient s on the own token only (none
-            # where the sequence's log-ratio was clamped, as for every clamped ratio)
-            live = (ls_raw.detach().abs() <= LOG_RATIO_CLAMP).to(logp.dtype)
-            s = torch.exp((logp - logp.detach()) * live + ls.detach())
+            # where the sequence's log-ratio was clamped, as for every clamped ratio; a
+            # select, not a product with 0: a -inf log-prob's logp - sg(logp) is NaN)
+            live = ls_raw.detach().abs() <= LOG_RATIO_CLAMP
+            s = torch.exp(torch.where(live, logp - logp.detach(), 0.0) + ls.detach())
         pg, ch, cl, dual = _clip_surrogate(s, advantages, eps_low, eps_high, spec.dual_clip_c,
                                            flags)
         out.update(pg=pg, ratio=s, clip_high=ch, clip_low=cl, dual=dual,

@@ -10,6 +10,8 @@ and ppo_loss on the paths that use them."""
 import pytest
 import torch
 
+import ppo_kernels as pk
+
 from helpers import device_path
 from helpers.backends import TRITON_DEVICE, triton_ops
 from helpers.middle_cases import (IMPLS, INPUTS, OPTIONS, assert_bad_arguments_raise,
@@ -82,3 +84,31 @@ def test_ppo_loss_gspo_on_the_cpu_backend(monkeypatch, policy, opts):
     (logits, *rest), kw = _loss_inputs(policy, opts, "cpu")
     want, got = eager_and_cpu_op(monkeypatch, "seq_loss_grad", logits, *rest, **kw)
     assert_loss_close(got, want)
+
+
+@pytest.mark.parametrize("policy", ["gspo", "gspo-token"])
+def test_minus_inf_log_prob_on_a_valid_token_every_backend_the_reference(policy):
+    """A valid token whose logit is -inf (a banned entry sampled all the same): its
+    sequence's mean log-ratio is -inf, clamped at -20 as every clamped ratio is, so the
+    loss is finite and the sequence gets no gradient, on the cpu backend (the C++ op) and
+    the eager composite (a select, not a product of NaN with 0) alike, as the float64
+    reference says."""
+    from ppo_kernels import reference
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(2, 4, 6, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 6, (2, 4), generator=g)
+    logits[0, 1, tokens[0, 1]] = float("-inf")
+    old = torch.full((2, 4), -1.5, dtype=torch.float64)
+    adv = torch.randn(2, 4, generator=g, dtype=torch.float64)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    want_loss, _, want_grad = reference.ppo_loss(logits.numpy(), tokens.numpy(), old.numpy(),
+                                                 adv.numpy(), mask.numpy(), policy_loss=policy)
+    assert torch.isfinite(torch.tensor(want_loss)) and not want_grad[0].any()
+    for backend in ("cpu", "torch"):
+        x = logits.clone().requires_grad_()
+        loss, _ = pk.ppo_loss(x, tokens, old, adv, mask, policy_loss=policy, backend=backend)
+        loss.backward()
+        torch.testing.assert_close(loss, torch.tensor(want_loss, dtype=torch.float64),
+                                   rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(x.grad, torch.from_numpy(want_grad), rtol=1e-12,
+                                   atol=1e-15)
