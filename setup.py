@@ -99,8 +99,8 @@ def progress(msg):
 
 
 # What each module holds, and what the whole build usually takes from scratch on 2 cores
-# with the modules side by side (an Intel Xeon with AVX-512, torch 2.14.1, 2026-12-06: 196 s
-# with CUDA and three CPU variants, against 4.0 min one module after the other)
+# with the modules side by side (an Intel Xeon with AVX-512, torch 2.14.1, 2026-12-06: 204 s
+# in CI with CUDA and three CPU variants, their torch headers precompiled; 275 s without)
 WHAT = {"_C": "the operator schemas", "_C_cuda": "the operator schemas and the CUDA kernels",
         "_cpu": "the CPU kernels for {} processors"}
 USUAL = ("from scratch on 2 cores about 3.5 min with the CUDA kernels and every CPU variant, "
