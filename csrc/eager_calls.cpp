@@ -13,10 +13,18 @@
 //
 // metrics_dict: ppo_loss's metrics dict from the one op ppo_loss_metrics (the cpu backend),
 // its [K] vector handed out as K 0-d tensors by name.
+//
+// tis_weights: rollout_correction="tis"'s weights on the valid positions,
+// clamp(exp(clamp(old - rollout, -c, c)), lo, hi): ppo_kernels/rollout_correction.py's four
+// element-wise ops (the formula lives there; these are the same ATen ops, so the same bits),
+// called from C++ at ~1 us each instead of ~4 us from Python.
 // (torch/csrc/utils/pybind.h, not torch/extension.h: the tensor casters without the whole
 // C++ frontend, half this file's compile time)
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/exp.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/sub.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/utils/pybind.h>
@@ -199,4 +207,13 @@ void init_eager_calls(pybind11::module_& m) {
       },
       "{name: 0-d float32 tensor} from ppo_kernels::ppo_loss_metrics (its arguments after "
       "the names, one name per slot, in the slots' order).");
+  m.def(
+      "tis_weights",
+      [](const at::Tensor& old, const at::Tensor& rollout, double clamp, double lo, double hi) {
+        at::NoGradGuard no_grad;
+        return at::clamp(at::exp(at::clamp(at::sub(old, rollout), -clamp, clamp)), lo, hi);
+      },
+      "clamp(exp(clamp(old - rollout, -clamp, clamp)), lo, hi) without autograd "
+      "(rollout_correction.weights' tis on the valid positions).",
+      pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -26,8 +26,12 @@ from __future__ import annotations
 import torch
 
 from . import _checks as ck
+from ._extension import eager_call
 from ._torch_impl import LOG_RATIO_CLAMP, expm1_minus_x, seq_mean
 from .context_parallel import seq_sum
+
+# the tis fast path's four ops from C++ (csrc/eager_calls.cpp), None in a build without it
+_TIS_WEIGHTS = eager_call("tis_weights")
 
 
 def bounds(mode, threshold):
@@ -52,17 +56,27 @@ def bounds(mode, threshold):
     return 0.0, hi
 
 
-@torch.no_grad()
 def weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi, group=None, valid_only=False):
     """w [B, T] (0 where masked) of a rollout_correction mode (module docstring); group: a
     context-parallel group (the sequence modes reduce over the whole sequences).
     valid_only: the caller reads the valid positions alone (the fused single pass and the
     CPU metrics op): "tis" then leaves the masked ones unset (anything, NaN included) and
-    costs four element-wise ops; the valid ones are the same bits."""
+    costs four element-wise ops (in one C++ call in eager mode: csrc/eager_calls.cpp); the
+    valid ones are the same bits."""
     if valid_only and mode == "tis":
         # (clamp propagates a NaN ratio, as the where below does for the other modes)
-        return torch.clamp(torch.exp(torch.clamp(old_logprobs - rollout_logprobs,
-                                                 -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), lo, hi)
+        if _TIS_WEIGHTS is not None and not (torch.compiler.is_compiling()
+                                             or torch.jit.is_tracing()):
+            return _TIS_WEIGHTS(old_logprobs, rollout_logprobs, LOG_RATIO_CLAMP, lo, hi)
+        with torch.no_grad():
+            return torch.clamp(torch.exp(torch.clamp(old_logprobs - rollout_logprobs,
+                                                     -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)),
+                               lo, hi)
+    with torch.no_grad():
+        return _weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi, group)
+
+
+def _weights(old_logprobs, rollout_logprobs, mask, mode, lo, hi, group):
     l_tok = torch.where(mask, torch.clamp(old_logprobs - rollout_logprobs, -LOG_RATIO_CLAMP,
                                           LOG_RATIO_CLAMP), 0.0)
     if mode in ("tis", "mis"):
