@@ -346,9 +346,10 @@ def precompile_headers(compiler, ext):
     with the flags ninja compiles them with: torch's BuildExtension runs
     `$cxx $cflags -c $in -o $out $post_cflags`, cflags being the -D / -I options and the
     compiler's own flags (compiler_so), post_cflags ext's extra_compile_args. Redone when
-    the command or the header's text changes (a stamp beside it), which also rewrites the
-    copy, so that ninja recompiles the files that include it. With a compiler other than
-    GCC, or when precompiling fails, the copy is included as plain text: the build is
+    the command or the header's text changes (a stamp beside it); the copy is rewritten
+    only when its text changes, so that ninja recompiles the files that include it then
+    and only then (other flags change ninja's own command lines). With a compiler other
+    than GCC, or when precompiling fails, the copy is included as plain text: the build is
     slower, not different. Returns the seconds spent."""
     args = list(ext.extra_compile_args["cxx"])
     i = args.index("-include")
@@ -362,14 +363,16 @@ def precompile_headers(compiler, ext):
     stamp = "\n".join(cmd) + "\n" + text
     stamp_path = header + ".stamp"
     os.makedirs(os.path.dirname(header), exist_ok=True)
-    if os.path.isfile(header + ".gch") and os.path.isfile(stamp_path) and \
-            _read(stamp_path) == stamp and os.path.isfile(header) and _read(header) == text:
+    same_text = os.path.isfile(header) and _read(header) == text
+    if same_text and os.path.isfile(header + ".gch") and os.path.isfile(stamp_path) and \
+            _read(stamp_path) == stamp:
         return 0.0
     for path in (header + ".gch", stamp_path):
         if os.path.exists(path):
             os.remove(path)
-    with open(header, "w") as f:  # a new mtime: ninja recompiles what includes it
-        f.write(text)
+    if not same_text:
+        with open(header, "w") as f:  # a new mtime: ninja recompiles what includes it
+            f.write(text)
     if not is_gcc(cxx):
         say(f"{cxx} is not GCC: the torch headers are not precompiled for {ext.name}")
         return 0.0

@@ -295,11 +295,16 @@ def test_precompiled_headers_rebuilt_only_when_stale(setup_py, fake_cxx, tmp_pat
 def test_precompiled_headers_fall_back_to_text(setup_py, fake_cxx, tmp_path, monkeypatch,
                                                capsys, why):
     """Another compiler than GCC, or a failed precompile: no .gch, the copy of the header
-    is there to be included as plain text (slower, the same code), and the build says so."""
+    is there to be included as plain text (slower, the same code), and the build says so;
+    the next build leaves the copy as it is (its mtime: ninja recompiles nothing for it)."""
     monkeypatch.setenv(why, "1")
     header = tmp_path / "pch" / "torch_headers.h"
-    took = setup_py.precompile_headers(types.SimpleNamespace(compiler_so=["gcc"]),
-                                       pch_ext(header))
+    compiler = types.SimpleNamespace(compiler_so=["gcc"])
+    took = setup_py.precompile_headers(compiler, pch_ext(header))
     assert took == 0.0 and header.is_file()
     assert not (tmp_path / "pch" / "torch_headers.h.gch").exists()
     assert ("is not GCC" if why == "FAKE_CLANG" else "failed") in capsys.readouterr().err
+    written = header.stat().st_mtime_ns
+    os.utime(header, ns=(written - 10**9, written - 10**9))  # (a second older)
+    setup_py.precompile_headers(compiler, pch_ext(header))
+    assert header.stat().st_mtime_ns == written - 10**9
