@@ -150,11 +150,11 @@ CSR_RULES = ("sampling_mask.offsets: must start at 0 and end at nnz = len(token_
 
 
 def _csr_kernel_applies(n, vocab):
-    """Whether triton_kernels/csr_check.py checks a kept set of n positions: V known (a
-    split vocabulary's ids are checked against its global size by the merge), one program
-    per position within a launch's grid, and triton importable."""
-    from ._backends import triton_importable
-    return vocab is not None and 0 < n < 2**31 - 1 and triton_importable()
+    """Whether triton_kernels/csr_check.py checks a kept set of n positions (on the device
+    path, where triton is importable: _backends.device_eager): V known (a split
+    vocabulary's ids are checked against its global size by the merge) and one program per
+    position within a launch's grid."""
+    return vocab is not None and 0 < n < 2**31 - 1
 
 
 def csr_check_op():

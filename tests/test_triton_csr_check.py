@@ -18,6 +18,7 @@ from ppo_kernels.triton_kernels import csr_check
 
 from helpers import device_path
 from helpers.backends import TRITON_DEVICE as DEV, triton_ops
+from helpers.inputs import random_csr
 from test_sampling import BAD_CSR
 
 pytestmark = triton_ops
@@ -115,14 +116,9 @@ def _inputs(seed=3, B=3, T=5, V=11):
     old = torch.log_softmax(logits, -1).gather(-1, tokens[..., None])[..., 0] + 0.1
     adv = torch.randn(B, 1, generator=g).expand(B, T).contiguous()
     mask = torch.rand(B, T, generator=g) > 0.2
-    k = 4  # k ids per position, the sampled token among them, one row empty
-    ids = (tokens.reshape(-1, 1) + torch.arange(k) * 3) % V
-    sizes = torch.full((B * T,), k)
-    sizes[4] = 0
-    keep = torch.arange(k)[None, :] < sizes[:, None]
-    offs = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)])
+    kept, _ = random_csr(B, T, V, g, tokens=tokens, empty_frac=0.2)  # (some rows empty)
     return (*(v.to(DEV) for v in (logits, tokens, old, adv, mask)),
-            pk.SamplingMask(ids[keep].to(DEV), offs.to(DEV)))
+            pk.SamplingMask(*(v.to(DEV) for v in kept)))
 
 
 def test_ppo_loss_with_a_given_set_on_the_device_path(monkeypatch):
