@@ -90,14 +90,15 @@ at::Tensor token_logprobs_bwd(const at::Tensor& grad_logprobs,
     const T inv0 = T(1.0 / temperature);
     const T* tt = row_temperatures<T>(r);
     // every row of out, t >= T included (zeros), i = b * Tl + t
+    const bool stream = stream_gradient(r.B * r.Tl * r.V * int64_t(sizeof(scalar_t)));
     at::parallel_for(0, r.B * r.Tl, row_grain(r.V), [&](int64_t begin, int64_t end) {
-      RowWorker<scalar_t> rw(r.V, false);
+      RowWorker<scalar_t> rw(r.V, false, stream);
       for (int64_t o = begin; o < end; ++o) {
         const int64_t b = o / r.Tl, t = o % r.Tl, i = b * r.T + t;
         scalar_t* orow = O + o * r.V;
         const T g_ent = (t < r.T && ge) ? ge[i] : T(0);
         if (t >= r.T || !m[i] || (gl[i] == T(0) && g_ent == T(0))) {
-          zero_row(orow, r.V);
+          rw.zero(orow);
           continue;
         }
         const RowStats<T> st{mx[i], ls[i], T(0), H ? H[i] : T(0)};

@@ -37,14 +37,15 @@ void fused_rows(const at::Tensor& logits, const ppo::LossArgs& a, scalar_t* out,
   const T inv0 = T(1.0 / r.temperature);
   const T* tt = row_temperatures<T>(r);
   const T gs = T(p[ppo::slot::grad_scale]);
+  const bool stream = out && stream_gradient(r.B * r.T * r.V * int64_t(sizeof(scalar_t)));
   at::parallel_for(0, r.B * r.T, row_grain(r.V), [&](int64_t begin, int64_t end) {
-    RowWorker<scalar_t> rw(r.V, out != nullptr);
+    RowWorker<scalar_t> rw(r.V, out != nullptr, stream);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / r.T, t = i % r.T;
       scalar_t* orow = out ? out + b * oB + t * oT : nullptr;
       if (!m[i]) {
         lt[i] = lp[i] = en[i] = T(0);
-        if (orow) zero_row(orow, r.V);
+        if (orow) rw.zero(orow);
         continue;
       }
       const T inv = row_inv(tt, i, inv0);
@@ -59,7 +60,7 @@ void fused_rows(const at::Tensor& logits, const ppo::LossArgs& a, scalar_t* out,
       en[i] = st.entropy;
       if (orow) {
         if (tl.dlogp == T(0) && tl.dent == T(0)) {
-          zero_row(orow, r.V);  // e.g. a clipped token without KL or entropy terms
+          rw.zero(orow);  // e.g. a clipped token without KL or entropy terms
         } else {
           rw.grad(x, inv, st, gs * tl.dlogp, gs * tl.dent, tok[i], true, orow);
         }

@@ -14,11 +14,11 @@ import sys
 MARKER = "@@JSON@@"  # the child's last line starting with it carries the result
 
 
-def run_child(code, *args, stdin=None, what="child", timeout=600):
+def run_child(code, *args, stdin=None, what="child", timeout=600, env=None):
     """Runs ``python -c code *args`` (``stdin``: text, or a value written as JSON, for its
-    stdin) and returns the JSON after the child's last MARKER line; fails with the child's
-    output when there is none."""
-    env = dict(os.environ)
+    stdin; ``env``: variables set for the child beside this process's) and returns the JSON
+    after the child's last MARKER line; fails with the child's output when there is none."""
+    env = {**os.environ, **(env or {})}
     env.pop("TRITON_INTERPRET", None)
     if "TRITON_PTXAS_PATH" not in env and shutil.which("ptxas") is None and \
             os.path.exists("/usr/local/cuda/bin/ptxas"):
