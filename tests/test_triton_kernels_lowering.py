@@ -181,6 +181,23 @@ VARIANTS["csr_check"] = (
      "n": "i32", "nnz": "i32", "V": "i32"}, dict(BLOCK_K=128), {"num_warps": 4})
 
 
+# the re-derived kept sets' threshold (threshold.py): every logits dtype, every rule on,
+# and no rule (a bare max sweep)
+def _threshold_types(logits):
+    return {"logits_ptr": LOGITS[logits], "stride_lb": "i64", "stride_lt": "i64",
+            "mask_ptr": "*i1", "topk_ptr": "*i64", "topp_ptr": "*fp64", "minp_ptr": "*fp64",
+            "temps_ptr": "*fp32", "out_ptr": "*fp64", "T": "i32", "V": "i32",
+            "temperature": "fp64"}
+
+
+for dt, on in (("bf16", True), ("fp16", True), ("fp32", True), ("fp64", True),
+               ("bf16", False)):
+    VARIANTS[f"threshold-{dt}{'' if on else '-off'}"] = (
+        "threshold", "_threshold_kernel", _threshold_types(dt),
+        dict(HAS_K=on, HAS_P=on, HAS_MINP=on, ROW_TEMP=on, KEY_BITS=int(dt[-2:]),
+             RADIX_BITS=4, BLOCK=256), {"num_warps": 4})
+
+
 # GSPO's middle (seq_loss.py): gspo and gspo-token with every input, float64
 def _seq_types(acc):
     a = f"*{acc}"

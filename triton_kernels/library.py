@@ -32,7 +32,8 @@ from .distill import distill_fwd
 from .gae import gae, score_rollout
 from .logprobs import token_logprobs_bwd, token_logprobs_fwd
 from .ppo_loss import ppo_loss_fwd, ppo_loss_fwd_inplace, scale_grad_
-from .sampling import kept_logprobs_bwd_, kept_logprobs_fwd, sampling_threshold
+from .sampling import kept_logprobs_bwd_, kept_logprobs_fwd
+from .threshold import sampling_threshold
 
 NAMESPACE = "ppo_kernels"
 

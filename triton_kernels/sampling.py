@@ -9,9 +9,7 @@ log_sum = log1p(the kept non-top mass) with d = (x - kept_max) / temperature, lo
 d_y - log_sum, H_kept = log_sum - sum p d. Backward (added into dlogits, in place):
 g (1[j = y] - p_j) - g_H p_j (log p_j + H) on K, divided by the temperature.
 
-sampling_threshold (the re-derived sets' per-row threshold) runs as torch ops on chunks
-of rows (a sort per chunk; the design note of docs/SAMPLING.md): the same rules as the CPU
-kernel's, vLLM v1's sampler as value thresholds.
+The re-derived sets' per-row threshold (sampling_threshold) is threshold.py's radix select.
 
 Every op takes the optional per-row `temperatures` [B, T] (csrc/ops.cpp): row r then uses
 1 / temperatures[r] (inv_temperatures: taken in float64, rounded once to ACC; ROW_TEMP).
@@ -26,7 +24,6 @@ from ._math import as_acc, expm1, log1p
 from .logprobs import acc_dtype, device_guard, inv_temperature, inv_temperatures, tl_acc
 
 BLOCK = 128
-THRESHOLD_CHUNK_BYTES = 64 << 20  # float64 [rows, V] sorted per chunk
 
 
 @triton.jit
@@ -251,27 +248,3 @@ def kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_m
                 grad_logprobs.contiguous(), gent, dlogits, invt, T, logits.shape[1],
                 logits.shape[2], inv, ACC=tl_acc(acc), CSR=csr, HAS_GENT=has_gent,
                 ROW_TEMP=row_temp, BLOCK=BLOCK)
-
-
-def sampling_threshold(logits, mask, temperature, top_k, top_p, min_p, temperatures=None):
-    """The per-row threshold (float64 [B, T]) in torch ops over chunks of rows
-    (temperatures: the optional per-row [B, T], each row's set on its own z)."""
-    from ..sampling import Replay, threshold_torch
-    B, T = mask.shape
-    V = logits.shape[2]
-    out = torch.empty(B, T, dtype=torch.float64, device=logits.device)
-    rows = max(1, THRESHOLD_CHUNK_BYTES // (8 * V * 4))
-    flat = logits[:, :T].reshape(B * T, 1, V) if T else logits[:, :0]
-    m = mask.reshape(B * T, 1)
-    o = out.view(B * T, 1)
-
-    def part(x, r0, r1):
-        return None if x is None else x.reshape(B * T, 1)[r0:r1]
-
-    for r0 in range(0, B * T, rows):
-        r1 = min(B * T, r0 + rows)
-        rp = Replay(top_k=part(top_k, r0, r1), top_p=part(top_p, r0, r1),
-                    min_p=part(min_p, r0, r1))
-        temp = temperature if temperatures is None else part(temperatures, r0, r1)
-        o[r0:r1] = threshold_torch(flat[r0:r1], m[r0:r1], temp, rp)
-    return out
