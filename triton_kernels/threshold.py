@@ -155,7 +155,7 @@ def _select(row, V, mx, inv, t_key, need, MASS: tl.constexpr, KEY_BITS: tl.const
         above = tl.zeros([], tl.int64)
         target = need.to(tl.int64)
     i = 0
-    n = V  # entries in the chosen bucket
+    n = tl.zeros([], tl.int64) + V  # entries in the chosen bucket
     while (i < KEY_BITS // R) & (n > 1):
         shift = KEY_BITS - R - R * i
         c, m = _histogram(row, V, mx, inv, t_key, prefix, shift, MASS, KEY_BITS, R, BLOCK)
