@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import _backends
 from . import _checks as ck
 from .kept import at_rows, flat_rows
 
@@ -52,6 +53,17 @@ def require_ops(be):
             f"kernels in this build; use backend='cpu' (CPU tensors) or backend='torch'")
 
 
+def threshold_op(be, logits3):
+    """The re-derived sets' threshold op: on the device path (_backends.device_eager: a
+    CUDA device, eager mode, triton importable) the Triton radix select
+    (triton_kernels/threshold.py, one launch) for the cuda backend too, whose own op sorts
+    chunks of rows with ATen ops; else the backend's op."""
+    if _backends.device_eager(be, logits3):
+        from .triton_kernels import threshold
+        return threshold.sampling_threshold
+    return be.op("sampling_threshold")
+
+
 def kernel_stats(be, logits3, tokens, mask, temperature, rp):
     """One pass (two for re-derived sets: the threshold pre-pass) of the kept-set kernels.
     temperature: a number or the per-row [B, T] tensor (the ops' `temperatures`)."""
@@ -59,8 +71,8 @@ def kernel_stats(be, logits3, tokens, mask, temperature, rp):
     t, temps = ck.split_temperature(temperature)
     thr = None
     if not rp.given:
-        thr = be.op("sampling_threshold")(logits3, mask, t, rp.top_k, rp.top_p, rp.min_p,
-                                          temps)
+        thr = threshold_op(be, logits3)(logits3, mask, t, rp.top_k, rp.top_p, rp.min_p,
+                                        temps)
     out = be.op("kept_logprobs_fwd")(logits3, tokens, mask, t, rp.ids, rp.offsets, thr, temps)
     return KeptStats(*out, thr)
 

@@ -12,9 +12,11 @@ agreement with vLLM's sampler is tests/test_sampling.py's (through every backend
 import pytest
 import torch
 
+import ppo_kernels as pk
 from ppo_kernels._backends import get_backend
 from ppo_kernels.triton_kernels import threshold
 
+from helpers import device_path
 from helpers.backends import TRITON_DEVICE as DEV, triton_ops
 
 pytestmark = triton_ops
@@ -113,3 +115,20 @@ def test_threshold_rejects_parameters_of_the_wrong_dtype():
     with pytest.raises(ValueError, match="top_p: expected float64"):
         threshold.sampling_threshold(x.to(DEV), mask.to(DEV), 1.0, None,
                                      torch.full((1, 2), 0.5, device=DEV), None)
+
+
+def test_device_path_derives_the_threshold_in_one_launch(monkeypatch):
+    """On the device path (a CUDA device, eager: _backends.device_eager, forced here) the
+    kept-set ops take the threshold from this kernel, on the cuda backend too
+    (kept_rows.threshold_op); token_logprobs equals its value through the op."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 4, 40, generator=gen).to(DEV)
+    tokens = torch.randint(0, 40, (2, 4), generator=gen).to(DEV)
+    kw = dict(top_k=9, top_p=0.7, min_p=0.05, return_entropy=True, backend="triton")
+    op_path = pk.token_logprobs(x, tokens, **kw)
+    calls = device_path.spy(monkeypatch, threshold, "sampling_threshold")
+    device_path.force(monkeypatch)
+    dev_path = pk.token_logprobs(x, tokens, **kw)
+    assert len(calls) == 1
+    for a, b in zip(op_path, dev_path):
+        assert torch.equal(a, b)
