@@ -152,7 +152,7 @@ constexpr uintptr_t kStreamAlign = 0;
 // when they exceed the last-level cache, a plain store reads every destination line from
 // memory first (read for ownership) only to overwrite it, and the lines would be evicted
 // before anyone reads them again: one pass over memory of three (fp32 N 4096, V 32768
-// fwd+bwd: 1.65x -> 1.23-1.37x the copy floor on a 2-core Xeon). Smaller gradients stay in
+// fwd+bwd: 1.65x -> 1.15-1.37x the copy floor on a 2-core Xeon). Smaller gradients stay in
 // the cache for the op that reads them next. The bound is the last-level cache's size, or
 // PPO_KERNELS_CPU_STREAM_BYTES (read once; the tests set it to 0 to stream small shapes).
 // The values written are the same either way.
