@@ -17,7 +17,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 TESTS=(tests/test_golden.py tests/test_reference.py tests/test_loss.py
        tests/test_loss_precision.py tests/test_loss_token_logprobs.py tests/test_seed_sheet.py
-       tests/test_batch_invariance.py tests/test_distill.py tests/test_distill_tp.py)
+       tests/test_batch_invariance.py tests/test_distill.py tests/test_distill_tp.py
+       tests/test_cpu_stream_stores.py)
 native=$("$PY" -c "import torch; print(torch.backends.cpu.get_cpu_capability().lower())")
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT

@@ -63,9 +63,16 @@ def radix(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+# the GPU's 4-bit digits on its dtypes (16- and 32-bit keys); every dtype with the
+# interpreter's 8-bit digits
+CASES = [(4, torch.bfloat16), (4, torch.float32), *((8, d) for d in DTYPES)]
+
+
+@pytest.mark.parametrize("bits,dtype", CASES, ids=[f"radix{b}-{str(d)[6:]}" for b, d in CASES])
 @pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
-def test_threshold_equals_the_cpu_op(dtype, ties, radix):
+def test_threshold_equals_the_cpu_op(bits, dtype, ties, monkeypatch):
+    monkeypatch.setattr(threshold, "RADIX_BITS", bits)
+    radix = bits
     gen = torch.Generator().manual_seed(11 + 2 * DTYPES.index(dtype) + ties + 100 * radix)
     B, T = 2, 3
     seen_cut = 0
