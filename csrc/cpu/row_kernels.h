@@ -32,7 +32,13 @@
 #include <limits>
 #include <vector>
 
+// Whether this capability has non-temporal vector stores (the gradient's, below).
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#define PPO_CPU_STREAM_STORES 1
+#else
+#define PPO_CPU_STREAM_STORES 0
+#endif
+#if PPO_CPU_STREAM_STORES
 #include <immintrin.h>
 #include <unistd.h>
 #endif
@@ -111,7 +117,7 @@ struct Lanes {
   // the lines do not displace the cache); p aligned to kStreamAlign. A plain store() where
   // this capability has no such store.
   static void stream(const Vec* g, scalar_t* p, int n_vecs) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if PPO_CPU_STREAM_STORES
     if constexpr (kWiden<scalar_t>) {
       for (int j = 0; j < n_vecs; j += 2)
         stream_bits(at::vec::convert_from_float<scalar_t>(g[j], g[j + 1]), p + j * W);
@@ -148,6 +154,13 @@ constexpr uintptr_t kStreamAlign = 32;
 constexpr uintptr_t kStreamAlign = 0;
 #endif
 
+// Orders the non-temporal stores before what follows (an sfence).
+inline void stream_fence() {
+#if PPO_CPU_STREAM_STORES
+  _mm_sfence();
+#endif
+}
+
 // Whether a kernel writing `bytes` of gradient should write them with non-temporal stores:
 // when they exceed the last-level cache, a plain store reads every destination line from
 // memory first (read for ownership) only to overwrite it, and the lines would be evicted
@@ -157,7 +170,7 @@ constexpr uintptr_t kStreamAlign = 0;
 // PPO_KERNELS_CPU_STREAM_BYTES (read once; the tests set it to 0 to stream small shapes).
 // The values written are the same either way.
 inline bool stream_gradient(int64_t bytes) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if PPO_CPU_STREAM_STORES
   static const int64_t bound = [] {
     if (const char* env = std::getenv("PPO_KERNELS_CPU_STREAM_BYTES"))
       return int64_t(std::atoll(env));
@@ -193,7 +206,7 @@ class RowWorker {
   // (stream_gradient: the whole gradient is larger than the last-level cache).
   RowWorker(int64_t V, bool keep_exps, bool stream_out = false)
       : V_(V), nfull_(V / kChunk), tail_(V % kChunk), nchunks_(nfull_ + (tail_ ? 1 : 0)),
-        stream_out_(stream_out && kStreamAlign != 0) {
+        stream_out_(stream_out) {
     if (keep_exps) {
       e_.resize(nchunks_ * kChunk);
       cmax_.resize(nchunks_);
@@ -208,9 +221,7 @@ class RowWorker {
     for (int j = 0; j < kVecs; ++j) g[j] = Vec(T(0));
     for (int64_t k = 0; k < nfull_; ++k) Lanes<scalar_t>::stream(g, out + k * kChunk, kVecs);
     std::memset(static_cast<void*>(out + nfull_ * kChunk), 0, sizeof(scalar_t) * tail_);
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    _mm_sfence();
-#endif
+    stream_fence();
   }
 
   // Statistics of one row (raw logits, unit stride); keeps the exps when the worker was
@@ -275,11 +286,9 @@ class RowWorker {
         store_chunk(g, k, out);
       }
     }
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
     // the non-temporal stores are weakly ordered: fence them before the token's entry
     // (which may lie in a line just streamed) and before another thread reads the row
-    if (stream) _mm_sfence();
-#endif
+    if (stream) stream_fence();
     out[token] = static_cast<scalar_t>(
         ppo::dlogit_token(logp_tok, ppo::ppo_exp(logp_tok), st.entropy, dlogp, dent) * inv);
   }
