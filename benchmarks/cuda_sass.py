@@ -22,7 +22,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNELS = ("partial_stats_kernel", "grad_chunks_kernel", "fused_rows_kernel")
+KERNELS = ("partial_stats_kernel", "grad_chunks_kernel", "fused_rows_kernel",
+           "cluster_rows_kernel")
 DTYPES = {"N3c108BFloat16E": "bf16", "fE": "float32"}
 
 

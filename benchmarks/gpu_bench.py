@@ -21,9 +21,10 @@ Also: long-T GAE (B = 8, T = 32768) per backend, and peak memory over the inputs
     python benchmarks/gpu_bench.py                     # on a GPU; JSON to $OUT if set
     python benchmarks/gpu_bench.py --device cpu --small  # CPU smoke run of this script
 
-Tuning knobs of the CUDA backend (csrc/cuda/launch.h) can be swept with
---cuda-variants "default;PPO_CUDA_THREADS=256;PPO_CUDA_ROWS_PER_SM=1" (each a row; none
-changes a result bit: the reduction tree is a function of V only, csrc/cuda/NOTES.md).
+Tuning knobs of the CUDA backend (csrc/cuda/row_kernels.cuh, plan_rows) can be swept with
+--cuda-variants "default;PPO_CUDA_CLUSTER=1;PPO_CUDA_CLUSTER=1,PPO_CUDA_ROWS_PER_SM=1" (each
+a row, its knobs separated by commas; none changes a result bit: the reduction tree is a
+function of V only, csrc/cuda/NOTES.md).
 """
 
 from __future__ import annotations
@@ -368,8 +369,9 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=330.0,
                     help="stop starting new measurements after this many seconds")
     ap.add_argument("--cuda-variants", default="",
-                    help='";"-separated launch-knob settings for the cuda backend, e.g. '
-                         '"default;PPO_CUDA_THREADS=512"')
+                    help='";"-separated launch-knob settings for the cuda backend (the '
+                         'knobs of one setting ","-separated), e.g. '
+                         '"default;PPO_CUDA_CLUSTER=1,PPO_CUDA_THREADS=256"')
     ap.add_argument("--no-gae", action="store_true")
     ap.add_argument("--json", default=None, help="JSON path (default $OUT/gpu_bench.json)")
     args = ap.parse_args(argv)

@@ -37,7 +37,8 @@
 #       (TRITON_INTERPRET=1), no sanitizer, no distributed run, timeouts doubled and a
 #       900 s budget; checks this script's structure, not the kernels (4 minutes on 2 cores)
 # env: CHECK_BUDGET_S; BENCH_ARGS="..." extra gpu_bench.py arguments; CUDA_VARIANTS the
-#      cuda backend's knob rows (default "default;PPO_CUDA_ROWS_PER_SM=1;PPO_CUDA_THREADS=512");
+#      cuda backend's knob rows (default "default;PPO_CUDA_CLUSTER=1;PPO_CUDA_CLUSTER=2;
+#      PPO_CUDA_CLUSTER=1,PPO_CUDA_ROWS_PER_SM=1");
 #      SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1 leave stages out; PYTHON (default python3).
 # Liger-Kernel is not in the GPU image and the machine has no network: to compare with it,
 # download its wheel first on a machine with PyPI (`echo /.whl/ >> .git/info/exclude;
@@ -194,11 +195,12 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     stage_line replay skipped 0 "dry run"
   else
     # --budget-s: no new measurement past it, so the JSON and the table get written
-    # the CUDA kernel's launch knobs beside its default (rows in flight capped at one per
-    # SM, so that the gradient sweep's re-read of a 151936-entry row may hit L2; 512
-    # threads a row): a few ms a row, no result bit changes (gpu_bench.py --cuda-variants)
+    # the CUDA kernel's launch knobs beside its default (the cluster path where a row is
+    # too large for the fused path's re-read to hit L2): the fused path (CLUSTER=1), two
+    # blocks a row instead of four, the fused path with its rows in flight capped at one
+    # per SM: a few ms a row, no result bit changes (gpu_bench.py --cuda-variants)
     TAIL_LINES=30 run_stage bench 80 "$PY" benchmarks/gpu_bench.py --budget-s 60 \
-        --cuda-variants "${CUDA_VARIANTS:-default;PPO_CUDA_ROWS_PER_SM=1;PPO_CUDA_THREADS=512}" \
+        --cuda-variants "${CUDA_VARIANTS:-default;PPO_CUDA_CLUSTER=1;PPO_CUDA_CLUSTER=2;PPO_CUDA_CLUSTER=1,PPO_CUDA_ROWS_PER_SM=1}" \
         --json "$OUTDIR/gpu_bench.json" ${BENCH_ARGS:-}
     TAIL_LINES=12 run_stage from_hidden 60 "$PY" benchmarks/gpu_from_hidden.py \
         --json "$OUTDIR/gpu_from_hidden.json"

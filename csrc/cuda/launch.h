@@ -8,8 +8,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -63,23 +66,27 @@ inline Temp<A> make_row_temp(const RowArgs& r) {
   return tp;
 }
 
-// Multiprocessor count of a device, cached per device. Relaxed atomics: two
-// threads may both query the driver once, never race on the value.
-inline int sm_count(int device) {
-  static std::atomic<int> cached[64] = {};
-  const bool slot = device >= 0 && device < 64;
-  if (slot) {
-    const int c = cached[device].load(std::memory_order_relaxed);
-    if (c > 0) return c;
+// A device attribute, cached per (attribute, device): the driver is asked once.
+inline int device_attr(cudaDeviceAttr attr, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, int> cache;
+  const std::pair<int, int> key{static_cast<int>(attr), device};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(key);
+    if (it != cache.end()) return it->second;
   }
   int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  if (slot) cached[device].store(n, std::memory_order_relaxed);
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, attr, device));
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = n;
   return n;
 }
 
+inline int sm_count(int device) { return device_attr(cudaDevAttrMultiProcessorCount, device); }
+
 // Tuning knobs (row_kernels.cuh, plan_rows): PPO_CUDA_THREADS, PPO_CUDA_SPLIT,
-// PPO_CUDA_ROWS_PER_SM. Read with getenv at every call ON PURPOSE: one benchmark process
+// PPO_CUDA_ROWS_PER_SM, PPO_CUDA_CLUSTER. Read with getenv at every call ON PURPOSE: one benchmark process
 // sweeps them (gpu_bench.py --cuda-variants). getenv is thread-safe as long as nobody calls
 // setenv concurrently, and costs ~100 ns next to a launch. None of them changes any bit of
 // the results (the reduction tree is a function of V only).

@@ -24,6 +24,11 @@
 #pragma once
 
 #include <limits>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include <cooperative_groups.h>
 
 #include "launch.h"
 #include "row_reduce.cuh"
@@ -102,6 +107,108 @@ __global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
         grad_range(row, orow, 0, rv.V, rv.V, g, rt, tid, nthr);
     }
   }
+}
+
+// ---------------------------------------------------------------- cluster: a row on chip
+
+// sm_90: a cluster of C blocks per row (grid-stride over rows by cluster). Block `rank`
+// copies its slice of the row (row_slice: whole chunks) into dynamic shared memory
+// (stage_range, one commit group per round of `groups` chunks, so the first chunks are
+// reduced while the later ones land), reduces its chunks from the copy exactly as the fused
+// kernel reduces them from the row, and writes each chunk's statistics into block 0's cs
+// through distributed shared memory. After a cluster barrier block 0 merges the chunks
+// (merge_chunks, the same order), runs the epilogue and writes the GradRow into every
+// block's bc; after a second barrier each block writes its slice's gradient from its copy.
+// One DRAM read and one write of [N, V]. Same bits as the fused and split paths.
+// Barrier hazards: a block writes block 0's cs for row r + 1 only after passing row r's
+// second barrier, which block 0 passes only after merging row r; block 0 writes bc for row
+// r + 1 only after row r + 1's first barrier, which every block reaches after reading row
+// r's bc into registers; the copy of row r + 1 starts after a block barrier that follows
+// row r's gradient sweep.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
+    cluster_rows_kernel(RowsView<scalar_t> rv, TokenIO<acc_of<scalar_t>> io,
+                        Temp<acc_of<scalar_t>> tp, ChunkPlan cp) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using A = acc_of<scalar_t>;
+  namespace cg = cooperative_groups;
+  extern __shared__ __align__(16) unsigned char ppo_cluster_smem[];
+  scalar_t* srow = reinterpret_cast<scalar_t*>(ppo_cluster_smem);
+  __shared__ Stats<A> wsm[kFusedMaxThreads / kWarpSize];
+  __shared__ Stats<A> cs[kMaxChunks];
+  __shared__ GradRow<A> bc;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int C = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int tid = threadIdx.x;
+  const int nthr = blockDim.x;
+  const int G = cp.threads;
+  const int groups = nthr / G;
+  const int group = tid / G;
+  const int lt = tid - group * G;
+  const RowSlice sl = row_slice(cp, rv.V, C, rank);
+  const int64_t rounds = (sl.c1 - sl.c0 + groups - 1) / groups;
+  const int64_t nrows = rv.B * rv.Tl;
+  const int64_t nclusters = gridDim.x / C;
+  Stats<A>* cs0 = cluster.map_shared_rank(cs, 0);
+  for (int64_t r = blockIdx.x / C; r < nrows; r += nclusters) {
+    const int64_t b = r / rv.Tl;
+    const int64_t t = r - b * rv.Tl;
+    const scalar_t* row = rv.logits + b * rv.sB + t * rv.sT;
+    scalar_t* orow = rv.out + b * rv.oB + t * rv.oT;
+    if (t >= rv.T) {  // cluster-uniform, like the mask below: no cluster barrier skipped
+      zero_range(orow, sl.e0, sl.e1, tid, nthr);
+      continue;
+    }
+    const int64_t i = b * rv.T + t;
+    if (!rv.mask[i]) {
+      if (rank == 0 && tid == 0) token_epilogue_masked(io, i);
+      zero_range(orow, sl.e0, sl.e1, tid, nthr);
+      continue;
+    }
+    const Temp<A> rt = row_temp(tp, i);
+    __syncthreads();  // every thread is done reading the previous row's copy
+    for (int64_t q = 0; q < rounds; ++q) {
+      const int64_t e0 = sl.e0 + q * groups * cp.chunk;
+      stage_range(srow + (e0 - sl.e0), row, e0, imin(sl.e1, e0 + groups * cp.chunk), rv.V, tid,
+                  nthr);
+      cp_async_commit();
+    }
+    TokenIn<A> tin{};
+    if (rank == 0 && tid == 0) tin = fetch_token(io, rv, row, i);
+    for (int64_t q = 0; q < rounds; ++q) {
+      cp_async_wait(static_cast<int>(rounds - 1 - q));
+      __syncthreads();  // round q's copies, every thread's, have landed
+      const int64_t c = sl.c0 + q * groups + group;
+      Stats<A> st = stats_empty<A>();
+      if (c < sl.c1) {
+        const int64_t cb = c * cp.chunk, ce = imin(rv.V, cb + cp.chunk);
+        st = range_stats(srow + (cb - sl.e0), int64_t(0), ce - cb, ce - cb, rt.inv2, lt, G);
+      }
+      st = group_merge(st, wsm, G, rt.inv2);
+      if (lt == 0 && c < sl.c1) cs0[c] = st;
+    }
+    cluster.sync();  // every chunk's statistics are in block 0's cs
+    if (rank == 0 && tid < kWarpSize) {
+      const Stats<A> st = merge_chunks(cs, cp.S, rt.inv2);
+      if (tid == 0) {
+        const GradRow<A> g = token_epilogue(io, i, tin, stats_finish(st), rt);
+        for (int k = 0; k < C; ++k) *cluster.map_shared_rank(&bc, k) = g;
+      }
+    }
+    cluster.sync();  // every block's bc holds the row's GradRow
+    GradRow<A> g = bc;
+    if (grad_is_zero(g)) {
+      zero_range(orow, sl.e0, sl.e1, tid, nthr);
+      continue;
+    }
+    g.tok = g.tok >= sl.e0 ? static_cast<int32_t>(g.tok - sl.e0) : -1;  // slice column
+    grad_range<true>(srow, orow + sl.e0, 0, sl.e1 - sl.e0, sl.e1 - sl.e0, g, rt, tid, nthr);
+  }
+  cluster.sync();  // no block leaves while another may still write its shared memory
+#else
+  __trap();  // never launched below sm_90 (launch_cluster checks the binary)
+#endif
 }
 
 // ---------------------------------------------------------------- split vocabulary
@@ -252,19 +359,48 @@ __global__ void __launch_bounds__(kMaxThreads)
 
 struct RowPlan {
   bool split = false;
+  int cluster = 0;   // blocks per row on the cluster path (0: not that path)
   ChunkPlan cp{};
-  int threads = 32;  // fused block: groups * cp.threads
+  int threads = 32;  // fused or cluster block: groups * cp.threads
   int64_t grid = 0;  // fused grid
 };
+
+// Most shared memory a cluster block's slice may take: two blocks per multiprocessor
+// (228 KB on sm_90), so one block's sweeps overlap the other's copy.
+constexpr int64_t kClusterSliceBytes = 96 * 1024;
+
+// Blocks per row of the cluster path (2, 4 or 8: the portable cluster sizes), the fewest
+// whose slices fit kClusterSliceBytes; `want` (2, 4 or 8) first when it fits; 0 when none
+// does (V beyond 8 x 96 KB: the fused path).
+template <typename scalar_t>
+int cluster_blocks(const ChunkPlan& cp, int64_t want) {
+  auto fits = [&](int C) {
+    return slice_chunks(cp, C) * cp.chunk * static_cast<int64_t>(sizeof(scalar_t)) <=
+           kClusterSliceBytes;
+  };
+  if ((want == 2 || want == 4 || want == 8) && fits(static_cast<int>(want)))
+    return static_cast<int>(want);
+  for (int C : {2, 4, 8})
+    if (fits(C)) return C;
+  return 0;
+}
 
 // Path and launch shape. None of it changes a row's bits: the knobs only move work around.
 //   PPO_CUDA_SPLIT       0 auto, 1 never split, >= 2 always split (the chunks are
 //                        chunk_plan's either way: the value no longer sets their number)
+//   PPO_CUDA_CLUSTER     0 auto, 1 never, 2 / 4 / 8 that many blocks per row (the fewest that
+//                        fit when that many do not) on the cluster path, whenever a gradient
+//                        is written on sm_90 and the path is not split
 //   PPO_CUDA_THREADS     fused block size, rounded to a multiple of chunk_plan().threads
 //                        (1 .. 512 / threads groups); default: min(S, 512 / threads) groups
 //   PPO_CUDA_ROWS_PER_SM cap the fused grid at k blocks per SM (rows loop); 0 = one per row
+// Auto takes the cluster path when a gradient is written and the rows the fused path keeps
+// in flight (two blocks per multiprocessor, one row each) exceed half the L2: its gradient
+// sweep would re-read them from DRAM (three passes over [N, V] instead of two).
+// cluster_ok = false: not the cluster path (launch_cluster's fallback).
 template <typename scalar_t>
-RowPlan plan_rows(int64_t B, int64_t Tn, int64_t Tl, int64_t V, bool grad, int device) {
+RowPlan plan_rows(int64_t B, int64_t Tn, int64_t Tl, int64_t V, bool grad, int device,
+                  bool cluster_ok = true) {
   RowPlan p;
   p.cp = chunk_plan<scalar_t>(V);
   const int64_t sms = sm_count(device);
@@ -280,6 +416,18 @@ RowPlan plan_rows(int64_t B, int64_t Tn, int64_t Tl, int64_t V, bool grad, int d
   p.threads = p.cp.threads;
   if (p.split) return p;
   const int64_t max_groups = kFusedMaxThreads / p.cp.threads;
+  const int64_t want_c = env_int("PPO_CUDA_CLUSTER", 0);
+  if (grad && cluster_ok && want_c != 1 &&
+      device_attr(cudaDevAttrComputeCapabilityMajor, device) >= 9) {
+    const int64_t in_flight = 2 * sms * V * static_cast<int64_t>(sizeof(scalar_t));
+    if (want_c >= 2 || 2 * in_flight > device_attr(cudaDevAttrL2CacheSize, device)) {
+      p.cluster = cluster_blocks<scalar_t>(p.cp, want_c);
+      const int64_t per = slice_chunks(p.cp, std::max(p.cluster, 1));
+      p.threads = static_cast<int>(std::min(per, max_groups) * p.cp.threads);
+      if (p.cluster > 0) return p;
+      p.threads = p.cp.threads;
+    }
+  }
   const int64_t want = env_int("PPO_CUDA_THREADS", 0);
   const int64_t groups = want > 0 ? std::max<int64_t>(1, want / p.cp.threads)
                                   : std::min<int64_t>(p.cp.S, max_groups);
@@ -289,6 +437,64 @@ RowPlan plan_rows(int64_t B, int64_t Tn, int64_t Tl, int64_t V, bool grad, int d
   if (cap > 0) p.grid = std::min(p.grid, cap * sms);
   p.grid = std::min<int64_t>(p.grid, 0x7fffffff);
   return p;
+}
+
+// Launches cluster_rows_kernel with p.cluster blocks per row and as many clusters as the
+// device holds at once (grid-stride over the rows). Returns false, launching nothing, when
+// the kernel was not compiled for sm_90 or later (a build for an older GPU, its PTX
+// JIT-compiled here, has an empty body) or no such cluster fits the device: the caller
+// runs the fused path.
+template <typename scalar_t>
+bool launch_cluster(const RowPlan& p, const RowsView<scalar_t>& rv,
+                    const TokenIO<acc_of<scalar_t>>& io, Temp<acc_of<scalar_t>> tp, int device,
+                    cudaStream_t stream) {
+  auto* kernel = cluster_rows_kernel<scalar_t>;
+  const int64_t smem = slice_chunks(p.cp, p.cluster) * p.cp.chunk *
+                       static_cast<int64_t>(sizeof(scalar_t));
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(p.cluster);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.blockDim = dim3(static_cast<unsigned>(p.threads));
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  // Once per (device, kernel, cluster, smem, threads): the binary's architecture, the
+  // shared-memory opt-in (to the largest slice any call takes, kClusterSliceBytes, so that
+  // no later call's opt-in lowers an earlier one's) and the co-resident clusters. An error
+  // of the queries (an unsupported cluster shape) leaves the fused path to run.
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, int64_t, int>, int> active;
+  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), p.cluster,
+                                   smem, p.threads);
+  int n = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = active.find(key);
+    if (it != active.end()) {
+      n = it->second;
+    } else {
+      cudaFuncAttributes fa{};
+      C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
+      cfg.gridDim = dim3(static_cast<unsigned>(p.cluster));
+      if (fa.ptxVersion < 90 ||
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kClusterSliceBytes)) != cudaSuccess ||
+          cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
+        (void)cudaGetLastError();  // clear the sticky-free error of a failed query
+        n = 0;
+      }
+      active[key] = n;
+    }
+  }
+  if (n <= 0) return false;
+  const int64_t clusters = std::min<int64_t>(rv.B * rv.Tl, n);
+  cfg.gridDim = dim3(static_cast<unsigned>(clusters * p.cluster));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, rv, io, tp, p.cp));
+  return true;
 }
 
 // Runs the row pass: per-token outputs through io, and the gradient into rv.out when it is
@@ -301,7 +507,11 @@ void run_rows(const RowsView<scalar_t>& rv, const TokenIO<acc_of<scalar_t>>& io,
   const bool grad = rv.out != nullptr;
   const int64_t nrows = rv.B * rv.T;
   if (rv.B * rv.Tl == 0) return;
-  const RowPlan p = plan_rows<scalar_t>(rv.B, rv.T, rv.Tl, rv.V, grad, device);
+  RowPlan p = plan_rows<scalar_t>(rv.B, rv.T, rv.Tl, rv.V, grad, device);
+  if (p.cluster > 0) {
+    if (launch_cluster(p, rv, io, tp, device, stream)) return;
+    p = plan_rows<scalar_t>(rv.B, rv.T, rv.Tl, rv.V, grad, device, false);
+  }
   if (!p.split) {
     fused_rows_kernel<scalar_t>
         <<<static_cast<unsigned>(p.grid), p.threads, 0, stream>>>(rv, io, tp, p.cp);

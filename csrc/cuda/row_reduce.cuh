@@ -214,6 +214,15 @@ PPO_CUDA_HD Pack<T> ld_elems(const T* row, int64_t e0, int64_t V, bool row_align
   return r;
 }
 
+// The N elements at p one by one (any alignment).
+template <typename T>
+PPO_CUDA_HD Pack<T> ld_each(const T* p) {
+  Pack<T> r;
+#pragma unroll
+  for (int k = 0; k < Pack<T>::N; ++k) r.v[k] = p[k];
+  return r;
+}
+
 // Streaming (evict-first) store of a pack at an aligned address.
 template <typename T>
 PPO_CUDA_HD void st_pack_stream(T* p, const Pack<T>& v) {
@@ -562,7 +571,10 @@ PPO_CUDA_HD Stats<A> range_stats(const T* row, int64_t begin, int64_t end, int64
 // read it forwards, so its last entries are the likeliest to still be in L2). out may alias
 // in (in place): each element is read, then written, by one thread. Two packs are in flight
 // per thread. No reduction here: the thread split does not change any output bit.
-template <typename T, typename A, typename F>
+// kSharedIn: in_row is a staged copy in shared memory (stage_range), 16-byte aligned at
+// begin: plain loads (the streaming hint is a global-memory load), element by element where
+// the output's phase differs.
+template <typename T, typename A, bool kSharedIn = false, typename F>
 PPO_CUDA_HD void map_range(const T* in_row, T* out_row, int64_t begin, int64_t end, int64_t V,
                            int tid, int nthr, bool backwards, F f) {
   constexpr int N = Pack<T>::N;
@@ -579,7 +591,8 @@ PPO_CUDA_HD void map_range(const T* in_row, T* out_row, int64_t begin, int64_t e
   };
   auto load = [&](int64_t j) {
     const int64_t e0 = begin + h + j * N;
-    return same_phase ? ld_pack(in_row + e0, true) : ld_elems(in_row, e0, V, false, true);
+    if constexpr (kSharedIn) return same_phase ? ld_pack(in_row + e0) : ld_each(in_row + e0);
+    else return same_phase ? ld_pack(in_row + e0, true) : ld_elems(in_row, e0, V, false, true);
   };
   auto store = [&](int64_t j, const Pack<T>& x) {
     Pack<T> y;
@@ -631,12 +644,13 @@ PPO_CUDA_HD void zero_range(T* out_row, int64_t begin, int64_t end, int tid, int
 }
 
 // The gradient of one row over [begin, end): dense_grad for every entry, g.g_tok for the
-// token's own (ppo_math.h holds the formulas), written backwards (map_range).
-template <typename T, typename A>
+// token's own (ppo_math.h holds the formulas), written backwards (map_range). kSharedIn: row
+// is a staged copy in shared memory (map_range).
+template <bool kSharedIn = false, typename T, typename A>
 PPO_CUDA_HD void grad_range(const T* row, T* out_row, int64_t begin, int64_t end, int64_t V,
                             const GradRow<A>& g, Temp<A> tp, int tid, int nthr) {
   const DenseCoef<A> c = dense_coef(g.entropy, g.dlogp, g.dent, tp.inv);
-  map_range<T, A>(row, out_row, begin, end, V, tid, nthr, true, [&](int64_t v, A x) {
+  map_range<T, A, kSharedIn>(row, out_row, begin, end, V, tid, nthr, true, [&](int64_t v, A x) {
     const A d = dense_grad(x, g.xmax, g.log_s2, tp.inv2, c);
     return static_cast<int32_t>(v) == g.tok ? g.g_tok : d;
   });
@@ -647,6 +661,90 @@ template <typename T, typename A>
 PPO_CUDA_HD void scale_range(T* row, int64_t begin, int64_t end, int64_t V, A f, int tid,
                              int nthr) {
   map_range<T, A>(row, row, begin, end, V, tid, nthr, false, [&](int64_t, A x) { return x * f; });
+}
+
+// ---------------------------------------------------------------- rows held on chip
+//
+// The cluster path (row_kernels.cuh, cluster_rows_kernel) reads each row from DRAM once:
+// the C blocks of a thread-block cluster (sm_90) each copy a contiguous slice of the row's
+// chunks into shared memory, reduce their chunks from that copy, merge through distributed
+// shared memory and write the gradient from the same copy. A slice starts at a chunk start
+// (a multiple of N), so the copy's logical packs are 16-byte aligned and range_stats over
+// the copy walks the same packs in the same order as over the row: the same bits.
+
+// Block `rank` of C holds chunks [c0, c1) of the row, elements [e0, e1) (per chunks each,
+// the last blocks fewer or none). A function of (ChunkPlan, V, C) only.
+struct RowSlice {
+  int64_t c0, c1, e0, e1;
+};
+
+PPO_CUDA_HD int64_t slice_chunks(const ChunkPlan& cp, int C) { return (cp.S + C - 1) / C; }
+
+PPO_CUDA_HD RowSlice row_slice(const ChunkPlan& cp, int64_t V, int C, int rank) {
+  const int64_t per = slice_chunks(cp, C);
+  RowSlice s;
+  s.c0 = imin(cp.S, rank * per);
+  s.c1 = imin(cp.S, s.c0 + per);
+  s.e0 = imin(V, s.c0 * cp.chunk);
+  s.e1 = imin(V, s.c1 * cp.chunk);
+  return s;
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// 16 bytes global -> shared without registers (PTX cp.async.cg: cached in L2 only); the
+// copies of a thread complete in commit-group order (cp_async_commit / cp_async_wait).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+#endif
+
+// Ends a group of this thread's asynchronous copies (no-op on the host, where copies are
+// synchronous).
+PPO_CUDA_HD void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most `pending` of this thread's most recent copy groups are still in flight
+// (PTX wants the count as an immediate: a switch over the small counts, all of them beyond).
+PPO_CUDA_HD void cp_async_wait(int pending) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  switch (pending) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_all;\n" ::: "memory"); break;
+  }
+#else
+  (void)pending;
+#endif
+}
+
+// s[k] = row[begin + k] for k in [0, end - begin), by thread tid of nthr; s 16-byte aligned,
+// begin a multiple of N. A 16-byte aligned row is copied with cp.async on the device (wait
+// with cp_async_wait, then a barrier); otherwise (and on the host) through registers with
+// the streaming load (the only read of these bytes) and ld_elems' shifted loads.
+template <typename T>
+PPO_CUDA_HD void stage_range(T* s, const T* row, int64_t begin, int64_t end, int64_t V, int tid,
+                             int nthr) {
+  constexpr int N = Pack<T>::N;
+  const int64_t n = end - begin;
+  const int64_t nv = n / N;
+  const bool al = aligned16(row);
+  for (int64_t j = tid; j < nv; j += nthr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (al) {
+      cp_async16(s + j * N, row + begin + j * N);
+      continue;
+    }
+#endif
+    const Pack<T> x = ld_elems(row, begin + j * N, V, al, true);
+    memcpy(s + j * N, &x, 16);
+  }
+  for (int64_t k = nv * N + tid; k < n; k += nthr) s[k] = row[begin + k];
 }
 
 }  // namespace ppo_cuda

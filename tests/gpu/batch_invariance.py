@@ -2,8 +2,8 @@
 every backend at small shapes): a row's logp, entropy, loss_tok and dlogits from the fused
 ppo_loss op are bitwise the same alone (its own [1, 2, V] tensor), inside a batch of 4096
 rows and in a permuted batch, for bf16 / float32 logits at V = 32000 and 50257; on CUDA
-with the vocabulary split forced, never and left to the row count (and the fused and
-split paths bitwise equal), and on Triton.
+with the vocabulary split forced, never and left to the row count, and the cluster path
+forced (4 blocks a row: the fused, split and cluster paths bitwise equal), and on Triton.
 
     python tests/gpu/batch_invariance.py [--device cpu --small] [--budget-s S]
 
@@ -18,6 +18,21 @@ import sys
 import torch
 
 from _harness import check, main, report, slot_args
+
+
+# The CUDA ops' paths (csrc/cuda/row_kernels.cuh, plan_rows): their knobs.
+PATHS = {"fused": {"PPO_CUDA_SPLIT": "1", "PPO_CUDA_CLUSTER": "1"},
+         "split": {"PPO_CUDA_SPLIT": "2", "PPO_CUDA_CLUSTER": "1"},
+         "cluster": {"PPO_CUDA_SPLIT": "1", "PPO_CUDA_CLUSTER": "4"}}
+
+
+def set_path(env):
+    """Sets the path knobs of `env` ({}: every knob back to auto)."""
+    for k in ("PPO_CUDA_SPLIT", "PPO_CUDA_CLUSTER"):
+        if k in env:
+            os.environ[k] = env[k]
+        else:
+            os.environ.pop(k, None)
 
 
 @check
@@ -51,13 +66,11 @@ def batch_invariance(ctx):
                                                  1.05, False), True)
             return lp, ent, ltok, dl
 
-        envs = [("auto", None), ("split=1", "1"), ("split=2", "2")] if ctx.gpu else [("", None)]
+        envs = [("auto", {}), ("split=1", PATHS["fused"]), ("split=2", PATHS["split"]),
+                ("cluster=4", PATHS["cluster"])] if ctx.gpu else [("", {})]
         for be in ctx.kern:
-            for ename, sv in (envs if be in ("cuda",) else [("", None)]):
-                if sv is None:
-                    os.environ.pop("PPO_CUDA_SPLIT", None)
-                else:
-                    os.environ["PPO_CUDA_SPLIT"] = sv
+            for ename, env in (envs if be in ("cuda",) else [("", {})]):
+                set_path(env)
                 try:
                     full = run(be, x, tok, old, adv, ref, w, mask)
                     inv = torch.argsort(perm)
@@ -80,20 +93,21 @@ def batch_invariance(ctx):
                         if not torch.equal(alone[3][:, :1], full[3][:, sl]):
                             bad.append(f"row {i} alone dlogits")
                 finally:
-                    os.environ.pop("PPO_CUDA_SPLIT", None)
+                    set_path({})
                 label = f"invariance[{be}{',' + ename if ename else ''} {str(dt)[6:]} V={V}]"
                 report(label, "ok" if not bad else "FAIL",
                        f"{n} rows" + ("" if not bad else ": " + ", ".join(bad[:4])))
-        # the CUDA split and fused paths against each other (same bits by design)
+        # the CUDA fused, split and cluster paths against each other (same bits by design)
         if ctx.gpu:
             res = {}
-            for sv in ("1", "2"):
-                os.environ["PPO_CUDA_SPLIT"] = sv
-                res[sv] = run("cuda", x, tok, old, adv, ref, w, mask)
-            os.environ.pop("PPO_CUDA_SPLIT", None)
-            same = all(torch.equal(a, b) for a, b in zip(res["1"], res["2"]))
-            report(f"invariance[cuda fused==split {str(dt)[6:]} V={V}]", "ok" if same else "FAIL",
-                   "" if same else "fused and split paths differ")
+            for path, env in PATHS.items():
+                set_path(env)
+                res[path] = run("cuda", x, tok, old, adv, ref, w, mask)
+            set_path({})
+            for path in ("split", "cluster"):
+                same = all(torch.equal(a, b) for a, b in zip(res["fused"], res[path]))
+                report(f"invariance[cuda fused=={path} {str(dt)[6:]} V={V}]",
+                       "ok" if same else "FAIL", "" if same else f"fused and {path} paths differ")
         del x
 
 

@@ -1,6 +1,6 @@
 """Every CUDA op on small odd shapes vs ppo_kernels/reference.py: strided rows with an odd
 row stride (misaligned 16-byte packs), Tl = T + 1, masked positions holding out-of-range
-token ids, -inf logits, all four dtypes, fused and split-vocabulary paths, grad_scale and
+token ids, -inf logits, all four dtypes, fused, split-vocabulary and cluster paths, grad_scale and
 scale_grad_ (in place, on the strided view too), the loss menu (cispo, sapo, k1+ / k3+, the
 KL bias correction, on-policy old_logprobs=None, entropy_weights), the per-row temperature
 (`temperatures`, with old / ref log-probs drawn near the log-probs at those temperatures);
@@ -145,9 +145,19 @@ g = torch.Generator().manual_seed(0)
 # (quick: bfloat16 first, the dtype that matters most, in case --budget-s stops the run)
 dtypes = [torch.bfloat16, torch.float32] if quick else [torch.float32, torch.bfloat16,
                                                         torch.float16, torch.float64]
-# PPO_CUDA_SPLIT forces the CUDA ops' split-vocabulary path; the Triton ops have none, so
-# a Triton run needs one setting only
-splits = ["0"] if prefix else ["0", "1", "3"]
+# PPO_CUDA_SPLIT forces the CUDA ops' split-vocabulary path ("1" never, "3" always), "cN"
+# their cluster path with N blocks a row (PPO_CUDA_CLUSTER=N, the split off: sm_90, with a
+# gradient); the Triton ops have neither, so a Triton run needs one setting only
+splits = ["0"] if prefix else ["0", "c2", "1", "3", "c8"]
+
+
+def set_path(split):
+    """The CUDA path knobs of one setting of `splits`."""
+    os.environ["PPO_CUDA_SPLIT"] = "1" if split.startswith("c") else split
+    os.environ["PPO_CUDA_CLUSTER"] = (split[1:] if split.startswith("c")
+                                      else "0" if split == "0" else "1")
+
+
 Vs = [7, 1003] if quick else [1, 7, 1003, 20011]
 
 
@@ -322,7 +332,7 @@ for i, (split, dt, V) in enumerate(cases):
     if ARGS.budget_s is not None and time.time() - T_START > ARGS.budget_s:
         not_run = cases[i:]
         break
-    os.environ["PPO_CUDA_SPLIT"] = split
+    set_path(split)
     t0, c0, f0 = time.time(), n_checks[0], len(fails)
     case(split, dt, V)
     if dev == "cuda":

@@ -218,6 +218,63 @@ static void arm_loads(const T* row, int64_t V) {
 }
 static void disarm_loads() { g_lo = g_hi = nullptr; }
 
+// Cluster schedule (cluster_rows_kernel): block `rank` of C stages its slice (row_slice,
+// stage_range by nthr threads) into an aligned copy, reduces its chunks from the copy in
+// rounds of `groups`, block 0 merges all chunks. The copies stay in `copies` for the
+// gradient (emu_cluster_grad).
+template <typename T>
+using Copy = std::vector<Pack<T>>;
+
+template <typename T, typename A>
+static Stats<A> emu_cluster_stats(const T* row, int64_t V, A inv2, int C, int nthr,
+                                  std::vector<Copy<T>>& copies) {
+  const ChunkPlan cp = chunk_plan<T>(V);
+  std::vector<Stats<A>> cs(cp.S, stats_empty<A>());
+  copies.assign(C, Copy<T>());
+  const int groups = static_cast<int>(std::min<int64_t>(slice_chunks(cp, C), 512 / cp.threads));
+  for (int rank = 0; rank < C; ++rank) {
+    const RowSlice sl = row_slice(cp, V, C, rank);
+    Copy<T>& cpy = copies[rank];
+    cpy.resize((sl.e1 - sl.e0) / Pack<T>::N + 1);
+    T* s = reinterpret_cast<T*>(cpy.data());
+    arm_loads(row, V);
+    for (int tid = 0; tid < nthr; ++tid) stage_range(s, row, sl.e0, sl.e1, V, tid, nthr);
+    arm_loads(s, sl.e1 - sl.e0);
+    for (int64_t c0 = sl.c0; c0 < sl.c1; c0 += groups)
+      for (int g = 0; g < groups; ++g) {
+        const int64_t c = c0 + g;
+        if (c >= sl.c1) continue;
+        const int64_t cb = c * cp.chunk, ce = std::min(V, cb + cp.chunk);
+        std::vector<Stats<A>> th(cp.threads);
+        for (int lt = 0; lt < cp.threads; ++lt)
+          th[lt] = range_stats(s + (cb - sl.e0), int64_t(0), ce - cb, ce - cb, inv2, lt,
+                               cp.threads);
+        cs[c] = emu_group_merge(th, cp.threads, inv2);
+      }
+  }
+  disarm_loads();
+  return emu_merge_chunks(cs, inv2);
+}
+
+// Each block's gradient sweep from its copy: GradRow's token column made slice-relative,
+// nthr threads, as cluster_rows_kernel does it.
+template <typename T, typename A>
+static void emu_cluster_grad(const std::vector<Copy<T>>& copies, T* out, int64_t V,
+                             const GradRow<A>& g0, Temp<A> tp, int nthr) {
+  const ChunkPlan cp = chunk_plan<T>(V);
+  const int C = static_cast<int>(copies.size());
+  for (int rank = 0; rank < C; ++rank) {
+    const RowSlice sl = row_slice(cp, V, C, rank);
+    const T* s = reinterpret_cast<const T*>(copies[rank].data());
+    GradRow<A> g = g0;
+    g.tok = g.tok >= sl.e0 ? static_cast<int32_t>(g.tok - sl.e0) : -1;
+    arm_loads(s, sl.e1 - sl.e0);
+    for (int tid = 0; tid < nthr; ++tid)
+      grad_range<true>(s, out + sl.e0, 0, sl.e1 - sl.e0, sl.e1 - sl.e0, g, tp, tid, nthr);
+  }
+  disarm_loads();
+}
+
 // Everything the kernels compute for one row: stats (fused with 1 and 2 groups, split; all
 // must agree bit for bit), logp, GradRow, and the gradient written by nthr threads (backwards
 // sweep) over the row as one range (fused) and as the chunks (split grad kernel).
@@ -268,6 +325,21 @@ static RowOut<T> run_row(const T* in, T* out, int64_t V, int64_t tok, Temp<acc_o
   for (int64_t v = 0; v < V; ++v) diff += !same_bits(out[v], r.grad[v]);
   EXPECT(diff == 0, "[%s %s V=%lld] fused and chunked gradient differ in %d entries\n", label,
          name<T>(), (long long)V, diff);
+  // cluster path: 2, 4 and 8 blocks, statistics and gradient from the staged copies
+  for (int C : {2, 4, 8}) {
+    if (inplace) std::copy(saved.begin(), saved.end(), out);
+    else
+      for (int64_t v = 0; v < V; ++v) out[v] = static_cast<T>(NAN);
+    std::vector<Copy<T>> copies;
+    const Stats<A> s_cl = emu_cluster_stats(in, V, tp.inv2, C, nthr, copies);
+    EXPECT(same_stats(s_split, s_cl), "[%s %s V=%lld C=%d] cluster statistics differ\n", label,
+           name<T>(), (long long)V, C);
+    emu_cluster_grad(copies, out, V, r.g, tp, nthr);
+    diff = 0;
+    for (int64_t v = 0; v < V; ++v) diff += !same_bits(out[v], r.grad[v]);
+    EXPECT(diff == 0, "[%s %s V=%lld C=%d] cluster gradient differs in %d entries\n", label,
+           name<T>(), (long long)V, C, diff);
+  }
   if (inplace) std::copy(saved.begin(), saved.end(), out);
   disarm_loads();
   return r;
