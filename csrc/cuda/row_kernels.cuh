@@ -111,6 +111,22 @@ __global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
 
 // ---------------------------------------------------------------- cluster: a row on chip
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// A cluster barrier (every thread of every block arrives, then waits) after which the
+// shared-memory writes of the threads with `wrote` set are visible to every thread of the
+// cluster: they arrive with release semantics, the others relaxed (PTX ISA,
+// "barrier.cluster": the default arrive is a release, whose fence waits for all of the
+// thread's earlier stores, the gradient's included; the relaxed one does not), and the
+// wait acquires.
+__device__ __forceinline__ void cluster_barrier(bool wrote) {
+  if (wrote)
+    asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+  else
+    asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+}
+#endif
+
 // sm_90: a cluster of C blocks per row (grid-stride over rows by cluster). Block `rank`
 // copies its slice of the row (row_slice: whole chunks) into dynamic shared memory
 // (stage_range, one commit group per round of `groups` chunks, so the first chunks are
@@ -151,6 +167,9 @@ __global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
   const int64_t nrows = rv.B * rv.Tl;
   const int64_t nclusters = gridDim.x / C;
   Stats<A>* cs0 = cluster.map_shared_rank(cs, 0);
+  // Distributed shared memory may be written only once every block of the cluster runs
+  // (CUDA C Programming Guide, "Distributed Shared Memory"): a barrier before the first.
+  cluster.sync();
   for (int64_t r = blockIdx.x / C; r < nrows; r += nclusters) {
     const int64_t b = r / rv.Tl;
     const int64_t t = r - b * rv.Tl;
@@ -186,9 +205,9 @@ __global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
         st = range_stats(srow + (cb - sl.e0), int64_t(0), ce - cb, ce - cb, rt.inv2, lt, G);
       }
       st = group_merge(st, wsm, G, rt.inv2);
-      if (lt == 0 && c < sl.c1) cs0[c] = st;
+      if (lt == 0 && c < sl.c1) cs0[c] = st;  // (lt == 0: the writers of the barrier below)
     }
-    cluster.sync();  // every chunk's statistics are in block 0's cs
+    cluster_barrier(lt == 0);  // every chunk's statistics are in block 0's cs
     if (rank == 0 && tid < kWarpSize) {
       const Stats<A> st = merge_chunks(cs, cp.S, rt.inv2);
       if (tid == 0) {
@@ -196,7 +215,7 @@ __global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
         for (int k = 0; k < C; ++k) *cluster.map_shared_rank(&bc, k) = g;
       }
     }
-    cluster.sync();  // every block's bc holds the row's GradRow
+    cluster_barrier(rank == 0 && tid == 0);  // every block's bc holds the row's GradRow
     GradRow<A> g = bc;
     if (grad_is_zero(g)) {
       zero_range(orow, sl.e0, sl.e1, tid, nthr);
@@ -480,14 +499,17 @@ bool launch_cluster(const RowPlan& p, const RowsView<scalar_t>& rv,
       cudaFuncAttributes fa{};
       C10_CUDA_CHECK(cudaFuncGetAttributes(&fa, kernel));
       cfg.gridDim = dim3(static_cast<unsigned>(p.cluster));
-      if (fa.ptxVersion < 90 ||
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(kClusterSliceBytes)) != cudaSuccess ||
-          cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) {
-        (void)cudaGetLastError();  // clear the sticky-free error of a failed query
-        n = 0;
+      bool ok = true;
+      if (fa.ptxVersion >= 90) {
+        ok = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(kClusterSliceBytes)) == cudaSuccess &&
+             cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) == cudaSuccess;
+        if (!ok) {
+          (void)cudaGetLastError();  // the failed query's own (not sticky) error
+          n = 0;
+        }
       }
-      active[key] = n;
+      if (ok) active[key] = n;  // a failed query is asked again next call
     }
   }
   if (n <= 0) return false;
