@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -233,6 +234,37 @@ PPO_CUDA_HD void st_pack_stream(T* p, const Pack<T>& v) {
 #else
   std::memcpy(p, &w, 16);
 #endif
+}
+
+// A pack's elements in the accumulation dtype A. bfloat16 -> float is a bit placement: a
+// 32-bit word holds two elements (the lower half first), the high one is the word with its
+// low 16 bits cleared, the low one the word shifted up by 16: one instruction an element,
+// where the element-wise conversion extracts each half first (PRMT, then a shift). The same
+// values, NaN payloads included.
+PPO_CUDA_HD float bits_float(uint32_t w) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(w);
+#else
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+#endif
+}
+
+template <typename T, typename A>
+PPO_CUDA_HD void unpack(const Pack<T>& x, A (&z)[Pack<T>::N]) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<A, float>) {
+    uint32_t w[4];
+    memcpy(w, &x, 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      z[2 * i] = bits_float(w[i] << 16);
+      z[2 * i + 1] = bits_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < Pack<T>::N; ++k) z[k] = static_cast<A>(x.v[k]);
+  }
 }
 
 // Elements before the first 16-byte boundary at or after p (0 when p is aligned).
@@ -531,8 +563,7 @@ __device__ __forceinline__ double block_sum(double x, double* smem) {
 template <typename T, typename A>
 PPO_CUDA_HD void add_pack(Stats<A>& st, const Pack<T>& x, A inv2) {
   A z[Pack<T>::N];
-#pragma unroll
-  for (int k = 0; k < Pack<T>::N; ++k) z[k] = static_cast<A>(x.v[k]);
+  unpack(x, z);
   stats_add(st, z, inv2);
 }
 
@@ -550,18 +581,27 @@ PPO_CUDA_HD Stats<A> range_stats(const T* row, int64_t begin, int64_t end, int64
   Stats<A> st = stats_empty<A>();
   const int64_t n = end - begin;
   if (n <= 0) return st;
-  const bool al = aligned16(row);
   const int64_t nv = n / N;
-  int64_t j = lt;
-  for (; j + (U - 1) * static_cast<int64_t>(G) < nv; j += U * static_cast<int64_t>(G)) {
-    Pack<T> x[U];
+  // One loop for aligned rows (plain 16-byte loads only) and one for the others, so the
+  // alignment test and the shifted loads stay out of the hot loop: the same packs in the
+  // same order either way.
+  auto packs = [&](auto aligned) {
+    constexpr bool kAligned = decltype(aligned)::value;
+    int64_t j = lt;
+    for (; j + (U - 1) * static_cast<int64_t>(G) < nv; j += U * static_cast<int64_t>(G)) {
+      Pack<T> x[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-      x[u] = ld_elems(row, begin + (j + u * static_cast<int64_t>(G)) * N, V, al, false);
+      for (int u = 0; u < U; ++u)
+        x[u] = ld_elems(row, begin + (j + u * static_cast<int64_t>(G)) * N, V, kAligned, false);
 #pragma unroll
-    for (int u = 0; u < U; ++u) add_pack(st, x[u], inv2);
-  }
-  for (; j < nv; j += G) add_pack(st, ld_elems(row, begin + j * N, V, al, false), inv2);
+      for (int u = 0; u < U; ++u) add_pack(st, x[u], inv2);
+    }
+    for (; j < nv; j += G) add_pack(st, ld_elems(row, begin + j * N, V, kAligned, false), inv2);
+  };
+  if (aligned16(row))
+    packs(std::true_type{});
+  else
+    packs(std::false_type{});
   for (int64_t k = begin + nv * N + lt; k < end; k += G) {
     const A x[1] = {static_cast<A>(row[k])};
     stats_add(st, x, inv2);
@@ -597,40 +637,52 @@ PPO_CUDA_HD void map_range(const T* in_row, T* out_row, int64_t begin, int64_t e
     out[k] = static_cast<T>(begin + k == given ? given_value
                                                : f(static_cast<A>(in_row[begin + k])));
   };
-  auto load = [&](int64_t j) {
-    const int64_t e0 = begin + h + j * N;
-    if constexpr (kSharedIn) return same_phase ? ld_pack(in_row + e0) : ld_each(in_row + e0);
-    else return same_phase ? ld_pack(in_row + e0, true) : ld_elems(in_row, e0, V, false, true);
-  };
-  auto store = [&](int64_t j, const Pack<T>& x) {
-    Pack<T> y;
-    const int64_t e0 = begin + h + j * N;
+  // One sweep for an input in the output's phase (plain 16-byte loads) and one for the
+  // others, so the phase test and the shifted loads stay out of the hot loop.
+  auto sweep = [&](auto same) {
+    constexpr bool kSame = decltype(same)::value;
+    auto load = [&](int64_t j) {
+      const int64_t e0 = begin + h + j * N;
+      if constexpr (kSame) return ld_pack(in_row + e0, !kSharedIn);
+      else if constexpr (kSharedIn) return ld_each(in_row + e0);
+      else return ld_elems(in_row, e0, V, false, true);
+    };
+    auto store = [&](int64_t j, const Pack<T>& x) {
+      Pack<T> y;
+      const int64_t e0 = begin + h + j * N;
+      A z[N];
+      unpack(x, z);
 #pragma unroll
-    for (int k = 0; k < N; ++k) y.v[k] = static_cast<T>(f(static_cast<A>(x.v[k])));
-    st_pack_stream(out + h + j * N, y);
-    // the given entry, when in this pack (one pack of the row): overwritten by the same
-    // thread, after (program order), as a scalar store, not a select per entry
-    if (static_cast<uint64_t>(given - e0) < static_cast<uint64_t>(N))
-      out[given - begin] = static_cast<T>(given_value);
+      for (int k = 0; k < N; ++k) y.v[k] = static_cast<T>(f(z[k]));
+      st_pack_stream(out + h + j * N, y);
+      // the given entry, when in this pack (one pack of the row): overwritten by the same
+      // thread, after (program order), as a scalar store, not a select per entry
+      if (static_cast<uint64_t>(given - e0) < static_cast<uint64_t>(N))
+        out[given - begin] = static_cast<T>(given_value);
+    };
+    if (backwards) {
+      int64_t j = nv - 1 - tid;
+      for (; j - nthr >= 0; j -= 2 * static_cast<int64_t>(nthr)) {
+        const Pack<T> x0 = load(j), x1 = load(j - nthr);
+        store(j, x0);
+        store(j - nthr, x1);
+      }
+      if (j >= 0) store(j, load(j));
+    } else {
+      int64_t j = tid;
+      for (; j + nthr < nv; j += 2 * static_cast<int64_t>(nthr)) {
+        const Pack<T> x0 = load(j), x1 = load(j + nthr);
+        store(j, x0);
+        store(j + nthr, x1);
+      }
+      if (j < nv) store(j, load(j));
+    }
   };
   for (int64_t k = tail0 + tid; k < n; k += nthr) one(k);
-  if (backwards) {
-    int64_t j = nv - 1 - tid;
-    for (; j - nthr >= 0; j -= 2 * static_cast<int64_t>(nthr)) {
-      const Pack<T> x0 = load(j), x1 = load(j - nthr);
-      store(j, x0);
-      store(j - nthr, x1);
-    }
-    if (j >= 0) store(j, load(j));
-  } else {
-    int64_t j = tid;
-    for (; j + nthr < nv; j += 2 * static_cast<int64_t>(nthr)) {
-      const Pack<T> x0 = load(j), x1 = load(j + nthr);
-      store(j, x0);
-      store(j + nthr, x1);
-    }
-    if (j < nv) store(j, load(j));
-  }
+  if (same_phase)
+    sweep(std::true_type{});
+  else
+    sweep(std::false_type{});
   for (int64_t k = tid; k < h; k += nthr) one(k);
 }
 
