@@ -47,7 +47,7 @@ KERNELS = {
     "ppo_loss (fwd+grad)": ("ppo_loss", "_ppo_loss_jit",
                             dict(KL_EST=2, HAS_REF=False, HAS_ISW=False, HAS_DUAL=False,
                                  HAS_OLD=True, HAS_WENT=False, POLICY_LOSS=0, KL_BIAS=False,
-                                 COMPUTE_GRAD=True, ROW_TEMP=False)),
+                                 COMPUTE_GRAD=True, ROW_TEMP=False, PERSIST=0)),
     "token_logprobs fwd": ("logprobs", "logprobs_fwd_kernel",
                            dict(NEED_ENT=True, SCORE=False, KL_EST=0, ROW_TEMP=False)),
     "token_logprobs bwd": ("logprobs", "_logprobs_bwd_kernel",
@@ -58,7 +58,7 @@ KERNELS = {
 def types(dtype):
     a = "*fp32"
     t = {"logits_ptr": LOGITS[dtype], "grad_ptr": LOGITS[dtype], "tokens_ptr": "*i64",
-         "mask_ptr": "*i1", "T": "i32", "TL": "i32", "TG": "i32", "V": "i32"}
+         "mask_ptr": "*i1", "T": "i32", "TL": "i32", "TG": "i32", "V": "i32", "ROWS": "i32"}
     for n in ("stride_lb", "stride_lt", "stride_gb", "stride_gt"):
         t[n] = "i64"
     for n in ("logp_ptr", "ent_ptr", "max_ptr", "lsum_ptr", "ref_ptr", "kl_ptr", "rew_ptr",

@@ -315,6 +315,39 @@ def test_one_tile_is_the_two_sweeps_bit_for_bit(monkeypatch, dtype):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("persist", [1, 3])
+def test_persistent_grid_is_a_program_per_row_bit_for_bit(monkeypatch, persist):
+    """A persistent grid (PERSIST = k: k programs a multiprocessor, each looping over rows;
+    under the interpreter's CPU tensors k programs in all) gives the bits of a program per
+    row: outputs, gradient, in place, with masked rows, rows t >= T and a row count that
+    is not a multiple of the programs."""
+    from ppo_kernels.triton_kernels import _config, ppo_loss as pl
+    logits, tokens, mask = make_case(B=3, T=5, V=100, dtype=torch.float32, layout="raw",
+                                     padding="interior", neginf=True, seed=172)
+    inp = ppo_inputs(logits, tokens, mask, seed=173, with_isw=True)
+    kw = dict(dual=3.0, kl_est=2, ent_coef=0.05, temp=0.7)
+    acc = inp["acc"]
+    base = _config.inplace_tile_row_config(100)
+    outs = []
+    for k in (0, persist):
+        if not _config.INTERPRET:  # (on a GPU the out-of-place launch is autotuned)
+            cfg = triton.Config({"BLOCK_V": 128, "ONE_TILE": False, "PERSIST": k}, num_warps=4)
+            monkeypatch.setattr(pl._ppo_loss_kernel, "configs", [cfg])
+            monkeypatch.setattr(pl._ppo_loss_kernel, "cache", {})
+        monkeypatch.setattr(_config, "inplace_tile_row_config",
+                            lambda V, k=k: {**base, "PERSIST": k})
+        out = run_ppo(logits, tokens, mask, inp, **kw)
+        lg = logits.clone()
+        res = OPS.triton_ppo_loss_fwd_inplace(
+            lg, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
+            per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
+            None, *slot_args(0.2, 0.28, 3.0, 0.1, 2, 0.05, 0.7, 1.0, 0, 1.0, 1.05, False))
+        outs.append((*out, *res, lg))
+    assert (outs[0][4] != 0).sum() > 100
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------ loss menu
 
 POLICY = ("vanilla", "cispo", "sapo")
@@ -1073,5 +1106,25 @@ def test_tile_configs_hold_the_row_exactly_where_flagged(monkeypatch, V):
         assert c.kwargs["BLOCK_V"] <= 16384 or c.kwargs["ONE_TILE"], c
     assert any(c.kwargs["ONE_TILE"] for c in got) == (V <= 32768)
     assert any(not c.kwargs["ONE_TILE"] for c in got) == (V > 16384)
+    # persistent grids: looping blocks of rows above PERSIST_MIN_ROW_BYTES (2-byte logits
+    # where named_args holds no tensor), each beside its grid of a program per row
+    persist = [c for c in got if c.kwargs["PERSIST"]]
+    assert bool(persist) == (2 * V > _config.PERSIST_MIN_ROW_BYTES)
+    plain = {(c.kwargs["BLOCK_V"], c.num_warps) for c in got if not c.kwargs["PERSIST"]}
+    for c in persist:
+        assert not c.kwargs["ONE_TILE"] and (c.kwargs["BLOCK_V"], c.num_warps) in plain, c
+    assert len({(c.kwargs["BLOCK_V"], c.num_warps, c.kwargs["PERSIST"]) for c in got}) == len(got)
     inplace = _config.inplace_tile_row_config(V)
-    assert inplace["ONE_TILE"] == (inplace["BLOCK_V"] >= V)
+    assert inplace["ONE_TILE"] == (inplace["BLOCK_V"] >= V) and inplace["PERSIST"] == 0
+
+
+def test_row_grid():
+    """The fused loss's grid: a program per row, or k programs a multiprocessor (one on a
+    CPU device) and never more than the rows; a function of META for the autotuner."""
+    from ppo_kernels.triton_kernels import _config
+    cpu = torch.device("cpu")
+    assert _config.row_grid(10, cpu, {"PERSIST": 0}) == (10,)
+    assert _config.row_grid(10, cpu, {"PERSIST": 2}) == (2,)
+    assert _config.row_grid(1, cpu, {"PERSIST": 2}) == (1,)
+    g = _config.row_grid(10, cpu, {})
+    assert callable(g) and g({"PERSIST": 0, "BLOCK_V": 64}) == (10,) and g({"PERSIST": 1}) == (1,)

@@ -36,7 +36,7 @@ def _row_types(logits, acc="fp32"):
         "rew_ptr": a,
         "glogp_ptr": a, "gent_ptr": a, "old_ptr": a, "adv_ptr": a, "w_ptr": a,
         "isw_ptr": a, "went_ptr": a, "loss_tok_ptr": a, "invt_ptr": a,
-        "T": "i32", "TL": "i32", "TG": "i32", "V": "i32",
+        "T": "i32", "TL": "i32", "TG": "i32", "V": "i32", "ROWS": "i32",
         "inv_temp": "fp64", "kl_coef": "fp64", "clip_eps_low": "fp64",
         "clip_eps_high": "fp64", "dual_clip_c": "fp64", "entropy_coef": "fp64",
         "grad_scale": "fp64", "sapo_tau_pos": "fp64", "sapo_tau_neg": "fp64",
@@ -263,10 +263,16 @@ VARIANTS["ppo_loss-sapo-bias-fp64"] = (
 # the loss-menu constexprs the older variants leave at their defaults (vanilla PPO with
 # old_logprobs, entropy weights = weights, no KL bias correction)
 _MENU_DEFAULTS = dict(HAS_OLD=True, HAS_WENT=False, POLICY_LOSS=0, KL_BIAS=False,
-                      ONE_TILE=False)
+                      ONE_TILE=False, PERSIST=0)
 for _name, (_mod, _attr, _types, _consts, _opts) in list(VARIANTS.items()):
     if _attr == "_ppo_loss_jit":
         VARIANTS[_name] = (_mod, _attr, _types, {**_MENU_DEFAULTS, **_consts}, _opts)
+# a persistent grid's config (PERSIST: the launcher's grid; the kernel loops over rows
+# either way)
+VARIANTS["ppo_loss-persist-bf16"] = (
+    "ppo_loss", "_ppo_loss_jit", _row_types("bf16"),
+    dict(_MENU_DEFAULTS, ACC="fp32", KL_EST=2, HAS_REF=True, HAS_ISW=True, HAS_DUAL=True,
+         COMPUTE_GRAD=True, BLOCK_V=16384, PERSIST=1), {"num_warps": 16})
 # the whole row in registers (ONE_TILE, _config.tile_row_configs): the largest blocks,
 # every logits dtype, and float64
 for dt, bv, w in (("bf16", 32768, 16), ("fp16", 32768, 32), ("bf16", 65536, 32),

@@ -18,6 +18,7 @@ span several blocks and the last one is partial.
 
 import os
 
+import torch
 import triton
 
 # triton.jit decides at decoration time whether it builds an interpreted function; so does
@@ -75,36 +76,83 @@ def prune_row_configs(configs, named_args, **kwargs):
 _HOPPER_TILE_CONFIGS = [(32768, 16), (32768, 32)]
 
 
+# Persistent grids of the fused loss (PERSIST = k programs a multiprocessor, each looping
+# over rows): with a gradient, a looping block reads its row twice, and the second read
+# comes from L2 only while the rows in flight fit there. A program per row keeps as many
+# rows in flight as the multiprocessors hold programs (at V = 151936 bf16, 304 KB a row,
+# more than an H100 / H200 L2 of 50 MB); one or two a multiprocessor keep 40-80 MB. Offered
+# to the autotuner beside the grid of a program per row, for the looping blocks of the
+# large rows only (a row above PERSIST_MIN_ROW_BYTES); the same bits either way.
+_PERSIST = (1, 2)
+PERSIST_MIN_ROW_BYTES = 96 * 1024
+
+
 def tile_row_configs():
     """row_configs plus the whole-row blocks, each with its ONE_TILE flag (set by
-    prune_tile_row_configs from V). Under the interpreter one config (an autotuner of more
-    than one benchmarks them even where the pruning leaves one: triton 3.6), which the
-    launcher does not use: it launches the plain kernel with inplace_tile_row_config(V),
+    prune_tile_row_configs from V), and the looping blocks again with each PERSIST of
+    _PERSIST (pruned away for small rows). Under the interpreter one config (an autotuner
+    of more than one benchmarks them even where the pruning leaves one: triton 3.6), which
+    the launcher does not use: it launches the plain kernel with inplace_tile_row_config(V),
     a loop where V > INTERPRET_BLOCK_V and one tile where not."""
     if INTERPRET:
-        return [triton.Config({"BLOCK_V": INTERPRET_BLOCK_V, "ONE_TILE": False}, num_warps=1)]
-    return [triton.Config({"BLOCK_V": bv, "ONE_TILE": False}, num_warps=w)
-            for bv, w in _HOPPER_ROW_CONFIGS + _HOPPER_TILE_CONFIGS]
+        return [triton.Config({"BLOCK_V": INTERPRET_BLOCK_V, "ONE_TILE": False, "PERSIST": 0},
+                              num_warps=1)]
+    plain = [triton.Config({"BLOCK_V": bv, "ONE_TILE": False, "PERSIST": 0}, num_warps=w)
+             for bv, w in _HOPPER_ROW_CONFIGS + _HOPPER_TILE_CONFIGS]
+    persist = [triton.Config({"BLOCK_V": bv, "ONE_TILE": False, "PERSIST": k}, num_warps=w)
+               for bv, w in _HOPPER_ROW_CONFIGS if bv >= 4096 for k in _PERSIST]
+    return plain + persist
 
 
 def prune_tile_row_configs(configs, named_args, **kwargs):
     """prune_row_configs for tile_row_configs: ONE_TILE where the (capped) block holds the
-    row; the whole-row blocks (sized to hold a row, not to loop) only where they do."""
+    row; the whole-row blocks (sized to hold a row, not to loop) only where they do; the
+    persistent grids only for rows above PERSIST_MIN_ROW_BYTES (the logits' element size
+    from named_args' logits_ptr, 2 bytes where absent)."""
     if INTERPRET:
         return configs
     V = int(named_args["V"])
+    x = named_args.get("logits_ptr")
+    size = x.element_size() if hasattr(x, "element_size") else 2
+    big = V * size > PERSIST_MIN_ROW_BYTES
     loops = {bv for bv, _ in _HOPPER_ROW_CONFIGS}
-    keep = [c for c in configs if c.kwargs["BLOCK_V"] in loops or c.kwargs["BLOCK_V"] >= V]
-    out = prune_row_configs(keep, named_args)
-    for c in out:
-        c.kwargs["ONE_TILE"] = c.kwargs["BLOCK_V"] >= V
+    keep = [c for c in configs if (c.kwargs["BLOCK_V"] in loops or c.kwargs["BLOCK_V"] >= V)
+            and (big or not c.kwargs.get("PERSIST", 0))]
+    out, seen = [], set()
+    for persist in sorted({c.kwargs.get("PERSIST", 0) for c in keep}):
+        for c in prune_row_configs([c for c in keep if c.kwargs.get("PERSIST", 0) == persist],
+                                   named_args):
+            c.kwargs["ONE_TILE"] = c.kwargs["BLOCK_V"] >= V
+            if c.kwargs["ONE_TILE"] and persist:
+                continue  # (a whole row in registers is read once: no re-read to keep)
+            key = (c.kwargs["BLOCK_V"], c.num_warps, persist)
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
     return out
 
 
+def row_grid(rows, device, meta_or_launch):
+    """The fused loss's grid: a program per row, or (PERSIST = k) k programs a
+    multiprocessor of the device (one under the interpreter's CPU tensors), at most one a
+    row. meta_or_launch: the launch options, or {} for the autotuner's: then a function of
+    its META (triton calls it with each config's)."""
+    def grid(meta):
+        k = int(meta.get("PERSIST", 0) or 0)
+        if not k:
+            return (rows,)
+        sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if device.type == "cuda" else 1)
+        return (max(1, min(rows, k * sms)),)
+    if meta_or_launch:
+        return grid(meta_or_launch)
+    return grid
+
+
 def inplace_tile_row_config(V):
-    """inplace_row_config with the fused loss's ONE_TILE flag."""
+    """inplace_row_config with the fused loss's ONE_TILE flag (a program per row)."""
     cfg = inplace_row_config(V)
-    return {**cfg, "ONE_TILE": cfg["BLOCK_V"] >= int(V)}
+    return {**cfg, "ONE_TILE": cfg["BLOCK_V"] >= int(V), "PERSIST": 0}
 
 
 def inplace_row_config(V):

@@ -45,7 +45,7 @@ def _ppo_loss_kernel_fn(
     tokens_ptr, mask_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, isw_ptr, went_ptr,
     loss_tok_ptr, logp_ptr, ent_ptr,
     grad_ptr, stride_gb, stride_gt, invt_ptr,
-    T, TG, V,
+    T, TG, V, ROWS,
     # the loss options, FLOAT_SLOTS of ppo_kernels/spec.py in slot order; float64 by
     # annotation: triton's JIT types a plain Python float (even in a tuple) as fp32
     clip_eps_low: tl.float64, clip_eps_high: tl.float64, dual_clip_c: tl.float64,
@@ -56,6 +56,7 @@ def _ppo_loss_kernel_fn(
     HAS_DUAL: tl.constexpr, HAS_OLD: tl.constexpr, HAS_WENT: tl.constexpr,
     POLICY_LOSS: tl.constexpr, KL_BIAS: tl.constexpr, COMPUTE_GRAD: tl.constexpr,
     ROW_TEMP: tl.constexpr, BLOCK_V: tl.constexpr, ONE_TILE: tl.constexpr,
+    PERSIST: tl.constexpr = 0,
 ):
     """Row r = b * TG + t (TG = Tl with a gradient, so that rows t >= T get their zeros,
     else T). grad_ptr/stride_g* address the gradient rows: a fresh contiguous buffer, or
@@ -67,10 +68,35 @@ def _ppo_loss_kernel_fn(
     1 / temperature is invt_ptr[b * T + t] (logprobs.inv_temperatures), else inv_temp.
     The float options come as float64 arguments (annotated: an unannotated Python float
     would be specialised as fp32 on a GPU and cost float64 runs 1e-9..1e-7 relative), each
-    rounded once to ACC where it is used (as_acc), as the C++ T(p.x)."""
+    rounded once to ACC where it is used (as_acc), as the C++ T(p.x).
+    Rows r = program_id, program_id + num_programs, ... < ROWS: one per program on a grid
+    of ROWS programs, or (PERSIST = k, the launcher's grid of k programs a multiprocessor)
+    a persistent grid whose rows in flight, k a multiprocessor, may stay in L2 between the
+    two sweeps where a program per row keeps more rows in flight than the L2 holds. The
+    same bits either way: a row's work does not depend on its program."""
     FS = (clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, entropy_coef, temperature,
           grad_scale, sapo_tau_pos, sapo_tau_neg)
-    row = tl.program_id(0).to(tl.int64)
+    for r in range(tl.program_id(0), ROWS, tl.num_programs(0)):
+        # (an int64 row: r + an int64 zero, as r is a Python int under the interpreter)
+        _ppo_loss_row(r + tl.zeros([], tl.int64), logits_ptr, stride_lb, stride_lt,
+                      tokens_ptr, mask_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, isw_ptr,
+                      went_ptr, loss_tok_ptr, logp_ptr, ent_ptr, grad_ptr, stride_gb,
+                      stride_gt, invt_ptr, T, TG, V,
+                      FS, inv_temp, ACC, KL_EST, HAS_REF, HAS_ISW, HAS_DUAL, HAS_OLD,
+                      HAS_WENT, POLICY_LOSS, KL_BIAS, COMPUTE_GRAD, ROW_TEMP, BLOCK_V,
+                      ONE_TILE)
+
+
+@triton.jit
+def _ppo_loss_row(row, logits_ptr, stride_lb, stride_lt, tokens_ptr, mask_ptr, old_ptr,
+                  adv_ptr, w_ptr, ref_ptr, isw_ptr, went_ptr, loss_tok_ptr, logp_ptr, ent_ptr,
+                  grad_ptr, stride_gb, stride_gt, invt_ptr, T, TG, V, FS, inv_temp,
+                  ACC: tl.constexpr, KL_EST: tl.constexpr, HAS_REF: tl.constexpr,
+                  HAS_ISW: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_OLD: tl.constexpr,
+                  HAS_WENT: tl.constexpr, POLICY_LOSS: tl.constexpr, KL_BIAS: tl.constexpr,
+                  COMPUTE_GRAD: tl.constexpr, ROW_TEMP: tl.constexpr, BLOCK_V: tl.constexpr,
+                  ONE_TILE: tl.constexpr):
+    """Row `row` of _ppo_loss_kernel_fn (its docstring)."""
     b = row // TG
     t = row % TG
     in_seq = t < T
@@ -192,8 +218,9 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
         if inplace or _config.INTERPRET:  # (not autotuned: see below and tile_row_configs)
             kernel, launch = _ppo_loss_jit, _config.inplace_tile_row_config(V)
         g = grad if compute_grad else logits
+        grid = _config.row_grid(rows, dev, launch)
         with device_guard(logits):
-            _config.wrap(kernel)[(rows,)](
+            _config.wrap(kernel)[grid](
                 logits, logits.stride(0), logits.stride(1),
                 # an absent optional tensor is never read: any pointer stands in for it
                 tokens, mask, old_logprobs if old_logprobs is not None else advantages,
@@ -203,7 +230,7 @@ def _launch(logits, tokens, mask, old_logprobs, advantages, weights, ref_logprob
                 entropy_weights if entropy_weights is not None else advantages,
                 loss_tok, logp, ent,
                 g, g.stride(0), g.stride(1), invt if row_temp else advantages,
-                T, TL if compute_grad else T, V, *fs, inv,
+                T, TL if compute_grad else T, V, rows, *fs, inv,
                 ACC=tl_acc(acc), KL_EST=codes[I["kl_estimator"]],
                 HAS_REF=ref_logprobs is not None, HAS_ISW=rollout_is_weights is not None,
                 HAS_DUAL=fs[F["dual_clip_c"]] > 0.0, HAS_OLD=old_logprobs is not None,
