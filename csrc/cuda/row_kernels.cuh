@@ -515,8 +515,18 @@ bool launch_cluster(const RowPlan& p, const RowsView<scalar_t>& rv,
   if (n <= 0) return false;
   const int64_t clusters = std::min<int64_t>(rv.B * rv.Tl, n);
   cfg.gridDim = dim3(static_cast<unsigned>(clusters * p.cluster));
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, rv, io, tp, p.cp));
-  return true;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, rv, io, tp, p.cp);
+  if (err == cudaSuccess) return true;
+  // A launch the device refuses for its shape (cluster or shared-memory resources: an
+  // error of the call, nothing ran) falls back to the fused path, for good on this key;
+  // any other error is raised.
+  if (err != cudaErrorInvalidClusterSize &&
+      err != cudaErrorInvalidConfiguration && err != cudaErrorLaunchOutOfResources)
+    C10_CUDA_CHECK(err);
+  (void)cudaGetLastError();
+  std::lock_guard<std::mutex> lock(mu);
+  active[key] = 0;
+  return false;
 }
 
 // Runs the row pass: per-token outputs through io, and the gradient into rv.out when it is
