@@ -264,7 +264,8 @@ def test_cuda_sweeps_instruction_counts_are_read():
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     lines = run.stdout.splitlines()
     seen = {tuple(line.split()[:2]) for line in lines}
-    for kernel in ("partial_stats_kernel", "grad_chunks_kernel", "fused_rows_kernel"):
+    for kernel in ("partial_stats_kernel", "grad_chunks_kernel", "fused_rows_kernel",
+                   "cluster_rows_kernel"):
         for dtype in ("bf16", "float32"):
             assert (kernel, dtype) in seen, (kernel, dtype, run.stdout)
     per = [float(line.rsplit(":", 1)[1].split()[0]) for line in lines]
