@@ -27,7 +27,7 @@ import torch
 
 from . import _backends, _torch_impl
 from ._autograd import LossWithGrad, not_traceable, wants_grad
-from .kept import kept_mass
+from .kept_rows import kept_mass_op
 from .rows import LogitRows
 from .spec import KERNEL_POLICY_LOSSES
 
@@ -133,7 +133,9 @@ def passes(source, inputs, spec, x, need):
     aux = ()
     if rp is not None:
         temp, msk = source.temperature, source.mask
-        mass = kept_mass(st.kept.lse(temp), st.row_max, st.log_sum, temp, msk)
+        ks = st.kept
+        mass = kept_mass_op(source.be, msk)(ks.kept_max, ks.kept_log_sum, st.row_max,
+                                            st.log_sum, temp, msk)
         aux = (x.padded(st.logp), x.padded(mass), x.padded(st.kept.kept_size),
                x.padded(st.kept.missing))
     return loss.detach(), x.padded(lp_sel), x.padded(ent_sel), grads, gs, aux

@@ -108,9 +108,13 @@ def kept_logprobs_torch(logits3, tokens, mask, temperature, rp):
     return (logp, torch.where(mask, ent, 0.0), lse, kept.sum(-1), missing)
 
 
-def kept_mass(lse_kept, row_max, log_sum, temperature, mask):
-    """exp(lse_kept - lse_full) per token (0 where masked); row_max / log_sum: the full
-    statistics of token_logprobs_fwd."""
+def kept_mass(kept_max, kept_log_sum, row_max, log_sum, temperature, mask):
+    """exp(lse_kept - lse_full) per token (0 where masked), lse_kept = kept_max /
+    temperature + kept_log_sum (the kept set's log sum_{j in K} exp(z_j), in units of z)
+    and lse_full the same of the row's full statistics (token_logprobs_fwd's row_max and
+    log_sum). temperature: a number or [B, T]. The device path's one launch:
+    triton_kernels/kept_mass.py (kept_rows.kept_mass_op)."""
+    lse_kept = kept_max / temperature + kept_log_sum
     lse_full = row_max / temperature + log_sum
     return torch.where(mask, torch.exp(lse_kept - lse_full), 0.0)
 

@@ -13,7 +13,7 @@ import torch
 
 from . import _backends
 from . import _checks as ck
-from .kept import at_rows, flat_rows
+from .kept import at_rows, flat_rows, kept_mass
 
 
 class KeptStats(NamedTuple):
@@ -28,10 +28,6 @@ class KeptStats(NamedTuple):
     kept_size: Any
     missing: Any
     threshold: Any = None  # float64 [B, T] for re-derived sets, else None
-
-    def lse(self, temperature):
-        """log sum_{j in K} exp(z_j), in units of z (temperature: a number or [B, T])."""
-        return self.kept_max / temperature + self.kept_log_sum
 
 
 class KeptEntries(NamedTuple):
@@ -62,6 +58,15 @@ def threshold_op(be, logits3):
         from .triton_kernels import threshold
         return threshold.sampling_threshold
     return be.op("sampling_threshold")
+
+
+def kept_mass_op(be, like):
+    """kept.kept_mass, or on the device path (_backends.device_eager) its one-launch Triton
+    twin (triton_kernels/kept_mass.py) in place of seven eager ops."""
+    if _backends.device_eager(be, like):
+        from .triton_kernels import kept_mass as km
+        return km.kept_mass
+    return kept_mass
 
 
 def kernel_stats(be, logits3, tokens, mask, temperature, rp):
@@ -182,4 +187,3 @@ def shard_grad_(dz, g_kept, g_ent, tokens, mask, kept, entries, temperature, sha
     bb, tt = r // t, r % t
     dz.index_put_((bb, tt, c), (dz[bb, tt, c].to(val.dtype) + val).to(dz.dtype))
     return dz
-

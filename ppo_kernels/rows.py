@@ -28,9 +28,9 @@ import torch
 from ._autograd import first_order_only, wants_grad
 from ._backends import call_op
 from ._checks import acc_dtype, split_temperature
-from .kept import kept_mass, replay_logprobs_torch
-from .kept_rows import (KeptStats, kernel_grad_, kernel_stats, merge_kept, require_ops,
-                        shard_grad_, shard_partials)
+from .kept import replay_logprobs_torch
+from .kept_rows import (KeptStats, kernel_grad_, kernel_stats, kept_mass_op, merge_kept,
+                        require_ops, shard_grad_, shard_partials)
 from .vocab_parallel import all_reduce_sum_
 
 
@@ -223,8 +223,8 @@ class RowSource:
         if rp is None:
             return st.logp, st.ent
         ks = st.kept
-        mass = kept_mass(ks.lse(self.temperature), st.row_max, st.log_sum, self.temperature,
-                         self.mask)
+        mass = kept_mass_op(self.be, self.mask)(ks.kept_max, ks.kept_log_sum, st.row_max,
+                                                st.log_sum, self.temperature, self.mask)
         return ks.logp, ks.entropy, st.logp, st.ent, mass, ks.kept_size, ks.missing
 
     def kept_dtypes(self):

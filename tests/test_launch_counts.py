@@ -241,10 +241,11 @@ def device_launches(monkeypatch):
 # metrics kernel's KL on the full log-probs), a given set's CSR checked by one kernel and a
 # sort (triton_kernels/csr_check.py, was about 20 torch ops), a re-derived set's threshold
 # by one launch (triton_kernels/threshold.py, a radix select; was torch sorts over chunks
-# of rows, about 30 ops): forward 35 and 39 (before: 204 and 221 with the metrics at the
-# call, 184 and 119 with the eager middle alone, 55 and 70 with the eager CSR checks and an
-# unused per-token loss, 35 and 67 with the threshold's sorts); the metrics 20 at their
-# first read.
+# of rows, about 30 ops), the kept mass by one launch (triton_kernels/kept_mass.py, was 7
+# ops): forward 29 and 33 (before: 204 and 221 with the metrics at the call, 184 and 119
+# with the eager middle alone, 55 and 70 with the eager CSR checks and an unused per-token
+# loss, 35 and 67 with the threshold's sorts, 35 and 39 with the eager kept mass); the
+# metrics 20 at their first read.
 DEVICE_CONFIGS = {
     "default": (lambda ref, roll, tok: {}, 8, 3),
     "kl-k3": (lambda ref, roll, tok: dict(ref_logprobs=ref, kl_coef=0.1), 8, 3),
@@ -252,8 +253,8 @@ DEVICE_CONFIGS = {
     "tis": (lambda ref, roll, tok: dict(rollout_logprobs=roll, rollout_correction="tis"), 8, 3),
     "gspo": (lambda ref, roll, tok: dict(policy_loss="gspo"), 14, 3),
     "replay": (lambda ref, roll, tok: dict(sampling_mask=_kept(tok), ref_logprobs=ref,
-                                           kl_coef=0.1), 35, 3),
-    "top-p": (lambda ref, roll, tok: dict(top_k=16, top_p=0.8), 39, 3),
+                                           kl_coef=0.1), 29, 3),
+    "top-p": (lambda ref, roll, tok: dict(top_k=16, top_p=0.8), 33, 3),
 }
 
 

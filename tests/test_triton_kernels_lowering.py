@@ -180,6 +180,17 @@ VARIANTS["csr_check"] = (
     {"ids_ptr": "*i64", "offs_ptr": "*i64", "keys_ptr": "*i64", "flags_ptr": "*i32",
      "n": "i32", "nnz": "i32", "V": "i32"}, dict(BLOCK_K=128), {"num_warps": 4})
 
+# replay's kept mass (kept_mass.py): both accumulation dtypes, a number and per-row
+# temperatures
+for acc in ("fp32", "fp64"):
+    for row_temp in (False, True):
+        VARIANTS[f"kept_mass-{acc}{'-row-temp' if row_temp else ''}"] = (
+            "kept_mass", "_kept_mass_kernel",
+            {**{n: f"*{acc}" for n in ("kmax_ptr", "kls_ptr", "rmax_ptr", "ls_ptr",
+                                       "temps_ptr", "out_ptr")},
+             "mask_ptr": "*i1", "N": "i32", "temperature": "fp64"},
+            dict(ACC=acc, ROW_TEMP=row_temp, BLOCK=1024), {"num_warps": 4})
+
 
 # the re-derived kept sets' threshold (threshold.py): every logits dtype, every rule on,
 # and no rule (a bare max sweep)
