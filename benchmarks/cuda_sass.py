@@ -63,13 +63,17 @@ def functions(sass):
     return out
 
 
-def hot_loops(body, top=2):
-    """[(exp2 count, instructions)] of the loops with the most MUFU.EX2, NOPs left out."""
-    loops = set()
+def hot_loops(body, top=6):
+    """[(exp2 count, instructions)] of the innermost loops (no loop inside: the sweeps, not
+    the loop over a block's rows around them) with the most MUFU.EX2, NOPs left out."""
+    spans = []
     for addr, ins in body:
         m = re.search(r"BRA\s+.*?(0x[0-9a-f]+)", ins)
         if m and int(m.group(1), 16) < addr:
-            start = int(m.group(1), 16)
+            spans.append((int(m.group(1), 16), addr))
+    loops = set()
+    for start, addr in spans:
+        if not any(start <= s and e <= addr and (s, e) != (start, addr) for s, e in spans):
             seg = [x for a, x in body if start <= a <= addr and not x.startswith("NOP")]
             ex = sum("MUFU.EX2" in x for x in seg)
             if ex >= 4:

@@ -114,10 +114,10 @@ def resources(k):
 
 
 def loops(body):
-    """[(exp count, instructions, barriers, whole)] of the loops holding at least 4
-    MUFU.EX2, or of the whole function (whole True) where it has none (a one-tile kernel:
-    straight-line sweeps, the token's epilogue and the stores included)."""
-    out = set()
+    """[(exp count, instructions, barriers, whole)] of the innermost loops (no loop inside:
+    the vocabulary sweeps, not the loop over a program's rows around them) holding at
+    least 4 MUFU.EX2, or of the whole function (whole True) where it has none."""
+    spans = []
     for addr, ins in body:
         if "BRA" not in ins:
             continue
@@ -127,6 +127,10 @@ def loops(body):
         except ValueError:
             continue
         if start < addr:
+            spans.append((start, addr))
+    out = set()
+    for start, addr in spans:
+        if not any(start <= s and e <= addr and (s, e) != (start, addr) for s, e in spans):
             seg = [x for a, x in body if start <= a <= addr and not x.startswith("NOP")]
             ex = sum("MUFU.EX2" in x for x in seg)
             if ex >= 4:

@@ -318,7 +318,7 @@ def test_one_tile_is_the_two_sweeps_bit_for_bit(monkeypatch, dtype):
 @pytest.mark.parametrize("persist", [1, 3])
 def test_persistent_grid_is_a_program_per_row_bit_for_bit(monkeypatch, persist):
     """A persistent grid (PERSIST = k: k programs a multiprocessor, each looping over rows;
-    under the interpreter's CPU tensors k programs in all) gives the bits of a program per
+    here one multiprocessor, so k programs in all) gives the bits of a program per
     row: outputs, gradient, in place, with masked rows, rows t >= T and a row count that
     is not a multiple of the programs."""
     from ppo_kernels.triton_kernels import _config, ppo_loss as pl
@@ -328,6 +328,7 @@ def test_persistent_grid_is_a_program_per_row_bit_for_bit(monkeypatch, persist):
     kw = dict(dual=3.0, kl_est=2, ent_coef=0.05, temp=0.7)
     acc = inp["acc"]
     base = _config.inplace_tile_row_config(100)
+    monkeypatch.setattr(_config, "sm_count", lambda device: 1)  # (a GPU's grid loops too)
     outs = []
     for k in (0, persist):
         if not _config.INTERPRET:  # (on a GPU the out-of-place launch is autotuned)

@@ -76,14 +76,15 @@ def prune_row_configs(configs, named_args, **kwargs):
 _HOPPER_TILE_CONFIGS = [(32768, 16), (32768, 32)]
 
 
-# Persistent grids of the fused loss (PERSIST = k programs a multiprocessor, each looping
-# over rows): with a gradient, a looping block reads its row twice, and the second read
-# comes from L2 only while the rows in flight fit there. A program per row keeps as many
-# rows in flight as the multiprocessors hold programs (at V = 151936 bf16, 304 KB a row,
-# more than an H100 / H200 L2 of 50 MB); one or two a multiprocessor keep 40-80 MB. Offered
-# to the autotuner beside the grid of a program per row, for the looping blocks of the
-# large rows only (a row above PERSIST_MIN_ROW_BYTES); the same bits either way.
-_PERSIST = (1, 2)
+# Persistent grids of the fused loss (PERSIST = 1: a program a multiprocessor, each
+# looping over rows): with a gradient, a looping block reads its row twice, and the second
+# read comes from L2 only while the rows in flight fit there. A program per row keeps as
+# many rows in flight as the multiprocessors hold programs (at V = 151936 bf16, 304 KB a
+# row, more than an H100 / H200 L2 of 50-60 MB); one a multiprocessor keeps 40 MB (two
+# would keep 80). Offered to the autotuner beside the grid of a program per row, for the
+# looping blocks of the large rows only (a row above PERSIST_MIN_ROW_BYTES); the same bits
+# either way.
+_PERSIST = (1,)
 PERSIST_MIN_ROW_BYTES = 96 * 1024
 
 
@@ -132,18 +133,23 @@ def prune_tile_row_configs(configs, named_args, **kwargs):
     return out
 
 
+def sm_count(device):
+    """Multiprocessors of a CUDA device (1 for the interpreter's CPU tensors)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def row_grid(rows, device, meta_or_launch):
     """The fused loss's grid: a program per row, or (PERSIST = k) k programs a
-    multiprocessor of the device (one under the interpreter's CPU tensors), at most one a
-    row. meta_or_launch: the launch options, or {} for the autotuner's: then a function of
-    its META (triton calls it with each config's)."""
+    multiprocessor of the device (sm_count), at most one a row. meta_or_launch: the launch
+    options, or {} for the autotuner's: then a function of its META (triton calls it with
+    each config's). torch.sym_min: no guard on a symbolic row count under torch.compile."""
     def grid(meta):
         k = int(meta.get("PERSIST", 0) or 0)
         if not k:
             return (rows,)
-        sms = (torch.cuda.get_device_properties(device).multi_processor_count
-               if device.type == "cuda" else 1)
-        return (max(1, min(rows, k * sms)),)
+        return (torch.sym_max(1, torch.sym_min(rows, k * sm_count(device))),)
     if meta_or_launch:
         return grid(meta_or_launch)
     return grid

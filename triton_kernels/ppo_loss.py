@@ -76,8 +76,9 @@ def _ppo_loss_kernel_fn(
     same bits either way: a row's work does not depend on its program."""
     FS = (clip_eps_low, clip_eps_high, dual_clip_c, kl_coef, entropy_coef, temperature,
           grad_scale, sapo_tau_pos, sapo_tau_neg)
-    for r in range(tl.program_id(0), ROWS, tl.num_programs(0)):
-        # (an int64 row: r + an int64 zero, as r is a Python int under the interpreter)
+    # (int64 from the start: pid + num_programs may pass 2^31 where the rows are near it;
+    # r + an int64 zero, as r is a Python int under the interpreter)
+    for r in range(tl.program_id(0).to(tl.int64), ROWS, tl.num_programs(0)):
         _ppo_loss_row(r + tl.zeros([], tl.int64), logits_ptr, stride_lb, stride_lt,
                       tokens_ptr, mask_ptr, old_ptr, adv_ptr, w_ptr, ref_ptr, isw_ptr,
                       went_ptr, loss_tok_ptr, logp_ptr, ent_ptr, grad_ptr, stride_gb,
@@ -161,7 +162,8 @@ def _ppo_loss_row(row, logits_ptr, stride_lb, stride_lt, tokens_ptr, mask_ptr, o
 # Keyed on V and the flags, not on the row count: see logprobs.py (batch invariance).
 _KEY = ["V", "COMPUTE_GRAD", "HAS_REF", "KL_EST", "POLICY_LOSS"]
 _PRUNE = {"early_config_prune": _config.prune_tile_row_configs}
-_ppo_loss_jit = triton.jit(_ppo_loss_kernel_fn)
+# (ROWS not specialized: its %16 / == 1 variants would only add compiles)
+_ppo_loss_jit = triton.jit(_ppo_loss_kernel_fn, do_not_specialize=["ROWS"])
 _ppo_loss_kernel = triton.autotune(configs=_config.tile_row_configs(), key=_KEY,
                                    prune_configs_by=_PRUNE)(_ppo_loss_jit)
 # The in-place variant is NOT autotuned: trials overwrite the input, so the autotuner would

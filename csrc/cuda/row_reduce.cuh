@@ -709,14 +709,14 @@ PPO_CUDA_HD void zero_range(T* out_row, int64_t begin, int64_t end, int tid, int
 
 // The gradient of one row over [begin, end): dense_grad for every entry, g.g_tok for the
 // token's own (ppo_math.h holds the formulas), written backwards (map_range). Without an
-// entropy term (c.a == 0, the common case) dense_grad is p_v * c.b: the same value, two
-// instructions an entry fewer (no clamp of l2, no FMA). kSharedIn: row is a staged copy in
+// entropy term (c.a == 0, the common case) dense_grad is p_v * c.b: the same bits for a
+// nonzero b, two instructions an entry fewer (no clamp of l2, no FMA). kSharedIn: row is a staged copy in
 // shared memory (map_range).
 template <bool kSharedIn = false, typename T, typename A>
 PPO_CUDA_HD void grad_range(const T* row, T* out_row, int64_t begin, int64_t end, int64_t V,
                             const GradRow<A>& g, Temp<A> tp, int tid, int nthr) {
   const DenseCoef<A> c = dense_coef(g.entropy, g.dlogp, g.dent, tp.inv);
-  if (c.a == A(0)) {
+  if (c.a == A(0) && c.b != A(0)) {  // (b = -0: the FMA's +0, kept bit for bit)
     map_range<T, A, kSharedIn>(
         row, out_row, begin, end, V, tid, nthr, true,
         [&](A x) { return vexp2(dense_l2(x, g.xmax, g.log_s2, tp.inv2)) * c.b; }, g.tok, g.g_tok);
