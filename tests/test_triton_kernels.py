@@ -280,6 +280,19 @@ def test_ppo_loss_inplace(layout, dtype):
         assert torch.equal(base[:, T:], before[:, T:])
 
 
+def _fused_and_inplace(logits, tokens, mask, inp, kw):
+    """The fused loss's outputs out of place (run_ppo with kw) and those of the in-place
+    variant with the same options, and the logits it overwrote with the gradient."""
+    acc = inp["acc"]
+    out = run_ppo(logits, tokens, mask, inp, **kw)
+    lg = logits.clone()
+    res = OPS.triton_ppo_loss_fwd_inplace(
+        lg, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
+        per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
+        None, *slot_args(0.2, 0.28, 3.0, 0.1, 2, 0.05, 0.7, 1.0, 0, 1.0, 1.05, False))
+    return (*out, *res, lg)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_one_tile_is_the_two_sweeps_bit_for_bit(monkeypatch, dtype):
     """ONE_TILE (the row read once, held whole between the statistics and the gradient)
@@ -294,7 +307,6 @@ def test_one_tile_is_the_two_sweeps_bit_for_bit(monkeypatch, dtype):
     inp = ppo_inputs(logits, tokens, mask, seed=171, with_isw=True)
     inp["w"] = np.where(np.arange(5) == 2, 0.0, inp["w"])  # weight 0: the zero rows
     kw = dict(dual=3.0, kl_est=2, ent_coef=0.05, temp=0.7)
-    acc = inp["acc"]
     outs = []
     for one in (False, True):
         if not _config.INTERPRET:  # (on a GPU the out-of-place launch is autotuned)
@@ -303,13 +315,7 @@ def test_one_tile_is_the_two_sweeps_bit_for_bit(monkeypatch, dtype):
             monkeypatch.setattr(pl._ppo_loss_kernel, "cache", {})
         monkeypatch.setattr(_config, "inplace_tile_row_config",
                             lambda V, one=one: {"BLOCK_V": 128, "num_warps": 1, "ONE_TILE": one})
-        out = run_ppo(logits, tokens, mask, inp, **kw)
-        lg = logits.clone()
-        res = OPS.triton_ppo_loss_fwd_inplace(
-            lg, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
-            per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
-            None, *slot_args(0.2, 0.28, 3.0, 0.1, 2, 0.05, 0.7, 1.0, 0, 1.0, 1.05, False))
-        outs.append((*out, *res, lg))
+        outs.append(_fused_and_inplace(logits, tokens, mask, inp, kw))
     assert (outs[0][4][:, 2] == 0).all() and (outs[0][4] != 0).sum() > 100
     for a, b in zip(*outs):
         assert torch.equal(a, b)
@@ -326,7 +332,6 @@ def test_persistent_grid_is_a_program_per_row_bit_for_bit(monkeypatch, persist):
                                      padding="interior", neginf=True, seed=172)
     inp = ppo_inputs(logits, tokens, mask, seed=173, with_isw=True)
     kw = dict(dual=3.0, kl_est=2, ent_coef=0.05, temp=0.7)
-    acc = inp["acc"]
     base = _config.inplace_tile_row_config(100)
     monkeypatch.setattr(_config, "sm_count", lambda device: 1)  # (a GPU's grid loops too)
     outs = []
@@ -337,13 +342,7 @@ def test_persistent_grid_is_a_program_per_row_bit_for_bit(monkeypatch, persist):
             monkeypatch.setattr(pl._ppo_loss_kernel, "cache", {})
         monkeypatch.setattr(_config, "inplace_tile_row_config",
                             lambda V, k=k: {**base, "PERSIST": k})
-        out = run_ppo(logits, tokens, mask, inp, **kw)
-        lg = logits.clone()
-        res = OPS.triton_ppo_loss_fwd_inplace(
-            lg, tokens, mask, per_token(inp["old"], acc), per_token(inp["adv"], acc),
-            per_token(inp["w"], acc), per_token(inp["ref"], acc), per_token(inp["isw"], acc),
-            None, *slot_args(0.2, 0.28, 3.0, 0.1, 2, 0.05, 0.7, 1.0, 0, 1.0, 1.05, False))
-        outs.append((*out, *res, lg))
+        outs.append(_fused_and_inplace(logits, tokens, mask, inp, kw))
     assert (outs[0][4] != 0).sum() > 100
     for a, b in zip(*outs):
         assert torch.equal(a, b)

@@ -41,6 +41,22 @@ namespace ppo_cuda {
 // 128 registers and no spills).
 constexpr int kFusedMaxThreads = 512;
 
+// A block's threads as groups of cp.threads (the threads of a chunk): thread tid of nthr
+// is thread lt of group `group` of `groups`, G threads each.
+struct BlockGroups {
+  int tid, nthr, G, groups, group, lt;
+};
+__device__ __forceinline__ BlockGroups block_groups(const ChunkPlan& cp) {
+  BlockGroups g;
+  g.tid = threadIdx.x;
+  g.nthr = blockDim.x;
+  g.G = cp.threads;
+  g.groups = g.nthr / g.G;
+  g.group = g.tid / g.G;
+  g.lt = g.tid - g.group * g.G;
+  return g;
+}
+
 // ---------------------------------------------------------------- fused: one block per row
 
 // __launch_bounds__(512, 2): at most 64 registers, two blocks per multiprocessor;
@@ -56,12 +72,7 @@ __global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
   __shared__ Stats<A> wsm[kFusedMaxThreads / kWarpSize];
   __shared__ Stats<A> cs[kMaxChunks];
   __shared__ GradRow<A> bc;
-  const int tid = threadIdx.x;
-  const int nthr = blockDim.x;
-  const int G = cp.threads;
-  const int groups = nthr / G;
-  const int group = tid / G;
-  const int lt = tid - group * G;
+  const auto [tid, nthr, G, groups, group, lt] = block_groups(cp);
   const int64_t nrows = rv.B * rv.Tl;
   for (int64_t r = blockIdx.x; r < nrows; r += gridDim.x) {
     const int64_t b = r / rv.Tl;
@@ -156,12 +167,7 @@ __global__ void __launch_bounds__(kFusedMaxThreads, kFusedMinBlocks<scalar_t>)
   cg::cluster_group cluster = cg::this_cluster();
   const int C = static_cast<int>(cluster.num_blocks());
   const int rank = static_cast<int>(cluster.block_rank());
-  const int tid = threadIdx.x;
-  const int nthr = blockDim.x;
-  const int G = cp.threads;
-  const int groups = nthr / G;
-  const int group = tid / G;
-  const int lt = tid - group * G;
+  const auto [tid, nthr, G, groups, group, lt] = block_groups(cp);
   const RowSlice sl = row_slice(cp, rv.V, C, rank);
   const int64_t rounds = (sl.c1 - sl.c0 + groups - 1) / groups;
   const int64_t nrows = rv.B * rv.Tl;
