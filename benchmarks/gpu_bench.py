@@ -393,6 +393,11 @@ def main(argv=None):
         ns = [int(s) for s in args.n.split(",")]
     if args.v:
         vs = [int(s) for s in args.v.split(",")]
+    # the two shapes first (N 8192 x V 151936, then N 2048 x V 32768), so that a
+    # --budget-s that runs out costs the other shapes, never those
+    first = [(8192, 151936), (2048, 32768)]
+    shapes = [(n, v) for n, v in first if n in ns and v in vs]
+    shapes += [(n, v) for n in ns for v in vs if (n, v) not in shapes]
     if args.backends:
         backends = args.backends.split(",")
     elif device.type == "cuda":
@@ -409,9 +414,8 @@ def main(argv=None):
     timer = Timer(device, args.warmup, args.reps)
     deadline = time.time() + args.budget_s
     results = []
-    for n in ns:
-        for v in vs:
-            bench_config(n, v, args, device, timer, backends, results, deadline)
+    for n, v in shapes:
+        bench_config(n, v, args, device, timer, backends, results, deadline)
     if not args.no_gae:
         bench_gae(args, device, timer, backends, results)
 
