@@ -27,7 +27,6 @@ import torch
 
 from . import _backends, _torch_impl
 from ._autograd import LossWithGrad, not_traceable, wants_grad
-from .kept_rows import kept_mass_op
 from .rows import LogitRows
 from .spec import KERNEL_POLICY_LOSSES
 
@@ -131,13 +130,9 @@ def passes(source, inputs, spec, x, need):
             grads = source.grad(inputs, st, g_full, None if ent_kept else g_ent, k(dsel),
                                 g_ent if ent_kept else None, rp, need=need)
     aux = ()
-    if rp is not None:
-        temp, msk = source.temperature, source.mask
-        ks = st.kept
-        mass = kept_mass_op(source.be, msk)(ks.kept_max, ks.kept_log_sum, st.row_max,
-                                            st.log_sum, temp, msk)
-        aux = (x.padded(st.logp), x.padded(mass), x.padded(st.kept.kept_size),
-               x.padded(st.kept.missing))
+    if rp is not None:  # (the kept mass as RowSource.outputs computes it)
+        _, _, logp_full, _, mass, size, missing = source.outputs(st, rp)
+        aux = tuple(x.padded(v) for v in (logp_full, mass, size, missing))
     return loss.detach(), x.padded(lp_sel), x.padded(ent_sel), grads, gs, aux
 
 
