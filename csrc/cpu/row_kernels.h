@@ -220,7 +220,7 @@ class RowWorker {
     Vec g[kVecs];
     for (int j = 0; j < kVecs; ++j) g[j] = Vec(T(0));
     for (int64_t k = 0; k < nfull_; ++k) Lanes<scalar_t>::stream(g, out + k * kChunk, kVecs);
-    std::memset(static_cast<void*>(out + nfull_ * kChunk), 0, sizeof(scalar_t) * tail_);
+    zero_row(out + nfull_ * kChunk, tail_);
     stream_fence();
   }
 

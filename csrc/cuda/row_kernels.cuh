@@ -397,12 +397,15 @@ constexpr int64_t kClusterSliceBytes = 96 * 1024;
 // Blocks per row of the cluster path (2, 4 or 8: the portable cluster sizes), the fewest
 // whose slices fit kClusterSliceBytes; `want` (2, 4 or 8) first when it fits; 0 when none
 // does (V beyond 8 x 96 KB: the fused path).
+// Shared memory of a cluster block's slice: slice_chunks whole chunks.
+template <typename scalar_t>
+int64_t slice_bytes(const ChunkPlan& cp, int C) {
+  return slice_chunks(cp, C) * cp.chunk * static_cast<int64_t>(sizeof(scalar_t));
+}
+
 template <typename scalar_t>
 int cluster_blocks(const ChunkPlan& cp, int64_t want) {
-  auto fits = [&](int C) {
-    return slice_chunks(cp, C) * cp.chunk * static_cast<int64_t>(sizeof(scalar_t)) <=
-           kClusterSliceBytes;
-  };
+  auto fits = [&](int C) { return slice_bytes<scalar_t>(cp, C) <= kClusterSliceBytes; };
   if ((want == 2 || want == 4 || want == 8) && fits(static_cast<int>(want)))
     return static_cast<int>(want);
   for (int C : {2, 4, 8})
@@ -447,10 +450,11 @@ RowPlan plan_rows(int64_t B, int64_t Tn, int64_t Tl, int64_t V, bool grad, int d
     const int64_t in_flight = 2 * sms * V * static_cast<int64_t>(sizeof(scalar_t));
     if (want_c >= 2 || 2 * in_flight > device_attr(cudaDevAttrL2CacheSize, device)) {
       p.cluster = cluster_blocks<scalar_t>(p.cp, want_c);
-      const int64_t per = slice_chunks(p.cp, std::max(p.cluster, 1));
-      p.threads = static_cast<int>(std::min(per, max_groups) * p.cp.threads);
-      if (p.cluster > 0) return p;
-      p.threads = p.cp.threads;
+      if (p.cluster > 0) {
+        const int64_t per = slice_chunks(p.cp, p.cluster);
+        p.threads = static_cast<int>(std::min(per, max_groups) * p.cp.threads);
+        return p;
+      }
     }
   }
   const int64_t want = env_int("PPO_CUDA_THREADS", 0);
@@ -474,8 +478,7 @@ bool launch_cluster(const RowPlan& p, const RowsView<scalar_t>& rv,
                     const TokenIO<acc_of<scalar_t>>& io, Temp<acc_of<scalar_t>> tp, int device,
                     cudaStream_t stream) {
   auto* kernel = cluster_rows_kernel<scalar_t>;
-  const int64_t smem = slice_chunks(p.cp, p.cluster) * p.cp.chunk *
-                       static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t smem = slice_bytes<scalar_t>(p.cp, p.cluster);
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
