@@ -119,16 +119,13 @@ def prune_tile_row_configs(configs, named_args, **kwargs):
     loops = {bv for bv, _ in _HOPPER_ROW_CONFIGS}
     keep = [c for c in configs if (c.kwargs["BLOCK_V"] in loops or c.kwargs["BLOCK_V"] >= V)
             and (big or not c.kwargs.get("PERSIST", 0))]
-    out, seen = [], set()
+    out = []
+    # (prune_row_configs keeps one config per (block, warps): per PERSIST value)
     for persist in sorted({c.kwargs.get("PERSIST", 0) for c in keep}):
         for c in prune_row_configs([c for c in keep if c.kwargs.get("PERSIST", 0) == persist],
                                    named_args):
             c.kwargs["ONE_TILE"] = c.kwargs["BLOCK_V"] >= V
-            if c.kwargs["ONE_TILE"] and persist:
-                continue  # (a whole row in registers is read once: no re-read to keep)
-            key = (c.kwargs["BLOCK_V"], c.num_warps, persist)
-            if key not in seen:
-                seen.add(key)
+            if not (c.kwargs["ONE_TILE"] and persist):  # (a row in registers is read once)
                 out.append(c)
     return out
 
