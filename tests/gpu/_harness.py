@@ -110,6 +110,19 @@ def inputs(ctx, B, T, V, dtype, seed=0, scale=2.0, extra_pos=True):
     return logits.to(d), tokens.to(d), mask.to(d), old.to(d), adv.to(d)
 
 
+# The CUDA ops' path knobs (csrc/cuda/row_kernels.cuh, plan_rows).
+CUDA_PATH_KNOBS = ("PPO_CUDA_SPLIT", "PPO_CUDA_CLUSTER")
+
+
+def set_cuda_path(env):
+    """Sets the path knobs of `env` ({}: every knob back to auto)."""
+    for k in CUDA_PATH_KNOBS:
+        if k in env:
+            os.environ[k] = env[k]
+        else:
+            os.environ.pop(k, None)
+
+
 def finite(*ts):
     return all(bool(torch.isfinite(t).all()) for t in ts if t is not None)
 

@@ -12,27 +12,17 @@ forced (4 blocks a row: the fused, split and cluster paths bitwise equal), and o
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-from _harness import check, main, report, slot_args
+from _harness import check, main, report, set_cuda_path as set_path, slot_args
 
 
 # The CUDA ops' paths (csrc/cuda/row_kernels.cuh, plan_rows): their knobs.
 PATHS = {"fused": {"PPO_CUDA_SPLIT": "1", "PPO_CUDA_CLUSTER": "1"},
          "split": {"PPO_CUDA_SPLIT": "2", "PPO_CUDA_CLUSTER": "1"},
          "cluster": {"PPO_CUDA_SPLIT": "1", "PPO_CUDA_CLUSTER": "4"}}
-
-
-def set_path(env):
-    """Sets the path knobs of `env` ({}: every knob back to auto)."""
-    for k in ("PPO_CUDA_SPLIT", "PPO_CUDA_CLUSTER"):
-        if k in env:
-            os.environ[k] = env[k]
-        else:
-            os.environ.pop(k, None)
 
 
 @check

@@ -28,7 +28,7 @@ import time
 import numpy as np
 import torch
 
-from _harness import slot_args  # (and the repository root on sys.path)
+from _harness import set_cuda_path, slot_args  # (and the repository root on sys.path)
 
 import ppo_kernels  # noqa: F401,E402  (loads the ops)
 from ppo_kernels import reference as R  # noqa: E402
@@ -153,9 +153,10 @@ splits = ["0"] if prefix else ["0", "c2", "1", "3", "c8"]
 
 def set_path(split):
     """The CUDA path knobs of one setting of `splits`."""
-    os.environ["PPO_CUDA_SPLIT"] = "1" if split.startswith("c") else split
-    os.environ["PPO_CUDA_CLUSTER"] = (split[1:] if split.startswith("c")
-                                      else "0" if split == "0" else "1")
+    if split.startswith("c"):
+        set_cuda_path({"PPO_CUDA_SPLIT": "1", "PPO_CUDA_CLUSTER": split[1:]})
+    else:
+        set_cuda_path({"PPO_CUDA_SPLIT": split, "PPO_CUDA_CLUSTER": "0" if split == "0" else "1"})
 
 
 Vs = [7, 1003] if quick else [1, 7, 1003, 20011]
