@@ -1,10 +1,12 @@
-"""The loss from hidden states on a GPU: pk.ppo_loss_from_hidden (bf16 logits, and float32
-logits with logits_dtype=torch.float32) against materialised
+"""The loss from hidden states on a GPU: pk.ppo_loss_from_hidden (bf16 logits; dW summed
+in bf16 in place with accum_dtype=torch.bfloat16; float32 logits with
+logits_dtype=torch.float32) against materialised
 logits + pk.ppo_loss and Liger-Kernel's fused-linear GRPO loss (LigerFusedLinearGRPOLoss,
 when importable), forward+backward time (CUDA events, median) and peak allocated memory
 beyond the inputs, bf16, with 0% and 50% of the tokens masked, and checks that the
 gradients agree:
-- fused (bf16 logits) vs materialised bf16 logits + pk.ppo_loss;
+- fused (bf16 logits), and with the bf16 dW sum, vs materialised bf16 logits +
+  pk.ppo_loss;
 - fused with float32 logits vs a materialised float32 reference (hidden.float() @
   weight.float().t() + pk.ppo_loss on float32 leaves). Against the bf16 reference a few
   tokens near a clip edge flip their clip decision (|d logp| up to ~8e-3 between bf16 and
@@ -55,6 +57,13 @@ def make(n, h, v, dtype, device, masked=0.0, seed=0):
 def fused(hidden, weight, tokens, mask, old, adv):
     return pk.ppo_loss_from_hidden(hidden, weight, tokens, old, adv, mask,
                                    loss_agg_mode="seq-mean-token-mean")[0]
+
+
+def fused_bf16_accum(hidden, weight, tokens, mask, old, adv):
+    # dW summed in the weight's dtype in place (Liger's default): no [V, H] float32 buffer
+    return pk.ppo_loss_from_hidden(hidden, weight, tokens, old, adv, mask,
+                                   loss_agg_mode="seq-mean-token-mean",
+                                   accum_dtype=weight.dtype)[0]
 
 
 def fused_fp32_logits(hidden, weight, tokens, mask, old, adv):
@@ -160,8 +169,8 @@ def main():
     dtype = getattr(torch, a.dtype)
     sizes = [(256, 64, 1000)] if a.quick else [(2048, 4096, 151936), (8192, 4096, 151936)]
     fracs = [float(x) for x in a.masked.split(",")]
-    variants = {"fused from hidden": fused, "fused, fp32 logits": fused_fp32_logits,
-                "logits + ppo_loss": materialised}
+    variants = {"fused from hidden": fused, "fused, bf16 dW accum": fused_bf16_accum,
+                "fused, fp32 logits": fused_fp32_logits, "logits + ppo_loss": materialised}
     lg = liger()
     if lg is not None:
         variants["liger fused-linear GRPO"] = lg
@@ -181,6 +190,11 @@ def main():
             mm, nr = grad_errors(g1, g2)
             check(mm < 2e-2, f"from-hidden vs materialised {tag}: grad max/max {mm:.2e}, "
                              f"norm-relative {nr:.2e}")
+            del g1
+            _, *g1 = step(fused_bf16_accum, inputs)
+            mm, nr = grad_errors(g1, g2)
+            check(mm < 2e-2, f"from-hidden, bf16 dW sum, vs materialised {tag}: grad max/max "
+                             f"{mm:.2e}, norm-relative {nr:.2e}")
             del g1
             # float32 logits against the materialised float32 reference
             _, *g3 = step(fused_fp32_logits, inputs)
@@ -214,6 +228,12 @@ def main():
                       f"peak {peak:9.1f} MiB", flush=True)
             mine = {r["variant"]: r for r in rows
                     if r["n"] == n and r["masked"] == frac and r["status"] == "ok"}
+            base = mine.get("logits + ppo_loss")
+            for name, r in mine.items():  # the targets' ratios: time and peak / materialised
+                if base is not None and name != "logits + ppo_loss":
+                    print(f"N={n:6d} masked {frac:4.0%} {name:<26} / materialised: time "
+                          f"{r['ms'] / base['ms']:.2f}x, peak "
+                          f"{r['peak_mib'] / base['peak_mib']:.2f}x", flush=True)
             if "fused from hidden" in mine and "fused, fp32 logits" in mine:
                 b, f = mine["fused from hidden"], mine["fused, fp32 logits"]
                 print(f"N={n:6d} masked {frac:4.0%} fp32 logits / bf16 logits: time "

@@ -210,7 +210,8 @@ LOSSES = {"ppo_loss", "ppo_loss_from_hidden", "distill_loss"}
 # ignores them); backward_scale is the benchmark's own: the loss is multiplied by it
 # before backward (gradient accumulation's loss / k)
 VALUE_NEUTRAL = {"grad_scale", "inplace_backward", "chunk_size", "logits_dtype", "backend",
-                 "backward_scale"}
+                 "backward_scale", "accum_dtype"}
+DTYPE_OPTIONS = ("logits_dtype", "accum_dtype")  # given by name: bfloat16, torch.float32
 # bench-level defaults per op (the op's own defaults for everything else)
 OP_DEFAULTS = {"score_rollout": {"kl_coef": 0.05}}
 
@@ -300,8 +301,14 @@ def gather_options(a):
         opts[key.strip()] = parse_value(val)
     if "backend" in opts:
         raise SystemExit("choose the fused backend with --backend, not --opt backend=...")
-    if isinstance(opts.get("logits_dtype"), str):
-        opts["logits_dtype"] = getattr(torch, opts["logits_dtype"].replace("torch.", ""))
+    return dtype_options(opts)
+
+
+def dtype_options(opts):
+    """opts with the dtype options given by name (DTYPE_OPTIONS) as torch dtypes."""
+    for k in DTYPE_OPTIONS:
+        if isinstance(opts.get(k), str):
+            opts[k] = getattr(torch, opts[k].replace("torch.", ""))
     return opts
 
 
@@ -775,9 +782,7 @@ def build_variants(op, a, opts, device, x):
         for item in filter(None, rest.split(",")):
             k, _, val = item.partition("=")
             o2[k.strip()] = parse_value(val)
-        if isinstance(o2.get("logits_dtype"), str):
-            o2["logits_dtype"] = getattr(torch, o2["logits_dtype"])
-        o2 = extra_tensors(o2, x)
+        o2 = extra_tensors(dtype_options(o2), x)
         same = all(o2.get(k) == opts.get(k) for k in set(o2) | set(opts)
                    if k not in VALUE_NEUTRAL)
         vs.append(Variant(name.strip(), fused_fn(op, backend, o2), "fused", modes,
@@ -815,7 +820,7 @@ def build_variants(op, a, opts, device, x):
     if op in FROM_HIDDEN:
         lop = op.replace("_from_hidden", "")
         o = {k: v for k, v in op_options(opts).items()
-             if k not in ("chunk_size", "logits_dtype", "lm_head_bias", "logit_softcap")}
+             if k not in ("chunk_size", "lm_head_bias", "logit_softcap") + DTYPE_OPTIONS}
         inner = fused_fn(lop, backend, o)
         vs.append(Variant("materialised", lambda xx: inner(
             dict(xx, logits=F.linear(xx["hidden"], xx["w"]))), modes=modes))

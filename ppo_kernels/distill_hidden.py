@@ -35,7 +35,7 @@ class DistillHead:
         """((loss, kl, student_mass, teacher_tail) [B, T], (d hidden, dW, db), grad_scale)."""
         s, c = self.src, self.call
         op = s.be.op("distill_fwd")
-        g = Grads(s.n, s.chunk, *inputs, need)
+        g = Grads(s.n, s.head, *inputs, need)
         loss = torch.zeros((), dtype=c.acc, device=inputs[0].device)
         terms = ([], [], [])
 
@@ -64,7 +64,7 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
                              tail=True, temperature=1.0, loss_agg_mode="token-mean",
                              global_num_tokens=None, global_num_seqs=None, norm_length=None,
                              grad_scale=1.0, cu_seqlens=None, max_seqlen=None, tp_group=None,
-                             vocab_start=None, backend="auto"):
+                             vocab_start=None, backend="auto", accum_dtype=None):
     """pk.distill_loss on the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     by cap * tanh(x / cap) with logit_softcap, never materialising the [N, V] logits: chunks
     of chunk_size rows (default: about 256 MiB of logits per chunk), the gradient with
@@ -82,11 +82,13 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
             B * T positions). loss_agg_mode="none" runs only on backend="torch" (the chunked
             kernels write a gradient weighted before the backward).
         logit_softcap: > 0 or None. chunk_size: rows per chunk (int >= 1) or None.
+        accum_dtype: dW's sum over the chunks, as in pk.ppo_loss_from_hidden.
         tp_group, vocab_start: the head's rows [V_r, H] (bias [V_r]) of this rank, hidden
             the same on every rank, as ppo_loss_from_hidden; this first version
             materialises the shard's logits [B, T, V_r] (torch ops, any backend, also
-            loss_agg_mode="none"; chunk_size unused) and merges them as distill_loss does;
-            d hidden is summed over the group in the backward (ppo_kernels/distill_tp.py).
+            loss_agg_mode="none"; chunk_size and accum_dtype unused) and merges them as
+            distill_loss does; d hidden is summed over the group in the backward
+            (ppo_kernels/distill_tp.py).
 
     Returns:
         (loss, metrics) as pk.distill_loss.
@@ -102,15 +104,17 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
                 global_num_seqs=global_num_seqs, norm_length=norm_length, backend=backend)
     if tp_group is not None or vocab_start is not None:
         return distill_loss_from_hidden_tp(hidden, lm_head_weight, lm_head_bias, teacher,
-                                           response_mask, opts, logit_softcap, chunk_size)
+                                           response_mask, opts, logit_softcap, chunk_size,
+                                           accum_dtype)
     tokens = placeholder_tokens(hidden, teacher)
     hidden3, _, flat = hidden_and_tokens(hidden, lm_head_weight, lm_head_bias, tokens)
     opts["flat"] = flat
     c, tail, temperature, gs = check_call(hidden3, lm_head_weight.shape[0], teacher,
                                           response_mask, opts, name="hidden")
-    cap, chunk = head_options(hidden3, lm_head_weight, logit_softcap, chunk_size)
+    head = head_options(hidden3, lm_head_weight, logit_softcap, chunk_size,
+                        accum_dtype=accum_dtype)
     if not c.be.is_kernel:
-        logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, cap, c.mask)
+        logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, head.cap, c.mask)
         loss, kl, ps, tt = torch_terms(c, logits, tail, temperature)
         if c.weights is None:
             per = torch.where(c.mask, kl, 0.0)
@@ -120,7 +124,7 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
         raise ValueError("loss_agg_mode: 'none' is not supported by distill_loss_from_hidden on "
                          "the kernel backends (the chunked pass writes the weighted gradient "
                          "in the forward); use a scalar mode or backend='torch'")
-    src = HeadRows(c.be, cap, chunk, None, None, c.mask, temperature, c.acc)
+    src = HeadRows(c.be, head, None, c.mask, temperature, c.acc)
     run = DistillHead(src, c, temperature, tail, gs)
     loss, kl, ps, tt = LossWithGrad.apply(run, hidden3, lm_head_weight, lm_head_bias)
     return loss, metrics_of(c, kl, ps, tt)

@@ -234,7 +234,7 @@ class _CopyToGroup(torch.autograd.Function):
 
 
 def distill_loss_from_hidden_tp(hidden, lm_head_weight, lm_head_bias, teacher, response_mask,
-                                opts, logit_softcap, chunk_size):
+                                opts, logit_softcap, chunk_size, accum_dtype=None):
     """pk.distill_loss_from_hidden with tp_group / vocab_start: the LM head's rows
     [V_r, H] (bias [V_r]) of this rank, hidden [B, T, H] the same on every rank. This first
     version materialises the shard's logits [B, T, V_r] (differentiably, torch ops) and runs
@@ -251,7 +251,8 @@ def distill_loss_from_hidden_tp(hidden, lm_head_weight, lm_head_bias, teacher, r
         c, tail, temperature, _ = check_call(hidden3, None, teacher, response_mask,
                                              dict(opts, flat=flat), name="hidden",
                                              sharded=True)
-        cap, _ = head_options(hidden3, w, logit_softcap, chunk_size)
+        cap = head_options(hidden3, w, logit_softcap, chunk_size,
+                           accum_dtype=accum_dtype).cap
         return hidden3, w, bias, shard, c, tail, temperature, cap
 
     hidden3, w, bias, shard, c, tail, temperature, cap = checks_together(

@@ -30,8 +30,8 @@ from ._checks import acc_dtype
 from ._two_phase import passes, per_token_loss, replay_loss
 from .advantages import (packed_rollout_inputs, rollout_from_logprobs, rollout_inputs,
                          rollout_sizes)
-from .head_chunks import (Grads, HeadRows, check_logits_dtype, head_options, head_shard,
-                          hidden_and_tokens, materialised_logits, softcap_factor_)
+from .head_chunks import (Grads, HeadRows, head_options, head_shard, hidden_and_tokens,
+                          materialised_logits, softcap_factor_)
 from .lm_head import accepts_head_module
 from .loss import check_loss, composite_padded, loss_metrics, two_phase, weigh_loss
 from .rank_agreement import agreed_sizes, checks_together, groups
@@ -66,7 +66,7 @@ class HeadLoss:
         hidden3 = inputs[0]
         kin = x.kin
         per_tok, per_row = kin.op_tensors(), kin.row_tensors()
-        g = Grads(src.n, src.chunk, *inputs, need)
+        g = Grads(src.n, src.head, *inputs, need)
         loss = torch.zeros((), dtype=src.acc, device=hidden3.device)
         logp, ent = [], []
         scalars, codes = spec.kernel_args(hidden3.dtype)
@@ -102,18 +102,17 @@ class HeadLoss:
             hidden3.dtype)
 
 
-def replay_from_hidden(be, hidden3, weight, bias, tokens, mask, temperature, rp, cap, chunk,
-                       logits_dtype=None, shard=None):
+def replay_from_hidden(be, hidden3, weight, bias, tokens, mask, temperature, rp, head,
+                       shard=None):
     """(logp_kept, H_kept, logp, H, kept_mass, kept_size, missing) [B, T] of the logits
-    hidden @ weight^T (+ bias), soft-capped (in logits_dtype, None: hidden's); the first
-    four differentiable. Kernel backends: chunks of rows, never the [N, V] logits (over a
+    hidden @ weight^T (+ bias) as head (a HeadOptions) says; the first four
+    differentiable. Kernel backends: chunks of rows, never the [N, V] logits (over a
     split vocabulary the kept partials ride on the statistics' one all-gather); "torch":
     the materialised logits."""
     if not be.is_kernel:
-        logits = materialised_logits(hidden3, weight, bias, cap, mask, logits_dtype)
+        logits = materialised_logits(hidden3, weight, bias, head.cap, mask, head.logits_dtype)
         return logits_logprobs(be, logits, tokens, mask, temperature, rp)
-    src = HeadRows(be, cap, chunk, logits_dtype, tokens, mask, temperature,
-                   acc_dtype(hidden3), shard)
+    src = HeadRows(be, head, tokens, mask, temperature, acc_dtype(hidden3), shard)
     return row_logprobs(src, (hidden3, weight, bias), rp)
 
 
@@ -129,7 +128,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
                                return_entropy=False, chunk_size=None, tp_group=None,
                                vocab_start=None, backend="auto", logits_dtype=None,
                                sampling_mask=None, top_k=None, top_p=None, min_p=None,
-                               return_full=False, entropy_over="full"):
+                               return_full=False, entropy_over="full", accum_dtype=None):
     """pk.token_logprobs of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     to cap * tanh(x / cap) with logit_softcap, without storing them: chunks of chunk_size
     rows (None: about 256 MiB of logits per chunk); the backward recomputes each chunk's
@@ -150,8 +149,13 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
     are computed and kept in float32 (vLLM's head_dtype=float32, SGLang's
     enable_fp32_lm_head), the gradients into hidden / lm_head_weight / lm_head_bias stay in
     their dtype (docs/FROM_HIDDEN.md, "float32 logits"); float64 hidden states take None.
+    accum_dtype: the dtype dW is summed in over the chunks of the backward: None (float32
+    for bfloat16 / float16 weights, else the weight's dtype), torch.float32, or the
+    weight's dtype (in place: one rounding per chunk, no [V, H] float32 buffer; the
+    default of Liger-Kernel's accum_dtype; docs/FROM_HIDDEN.md, "dW's accumulator").
     Errors: a TypeError / ValueError naming the argument (temperature as in
-    pk.token_logprobs; logits_dtype other than None / torch.float32).
+    pk.token_logprobs; logits_dtype other than None / torch.float32; accum_dtype other
+    than those three).
     sampling_mask, top_k, top_p, min_p, return_full, entropy_over: sampling replay, as in
     pk.token_logprobs (docs/SAMPLING.md); with tp_group a given sampling_mask only
     (top_k / top_p / min_p with tp_group: NotImplementedError).
@@ -163,8 +167,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
         mask = ck.response_mask(response_mask, tokens2, flat)
         t = ck.temperature(temperature, hidden3, tokens2, flat, mask)
         ck.flag("return_entropy", return_entropy)
-        ldt = check_logits_dtype(logits_dtype, hidden3)
-        cap, chunk = head_options(hidden3, w, logit_softcap, chunk_size, ldt)
+        head = head_options(hidden3, w, logit_softcap, chunk_size, logits_dtype, accum_dtype)
         be = get_backend(backend, hidden3.device)
         require_kernels(be, shard)
         if shard is None:
@@ -174,23 +177,23 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
                                    device=device_eager(be, tokens2))
         sampling.check_outputs(rp, return_full, entropy_over)
         _vp_given_only(rp, shard)
-        return w, bias, shard, hidden3, tokens2, flat, mask, t, cap, chunk, be, ldt, rp
+        return w, bias, shard, hidden3, tokens2, flat, mask, t, head, be, rp
 
-    (lm_head_weight, lm_head_bias, shard, hidden3, tokens2, flat, mask, temperature, cap, chunk,
-     be, ldt, rp) = checks_together(groups(tp_group=tp_group), checks,
-                                    lambda r: {"tp_group": tuple(r[4].shape)})
+    (lm_head_weight, lm_head_bias, shard, hidden3, tokens2, flat, mask, temperature, head, be,
+     rp) = checks_together(groups(tp_group=tp_group), checks,
+                           lambda r: {"tp_group": tuple(r[4].shape)})
     if rp is not None:
         lp_k, ent_k, logp, ent, _, _, _ = replay_from_hidden(
-            be, hidden3, lm_head_weight, lm_head_bias, tokens2, mask, temperature, rp, cap,
-            chunk, ldt, shard)
+            be, hidden3, lm_head_weight, lm_head_bias, tokens2, mask, temperature, rp, head,
+            shard)
         return sampling.outputs(lp_k, ent_k, logp, ent, return_full, return_entropy,
                                 entropy_over, lambda v: _squeeze(v, flat))
     if not be.is_kernel:
-        logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, cap, mask, ldt)
+        logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, head.cap, mask,
+                                     head.logits_dtype)
         logp, ent = be.token_logprobs(logits, tokens2, mask, temperature, return_entropy)
     else:
-        src = HeadRows(be, cap, chunk, ldt, tokens2, mask, temperature, acc_dtype(hidden3),
-                       shard)
+        src = HeadRows(be, head, tokens2, mask, temperature, acc_dtype(hidden3), shard)
         logp, ent = row_logprobs(src, (hidden3, lm_head_weight, lm_head_bias), None,
                                  return_entropy)
         if not return_entropy:
@@ -203,7 +206,7 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
 def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantages,
                          response_mask=None, ref_logprobs=None, *, lm_head_bias=None,
                          logit_softcap=None, chunk_size=None, tp_group=None, vocab_start=None,
-                         cp_group=None, logits_dtype=None, **loss_options):
+                         cp_group=None, logits_dtype=None, accum_dtype=None, **loss_options):
     """pk.ppo_loss(hidden @ lm_head_weight^T (+ lm_head_bias), ...) without the [N, V]
     logits ever being stored (docs/FROM_HIDDEN.md).
 
@@ -219,7 +222,8 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         lm_head_bias: [V] or None.
         logit_softcap: None or cap > 0: logits z = cap * tanh(x / cap) (Gemma 2).
         chunk_size: rows of [B, T] per chunk, >= 1; None: about 256 MiB of logits (in
-            hidden's dtype) per chunk, at least 1 row.
+            hidden's dtype) per chunk, or half dW's accumulator where that is more (a
+            gradient into lm_head_weight; docs/FROM_HIDDEN.md), at least 1 row.
         tp_group, vocab_start: the head's rows split over ranks (lm_head_weight [V_r, H],
             lm_head_bias [V_r]; a DTensor head sharded with Shard(0) needs tp_group, its
             mesh's group, and no vocab_start: without it the weight could as well be
@@ -231,6 +235,11 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         logits_dtype: None (hidden's dtype) or torch.float32: each chunk's logits in
             float32 from bfloat16 / float16 hidden states and head (as in
             token_logprobs_from_hidden; docs/FROM_HIDDEN.md).
+        accum_dtype: the dtype dW is summed in over the chunks: None (float32 for
+            bfloat16 / float16 weights, else the weight's dtype), torch.float32, or the
+            weight's dtype: summed in place, one rounding to it per chunk, without the
+            [V, H] float32 buffer (Liger-Kernel's default; docs/FROM_HIDDEN.md, "dW's
+            accumulator").
         **loss_options: every keyword of pk.ppo_loss (policy_loss, clip_eps_*, kl_*,
             entropy_*, temperature, loss_agg_mode, global counts, rollout_*, grad_scale,
             backend, ...), checked by the same code (loss.check_loss; an unknown keyword
@@ -252,16 +261,15 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         h, w, bias, shard = head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
                                        vocab_start)
         hidden3, tokens2, flat = hidden_and_tokens(h, w, bias, tokens)
-        ldt = check_logits_dtype(logits_dtype, hidden3)
-        cap, chunk = head_options(hidden3, w, logit_softcap, chunk_size, ldt)
+        head = head_options(hidden3, w, logit_softcap, chunk_size, logits_dtype, accum_dtype)
         spec, x, pending = check_loss(hidden3, None if shard else w.shape[0], tokens2, flat,
                                       options)
         require_kernels(x.be, shard)
-        return w, bias, shard, hidden3, cap, chunk, spec, x, pending, ldt
+        return w, bias, shard, hidden3, head, spec, x, pending
 
-    lm_head_weight, lm_head_bias, shard, hidden3, cap, chunk, spec, x, pending, ldt = \
+    lm_head_weight, lm_head_bias, shard, hidden3, head, spec, x, pending = \
         checks_together(groups(tp_group=tp_group, cp_group=cp_group), checks,
-                        lambda r: agreed_sizes(r[7]), options)
+                        lambda r: agreed_sizes(r[6]), options)
     x = weigh_loss(spec, x, pending)
     kin = x.kin  # the packed layout again, with cu_seqlens
     temp = kin.temperature(spec)
@@ -272,7 +280,7 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         # backward recomputing each chunk's logits; over a split vocabulary the kept
         # partials ride on each chunk's statistics all-gather)
         out = replay_from_hidden(x.be, hidden3, lm_head_weight, lm_head_bias, kin.tokens,
-                                 kin.mask, temp, x.replay, cap, chunk, ldt, shard)
+                                 kin.mask, temp, x.replay, head, shard)
         lp_k, ent_k, logp, ent, mass, size, missing = (x.padded(v) for v in out)
         loss, ent_sel = replay_loss(spec, x, lp_k, ent_k, logp, ent)
         return loss, loss_metrics(spec, x, lp_k.detach(), ent_sel.detach(),
@@ -280,22 +288,22 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
     if x.weights is None:
         logp, ent = token_logprobs_from_hidden(
             hidden3, lm_head_weight, kin.tokens, kin.mask, lm_head_bias=lm_head_bias,
-            logit_softcap=cap, temperature=temp, return_entropy=True,
-            chunk_size=chunk, tp_group=None if shard is None else shard.group,
+            logit_softcap=head.cap, temperature=temp, return_entropy=True,
+            chunk_size=head.chunk, tp_group=None if shard is None else shard.group,
             vocab_start=None if shard is None else shard.start, backend=x.be.name,
-            logits_dtype=ldt)
+            logits_dtype=head.logits_dtype, accum_dtype=head.accum_dtype)
         logp, ent = x.padded(logp), x.padded(ent)
         loss = per_token_loss(spec, x, logp, ent)
     elif not x.be.is_kernel:
-        logits = materialised_logits(*diff, cap, kin.mask, ldt)
+        logits = materialised_logits(*diff, head.cap, kin.mask, head.logits_dtype)
         if two_phase(spec, x, shard):
             loss, logp, ent = composite_padded(spec, x, logits)
         else:
             loss, _, logp, ent = x.be.ppo_loss(logits, kin, spec)
             logp, ent = x.padded(logp), x.padded(ent)
     else:
-        run = HeadLoss(HeadRows(x.be, cap, chunk, ldt, kin.tokens, kin.mask, temp, x.acc,
-                                shard), spec, x)
+        run = HeadLoss(HeadRows(x.be, head, kin.tokens, kin.mask, temp, x.acc, shard), spec,
+                       x)
         if wants_grad(*diff):
             loss, logp, ent = LossWithGrad.apply(run, *diff)
         else:
@@ -411,11 +419,10 @@ def _replay_no_grad(hidden3, weight, tokens2, mask, rp, kw):
     h, w, bias, shard = head_shard(hidden3.detach(), weight.detach(), kw["lm_head_bias"],
                                    kw["tp_group"], kw["vocab_start"])
     _vp_given_only(rp, shard)
-    ldt = check_logits_dtype(kw["logits_dtype"], h)
-    cap, chunk = head_options(h, w, kw["logit_softcap"], kw["chunk_size"], ldt)
+    head = head_options(h, w, kw["logit_softcap"], kw["chunk_size"], kw["logits_dtype"])
     be = get_backend(kw["backend"], h.device)
     require_kernels(be, shard)
     out = replay_from_hidden(be, h, w, bias, tokens2, mask,
                              ck.temperature(kw["temperature"], h, tokens2, False, mask), rp,
-                             cap, chunk, ldt, shard)
+                             head, shard)
     return out[0], out[2]

@@ -9,6 +9,7 @@ hidden, W and b (Grads), and the materialised logits of the eager composite.
 from __future__ import annotations
 
 import operator
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -98,13 +99,47 @@ def check_logits_dtype(logits_dtype, hidden3):
     return None if hidden3.dtype == torch.float32 else torch.float32
 
 
-def head_options(hidden3, weight, logit_softcap, chunk_size, logits_dtype=None):
-    """(cap, rows per chunk); the default chunk holds about CHUNK_BYTES of logits in
-    logits_dtype (checked: check_logits_dtype) or hidden's dtype."""
+def check_accum_dtype(accum_dtype, weight):
+    """The dtype dW is summed in over the chunks (Liger-Kernel's accum_dtype, the other
+    way round: None here is float32 for bfloat16 / float16 weights, the weight's dtype
+    otherwise; the weight's own dtype sums in place, one rounding per chunk, and saves
+    the [V, H] float32 buffer). Anything else is a TypeError / ValueError naming
+    accum_dtype."""
+    wide = torch.float32 if weight.dtype in (torch.bfloat16, torch.float16) else weight.dtype
+    if accum_dtype is None:
+        return wide
+    if not isinstance(accum_dtype, torch.dtype):
+        raise TypeError(f"accum_dtype: expected None or a torch.dtype, got "
+                        f"{type(accum_dtype).__name__}")
+    if accum_dtype not in (wide, weight.dtype):
+        raise ValueError(f"accum_dtype: expected None, {wide} or {weight.dtype} (that of "
+                         f"lm_head_weight), got {accum_dtype}")
+    return accum_dtype
+
+
+class HeadOptions(NamedTuple):
+    """The LM head's options as the chunk loops read them (head_options)."""
+
+    cap: Optional[float]                 # logit_softcap: None or > 0
+    chunk: int                           # rows per chunk
+    logits_dtype: Optional[torch.dtype]  # the chunks' logits (None: hidden's dtype)
+    accum_dtype: torch.dtype             # dW's sum over several chunks
+
+
+def head_options(hidden3, weight, logit_softcap, chunk_size, logits_dtype=None,
+                 accum_dtype=None):
+    """HeadOptions after checking each option (errors name it). chunk_size=None:
+    default_chunk_size, with the accumulator dW's bytes counted where the weight takes a
+    gradient over several chunks."""
     cap = None if logit_softcap is None else ck.number("logit_softcap", logit_softcap,
                                                        lo=0.0, lo_open=True)
+    ldt = check_logits_dtype(logits_dtype, hidden3)
+    accum = check_accum_dtype(accum_dtype, weight)
     if chunk_size is None:
-        chunk = default_chunk_size(weight.shape[0], logits_dtype or hidden3.dtype)
+        acc_bytes = 0
+        if torch.is_grad_enabled() and weight.requires_grad:
+            acc_bytes = weight.numel() * torch.empty((), dtype=accum).element_size()
+        chunk = default_chunk_size(weight.shape[0], ldt or hidden3.dtype, acc_bytes)
     else:
         if isinstance(chunk_size, bool) or not hasattr(type(chunk_size), "__index__"):
             raise TypeError(f"chunk_size: expected an int (rows per chunk) or None, got "
@@ -112,14 +147,22 @@ def head_options(hidden3, weight, logit_softcap, chunk_size, logits_dtype=None):
         chunk = operator.index(chunk_size)
         if chunk < 1:
             raise ValueError(f"chunk_size: expected at least 1 row, got {chunk_size}")
-    return cap, chunk
+    return HeadOptions(cap, chunk, ldt, accum)
 
 
-def default_chunk_size(vocab, dtype):
+def default_chunk_size(vocab, dtype, accum_bytes=0):
     """Rows per chunk for chunk_size=None: one chunk of [rows, V] logits in ``dtype`` is
-    about CHUNK_BYTES = 256 MiB (at least 1 row)."""
+    about max(CHUNK_BYTES, accum_bytes / 2) bytes (at least 1 row). accum_bytes: the dW
+    accumulator's ([V, H] in accum_dtype; 0 without a gradient into the weight). Each
+    chunk reads and writes it once (2 A bytes) against the 6 C V H flops of its three
+    matmuls; a chunk of A / 2 bytes of logits (C = H a / (2 e) rows, a and e the
+    accumulator's and the logits' itemsizes) keeps that traffic at 4 e F / (6 BW H) of
+    the matmuls' time, F / BW the machine's flops per byte: about 7% at H = 4096 in bf16
+    on an H200 (~200), under 1% on a CPU; with 256 MiB chunks at V = 151,936 (883 bf16
+    rows) it was about 30% there. The chunk stays below the accumulator, so the peak is
+    at most about 1.5 times it plus the gradients."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(1, CHUNK_BYTES // (vocab * itemsize))
+    return max(1, max(CHUNK_BYTES, accum_bytes // 2) // (vocab * itemsize))
 
 
 # ------------------------------------------------------------------ the chunk pieces
@@ -188,26 +231,23 @@ def live_rows(keep, chunk, h):
 
 class Grads:
     """The gradient accumulators of hidden, W and b over the chunks of one pass (None
-    for inputs that need none)."""
+    for inputs that need none); dW summed in head.accum_dtype, db in float32 for bf16 /
+    fp16 ([V]: nothing to save)."""
 
-    def __init__(self, n, chunk, hidden3, weight, bias, need):
+    def __init__(self, n, head, hidden3, weight, bias, need):
         need_h, need_w, need_b = need
         self.weight = weight
-        h, v = weight.shape[1], weight.shape[0]
+        h = weight.shape[1]
         dt = hidden3.dtype
         self.wide = torch.float32 if dt in (torch.bfloat16, torch.float16) else dt
+        self.accum = head.accum_dtype
         # one chunk for all rows: dW and db are that chunk's matmul and sum as they come
         # (no float32 accumulator for bf16 / fp16: it would add [V, H] float32 of memory
         # and two passes over it to a product that already rounds once)
-        self.single = n <= chunk
+        self.single = n <= head.chunk
         self.dh2 = torch.empty(n, h, dtype=dt, device=hidden3.device) if need_h else None
         self.need_w, self.need_b = need_w, need_b
-        self.dw = self.db = None
-        if not self.single:
-            if need_w:
-                self.dw = torch.zeros(v, h, dtype=self.wide, device=weight.device)
-            if need_b:
-                self.db = torch.zeros(v, dtype=self.wide, device=weight.device)
+        self.dw = self.db = None  # made by the first chunk (no zeros to add to)
         self.any = need_h or need_w or need_b
 
     def add(self, blk, dz, h):
@@ -228,24 +268,29 @@ class Grads:
                 torch.mm(dz, weight, out=self.dh2[r0:r1])
             else:
                 self.dh2[r0:r1].zero_().index_copy_(0, blk.live, torch.mm(dz, weight))
-        if self.single:
-            if self.need_w:
-                self.dw = torch.mm(dz.t(), h)
-            if self.need_b:
-                self.db = dz.sum(0, dtype=self.wide)
-            return
-        if self.dw is not None:
-            if self.dw.dtype == dz.dtype:
-                self.dw.addmm_(dz.t(), h)
-            elif dz.is_cuda and ADDMM_OUT_DTYPE:
-                # bf16 / fp16 on CUDA: cuBLAS adds the product of the 16-bit operands into
-                # the float32 accumulator itself (beta = 1): no [V, H] temporary, no
-                # rounding per chunk
-                torch.addmm(self.dw, dz.t(), h, out_dtype=self.dw.dtype, out=self.dw)
-            else:  # bf16 / fp16 elsewhere: the matmul's float32 sum, rounded once per chunk
-                self.dw.add_(torch.mm(dz.t(), h))
-        if self.db is not None:
-            self.db.add_(dz.sum(0, dtype=self.wide))
+        if self.need_w:
+            self.dw = self._add_dw(dz, h)
+        if self.need_b:
+            db = dz.sum(0, dtype=self.wide)
+            self.db = db if self.db is None else self.db.add_(db)
+
+    def _add_dw(self, dz, h):
+        """dW + dz^T h, in self.accum (the first chunk: the product alone)."""
+        dw, accum = self.dw, self.accum
+        if self.single or accum == dz.dtype:
+            # the weight's dtype (one chunk, or accum_dtype=its dtype): the matmul's float32
+            # sum rounded once per chunk, added in place (beta = 1) without a temporary
+            return torch.mm(dz.t(), h) if dw is None else dw.addmm_(dz.t(), h)
+        if dz.is_cuda and ADDMM_OUT_DTYPE:
+            # bf16 / fp16 on CUDA: cuBLAS writes (then adds) the product of the 16-bit
+            # operands into the float32 accumulator itself: no [V, H] temporary, no
+            # rounding per chunk
+            if dw is None:
+                return torch.mm(dz.t(), h, out_dtype=accum)
+            return torch.addmm(dw, dz.t(), h, out_dtype=accum, out=dw)
+        # bf16 / fp16 elsewhere: the matmul's float32 sum, rounded once per chunk
+        p = torch.mm(dz.t(), h)
+        return p.to(accum) if dw is None else dw.add_(p)
 
     def finish(self, t, hidden3, weight, bias):
         """(d hidden [B, Tl, H], dW [V, H], db [V]) in the inputs' dtypes."""
@@ -268,16 +313,17 @@ class Grads:
 
 
 class HeadRows(RowSource):
-    """The rows of the logits hidden3 @ weight^T (+ bias), soft-capped with cap, made
-    chunk rows at a time in logits_dtype (None: hidden's): inputs (hidden3, weight,
-    bias). tokens may be None (a loss that reads no token: distillation)."""
+    """The rows of the logits hidden3 @ weight^T (+ bias) as head (a HeadOptions) says:
+    soft-capped with head.cap, made head.chunk rows at a time in head.logits_dtype (None:
+    hidden's): inputs (hidden3, weight, bias). tokens may be None (a loss that reads no
+    token: distillation)."""
 
     name = "token_logprobs_from_hidden"
 
-    def __init__(self, be, cap, chunk, logits_dtype, tokens, mask, temperature, acc,
-                 shard=None):
+    def __init__(self, be, head, tokens, mask, temperature, acc, shard=None):
         super().__init__(be, tokens, mask, temperature, shard)
-        self.cap, self.chunk, self.logits_dtype, self.acc = cap, chunk, logits_dtype, acc
+        self.head, self.acc = head, acc
+        self.cap, self.chunk, self.logits_dtype = head.cap, head.chunk, head.logits_dtype
         self.lives = None  # live_rows of the mask, read at the first pass (the rest reuse it)
 
     def each_block(self, inputs, fn):
@@ -323,7 +369,7 @@ class HeadRows(RowSource):
             (self.b, self.t) + rest)
 
     def start_grad(self, inputs, need):
-        g = Grads(self.n, self.chunk, *inputs, need)
+        g = Grads(self.n, self.head, *inputs, need)
         return g if g.any else None
 
     def take_grad(self, g, blk, h, z3, dz):

@@ -14,7 +14,7 @@ from ppo_kernels import head_chunks
 from ppo_kernels import reference as ref
 
 from helpers.backends import triton_interpreter
-from helpers.inputs import head_inputs, head_logits
+from helpers.inputs import head_inputs, head_logits, make_teacher
 
 POLICY_LOSSES = ("vanilla", "cispo", "sapo", "gspo", "gspo-token", "dppo-tv", "dppo-kl",
                  "vespo")
@@ -313,6 +313,99 @@ def test_bf16_dw_accumulates_in_float32():
 
 
 @pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
+def test_bf16_dw_accumulates_in_place_with_accum_dtype(policy_loss):
+    """accum_dtype=the weight's dtype: each chunk's product added into a bf16 dW in place
+    (one rounding per chunk, as Liger-Kernel's default); the default float32 sum is the
+    closer one to the exact dW. The emulation: per chunk of one row, the float32 sum of
+    the bf16 accumulator and the row's exact float32 outer product, rounded to bf16."""
+    B, T, H, V = 4, 16, 8, 32
+    d = head_inputs(B=B, T=T, H=H, V=V, seed=13, dtype=torch.bfloat16)
+    d["hidden"].requires_grad_(False)
+    args = (d["hidden"], d["W"], d["tokens"], d["old"], d["adv"], d["mask"])
+    kw = dict(chunk_size=1, loss_agg_mode="token-sum", policy_loss=policy_loss)
+    (g32,) = torch.autograd.grad(pk.ppo_loss_from_hidden(*args, **kw)[0], d["W"])
+    (g16,) = torch.autograd.grad(
+        pk.ppo_loss_from_hidden(*args, accum_dtype=torch.bfloat16, **kw)[0], d["W"])
+    assert g16.dtype == g32.dtype == torch.bfloat16
+    x = head_logits(d["hidden"], d["W"]).detach().requires_grad_()
+    loss2, _ = pk.ppo_loss(x, d["tokens"], d["old"], d["adv"], d["mask"],
+                           loss_agg_mode="token-sum", policy_loss=policy_loss, backend="cpu")
+    (dx,) = torch.autograd.grad(loss2, x)
+    dx, h = dx.reshape(-1, V), torch.where(d["mask"].reshape(-1, 1),
+                                           d["hidden"].reshape(-1, H), 0.0)
+    emu = torch.outer(dx[0].float(), h[0].float()).bfloat16()
+    for r in range(1, dx.shape[0]):
+        emu = (emu.float() + torch.outer(dx[r].float(), h[r].float())).bfloat16()
+    exact = (dx.double().T @ h.double()).detach()
+
+    def rel(g):
+        return float((g.detach().double() - exact).abs().max() / exact.abs().max())
+
+    # the kernels' dz of the fused and the unfused op agree to float32 rounding, so the two
+    # bf16 sums can differ by an ulp of the larger entries
+    torch.testing.assert_close(g16, emu, rtol=2 ** -7, atol=2 ** -7 * float(emu.abs().max()))
+    assert rel(g32) < rel(g16), (rel(g32), rel(g16))
+
+
+def test_accum_dtype_holds_no_float32_dw():
+    """The in-place bf16 sum holds no [V, H] float32 tensor; the default float32 one
+    does (several chunks), and a single chunk none (its product is dW)."""
+    B, T, H, V = 2, 8, 4, 24
+    d = head_inputs(B=B, T=T, H=H, V=V, seed=14, dtype=torch.bfloat16)
+    args = (d["hidden"], d["W"], d["tokens"], d["old"], d["adv"], d["mask"])
+
+    def float32_dw(**kw):
+        with _Sizes() as sizes:
+            loss, _ = pk.ppo_loss_from_hidden(*args, **kw)
+            loss.backward()
+        return (V, H, torch.float32) in sizes.typed
+
+    assert float32_dw(chunk_size=3)
+    assert not float32_dw(chunk_size=3, accum_dtype=torch.bfloat16)
+    assert not float32_dw(chunk_size=B * T)
+    assert d["W"].grad.dtype == torch.bfloat16
+
+
+def test_accum_dtype_of_token_logprobs_and_distill_from_hidden():
+    """token_logprobs_from_hidden (dW in its backward) and distill_loss_from_hidden take
+    accum_dtype too: the bf16 in-place sum is within bf16 rounding of the float32 one."""
+    d = head_inputs(B=2, T=8, H=4, V=24, seed=16, dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(16)
+    te = make_teacher(16, 24, gen)
+
+    def dw(fn, **kw):
+        w = d["W"].detach().requires_grad_()
+        out = fn(w, **kw)
+        (g,) = torch.autograd.grad(out, w)
+        return g.double()
+
+    def logprobs(w, **kw):
+        lp, ent = pk.token_logprobs_from_hidden(d["hidden"], w, d["tokens"], d["mask"],
+                                                return_entropy=True, chunk_size=3, **kw)
+        return lp.float().sum() + ent.float().sum()
+
+    def distill(w, **kw):
+        return pk.distill_loss_from_hidden(d["hidden"], w, te, d["mask"], chunk_size=3,
+                                           **kw)[0]
+
+    for fn in (logprobs, distill):
+        a, b = dw(fn), dw(fn, accum_dtype=torch.bfloat16)
+        assert not torch.equal(a, b)  # (six chunks: the bf16 sum rounds per chunk)
+        assert float((a - b).abs().max()) <= 2 ** -6 * float(a.abs().max()), fn.__name__
+
+
+def test_accum_dtype_float32_and_float64_weights():
+    """accum_dtype of a float32 / float64 head: None or its own dtype, the same result."""
+    for dtype in (torch.float32, torch.float64):
+        d = head_inputs(B=2, T=6, H=4, V=10, seed=15, dtype=dtype)
+        args = (d["hidden"], d["W"], d["tokens"], d["old"], d["adv"], d["mask"])
+        (a,) = torch.autograd.grad(pk.ppo_loss_from_hidden(*args, chunk_size=2)[0], d["W"])
+        (b,) = torch.autograd.grad(pk.ppo_loss_from_hidden(*args, chunk_size=2,
+                                                           accum_dtype=dtype)[0], d["W"])
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo"])
 def test_grad_scale_and_rescaled_backward(policy_loss):
     d = head_inputs(seed=14, bias=True)
     loss2, _ = pk.ppo_loss(head_logits(d["hidden"], d["W"], d["b"]), d["tokens"], d["old"],
@@ -491,17 +584,20 @@ def test_torch_backend_token_logprobs_and_none(flat):
 # ------------------------------------------------------------------ nothing of [N, V] is stored
 
 class _Sizes(TorchDispatchMode):
-    """Records the shape of every tensor any op (aten or ppo_kernels) returns."""
+    """Records the shape (and, in typed, the shape and dtype) of every tensor any op (aten
+    or ppo_kernels) returns."""
 
     def __init__(self):
         super().__init__()
         self.shapes = []
+        self.typed = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.shapes.append(tuple(t.shape))
+                self.typed.add(tuple(t.shape) + (t.dtype,))
         return out
 
 
@@ -567,8 +663,33 @@ def test_default_chunk_size():
     assert head_chunks.default_chunk_size(32000, torch.bfloat16) == (256 << 20) // (32000 * 2)
     assert head_chunks.default_chunk_size(151936, torch.float32) == (256 << 20) // (151936 * 4)
     assert head_chunks.default_chunk_size(1 << 40, torch.float32) == 1
+    # half the dW accumulator where that is more than 256 MiB: H a / (2 e) rows
+    v, h = 151936, 4096
+    assert head_chunks.default_chunk_size(v, torch.bfloat16) == 883
+    assert head_chunks.default_chunk_size(v, torch.bfloat16, v * h * 4) == 4096
+    assert head_chunks.default_chunk_size(v, torch.bfloat16, v * h * 2) == 2048
+    assert head_chunks.default_chunk_size(v, torch.float32, v * h * 4) == 2048
+    assert head_chunks.default_chunk_size(32000, torch.bfloat16, 32000 * 256 * 4) == \
+        (256 << 20) // (32000 * 2)  # (a small head: the 256 MiB floor)
     d = head_inputs(seed=22)
     assert_pair(*run_pair(d, chunk_size=None))
+
+
+def test_default_chunk_size_counts_the_accumulator(monkeypatch):
+    """head_options counts dW's accumulator (accum_dtype's bytes) only where the weight
+    takes a gradient."""
+    monkeypatch.setattr(head_chunks, "CHUNK_BYTES", 64)
+    h3 = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    w = torch.zeros(16, 8, dtype=torch.bfloat16)
+    chunk = head_chunks.head_options
+    assert chunk(h3, w, None, None).chunk == 2  # 64 B of bf16 logits: 2 rows of 16
+    w.requires_grad_()
+    assert chunk(h3, w, None, None).chunk == 8  # 16 * 8 * 4 / 2 B: 8 rows
+    assert chunk(h3, w, None, None, accum_dtype=torch.bfloat16).chunk == 4
+    assert chunk(h3, w, None, None, torch.float32).chunk == 4  # float32 logits
+    assert chunk(h3, w, None, 5).chunk == 5
+    with torch.no_grad():
+        assert chunk(h3, w, None, None).chunk == 2
 
 
 # ------------------------------------------------------------------ bad input
@@ -594,6 +715,9 @@ def _call(d, **over):
     (lambda d: dict(chunk_size=2.0), TypeError, "chunk_size"),
     (lambda d: dict(chunk_size=True), TypeError, "chunk_size"),
     (lambda d: dict(logit_softcap=0.0), ValueError, "logit_softcap"),
+    (lambda d: dict(accum_dtype="float32"), TypeError, "accum_dtype"),
+    (lambda d: dict(accum_dtype=torch.float64), ValueError, "accum_dtype"),
+    (lambda d: dict(accum_dtype=torch.bfloat16), ValueError, "accum_dtype"),
     (lambda d: dict(hidden=d["hidden"][0, 0]), ValueError, "hidden"),
     (lambda d: dict(hidden=d["hidden"].int()), TypeError, "hidden"),
     (lambda d: dict(hidden=d["hidden"][:, :-1]), ValueError, "tokens"),

@@ -111,8 +111,8 @@ def test_masked_rows_logits_are_a_zero_hidden_states(monkeypatch, cap):
     be = get_backend("cpu", h.device)
     for balance in (SKIP, COMPUTE):
         monkeypatch.setattr(head_chunks, "LIVE_ROWS_BALANCE", balance)
-        src = head_chunks.HeadRows(be, cap, 4, None, d["tokens"], d["mask"], 1.0,
-                                   torch.float32)
+        head = head_chunks.HeadOptions(cap, 4, None, torch.float32)
+        src = head_chunks.HeadRows(be, head, d["tokens"], d["mask"], 1.0, torch.float32)
         rows, lives = [], []
         src.each_block((h, w, b), lambda blk, hc, z: (rows.append(z[0].clone()),
                                                       lives.append(blk.live)))
