@@ -51,6 +51,10 @@ def _fake_ppo_loss_fwd_inplace(logits, tokens, *_, **__):
     return tokens.new_empty((), dtype=acc_dtype(logits)), *_per_token(tokens, logits, 3)
 
 
+def _fake_zeros_grad(like):
+    return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+
+
 def _fake_none(*_, **__):
     return None
 
@@ -278,7 +282,8 @@ def register(prefix):
                      ("token_loss_grad", lambda: _fake_token_loss_grad),
                      ("sampling_threshold", lambda: _fake_sampling_threshold),
                      ("kept_logprobs_fwd", lambda: _fake_kept_logprobs_fwd),
-                     ("kept_logprobs_bwd_", lambda: _fake_none)):
+                     ("kept_logprobs_bwd_", lambda: _fake_none),
+                     ("zeros_grad", lambda: _fake_zeros_grad)):
         if hasattr(torch.ops.ppo_kernels, prefix + name):
             fakes[name] = fn()
     for name, fn in fakes.items():

@@ -126,7 +126,11 @@ def passes(source, inputs, spec, x, need):
         if rp is None:
             grads = source.grad(inputs, st, k(dsel), g_ent, need=need)
         else:
-            g_full = torch.zeros_like(st.logp) if kl_kept else k(out[4])
+            # the full logp takes a gradient through the KL alone (kl_logprobs="full");
+            # without one (and without an entropy bonus over the full row) the gradient
+            # pass writes the kept part only (RowSource.grad: no dense pass)
+            kl_full = x.ref is not None and spec.kl_coef != 0.0 and not kl_kept
+            g_full = k(out[4]) if kl_full else None
             grads = source.grad(inputs, st, g_full, None if ent_kept else g_ent, k(dsel),
                                 g_ent if ent_kept else None, rp, need=need)
     aux = ()

@@ -28,6 +28,7 @@ import torch
 from ._autograd import first_order_only, wants_grad
 from ._backends import call_op
 from ._checks import acc_dtype, split_temperature
+from ._extension import HAS_CPU
 from .kept import replay_logprobs_torch
 from .kept_rows import (KeptStats, kernel_grad_, kernel_stats, kept_mass_op, merge_kept,
                         require_ops, shard_grad_, shard_partials)
@@ -187,12 +188,21 @@ class RowSource:
              need=None):
         """The gradient in inputs (one per input, None where need says no) of sum(g_lp
         logp + g_ent H + g_kept logp_kept + g_ent_kept H_kept), g_* [B, T] or None (g_lp
-        not None)."""
+        None only with a kept set's). Where the full row's logp and H take no gradient
+        (g_lp and g_ent None: sampling replay without a KL on the full logp or an entropy
+        bonus over the full row) the dense part is 0: each block's dz starts as zeros, a
+        write with no read of the logits, and only the kept part is added (a given kept
+        set's entries alone)."""
         bwd = self.be.op("token_logprobs_bwd")
         acc = self.start_grad(inputs, need)
         if acc is None:
             return (None,) * len(inputs)
         kept = g_kept is not None or g_ent_kept is not None
+        dense = g_lp is not None or g_ent is not None
+        if not (kept or dense):
+            raise ValueError("RowSource.grad: no gradient given")
+        if dense and g_lp is None:
+            g_lp = torch.zeros_like(st.row_max)
 
         def block(blk, h, z3):
             rows = blk.rows
@@ -204,10 +214,13 @@ class RowSource:
             t, temps = split_temperature(temp)
             ent = rows(st.ent) if st.ent.numel() else st.ent
             lp_b, ent_b, mx, ls = g(g_lp), g(g_ent), rows(st.row_max), rows(st.log_sum)
-            dz = call_op(bwd, z3, lp_b, ent_b, z3, rows(st.tokens), msk, mx, ls, ent, t,
-                       temperatures=temps)
-            # (a shard's placeholder entries, before the soft cap's factor reuses z)
-            self.vocab.fix_(dz, z3, rows(st.own), msk, lp_b, ent_b, mx, ls, ent, temp)
+            if dense:
+                dz = call_op(bwd, z3, lp_b, ent_b, z3, rows(st.tokens), msk, mx, ls, ent, t,
+                             temperatures=temps)
+                # (a shard's placeholder entries, before the soft cap's factor reuses z)
+                self.vocab.fix_(dz, z3, rows(st.own), msk, lp_b, ent_b, mx, ls, ent, temp)
+            else:
+                dz = zero_grad(z3)
             if kept:
                 self.vocab.kept_grad_(self.be, dz, g(g_kept), g(g_ent_kept), z3,
                                       rows(self.global_tokens), rows(st.tokens), msk, st, blk,
@@ -230,6 +243,15 @@ class RowSource:
     def kept_dtypes(self):
         """The dtypes of KeptStats' first six fields."""
         return (self.acc,) * 4 + (torch.int64, torch.bool)
+
+
+def zero_grad(z3):
+    """A zero gradient of z3's shape and dtype: on the CPU ppo_kernels::zeros_grad (the CPU
+    kernels' recycled gradient memory, zeroed in parallel; csrc/cpu/zeros_grad.cpp), else
+    torch.zeros_like (one fill kernel on a device)."""
+    if z3.device.type == "cpu" and HAS_CPU:
+        return torch.ops.ppo_kernels.zeros_grad(z3)
+    return torch.zeros_like(z3)
 
 
 class Block(NamedTuple):

@@ -68,7 +68,9 @@ def _kept(tokens, k=8):
 # given kept set with a KL; a re-derived top-k / top-p set): its token-level middle one op
 # too, ppo_kernels::token_loss_grad (was 168 and 75 with the eager middle), the token ids
 # checked by the kernels, a given set's CSR by one op (ppo_kernels::check_kept_ids; was
-# about 20 eager ops): 12 and 25, most of the rest of top-p the threshold's derivation.
+# about 20 eager ops): 12 and 25, most of the rest of top-p the threshold's derivation (a
+# kept set without a KL on the full logp, top-p here, starts its dlogits with the
+# extension's zeros_grad in place of the dense kernel: both are kernel ops).
 CONFIGS = {
     "default": (lambda ref, roll, tok: {}, 12),
     "kl-k3": (lambda ref, roll, tok: dict(ref_logprobs=ref, kl_coef=0.1), 12),

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import strategies as st
 
 import ppo_kernels as pk
@@ -395,6 +396,45 @@ def test_ppo_loss_against_reference(be, case, given_mask):
     for k, v in e_metrics.items():
         assert k in metrics, k
         assert_close_np(metrics[k], v, rtol=2e-6, atol=2e-6, what=k)
+
+
+class _KernelCalls(TorchDispatchMode):
+    """The names of the ppo_kernels ops dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "ppo_kernels":
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("given_mask", [True, False], ids=["given", "rederived"])
+@pytest.mark.parametrize("case,dense", [
+    (dict(), False), (dict(kl_coef=0.1, kl_logprobs="kept"), False),
+    (dict(entropy_coef=0.01, entropy_over="kept"), False), (dict(kl_coef=0.1), True),
+    (dict(entropy_coef=0.01), True)], ids=["plain", "kl-kept", "entropy-kept", "kl-full",
+                                           "entropy-full"])
+def test_gradient_pass_skips_the_dense_part(given_mask, case, dense):
+    """The gradient pass reads the whole row (token_logprobs_bwd) only where the full
+    vocabulary's logp or entropy takes a gradient; otherwise its dlogits start as zeros
+    and only the kept part is added (the values: test_ppo_loss_against_reference)."""
+    gen = torch.Generator().manual_seed(12)
+    B, T, V = 2, 4, 19
+    logits, tokens, mask = inputs(B, T, V, gen, dtype=torch.float32)
+    sm, _ = random_csr(B, T, V, gen, kmax=6, tokens=tokens)
+    kw = dict(sampling_mask=sm) if given_mask else dict(top_k=8, top_p=0.9)
+    ref_lp = torch.randn(B, T, generator=gen) - 2
+    x = logits.clone().requires_grad_(True)
+    with _KernelCalls() as calls:
+        loss, _ = pk.ppo_loss(x, tokens, None, torch.randn(B, T, generator=gen), mask, ref_lp,
+                              backend="cpu", **case, **kw)
+        loss.backward()
+    assert ("token_logprobs_bwd" in calls.names) == dense, calls.names
+    assert ("zeros_grad" in calls.names) != dense, calls.names
+    assert "kept_logprobs_bwd_" in calls.names
 
 
 @pytest.mark.parametrize("be", REPLAY_BACKENDS)
