@@ -719,6 +719,8 @@ def opcheck_arguments(op, options=None, *, shape=(3, 5, 37), seed=0, requires_gr
     if op == "scale_grad_":
         return (logits.clone(), torch.tensor(0.25, device=device),
                 torch.tensor(spec.grad_scale, device=device)), {}
+    if op == "zeros_grad":
+        return (logits,), {}
     if op == "gae":
         return (rnd(B, T), rnd(B, T), mask, rnd(B), 0.99, 0.95), {}
     if op == "score_rollout":

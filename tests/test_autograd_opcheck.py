@@ -145,6 +145,21 @@ def test_opcheck_scale_grad_(case, dtype, go):
                                             torch.tensor(1.0, dtype=acc)))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("big", [False, True])
+def test_opcheck_zeros_grad(case, dtype, big):
+    """zeros_grad: zeros of like's shape and dtype, contiguous (big: from the recycled
+    gradient memory, which held a gradient before)."""
+    like = case["full"].to(dtype)
+    if big:  # over grad_buffer.h's 4 MiB: recycled memory, here left non-zero
+        like = torch.empty(64, 9, 1024, dtype=dtype)
+        OPS.zeros_grad(like).fill_(3.0)
+    z = OPS.zeros_grad(like)
+    assert z.shape == like.shape and z.dtype == dtype and z.is_contiguous()
+    assert not z.any()
+    torch.library.opcheck(OPS.zeros_grad, (like,))
+
+
 @pytest.mark.parametrize("boot", [False, True])
 @pytest.mark.parametrize("lams", ["scalar", "per_seq", "decoupled", "both"])
 def test_opcheck_gae(case, gen, boot, lams):
