@@ -1,6 +1,6 @@
 """The re-derived kept sets' threshold on the device (triton_kernels/threshold.py: a radix
 select over the logits' bit patterns) against the CPU op ppo_kernels::sampling_threshold
-(csrc/cpu/sampling.cpp: a heap, nth_element and a partial sort), bit for bit, on a CUDA
+(csrc/cpu/sampling.cpp: a heap, nth_element and a histogram-sized sort), bit for bit, on a CUDA
 device where one is present, else under the Triton interpreter: every logits dtype (the
 key widths 16, 32 and 64), each rule alone and all together, ties (integer logits, so a
 top-k or top-p boundary falls inside a group of equal values), banned -inf entries, +0

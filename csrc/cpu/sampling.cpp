@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -115,12 +116,17 @@ int64_t kept_grain(const KeptSet& s, int64_t N) {
 
 // ------------------------------------------------------------------ sampling_threshold
 
+// top-p's mass histogram: buckets of (v - max) / T over the kTopPSpan nats below the max
+constexpr int kTopPBuckets = 512;
+constexpr double kTopPSpan = 48.0;
+
 // The per-row value threshold of vLLM v1's sampler on z = x / temperature (docs/SAMPLING.md):
 // min-p keeps exp(z_j - z_max) >= min_p; top-k keeps x_j >= the k-th largest x (ties kept);
 // top-p, over the survivors S of both, keeps j iff the mass of S strictly above x_j is
 // < top_p * mass(S) (the top group always). Returns the smallest kept value, or -inf when
 // nothing is cut. Top-k: a size-k min-heap over the row for k <= V / 8 (one comparison for
-// most entries), std::nth_element beyond.
+// most entries), std::nth_element beyond. Top-p: the survivors' masses summed in sorted
+// order, the sort limited to the prefix a mass histogram says the kept groups fit in.
 template <typename scalar_t>
 double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double p,
                      double min_p, std::vector<double>& w) {
@@ -165,18 +171,44 @@ double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double
   if (p < 1.0) {
     w.clear();
     double z = 0.0;
+    // the survivors' mass in kTopPBuckets buckets of d = (v - max) / T (kTopPSpan nats
+    // below the max, the rest in the last): it sizes the sorted prefix below
+    std::array<double, kTopPBuckets> mass{};
+    std::array<int64_t, kTopPBuckets> count{};
     for (int64_t j = 0; j < V; ++j) {
       const double v = static_cast<double>(x[j]);
       if (v >= t) {
         w.push_back(v);
-        z += std::exp(d(v));
+        const double e = std::exp(d(v));
+        z += e;
+        const int b = static_cast<int>(
+            std::min(-d(v) * (kTopPBuckets / kTopPSpan), kTopPBuckets - 1.0));
+        mass[b] += e;
+        ++count[b];
       }
     }
     const double target = p * z;
     const int64_t n = static_cast<int64_t>(w.size());
-    int64_t m = std::min<int64_t>(n, 64);
+    // The kept groups lie in the buckets down to the first whose cumulative mass reaches
+    // the target (a margin of 1e-6 covers the sums' other order); one bucket more holds
+    // the first cut entry the loop below stops at. Sorting just that prefix gives the
+    // same groups, sums and threshold as sorting the row (a prefix too short only grows).
+    int64_t m = n;
+    double cum = 0.0;
+    int64_t cnt = 0;
+    for (int b = 0; b < kTopPBuckets; ++b) {
+      cum += mass[b];
+      cnt += count[b];
+      if (cum >= target * (1.0 + 1e-6)) {
+        m = std::min<int64_t>(n, cnt + (b + 1 < kTopPBuckets ? count[b + 1] : 0) + 1);
+        break;
+      }
+    }
+    m = std::max<int64_t>(m, std::min<int64_t>(n, 64));
     for (;;) {
-      std::partial_sort(w.begin(), w.begin() + m, w.end(), std::greater<double>());
+      // the m largest first, sorted (nth_element and a sort of m: O(n + m log m))
+      if (m < n) std::nth_element(w.begin(), w.begin() + m, w.end(), std::greater<double>());
+      std::sort(w.begin(), w.begin() + m, std::greater<double>());
       double above = 0.0, last = w[0];
       int64_t i = 0;
       bool done = false, grow = false;
