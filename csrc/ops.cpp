@@ -68,9 +68,6 @@ TORCH_LIBRARY(ppo_kernels, m) {
   // grad := grad * (grad_output / applied) and applied := grad_output, decided on the
   // device (no host read): nothing is written when the ratio is 1.
   m.def("scale_grad_(Tensor(a!) grad, Tensor grad_output, Tensor(b!) applied) -> ()");
-  // A zero gradient of like's shape and dtype (CPU: from the recycled gradient memory,
-  // zeroed in parallel; elsewhere the Python layer calls torch.zeros_like).
-  m.def("zeros_grad(Tensor like) -> Tensor");
   m.def(
       "sampling_threshold(Tensor logits, Tensor mask, float temperature, Tensor? top_k, "
       "Tensor? top_p, Tensor? min_p, Tensor? temperatures=None) -> Tensor");

@@ -36,6 +36,10 @@
 //   triton_kernels/token_middle.py), the KL on kl_logprobs where given (else on
 //   logprobs): (dlogprobs, dentropy, loss, pol, dkl_logprobs), d loss / d kl_logprobs
 //   [B, T] where kl_logprobs is given (its part then not in dlogprobs), else empty [0].
+//   zeros_grad: a zero tensor of like's shape and dtype, contiguous, from the CPU kernels'
+//   recycled gradient memory (csrc/cpu/grad_buffer.h), zeroed in parallel: the start of
+//   sampling replay's gradient pass without a dense part (ppo_kernels/rows.py; on a device
+//   torch.zeros one fill).
 #include <torch/library.h>
 
 TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
@@ -46,6 +50,7 @@ TORCH_LIBRARY_FRAGMENT(ppo_kernels, m) {
       "Tensor? kl_logprobs=None) -> Tensor");
   m.def("agg_weights(Tensor mask, int mode, float denom, bool float64) -> Tensor");
   m.def("check_kept_ids(Tensor token_ids, Tensor offsets, int vocab) -> ()");
+  m.def("zeros_grad(Tensor like) -> Tensor");
   m.def(
       "seq_loss_grad(Tensor logprobs, Tensor entropy, Tensor mask, Tensor? old_logprobs, "
       "Tensor advantages, Tensor? ref_logprobs, Tensor? rollout_is_weights, Tensor weights, "

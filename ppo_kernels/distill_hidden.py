@@ -112,7 +112,7 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
     c, tail, temperature, gs = check_call(hidden3, lm_head_weight.shape[0], teacher,
                                           response_mask, opts, name="hidden")
     head = head_options(hidden3, lm_head_weight, logit_softcap, chunk_size,
-                        accum_dtype=accum_dtype)
+                        accum_dtype=accum_dtype)  # (two buffers: the logits, distill_fwd's dz)
     if not c.be.is_kernel:
         logits = materialised_logits(hidden3, lm_head_weight, lm_head_bias, head.cap, c.mask)
         loss, kl, ps, tt = torch_terms(c, logits, tail, temperature)

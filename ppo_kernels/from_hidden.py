@@ -261,10 +261,14 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         h, w, bias, shard = head_shard(hidden, lm_head_weight, lm_head_bias, tp_group,
                                        vocab_start)
         hidden3, tokens2, flat = hidden_and_tokens(h, w, bias, tokens)
-        head = head_options(hidden3, w, logit_softcap, chunk_size, logits_dtype, accum_dtype)
         spec, x, pending = check_loss(hidden3, None if shard else w.shape[0], tokens2, flat,
                                       options)
         require_kernels(x.be, shard)
+        # one chunk buffer in the fused single pass without a soft cap, else two
+        single = logit_softcap is None and spec.loss_agg_mode != "none" and \
+            not two_phase(spec, x, shard)
+        head = head_options(hidden3, w, logit_softcap, chunk_size, logits_dtype, accum_dtype,
+                            1 if single else 2)
         return w, bias, shard, hidden3, head, spec, x, pending
 
     lm_head_weight, lm_head_bias, shard, hidden3, head, spec, x, pending = \

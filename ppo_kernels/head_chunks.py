@@ -112,8 +112,9 @@ def check_accum_dtype(accum_dtype, weight):
         raise TypeError(f"accum_dtype: expected None or a torch.dtype, got "
                         f"{type(accum_dtype).__name__}")
     if accum_dtype not in (wide, weight.dtype):
-        raise ValueError(f"accum_dtype: expected None, {wide} or {weight.dtype} (that of "
-                         f"lm_head_weight), got {accum_dtype}")
+        allowed = f"{wide}" if wide == weight.dtype else f"{wide} or {weight.dtype} (that of " \
+            f"lm_head_weight)"
+        raise ValueError(f"accum_dtype: expected None or {allowed}, got {accum_dtype}")
     return accum_dtype
 
 
@@ -127,10 +128,12 @@ class HeadOptions(NamedTuple):
 
 
 def head_options(hidden3, weight, logit_softcap, chunk_size, logits_dtype=None,
-                 accum_dtype=None):
+                 accum_dtype=None, buffers=2):
     """HeadOptions after checking each option (errors name it). chunk_size=None:
     default_chunk_size, with the accumulator dW's bytes counted where the weight takes a
-    gradient over several chunks."""
+    gradient; buffers: the chunk-sized buffers the caller's path holds at once (1: the
+    fused single pass without a soft cap; 2: the two passes' logits and dz, or a soft
+    cap's derivative)."""
     cap = None if logit_softcap is None else ck.number("logit_softcap", logit_softcap,
                                                        lo=0.0, lo_open=True)
     ldt = check_logits_dtype(logits_dtype, hidden3)
@@ -139,7 +142,7 @@ def head_options(hidden3, weight, logit_softcap, chunk_size, logits_dtype=None,
         acc_bytes = 0
         if torch.is_grad_enabled() and weight.requires_grad:
             acc_bytes = weight.numel() * torch.empty((), dtype=accum).element_size()
-        chunk = default_chunk_size(weight.shape[0], ldt or hidden3.dtype, acc_bytes)
+        chunk = default_chunk_size(weight.shape[0], ldt or hidden3.dtype, acc_bytes, buffers)
     else:
         if isinstance(chunk_size, bool) or not hasattr(type(chunk_size), "__index__"):
             raise TypeError(f"chunk_size: expected an int (rows per chunk) or None, got "
@@ -150,19 +153,21 @@ def head_options(hidden3, weight, logit_softcap, chunk_size, logits_dtype=None,
     return HeadOptions(cap, chunk, ldt, accum)
 
 
-def default_chunk_size(vocab, dtype, accum_bytes=0):
+def default_chunk_size(vocab, dtype, accum_bytes=0, buffers=1):
     """Rows per chunk for chunk_size=None: one chunk of [rows, V] logits in ``dtype`` is
-    about max(CHUNK_BYTES, accum_bytes / 2) bytes (at least 1 row). accum_bytes: the dW
-    accumulator's ([V, H] in accum_dtype; 0 without a gradient into the weight). Each
-    chunk reads and writes it once (2 A bytes) against the 6 C V H flops of its three
+    about max(CHUNK_BYTES, accum_bytes / (2 buffers)) bytes (at least 1 row).
+    accum_bytes: the dW accumulator's ([V, H] in accum_dtype; 0 without a gradient into
+    the weight); buffers: the chunk-sized buffers held at once (1 or 2). Each chunk reads
+    and writes the accumulator once (2 A bytes) against the 6 C V H flops of its three
     matmuls; a chunk of A / 2 bytes of logits (C = H a / (2 e) rows, a and e the
     accumulator's and the logits' itemsizes) keeps that traffic at 4 e F / (6 BW H) of
     the matmuls' time, F / BW the machine's flops per byte: about 7% at H = 4096 in bf16
     on an H200 (~200), under 1% on a CPU; with 256 MiB chunks at V = 151,936 (883 bf16
-    rows) it was about 30% there. The chunk stays below the accumulator, so the peak is
-    at most about 1.5 times it plus the gradients."""
+    rows) it was about 30% there (14% with two buffers of A / 4). The chunk buffers
+    together stay at half the accumulator: the peak is about 1.5 times it plus the
+    gradients."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(1, max(CHUNK_BYTES, accum_bytes // 2) // (vocab * itemsize))
+    return max(1, max(CHUNK_BYTES, accum_bytes // (2 * buffers)) // (vocab * itemsize))
 
 
 # ------------------------------------------------------------------ the chunk pieces

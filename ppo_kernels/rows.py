@@ -246,12 +246,13 @@ class RowSource:
 
 
 def zero_grad(z3):
-    """A zero gradient of z3's shape and dtype: on the CPU ppo_kernels::zeros_grad (the CPU
-    kernels' recycled gradient memory, zeroed in parallel; csrc/cpu/zeros_grad.cpp), else
-    torch.zeros_like (one fill kernel on a device)."""
+    """A zero gradient of z3's shape and dtype, contiguous as the kernels write dlogits
+    (z3 may be a permuted view: [S, B, V] logits read as [B, S, V]): on the CPU
+    ppo_kernels::zeros_grad (the CPU kernels' recycled gradient memory, zeroed in
+    parallel; csrc/cpu/zeros_grad.cpp), else torch.zeros (one fill kernel on a device)."""
     if z3.device.type == "cpu" and HAS_CPU:
         return torch.ops.ppo_kernels.zeros_grad(z3)
-    return torch.zeros_like(z3)
+    return torch.zeros(z3.shape, dtype=z3.dtype, device=z3.device)
 
 
 class Block(NamedTuple):

@@ -669,6 +669,7 @@ def test_default_chunk_size():
     assert head_chunks.default_chunk_size(v, torch.bfloat16, v * h * 4) == 4096
     assert head_chunks.default_chunk_size(v, torch.bfloat16, v * h * 2) == 2048
     assert head_chunks.default_chunk_size(v, torch.float32, v * h * 4) == 2048
+    assert head_chunks.default_chunk_size(v, torch.bfloat16, v * h * 4, 2) == 2048
     assert head_chunks.default_chunk_size(32000, torch.bfloat16, 32000 * 256 * 4) == \
         (256 << 20) // (32000 * 2)  # (a small head: the 256 MiB floor)
     d = head_inputs(seed=22)
@@ -684,12 +685,37 @@ def test_default_chunk_size_counts_the_accumulator(monkeypatch):
     chunk = head_chunks.head_options
     assert chunk(h3, w, None, None).chunk == 2  # 64 B of bf16 logits: 2 rows of 16
     w.requires_grad_()
-    assert chunk(h3, w, None, None).chunk == 8  # 16 * 8 * 4 / 2 B: 8 rows
-    assert chunk(h3, w, None, None, accum_dtype=torch.bfloat16).chunk == 4
-    assert chunk(h3, w, None, None, torch.float32).chunk == 4  # float32 logits
+    assert chunk(h3, w, None, None, buffers=1).chunk == 8  # 16 * 8 * 4 / 2 B: 8 rows
+    assert chunk(h3, w, None, None).chunk == 4  # two chunk buffers: half each
+    assert chunk(h3, w, None, None, accum_dtype=torch.bfloat16, buffers=1).chunk == 4
+    assert chunk(h3, w, None, None, torch.float32, buffers=1).chunk == 4  # float32 logits
     assert chunk(h3, w, None, 5).chunk == 5
     with torch.no_grad():
         assert chunk(h3, w, None, None).chunk == 2
+
+
+@pytest.mark.parametrize("kw,buffers", [
+    (dict(), 1), (dict(logit_softcap=3.0), 2), (dict(policy_loss="gspo"), 2),
+    (dict(loss_agg_mode="none"), 2), (dict(top_k=4), 2)])
+def test_default_chunk_counts_the_buffers_of_the_path(monkeypatch, kw, buffers):
+    """ppo_loss_from_hidden's default chunk: one chunk buffer on the fused single pass,
+    two on the two-phase path (the logits and dz), with a soft cap (its derivative) and
+    for loss_agg_mode="none" (token_logprobs_from_hidden's backward)."""
+    monkeypatch.setattr(head_chunks, "CHUNK_BYTES", 16)
+    d = head_inputs(B=2, T=8, H=4, V=8, seed=17, dtype=torch.float32)
+    seen = []
+    real = head_chunks.HeadRows.__init__
+
+    def spy(self, be, head, *rest, **kw2):
+        seen.append(head.chunk)
+        real(self, be, head, *rest, **kw2)
+
+    monkeypatch.setattr(head_chunks.HeadRows, "__init__", spy)
+    loss, _ = pk.ppo_loss_from_hidden(d["hidden"], d["W"], d["tokens"], d["old"], d["adv"],
+                                      d["mask"], **kw)
+    # the accumulator 8 * 4 * 4 = 128 B: chunks of 64 / buffers B (above the 16 B floor),
+    # 8 float32 logits (32 B) a row
+    assert seen and set(seen) == {2 // buffers}, seen
 
 
 # ------------------------------------------------------------------ bad input

@@ -437,6 +437,30 @@ def test_gradient_pass_skips_the_dense_part(given_mask, case, dense):
     assert "kept_logprobs_bwd_" in calls.names
 
 
+@pytest.mark.parametrize("device_fill", [False, True], ids=["zeros_grad", "torch.zeros"])
+def test_zero_start_of_permuted_logits(monkeypatch, device_fill):
+    """[T, B, V] logits read as [B, T, V] (a permuted view): the zero start of the gradient
+    is contiguous, as the kept-set kernels require, on the CPU op and on the device's
+    torch.zeros (taken here on CPU tensors), and the gradient is the contiguous logits'."""
+    from ppo_kernels import rows
+    if device_fill:
+        monkeypatch.setattr(rows, "HAS_CPU", False)
+    gen = torch.Generator().manual_seed(13)
+    B, T, V = 2, 5, 23
+    logits, tokens, mask = inputs(B, T, V, gen, dtype=torch.float32)
+    adv = torch.randn(B, T, generator=gen)
+    grads = []
+    for permuted in (False, True):
+        leaf = (logits.transpose(0, 1).contiguous() if permuted else logits.clone())
+        leaf.requires_grad_(True)
+        x = leaf.transpose(0, 1) if permuted else leaf
+        loss, _ = pk.ppo_loss(x, tokens, None, adv, mask, top_k=8, top_p=0.9, backend="cpu")
+        loss.backward()
+        grads.append(leaf.grad.transpose(0, 1) if permuted else leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    assert grads[0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("be", REPLAY_BACKENDS)
 def test_ppo_loss_none_mode_and_float32(be):
     gen = torch.Generator().manual_seed(10)
