@@ -205,8 +205,11 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     TAIL_LINES=12 run_stage from_hidden 60 "$PY" benchmarks/gpu_from_hidden.py \
         --json "$OUTDIR/gpu_from_hidden.json"
     TAIL_LINES=10 run_stage timings 45 "$PY" benchmarks/gpu_timings.py --budget-s 35
-    TAIL_LINES=10 run_stage replay 30 "$PY" benchmarks/replay_bench.py --quick --device cuda \
-        --backend triton
+    # replay at the loss's target shape: a given mask of 8 and a re-derived top-p against
+    # the plain fused op, N 8192, V 151936, bf16
+    TAIL_LINES=16 run_stage replay 40 "$PY" benchmarks/replay_bench.py --device cuda \
+        --backend triton --n 8192 --v 151936 --dtype bfloat16 --reps 3 \
+        --skip "plain composite,F.cross_entropy,cross-entropy loss,eager composite"
   fi
 fi
 
