@@ -39,6 +39,74 @@ inline double row_inv_d(const T* temps, int64_t i, double temperature) {
   return 1.0 / (temps ? static_cast<double>(temps[i]) : temperature);
 }
 
+// The smallest value of the accumulation type A >= t (t a double): x >= t in double is
+// x >= this in A, for every x of the logits' type.
+template <typename A>
+A at_least(double t) {
+  A a = static_cast<A>(t);
+  if (static_cast<double>(a) < t) a = std::nextafter(a, std::numeric_limits<A>::infinity());
+  return a;
+}
+
+// f(j) for each j in increasing order whose lanes pass keep(g) (a vector of 2 W entries in
+// the accumulation type -> a comparison vector); then the scalar tail with keep_s(x_j). The
+// comparison's true lanes are all ones (non-zero), its false lanes zero. A row sweep that
+// skips whole vectors where no entry passes.
+template <typename scalar_t, typename VecTest, typename ScalarTest, typename F>
+void for_each_passing(const scalar_t* x, int64_t V, VecTest&& keep, ScalarTest&& keep_s,
+                      F&& f) {
+  using L = Lanes<scalar_t>;
+  constexpr int64_t W = L::W;
+  constexpr uint64_t kLanes = W >= 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;
+  int64_t j = 0;
+  for (; j + 2 * W <= V; j += 2 * W) {
+    typename L::Vec g[2];
+    L::load(x + j, g, 2);
+    for (int h = 0; h < 2; ++h) {
+      uint64_t bits = ~static_cast<uint64_t>(keep(g[h]).zero_mask()) & kLanes;
+      while (bits) {
+        f(j + h * W + __builtin_ctzll(bits));
+        bits &= bits - 1;
+      }
+    }
+  }
+  for (; j < V; ++j)
+    if (keep_s(static_cast<double>(x[j]))) f(j);
+}
+
+// f(j) for the entries x_j >= t in increasing j: a vectorized compare against at_least(t),
+// the same entries as the comparison in double.
+template <typename scalar_t, typename F>
+void for_each_at_least(const scalar_t* x, int64_t V, double t, F&& f) {
+  using L = Lanes<scalar_t>;
+  const typename L::Vec vt(at_least<typename L::T>(t));
+  for_each_passing(x, V, [&](const typename L::Vec& g) { return g >= vt; },
+                   [&](double v) { return v >= t; }, f);
+}
+
+// The row's largest value in double, NaN entries ignored (as std::max(mx, v) in order
+// does; of +0 and -0 either may come back).
+template <typename scalar_t>
+double row_max_of(const scalar_t* x, int64_t V) {
+  using L = Lanes<scalar_t>;
+  using A = typename L::T;
+  constexpr int64_t W = L::W;
+  typename L::Vec m(-std::numeric_limits<A>::infinity());
+  int64_t j = 0;
+  for (; j + 2 * W <= V; j += 2 * W) {
+    typename L::Vec g[2];
+    L::load(x + j, g, 2);
+    m = L::Vec::blendv(m, g[0], g[0] > m);
+    m = L::Vec::blendv(m, g[1], g[1] > m);
+  }
+  A lanes[W];
+  m.store(lanes);
+  double mx = -kInf;
+  for (int64_t h = 0; h < W; ++h) mx = std::max(mx, static_cast<double>(lanes[h]));
+  for (; j < V; ++j) mx = std::max(mx, static_cast<double>(x[j]));
+  return mx;
+}
+
 // The kept set of row i, walked by `each(j)` (the sampled token once, even when absent).
 struct KeptSet {
   bool csr = false;                 // CSR ids (else a threshold)
@@ -57,13 +125,10 @@ struct KeptSet {
         f(j);
       }
     } else {
-      const double t = thr[i];
-      for (int64_t j = 0; j < V; ++j) {
-        if (static_cast<double>(x[j]) >= t) {
-          found |= (j == y);
-          f(j);
-        }
-      }
+      for_each_at_least(x, V, thr[i], [&](int64_t j) {
+        found |= (j == y);
+        f(j);
+      });
     }
     if (!found) f(y);
     return !found;
@@ -130,8 +195,7 @@ constexpr double kTopPSpan = 48.0;
 template <typename scalar_t>
 double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double p,
                      double min_p, std::vector<double>& w) {
-  double mx = -kInf;
-  for (int64_t j = 0; j < V; ++j) mx = std::max(mx, static_cast<double>(x[j]));
+  const double mx = row_max_of(x, V);
   if (!std::isfinite(mx)) return -kInf;
   double t = -kInf;
   auto d = [&](double v) { return (v - mx) * inv; };
@@ -146,20 +210,32 @@ double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double
   }
   if (k > 0 && k < V) {
     if (k <= V / 8) {
-      // the k largest in a min-heap: after it fills, most entries cost one comparison
+      // the k largest in a min-heap of the first k entries, then every later entry above
+      // its least (in order: a vector's lanes above the least at its start are each
+      // checked against the least of their time, which only grows)
       w.clear();
       w.reserve(k);
-      for (int64_t j = 0; j < V; ++j) {
-        const double v = static_cast<double>(x[j]);
-        if (static_cast<int64_t>(w.size()) < k) {
-          w.push_back(v);
-          std::push_heap(w.begin(), w.end(), std::greater<double>());
-        } else if (v > w.front()) {
+      for (int64_t j = 0; j < k; ++j) {
+        w.push_back(static_cast<double>(x[j]));
+        std::push_heap(w.begin(), w.end(), std::greater<double>());
+      }
+      using L = Lanes<scalar_t>;
+      const scalar_t* rest = x + k;
+      auto consider = [&](int64_t j) {
+        const double v = static_cast<double>(rest[j]);
+        if (v > w.front()) {
           std::pop_heap(w.begin(), w.end(), std::greater<double>());
           w.back() = v;
           std::push_heap(w.begin(), w.end(), std::greater<double>());
         }
-      }
+      };
+      for_each_passing(
+          rest, V - k,
+          [&](const typename L::Vec& g) {
+            // w.front() is a logit: exact in the accumulation type
+            return g > typename L::Vec(static_cast<typename L::T>(w.front()));
+          },
+          [&](double v) { return v > w.front(); }, consider);
       t = std::max(t, w.front());
     } else {
       w.resize(V);
@@ -175,18 +251,16 @@ double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double
     // below the max, the rest in the last): it sizes the sorted prefix below
     std::array<double, kTopPBuckets> mass{};
     std::array<int64_t, kTopPBuckets> count{};
-    for (int64_t j = 0; j < V; ++j) {
+    for_each_at_least(x, V, t, [&](int64_t j) {
       const double v = static_cast<double>(x[j]);
-      if (v >= t) {
-        w.push_back(v);
-        const double e = std::exp(d(v));
-        z += e;
-        const int b = static_cast<int>(
-            std::min(-d(v) * (kTopPBuckets / kTopPSpan), kTopPBuckets - 1.0));
-        mass[b] += e;
-        ++count[b];
-      }
-    }
+      w.push_back(v);
+      const double e = std::exp(d(v));
+      z += e;
+      const int b =
+          static_cast<int>(std::min(-d(v) * (kTopPBuckets / kTopPSpan), kTopPBuckets - 1.0));
+      mass[b] += e;
+      ++count[b];
+    });
     const double target = p * z;
     const int64_t n = static_cast<int64_t>(w.size());
     // The kept groups lie in the buckets down to the first whose cumulative mass reaches
