@@ -179,6 +179,10 @@ def replay_loss(spec, x, lp_k, ent_k, logp, ent):
     Returns (loss, the entropy spec.entropy_over names)."""
     ent_sel = ent_k if spec.entropy_over == "kept" else ent
     lp_kl = None if spec.kl_logprobs == "kept" else logp
+    if lp_kl is not None and spec.kl_coef == 0.0:
+        # the KL's term is 0: the full logp takes no gradient, so the log-probs' backward
+        # skips the dense pass (as passes() does)
+        lp_kl = lp_kl.detach()
     if x.weights is None:
         return per_token_loss(spec, x, lp_k, ent_sel, lp_kl), ent_sel
     return middle(lp_k, ent_sel, spec, x, lp_kl)[0], ent_sel

@@ -325,6 +325,9 @@ class RowLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, source, rp, need_ent, *inputs):
+        # an output the loss does not use gets None, not zeros: with a kept set, a full
+        # logp and H without a gradient skip the dense pass (RowSource.grad)
+        ctx.set_materialize_grads(False)
         st = source.stats(inputs, rp, need_ent)
         ctx.source, ctx.rp, ctx.entries, ctx.need_ent = source, rp, st.entries, need_ent
         ctx.n_inputs = len(inputs)
@@ -358,12 +361,16 @@ class RowLogprobs(torch.autograd.Function):
 
         if ctx.rp is None:
             g_lp, g_ent = grads
+            if g_lp is None and g_ent is None:  # no gradient reached us
+                return (None,) * (3 + k)
             out = src.grad(inputs, st, z(g_lp), opt(g_ent) if ctx.need_ent else None,
                            need=ctx.needs_input_grad[3:])
         else:
             g_kept, g_ent_kept, g_lp, g_ent = grads[:4]
             has_kept = g_kept is not None or g_ent_kept is not None
-            out = src.grad(inputs, st, z(g_lp), opt(g_ent),
+            if not has_kept and g_lp is None and g_ent is None:  # no gradient reached us
+                return (None,) * (3 + k)
+            out = src.grad(inputs, st, opt(g_lp), opt(g_ent),
                            z(g_kept) if has_kept else None, opt(g_ent_kept), ctx.rp,
                            need=ctx.needs_input_grad[3:])
         return (None, None, None, *out)

@@ -417,21 +417,32 @@ class _KernelCalls(TorchDispatchMode):
     (dict(entropy_coef=0.01, entropy_over="kept"), False), (dict(kl_coef=0.1), True),
     (dict(entropy_coef=0.01), True)], ids=["plain", "kl-kept", "entropy-kept", "kl-full",
                                            "entropy-full"])
-def test_gradient_pass_skips_the_dense_part(given_mask, case, dense):
+@pytest.mark.parametrize("route", ["logits", "none-mode", "hidden"])
+def test_gradient_pass_skips_the_dense_part(given_mask, case, dense, route):
     """The gradient pass reads the whole row (token_logprobs_bwd) only where the full
     vocabulary's logp or entropy takes a gradient; otherwise its dlogits start as zeros
-    and only the kept part is added (the values: test_ppo_loss_against_reference)."""
+    and only the kept part is added (the values: test_ppo_loss_against_reference and
+    test_from_hidden_matches_the_logits_path): on the two-phase path (logits) and through
+    the log-probs' autograd Function (loss_agg_mode="none", and from hidden states)."""
     gen = torch.Generator().manual_seed(12)
-    B, T, V = 2, 4, 19
+    B, T, V, H = 2, 4, 19, 6
     logits, tokens, mask = inputs(B, T, V, gen, dtype=torch.float32)
     sm, _ = random_csr(B, T, V, gen, kmax=6, tokens=tokens)
     kw = dict(sampling_mask=sm) if given_mask else dict(top_k=8, top_p=0.9)
     ref_lp = torch.randn(B, T, generator=gen) - 2
+    adv = torch.randn(B, T, generator=gen)
     x = logits.clone().requires_grad_(True)
+    hidden = torch.randn(B, T, H, generator=gen, requires_grad=True)
+    w = torch.randn(V, H, generator=gen, requires_grad=True)
     with _KernelCalls() as calls:
-        loss, _ = pk.ppo_loss(x, tokens, None, torch.randn(B, T, generator=gen), mask, ref_lp,
-                              backend="cpu", **case, **kw)
-        loss.backward()
+        if route == "hidden":
+            loss, _ = pk.ppo_loss_from_hidden(hidden, w, tokens, None, adv, mask, ref_lp,
+                                              backend="cpu", **case, **kw)
+        else:
+            mode = dict(loss_agg_mode="none") if route == "none-mode" else {}
+            loss, _ = pk.ppo_loss(x, tokens, None, adv, mask, ref_lp, backend="cpu", **mode,
+                                  **case, **kw)
+        loss.sum().backward()
     assert ("token_logprobs_bwd" in calls.names) == dense, calls.names
     assert ("zeros_grad" in calls.names) != dense, calls.names
     assert "kept_logprobs_bwd_" in calls.names
