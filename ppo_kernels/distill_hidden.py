@@ -67,7 +67,8 @@ def distill_loss_from_hidden(hidden, lm_head_weight, teacher, response_mask=None
                              vocab_start=None, backend="auto", accum_dtype=None):
     """pk.distill_loss on the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     by cap * tanh(x / cap) with logit_softcap, never materialising the [N, V] logits: chunks
-    of chunk_size rows (default: about 256 MiB of logits per chunk), the gradient with
+    of chunk_size rows (default: about 256 MiB of logits per chunk, or a quarter of dW's
+    accumulator where that is more), the gradient with
     respect to hidden, lm_head_weight and lm_head_bias computed in the forward
     (docs/FROM_HIDDEN.md).
 

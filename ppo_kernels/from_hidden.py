@@ -131,7 +131,8 @@ def token_logprobs_from_hidden(hidden, lm_head_weight, tokens, response_mask=Non
                                return_full=False, entropy_over="full", accum_dtype=None):
     """pk.token_logprobs of the logits hidden @ lm_head_weight^T (+ lm_head_bias), soft-capped
     to cap * tanh(x / cap) with logit_softcap, without storing them: chunks of chunk_size
-    rows (None: about 256 MiB of logits per chunk); the backward recomputes each chunk's
+    rows (None: about 256 MiB of logits per chunk, or a quarter of dW's accumulator where
+    that is more: docs/FROM_HIDDEN.md); the backward recomputes each chunk's
     logits (one more matmul). Differentiable in hidden, lm_head_weight and lm_head_bias.
 
     hidden: [B, T, H], [B, T + 1, H] (the last position is ignored, zero gradient) or
@@ -222,8 +223,10 @@ def ppo_loss_from_hidden(hidden, lm_head_weight, tokens, old_logprobs, advantage
         lm_head_bias: [V] or None.
         logit_softcap: None or cap > 0: logits z = cap * tanh(x / cap) (Gemma 2).
         chunk_size: rows of [B, T] per chunk, >= 1; None: about 256 MiB of logits (in
-            hidden's dtype) per chunk, or half dW's accumulator where that is more (a
-            gradient into lm_head_weight; docs/FROM_HIDDEN.md), at least 1 row.
+            hidden's dtype) per chunk, or where that is more half dW's accumulator (a
+            gradient into lm_head_weight) over the chunk buffers the path holds (one on
+            the fused single pass, two on the others; docs/FROM_HIDDEN.md), at least 1
+            row.
         tp_group, vocab_start: the head's rows split over ranks (lm_head_weight [V_r, H],
             lm_head_bias [V_r]; a DTensor head sharded with Shard(0) needs tp_group, its
             mesh's group, and no vocab_start: without it the weight could as well be

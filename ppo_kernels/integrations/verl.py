@@ -354,7 +354,8 @@ def fused_logprobs_and_entropy(hidden_states, vocab_weights, input_ids, temperat
     """verl's fused log-prob / entropy contract (``FusedLinearForPPO.forward``) computed by
     ``pk.token_logprobs_from_hidden``: ``z = hidden_states @ vocab_weights^T / temperature``,
     ``log_probs = log_softmax(z)[input_ids]``, ``entropy = logsumexp(z) - sum softmax(z) z``,
-    in chunks of ``chunk_size`` rows (None: about 256 MiB of logits), never storing the
+    in chunks of ``chunk_size`` rows (None: about 256 MiB of logits, more for a large
+    head: docs/FROM_HIDDEN.md), never storing the
     [N, V] logits; differentiable in hidden_states and vocab_weights.
 
     Args:
@@ -390,8 +391,8 @@ class FusedLinearForPPO(torch.nn.Module):
     (same constructor and forward), running ``fused_logprobs_and_entropy``.
 
     Args:
-        chunk_size: rows per chunk (None: about 256 MiB of logits per chunk; verl's own
-            default is 512 rows).
+        chunk_size: rows per chunk (None: about 256 MiB of logits per chunk, more for a
+            large head; verl's own default is 512 rows).
         impl_backend: verl's option, "torch" or "liger" (both run ppo_kernels here).
         backend: ppo_kernels' backend ("auto" picks the compiled kernel of the device).
     """
@@ -433,7 +434,7 @@ def _chunk(value, key):
 def configure_fused_hook(chunk_size=None):
     """Rows per chunk of the fused hook (FusedLinearForPPO and linear_cross_entropy, which
     verl constructs / calls without one): an int >= 1, or None for the default (about
-    256 MiB of logits per chunk). verl's config sets it with
+    256 MiB of logits per chunk, more for a large head). verl's config sets it with
     ``actor_rollout_ref.model.fused_kernel_options.chunk_size=N`` (read when verl builds
     its model config, in every process), the environment with
     ``PPO_KERNELS_VERL_CHUNK_SIZE=N``; a call here overrides both. ValueError naming the
