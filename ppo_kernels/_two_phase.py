@@ -99,6 +99,13 @@ def fused_middle(spec, x, logp, logp_kl=None):
     return None
 
 
+def kl_on_full_logp(spec, x):
+    """With a kept set: whether the KL reads the full vocabulary's logp with a nonzero
+    coefficient, the one way the full logp takes a gradient (its entropy's: an entropy
+    bonus with entropy_over="full")."""
+    return x.ref is not None and spec.kl_coef != 0.0 and spec.kl_logprobs != "kept"
+
+
 def passes(source, inputs, spec, x, need):
     """The three steps on a row source (its inputs: the logits, or hidden and the LM head):
     (loss, logp, ent, grads, the scale grads carry, aux); logp and ent in the layout of the
@@ -126,11 +133,9 @@ def passes(source, inputs, spec, x, need):
         if rp is None:
             grads = source.grad(inputs, st, k(dsel), g_ent, need=need)
         else:
-            # the full logp takes a gradient through the KL alone (kl_logprobs="full");
-            # without one (and without an entropy bonus over the full row) the gradient
-            # pass writes the kept part only (RowSource.grad: no dense pass)
-            kl_full = x.ref is not None and spec.kl_coef != 0.0 and not kl_kept
-            g_full = k(out[4]) if kl_full else None
+            # without a gradient on the full logp (and without an entropy bonus over the
+            # full row) the gradient pass writes the kept part only (RowSource.grad)
+            g_full = k(out[4]) if kl_on_full_logp(spec, x) else None
             grads = source.grad(inputs, st, g_full, None if ent_kept else g_ent, k(dsel),
                                 g_ent if ent_kept else None, rp, need=need)
     aux = ()
@@ -179,8 +184,8 @@ def replay_loss(spec, x, lp_k, ent_k, logp, ent):
     Returns (loss, the entropy spec.entropy_over names)."""
     ent_sel = ent_k if spec.entropy_over == "kept" else ent
     lp_kl = None if spec.kl_logprobs == "kept" else logp
-    if lp_kl is not None and spec.kl_coef == 0.0:
-        # the KL's term is 0: the full logp takes no gradient, so the log-probs' backward
+    if lp_kl is not None and not kl_on_full_logp(spec, x):
+        # a KL term of 0: the full logp takes no gradient, so the log-probs' backward
         # skips the dense pass (as passes() does)
         lp_kl = lp_kl.detach()
     if x.weights is None:

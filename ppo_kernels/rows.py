@@ -187,22 +187,23 @@ class RowSource:
     def grad(self, inputs, st, g_lp, g_ent=None, g_kept=None, g_ent_kept=None, rp=None,
              need=None):
         """The gradient in inputs (one per input, None where need says no) of sum(g_lp
-        logp + g_ent H + g_kept logp_kept + g_ent_kept H_kept), g_* [B, T] or None (g_lp
-        None only with a kept set's). Where the full row's logp and H take no gradient
-        (g_lp and g_ent None: sampling replay without a KL on the full logp or an entropy
-        bonus over the full row) the dense part is 0: each block's dz starts as zeros, a
-        write with no read of the logits, and only the kept part is added (a given kept
-        set's entries alone)."""
-        bwd = self.be.op("token_logprobs_bwd")
-        acc = self.start_grad(inputs, need)
-        if acc is None:
-            return (None,) * len(inputs)
+        logp + g_ent H + g_kept logp_kept + g_ent_kept H_kept), g_* [B, T] or None (none
+        at all: no gradient, every input's None). Where the full row's logp and H take no
+        gradient (g_lp and g_ent None: sampling replay without a KL on the full logp or an
+        entropy bonus over the full row) the dense part is 0: each block's dz starts as
+        zeros, a write with no read of the logits, and only the kept part is added (a
+        given kept set's entries alone)."""
         kept = g_kept is not None or g_ent_kept is not None
         dense = g_lp is not None or g_ent is not None
-        if not (kept or dense):
-            raise ValueError("RowSource.grad: no gradient given")
+        bwd = self.be.op("token_logprobs_bwd")
+        acc = self.start_grad(inputs, need) if kept or dense else None
+        if acc is None:
+            return (None,) * len(inputs)
+        # (the kernels take g_lp and g_kept as tensors: zeros beside a given H's gradient)
         if dense and g_lp is None:
             g_lp = torch.zeros_like(st.row_max)
+        if kept and g_kept is None:
+            g_kept = torch.zeros_like(st.row_max)
 
         def block(blk, h, z3):
             rows = blk.rows
@@ -353,26 +354,17 @@ class RowLogprobs(torch.autograd.Function):
         st = RowStats(*saved[k:k + 6], kept, ctx.entries)
         acc = st.row_max.dtype
 
-        def z(g):
-            return torch.zeros_like(st.row_max) if g is None else g.to(acc).contiguous()
-
-        def opt(g):
-            return None if g is None else z(g)
+        def opt(g):  # (None: the loss did not use that output)
+            return None if g is None else g.to(acc).contiguous()
 
         if ctx.rp is None:
             g_lp, g_ent = grads
-            if g_lp is None and g_ent is None:  # no gradient reached us
-                return (None,) * (3 + k)
-            out = src.grad(inputs, st, z(g_lp), opt(g_ent) if ctx.need_ent else None,
+            out = src.grad(inputs, st, opt(g_lp), opt(g_ent) if ctx.need_ent else None,
                            need=ctx.needs_input_grad[3:])
         else:
             g_kept, g_ent_kept, g_lp, g_ent = grads[:4]
-            has_kept = g_kept is not None or g_ent_kept is not None
-            if not has_kept and g_lp is None and g_ent is None:  # no gradient reached us
-                return (None,) * (3 + k)
-            out = src.grad(inputs, st, opt(g_lp), opt(g_ent),
-                           z(g_kept) if has_kept else None, opt(g_ent_kept), ctx.rp,
-                           need=ctx.needs_input_grad[3:])
+            out = src.grad(inputs, st, opt(g_lp), opt(g_ent), opt(g_kept), opt(g_ent_kept),
+                           ctx.rp, need=ctx.needs_input_grad[3:])
         return (None, None, None, *out)
 
 
