@@ -3,6 +3,7 @@ loops, compiled for sm_90 without a GPU (triton.compile for GPUTarget("cuda", 90
 cubin disassembled with cuobjdump -sass): the Triton half of benchmarks/cuda_sass.py.
 
     python benchmarks/triton_sass.py [--dtype bf16] [--configs 4096:8,16384:16,32768:16]
+    python benchmarks/triton_sass.py --threshold [--dtype bf16]   # the radix select's sweeps
 
 For each kernel and launch config (BLOCK_V:num_warps[:1], the knobs of
 triton_kernels/_config.py; :1 the fused loss's ONE_TILE) it prints the registers per
@@ -142,6 +143,57 @@ def loops(body):
     return sorted(out, key=lambda lp: -lp[0])
 
 
+def innermost_loops(body):
+    """[(first address, instructions)] of the innermost loops (backward branches' spans
+    holding no other), NOPs left out, in address order."""
+    spans = []
+    for addr, ins in body:
+        target = ins.split()[-1] if "BRA" in ins else ""
+        try:
+            start = int(target, 16)
+        except ValueError:
+            continue
+        if start < addr:
+            spans.append((start, addr))
+    return [(start, [x for a, x in body if start <= a <= addr and not x.startswith("NOP")])
+            for start, addr in sorted(spans)
+            if not any(start <= s and e <= addr and (s, e) != (start, addr) for s, e in spans)]
+
+
+def threshold_counts(dtype):
+    """The re-derived kept sets' radix select (triton_kernels/threshold.py) with top_p
+    alone and with top_k alone: each innermost sweep's instructions per entry (a thread
+    takes BLOCK / (32 num_warps) entries per iteration). Its loops hold no MUFU.EX2 (the
+    masses' exp is float64), so they are told apart by address: the max / min sweep
+    first, the radix passes, the single-key sweep last."""
+    from ppo_kernels.triton_kernels import threshold as th
+    fn = jit_of(th._threshold_kernel)
+    kb = {"fp32": 32, "bf16": 16, "fp16": 16}[dtype]
+    ty = {"logits_ptr": LOGITS[dtype], "mask_ptr": "*i1", "topk_ptr": "*i64",
+          "out_ptr": "*fp64", "stride_lb": "i64", "stride_lt": "i64", "T": "i32",
+          "V": "i32", "temperature": "fp64"}
+    per_thread = th.BLOCK // (32 * th.NUM_WARPS)
+    for rule in ("top_p", "top_k"):
+        consts = dict(HAS_K=rule == "top_k", HAS_P=rule == "top_p", HAS_MINP=False,
+                      ROW_TEMP=False, KEY_BITS=kb, RADIX_BITS=4, BLOCK=th.BLOCK)
+        sig = {n: "constexpr" if n in consts else ty.get(n, "*fp64") for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if n not in consts and (sig[n].startswith("*") or n.startswith("stride")
+                                         or n == "V")}
+        ckeys = {(fn.arg_names.index(n),): v for n, v in consts.items()}
+        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ckeys, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": th.NUM_WARPS})
+        body = next(iter(cuda_sass.functions(dump(k, "-sass")).values()))
+        regs, spill = resources(k)
+        for start, seg in innermost_loops(body):
+            print(f"threshold {rule:5s} {dtype} BLOCK {th.BLOCK} warps {th.NUM_WARPS}: "
+                  f"{regs:3d} regs, {spill:4d} B spilled; loop at {start:#06x} of "
+                  f"{len(seg):4d} instructions ({len(seg) / per_thread:5.1f} per entry), "
+                  f"{sum(x.startswith('BAR') for x in seg):2d} BAR, "
+                  f"{sum('SHFL' in x for x in seg):3d} SHFL")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="bf16", choices=sorted(LOGITS))
@@ -149,10 +201,15 @@ def main(argv=None):
                     help="BLOCK_V:num_warps[:1 for the fused loss's ONE_TILE, the row "
                          "whole in registers], comma-separated")
     ap.add_argument("--kernels", default=",".join(KERNELS))
+    ap.add_argument("--threshold", action="store_true",
+                    help="The re-derived kept sets' radix select instead (its sweeps).")
     a = ap.parse_args(argv)
     if cuda_sass.cuobjdump() is None:
         print("no cuobjdump (triton's bundled copy or CUDA's)", file=sys.stderr)
         return 1
+    if a.threshold:
+        threshold_counts(a.dtype)
+        return 0
     for name in a.kernels.split(","):
         modname, attr, consts = KERNELS[name]
         for cfg in a.configs.split(","):
