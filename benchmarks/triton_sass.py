@@ -118,24 +118,11 @@ def loops(body):
     """[(exp count, instructions, barriers, whole)] of the innermost loops (no loop inside:
     the vocabulary sweeps, not the loop over a program's rows around them) holding at
     least 4 MUFU.EX2, or of the whole function (whole True) where it has none."""
-    spans = []
-    for addr, ins in body:
-        if "BRA" not in ins:
-            continue
-        target = ins.split()[-1]
-        try:
-            start = int(target, 16)
-        except ValueError:
-            continue
-        if start < addr:
-            spans.append((start, addr))
     out = set()
-    for start, addr in spans:
-        if not any(start <= s and e <= addr and (s, e) != (start, addr) for s, e in spans):
-            seg = [x for a, x in body if start <= a <= addr and not x.startswith("NOP")]
-            ex = sum("MUFU.EX2" in x for x in seg)
-            if ex >= 4:
-                out.add((ex, len(seg), sum(x.startswith("BAR") for x in seg), False))
+    for _, seg in innermost_loops(body):
+        ex = sum("MUFU.EX2" in x for x in seg)
+        if ex >= 4:
+            out.add((ex, len(seg), sum(x.startswith("BAR") for x in seg), False))
     if not out:
         seg = [x for _, x in body if not x.startswith("NOP")]
         out.add((sum("MUFU.EX2" in x for x in seg), len(seg),
