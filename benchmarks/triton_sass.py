@@ -82,7 +82,12 @@ def compile_kernel(modname, attr, consts, dtype, block_v, warps, one_tile=False)
     fn = jit_of(getattr(mod, attr))
     consts = dict(consts, ACC=tl.float32, BLOCK_V=block_v, ONE_TILE=one_tile)
     consts = {k: v for k, v in consts.items() if k in fn.arg_names}
-    ty = types(dtype)
+    return compile_sm90(fn, consts, types(dtype), warps)
+
+
+def compile_sm90(fn, consts, ty, warps):
+    """triton.compile of the JITFunction fn for sm_90: consts its constexprs, ty the other
+    arguments' types (unlisted: fp64), pointers, strides and V declared 16-byte aligned."""
     sig = {}
     for n in fn.arg_names:
         if n in consts:
@@ -157,20 +162,14 @@ def threshold_counts(dtype):
     fn = jit_of(th._threshold_kernel)
     kb = {"fp32": 32, "bf16": 16, "fp16": 16}[dtype]
     ty = {"logits_ptr": LOGITS[dtype], "mask_ptr": "*i1", "topk_ptr": "*i64",
+          "topp_ptr": "*fp64", "minp_ptr": "*fp64", "temps_ptr": "*fp64",
           "out_ptr": "*fp64", "stride_lb": "i64", "stride_lt": "i64", "T": "i32",
-          "V": "i32", "temperature": "fp64"}
+          "V": "i32"}
     per_thread = th.BLOCK // (32 * th.NUM_WARPS)
     for rule in ("top_p", "top_k"):
         consts = dict(HAS_K=rule == "top_k", HAS_P=rule == "top_p", HAS_MINP=False,
                       ROW_TEMP=False, KEY_BITS=kb, RADIX_BITS=4, BLOCK=th.BLOCK)
-        sig = {n: "constexpr" if n in consts else ty.get(n, "*fp64") for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n not in consts and (sig[n].startswith("*") or n.startswith("stride")
-                                         or n == "V")}
-        ckeys = {(fn.arg_names.index(n),): v for n, v in consts.items()}
-        k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ckeys, attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32),
-                           options={"num_warps": th.NUM_WARPS})
+        k = compile_sm90(fn, consts, ty, th.NUM_WARPS)
         body = next(iter(cuda_sass.functions(dump(k, "-sass")).values()))
         regs, spill = resources(k)
         for start, seg in innermost_loops(body):
