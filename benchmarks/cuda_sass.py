@@ -7,8 +7,10 @@ Without arguments it reads the CUDA units of the editable build (build/*/cuda_un
 `make setup` with nvcc). cuobjdump is taken from PATH, CUDA_HOME, or the copy that triton
 bundles. A loop is the span from a backward branch's target to the branch; each row
 kernel's loops with the most MUFU.EX2 (one exp2 per logit: the vocabulary sweeps) are
-printed with their instruction count over that exp2 count. Static counts: what the sweep
-issues per element, not a time.
+printed with their instruction count over that exp2 count. The re-derived threshold's
+kernel (threshold_select_kernel, csrc/cuda/threshold_select.cuh) has no exp per element: its
+sweeps are the loops with shared-memory atomics (ATOMS, one per entry counted), printed over
+that count. Static counts: what the sweep issues per element, not a time.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = ("partial_stats_kernel", "grad_chunks_kernel", "fused_rows_kernel",
-           "cluster_rows_kernel")
-DTYPES = {"N3c108BFloat16E": "bf16", "fE": "float32"}
+           "cluster_rows_kernel", "threshold_select_kernel")
+# the per-element instruction of each kernel's sweeps (threshold: the bin counts)
+PER = {"threshold_select_kernel": "ATOMS"}
+DTYPES = {"N3c108BFloat16E": "bf16", "fE": "float32", "NS_6select8Bf16BitsE": "bf16",
+          "NS_6select8HalfBitsE": "float16"}
 
 
 def cuobjdump():
@@ -63,9 +68,10 @@ def functions(sass):
     return out
 
 
-def hot_loops(body, top=6):
-    """[(exp2 count, instructions)] of the innermost loops (no loop inside: the sweeps, not
-    the loop over a block's rows around them) with the most MUFU.EX2, NOPs left out."""
+def hot_loops(body, top=6, per="MUFU.EX2"):
+    """[(count of `per`, instructions)] of the innermost loops (no loop inside: the sweeps,
+    not the loop over a block's rows around them) with the most of `per` (one a logit: an
+    exp2, or a bin count), NOPs left out."""
     spans = []
     for addr, ins in body:
         m = re.search(r"BRA\s+.*?(0x[0-9a-f]+)", ins)
@@ -75,7 +81,7 @@ def hot_loops(body, top=6):
     for start, addr in spans:
         if not any(start <= s and e <= addr and (s, e) != (start, addr) for s, e in spans):
             seg = [x for a, x in body if start <= a <= addr and not x.startswith("NOP")]
-            ex = sum("MUFU.EX2" in x for x in seg)
+            ex = sum(per in x for x in seg)
             if ex >= 4:
                 loops.add((ex, len(seg)))
     return sorted(loops, key=lambda lp: (-lp[0], lp[1]))[:top]
@@ -102,8 +108,10 @@ def main(argv=None):
             if kernel is None or dtype is None or (kernel, dtype) in seen:
                 continue
             seen.add((kernel, dtype))
-            for ex, n in hot_loops(body):
-                print(f"{kernel:22s} {dtype:8s} loop of {n:5d} instructions, {ex:3d} exp2: "
+            per = PER.get(kernel, "MUFU.EX2")
+            for ex, n in hot_loops(body, per=per):
+                what = "exp2" if per == "MUFU.EX2" else "atoms"
+                print(f"{kernel:23s} {dtype:8s} loop of {n:5d} instructions, {ex:3d} {what}: "
                       f"{n / ex:5.1f} per element")
     return 0
 

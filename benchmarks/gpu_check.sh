@@ -13,7 +13,8 @@
 #     ops_triton   ops_cuda on the Triton twins, quick (pinned launch configs, no
 #                  autotuning; exit status 2: --budget-s left cases unrun)
 #     distill, backward (scale + CUDA graphs), invariance (batch invariance), bigrows (>65,536
-#     rows, 64-bit offsets), memcheck (compute-sanitizer on the quick ops check),
+#     rows, 64-bit offsets), threshold (the cuda op's re-derived threshold vs the CPU op's,
+#     tests/gpu/threshold_select.py), memcheck (compute-sanitizer on the quick ops check),
 #     distributed (2 ranks: NCCL with 2 GPUs, else gloo carrying CUDA tensors)
 #   timings:
 #     bench        benchmarks/gpu_bench.py (copy floor, cuda / triton / torch / eager /
@@ -165,6 +166,7 @@ run_stage distill 35 "$PY" tests/gpu/distill.py "${SMALL[@]}" --budget-s 28
 run_stage backward 35 "$PY" tests/gpu/backward_scale_and_graphs.py "${SMALL[@]}" --budget-s 28
 run_stage invariance 35 "$PY" tests/gpu/batch_invariance.py "${SMALL[@]}" --budget-s 28
 run_stage bigrows 30 "$PY" tests/gpu/big_rows_64bit.py "${SMALL[@]}" --budget-s 24
+run_stage threshold 30 "$PY" tests/gpu/threshold_select.py "${SMALL[@]}" --budget-s 24
 if [ $DRY = 1 ]; then
   stage_line memcheck skipped 0 "dry run"
   stage_line distributed skipped 0 "dry run"
@@ -209,6 +211,10 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     # the plain fused op, N 8192, V 151936, bf16
     TAIL_LINES=16 run_stage replay 40 "$PY" benchmarks/replay_bench.py --device cuda \
         --backend triton --n 8192 --v 151936 --dtype bfloat16 --reps 3 \
+        --skip "plain composite,F.cross_entropy,cross-entropy loss,eager composite"
+    # the cuda backend: its own threshold (the shared-memory histogram select)
+    TAIL_LINES=16 run_stage replay_cuda 40 "$PY" benchmarks/replay_bench.py --device cuda \
+        --backend cuda --n 8192 --v 151936 --dtype bfloat16 --reps 3 \
         --skip "plain composite,F.cross_entropy,cross-entropy loss,eager composite"
   fi
 fi

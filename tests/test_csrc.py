@@ -17,7 +17,9 @@
   address phase of a row, give the same bits (batch invariance), and runs the ppo_loss
   per-token epilogue (token_epilogue.cuh) over the loss menu (vanilla / cispo / sapo,
   k1..k3+, KL bias correction, on-policy, entropy weights) against a long-double formula.
-  This is what CI can check of the CUDA backend without a GPU (it does not cover real
+  emulate_threshold runs the re-derived threshold's block program (threshold_select.cuh)
+  step by step with a host block policy on bfloat16 / float16 rows against the CPU op's
+  rules. This is what CI can check of the CUDA backend without a GPU (it does not cover real
   shuffles, barriers or launches, which the CUDA-parametrised tests of the suite and the
   device checks in tests/gpu/ (driven by benchmarks/gpu_check.sh) do when a device is
   present).
@@ -238,7 +240,7 @@ FLAGS = {
 
 @pytest.mark.skipif(NVCC is None or not Path(NVCC).exists(), reason="no nvcc on this machine")
 @pytest.mark.parametrize("flags", list(FLAGS))
-@pytest.mark.parametrize("program", ["emulate_rows", "emulate_gae"])
+@pytest.mark.parametrize("program", ["emulate_rows", "emulate_gae", "emulate_threshold"])
 def test_cuda_per_thread_code_on_host(program, flags, tmp_path):
     if flags == "O2-fma" and platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("-mfma is an x86 flag")

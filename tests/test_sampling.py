@@ -989,3 +989,30 @@ def test_bad_kept_sets_the_same_error_with_and_without_the_cpu_op(monkeypatch, n
             assert good.ids.tolist() == [0, 1, 4]
             assert len(calls) == (2 if with_op else 0)
     assert errors[0] == errors[1], errors
+
+
+@pytest.mark.parametrize("dtype,own", [(torch.bfloat16, True), (torch.float16, True),
+                                       (torch.float32, False), (torch.float64, False)])
+def test_threshold_op_of_the_cuda_backend(monkeypatch, dtype, own):
+    """kept_rows.threshold_op: the cuda backend takes its own op for 16-bit logits (the
+    shared-memory histogram select, csrc/cuda/threshold_select.cuh, checked on the host by
+    tests/test_csrc.py's emulate_threshold), the Triton select on the device path for wider
+    dtypes, and its own op (ATen sorts) off that path; the other backends their own op."""
+    from ppo_kernels import _backends, kept_rows
+    from ppo_kernels.triton_kernels import threshold
+
+    class Backend:
+        def __init__(self, name):
+            self.name = name
+
+        def op(self, name):
+            return (self.name, name)
+
+    x = torch.zeros(1, 2, 5, dtype=dtype)
+    monkeypatch.setattr(_backends, "device_eager", lambda be, t: be.name in ("triton", "cuda"))
+    got = kept_rows.threshold_op(Backend("cuda"), x)
+    assert got == ("cuda", "sampling_threshold") if own else got is threshold.sampling_threshold
+    assert kept_rows.threshold_op(Backend("triton"), x) is threshold.sampling_threshold
+    monkeypatch.setattr(_backends, "device_eager", lambda be, t: False)
+    assert kept_rows.threshold_op(Backend("cuda"), x) == ("cuda", "sampling_threshold")
+    assert kept_rows.threshold_op(Backend("cpu"), x) == ("cpu", "sampling_threshold")

@@ -6,8 +6,11 @@
 // the sampled token is always in it. Two block reductions per row in the forward (the kept
 // max; then the non-top mass, the ties, sum e d, the count and whether the token was seen),
 // one sweep in the backward adding the kept part into dlogits (ids unique per row, so no
-// atomics). sampling_threshold: ATen ops on chunks of rows (a sort per chunk), the rules of
-// the CPU kernel (vLLM v1's sampler as value thresholds). The optional per-row
+// atomics). sampling_threshold: for bfloat16 / float16 logits one block per row, an exact
+// count histogram of the row's 16-bit values in shared memory (threshold_select.cuh); for
+// float32 / float64 logits, or a device with less than its 148 KiB of shared memory a
+// block, ATen ops on chunks of rows (a sort per chunk); both the rules of the CPU kernel
+// (vLLM v1's sampler as value thresholds). The optional per-row
 // `temperatures` [B, T] (csrc/ops.cpp): row r uses 1 / temperatures[r], taken in double and
 // rounded once to the accumulation dtype (invt below; the scalar's 1 / temperature too).
 #include <ATen/ATen.h>
@@ -18,6 +21,7 @@
 #include <limits>
 
 #include "launch.h"
+#include "threshold_select.cuh"
 
 namespace ppo_cuda {
 namespace {
@@ -336,6 +340,60 @@ at::Tensor threshold_rows(const at::Tensor& x, const at::Tensor& m, double tempe
   return at::where(m, thr, -inf);
 }
 
+// One block per row of 16-bit logits: select::row_threshold (threshold_select.cuh). The
+// per-row parameters are optional [N] arrays (top_k int64, V = off; top_p float64, 1 = off;
+// min_p float64, 0 = off); temps the rows' temperatures in the accumulation dtype (float).
+template <class Fmt>
+__global__ void __launch_bounds__(select::kThreads)
+threshold_select_kernel(const uint16_t* __restrict__ logits, int64_t sB, int64_t sT,
+                        int64_t T, int64_t V, const bool* __restrict__ mask,
+                        double inv_s, const float* __restrict__ temps,
+                        const int64_t* __restrict__ K, const double* __restrict__ P,
+                        const double* __restrict__ MP, double* __restrict__ out) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  select::Smem& s = *reinterpret_cast<select::Smem*>(smem_raw);
+  const int64_t row = blockIdx.x;
+  if (!mask[row]) {
+    if (threadIdx.x == 0) out[row] = -std::numeric_limits<double>::infinity();
+    return;
+  }
+  const double inv = temps ? 1.0 / static_cast<double>(temps[row]) : inv_s;
+  select::DeviceBlock blk;
+  const double t = select::row_threshold<Fmt>(blk, s, logits + (row / T) * sB + (row % T) * sT,
+                                              V, inv, K ? K[row] : 0, P ? P[row] : 1.0,
+                                              MP ? MP[row] : 0.0);
+  if (threadIdx.x == 0) out[row] = t;
+}
+
+// Whether the device gives a block select::Smem (opt-in shared memory: 227 KiB on Hopper,
+// 163 KiB on the A100, 99 KiB on Ada), for bfloat16 / float16 logits.
+bool threshold_select_fits(const at::Tensor& logits) {
+  const auto st = logits.scalar_type();
+  if (st != at::kBFloat16 && st != at::kHalf) return false;
+  if (logits.size(2) >= (int64_t(1) << 31)) return false;  // counts are uint32
+  return static_cast<size_t>(device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                         logits.get_device())) >= sizeof(select::Smem);
+}
+
+template <class Fmt>
+void launch_threshold_select(const at::Tensor& logits, const RowArgs& r, double temperature,
+                             const at::Tensor& K, const at::Tensor& P, const at::Tensor& MP,
+                             at::Tensor& out) {
+  auto kernel = threshold_select_kernel<Fmt>;
+  static std::once_flag attr_once;  // per instantiation (the attribute belongs to the kernel)
+  std::call_once(attr_once, [&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(sizeof(select::Smem))));
+  });
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  kernel<<<r.N(), select::kThreads, sizeof(select::Smem), stream>>>(
+      reinterpret_cast<const uint16_t*>(logits.data_ptr()), r.sB, r.sT, r.T, r.V, r.mask.data_ptr<bool>(), 1.0 / temperature,
+      r.temperatures.has_value() ? r.temperatures->data_ptr<float>() : nullptr,
+      K.defined() ? K.data_ptr<int64_t>() : nullptr, P.defined() ? P.data_ptr<double>() : nullptr,
+      MP.defined() ? MP.data_ptr<double>() : nullptr, out.data_ptr<double>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 at::Tensor sampling_threshold_cuda(const at::Tensor& logits, const at::Tensor& mask_in,
                                    double temperature, const std::optional<at::Tensor>& top_k,
                                    const std::optional<at::Tensor>& top_p,
@@ -348,6 +406,23 @@ at::Tensor sampling_threshold_cuda(const at::Tensor& logits, const at::Tensor& m
   const int64_t B = r.B, T = r.T, V = r.V, N = r.N();
   at::Tensor out = at::empty({N}, logits.options().dtype(at::kDouble));
   if (N == 0) return out.view({B, T});
+  if (threshold_select_fits(logits)) {
+    auto flat = [&](const std::optional<at::Tensor>& p, at::ScalarType dt, const char* name) {
+      if (!p.has_value()) return at::Tensor();
+      TORCH_CHECK(p->scalar_type() == dt && p->numel() == N && p->device() == logits.device(),
+                  name, ": expected ", dt, " [B, T] on ", logits.device());
+      return p->reshape({N}).contiguous();
+    };
+    const at::Tensor K = flat(top_k, at::kLong, "top_k");
+    const at::Tensor P = flat(top_p, at::kDouble, "top_p");
+    const at::Tensor MP = flat(min_p, at::kDouble, "min_p");
+    if (logits.scalar_type() == at::kBFloat16) {
+      launch_threshold_select<select::Bf16Bits>(logits, r, temperature, K, P, MP, out);
+    } else {
+      launch_threshold_select<select::HalfBits>(logits, r, temperature, K, P, MP, out);
+    }
+    return out.view({B, T});
+  }
   const at::Tensor rows = logits.narrow(1, 0, T).reshape({N, V});
   const at::Tensor m = mask.reshape({N});
   const int64_t chunk = std::max<int64_t>(1, (int64_t(64) << 20) / (V * 8 * 4));

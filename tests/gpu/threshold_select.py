@@ -1,0 +1,141 @@
+"""GPU device check of the re-derived kept sets' threshold on the cuda backend
+(csrc/cuda/threshold_select.cuh: one block per row of bfloat16 / float16 logits, an exact
+count histogram of the row's 16-bit values in shared memory): its threshold equals the CPU
+op's (csrc/cpu/sampling.cpp) on the same rows, bit for bit, for top_k / top_p / min_p alone
+and together, a temperature per row, masked rows, rows of one sign, integer logits (ties),
+flat rows whose top-p boundary lies among the negative values (the kernel's third sweep),
+-inf entries, and strided rows (Tl = T + 1, odd V: every address phase of a 16-byte pack).
+A top-p threshold may differ only where the target mass lies within 1e-9 of a group's
+cumulative mass (the float64 sums run in another order and through another exp). And a
+row's threshold is the same alone and in its batch.
+
+    python tests/gpu/threshold_select.py [--device cpu --small] [--budget-s S]
+
+(tests/gpu/_harness.py: the CHECK lines, the budget, the CPU dry run, which compares the
+CPU op with itself: a check of this script.)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import torch
+
+from _harness import check, main, ops, report
+
+
+def rows(kind, B, T, V, dtype, g):
+    """[B, T + 1, V] logits of one family (the last position unread: strided rows)."""
+    x = torch.randn(B, T + 1, V, generator=g)
+    if kind == "mixed":
+        x = x * 3.0
+    elif kind == "positive":
+        x = x * 2.0 + 20.0
+    elif kind == "negative":
+        x = x * 2.0 - 20.0
+    elif kind == "ties":
+        x = torch.randint(-3, 4, (B, T + 1, V), generator=g).float()
+    elif kind == "flat":  # top-p's boundary among the negatives
+        x = x * 0.05 - 0.01
+    elif kind == "neginf":
+        x = x * 3.0
+        x[torch.rand(B, T + 1, V, generator=g) < 0.3] = float("-inf")
+    return x.to(dtype)
+
+
+def params(B, T, V, g):
+    """Per-row top_k (V: off), top_p (1: off), min_p (0: off), each off in some rows."""
+    k = torch.randint(1, max(2, min(V, 200)), (B, T), generator=g)
+    k[torch.rand(B, T, generator=g) < 0.3] = V
+    p = torch.rand(B, T, generator=g, dtype=torch.float64) * 0.98 + 0.01
+    p[torch.rand(B, T, generator=g) < 0.2] = 1.0
+    mp = torch.rand(B, T, generator=g, dtype=torch.float64) * 0.2
+    mp[torch.rand(B, T, generator=g) < 0.5] = 0.0
+    return k, p, mp
+
+
+def near_boundary(x, inv, p, cut, ta, tb):
+    """Whether top-p's decision between the thresholds ta < tb of one row is within float64
+    rounding: the mass of the survivors (x >= cut) strictly above ta, against p times their
+    mass, within 1e-9 of it."""
+    v = x[np.isfinite(x) | (x == -np.inf)]
+    s = v[v >= cut]
+    e = np.exp((s - s.max()) * inv)
+    total = e.sum()
+    above = e[s > ta].sum()
+    return abs(above - p * total) <= 1e-9 * total or tb <= ta
+
+
+@check
+def threshold_vs_cpu(ctx):
+    """The device op's threshold equals the CPU op's, row by row."""
+    be = ctx.kern[0]
+    g = torch.Generator().manual_seed(17)
+    Vs = (7, 1003) if ctx.small else (7, 1003, 32771, 151936)
+    for dtype in (torch.bfloat16, torch.float16):
+        for V in Vs:
+            for kind in ("mixed", "positive", "negative", "ties", "flat", "neginf"):
+                B, T = (2, 3) if ctx.small else (4, 16 if V < 100000 else 4)
+                x = rows(kind, B, T, V, dtype, g)
+                mask = torch.rand(B, T, generator=g) > 0.1
+                k, p, mp = params(B, T, V, g)
+                temps = (0.5 + torch.rand(B, T, generator=g)).float()
+                for rule, tt in (((k, None, None), None), ((None, p, None), None),
+                                 ((None, None, mp), None), ((k, p, mp), temps)):
+                    dev = [r.to(ctx.dev) if r is not None else None for r in rule]
+                    got = getattr(ops, ctx.prefix[be] + "sampling_threshold")(
+                        x.to(ctx.dev)[:, :T], mask.to(ctx.dev), 0.8, *dev,
+                        tt.to(ctx.dev) if tt is not None else None).cpu()
+                    want = ops.sampling_threshold(x[:, :T], mask, 0.8, *rule, tt)
+                    bad = []
+                    for i in torch.nonzero(got != want).tolist():
+                        b, t = i
+                        if rule[1] is None:
+                            bad.append((b, t))
+                            continue
+                        inv = 1.0 / (float(tt[b, t]) if tt is not None else 0.8)
+                        cut = float(ops.sampling_threshold(
+                            x[b:b + 1, t:t + 1], mask[b:b + 1, t:t + 1], 1.0 / inv,
+                            *(r[b:b + 1, t:t + 1] if r is not None else None
+                              for r in (rule[0], None, rule[2])), None))
+                        ta, tb = sorted((float(got[b, t]), float(want[b, t])))
+                        if not near_boundary(x[b, t].double().numpy(), inv, float(p[b, t]),
+                                             cut, ta, tb):
+                            bad.append((b, t))
+                    name = f"threshold[{be} {str(dtype)[6:]} V={V} {kind} " \
+                           f"{'k' if rule[0] is not None else ''}" \
+                           f"{'p' if rule[1] is not None else ''}" \
+                           f"{'m' if rule[2] is not None else ''}{' temps' if tt is not None else ''}]"
+                    report(name, "ok" if not bad else "FAIL",
+                           "" if not bad else f"rows {bad[:4]}: got "
+                           f"{[float(got[i]) for i in bad[:2]]} want {[float(want[i]) for i in bad[:2]]}")
+
+
+@check
+def threshold_alone_and_in_batch(ctx):
+    """A row's threshold: the same bits alone (its own contiguous [1, 1, V]) and in its
+    strided batch."""
+    be = ctx.kern[0]
+    g = torch.Generator().manual_seed(23)
+    V = 1001 if ctx.small else 151936
+    n = 4 if ctx.small else 64
+    x = rows("mixed", 1, n, V, torch.bfloat16, g).to(ctx.dev)
+    mask = torch.ones(1, n, dtype=torch.bool, device=ctx.dev)
+    k, p, mp = (r.to(ctx.dev) for r in params(1, n, V, g))
+    op = getattr(ops, ctx.prefix[be] + "sampling_threshold")
+    full = op(x[:, :n], mask, 1.0, k, p, mp, None)
+    bad = []
+    for i in (0, 1, n // 2, n - 1):
+        one = op(x[:, i:i + 1].contiguous(), mask[:, :1], 1.0, k[:, i:i + 1], p[:, i:i + 1],
+                 mp[:, i:i + 1], None)
+        if not torch.equal(one, full[:, i:i + 1]):
+            bad.append(i)
+    report(f"threshold_invariance[{be} bf16 V={V}]", "ok" if not bad else "FAIL",
+           f"{n} rows" + ("" if not bad else f": rows {bad}"))
+
+
+CHECKS = [threshold_vs_cpu, threshold_alone_and_in_batch]
+
+if __name__ == "__main__":
+    sys.exit(main(CHECKS, __doc__))
