@@ -16,11 +16,12 @@
 // that fall among the negatives after sweep 1, the others after sweep 2. Top-p walks down
 // from the top of the non-negative window; only where the mass of the non-negative values
 // that survive min-p / top-k is below top_p * mass (flat or mostly negative rows) does a
-// third sweep count the negatives again. A row of one sign takes one sweep for min-p /
-// top-k and one (negatives) or two for top-p. Every count is an integer (atomic adds, exact
-// in any order); the float64 masses are summed in a fixed order (per group from its top
-// bin down, then chunks of groups, then chunks), so a row gives the same bits at any
-// address and in any batch.
+// third sweep count the negatives again. A row of negative values takes one sweep; a row
+// whose cut (and top-p boundary) lies among the negatives skips sweep 2 without top-p.
+// Every count is an integer (atomic adds, exact in any order); the float64 masses are
+// summed in a fixed order (per group from its top bin down, then chunks of 16 groups, then
+// the chunks of both windows from the top), so a row gives the same bits at any address
+// and in any batch.
 //
 // The program is written once over a block policy (DeviceBlock below, HostBlock in
 // host_check/emulate_threshold.cu): `each(f)` runs f(thread) for every thread and then a
@@ -118,13 +119,22 @@ PPO_SEL_HD void for_each_bits(const uint16_t* x, int64_t V, int tid, F&& f) {
   for (int64_t j = tid; j < head; j += kThreads) f(x[j]);
   const int64_t packs = (V - head) / 8;
   const uint4* q = reinterpret_cast<const uint4*>(x + head);
-  for (int64_t i = tid; i < packs; i += kThreads) {
-    const uint4 v = q[i];
+  auto pack = [&](const uint4& v) {
     uint16_t e[8];
     memcpy(e, &v, sizeof(e));
 #pragma unroll
     for (int u = 0; u < 8; ++u) f(e[u]);
+  };
+  int64_t i = tid;
+  // four 16-byte loads in flight a thread (one block an SM: 16 warps to cover the latency)
+  for (; i + 3 * kThreads < packs; i += 4 * kThreads) {
+    uint4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) v[u] = q[i + u * kThreads];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) pack(v[u]);
   }
+  for (; i < packs; i += kThreads) pack(q[i]);
   for (int64_t j = head + packs * 8 + tid; j < V; j += kThreads) f(x[j]);
 }
 
