@@ -1016,3 +1016,51 @@ def test_threshold_op_of_the_cuda_backend(monkeypatch, dtype, own):
     monkeypatch.setattr(_backends, "device_eager", lambda be, t: False)
     assert kept_rows.threshold_op(Backend("cuda"), x) == ("cuda", "sampling_threshold")
     assert kept_rows.threshold_op(Backend("cpu"), x) == ("cpu", "sampling_threshold")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_threshold_radix_select_and_mass_buckets(dtype):
+    """The CPU op's threshold (csrc/cpu/sampling.cpp row_threshold) keeps the same set as a
+    float64 sort of the row (kept.threshold_torch) where its faster paths run: top-k's radix
+    select over the float keys (k > 128: the bucket of the k-th entry, then a partial sort
+    of that bucket), and top-p's walk from the bucket of its mass histogram that reaches the
+    target (the next buckets where the sums' rounding falls short, every survivor where
+    top_p is one ulp below 1), on rows with ties, -inf entries, flat rows and large
+    values."""
+    from ppo_kernels import kept, sampling
+
+    g = torch.Generator().manual_seed(41)
+    ops = torch.ops.ppo_kernels
+    seen = 0
+    for V in (300, 5003):
+        for kind in ("normal", "ties", "neginf", "flat", "large"):
+            B, T = 2, 5
+            x = torch.randn(B, T, V, generator=g) * 2
+            if kind == "ties":
+                x = torch.randint(-4, 5, (B, T, V), generator=g).float()
+            elif kind == "neginf":
+                x[torch.rand(B, T, V, generator=g) < 0.3] = float("-inf")
+            elif kind == "flat":
+                x = x * 0.005
+            elif kind == "large":
+                x = x * 10 + 40
+            x = x.to(dtype)
+            mask = torch.ones(B, T, dtype=torch.bool)
+            k = torch.tensor([129, 200, V // 3, V - 1, V] * 2).view(B, T)
+            p = torch.tensor([0.5, 0.9, 0.999, 0.999999, 1.0] * 2,
+                             dtype=torch.float64).view(B, T)
+            xx = x.double()
+            for rule in ((k, None), (None, p), (k, p)):
+                got = ops.sampling_threshold(x, mask, 0.8, *rule, None, None)
+                want = kept.threshold_torch(x, mask, 0.8,
+                                            sampling.Replay(top_k=rule[0], top_p=rule[1]))
+                assert torch.equal(xx >= got[..., None], xx >= want[..., None]), (V, kind, rule)
+                seen += int((got > float("-inf")).sum())
+            # top_p one ulp below 1: the target within rounding of the total, where the
+            # sums' order decides (the walk past every bucket); a set at least top_p 0.999's
+            one_ulp = torch.full((B, T), 1 - 2.0 ** -52, dtype=torch.float64)
+            wide = ops.sampling_threshold(x, mask, 0.8, None, one_ulp, None, None)
+            narrow = ops.sampling_threshold(x, mask, 0.8, None, torch.full_like(one_ulp, 0.999),
+                                            None, None)
+            assert not wide.isnan().any() and (wide <= narrow).all(), (V, kind)
+    assert seen > 150  # most rows are cut
