@@ -482,6 +482,7 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::
     bool* miss = missing.data_ptr<bool>();
     const T* tt = row_temperatures<T>(r);
     at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
+      std::vector<double> kv;
       for (int64_t i = begin; i < end; ++i) {
         if (!m[i]) {
           lp[i] = en[i] = mx[i] = ls[i] = T(0);
@@ -494,25 +495,53 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::
         const double inv = row_inv_d(tt, i, temperature);
         double top = -kInf;
         int64_t top_j = -1, n = 0;
-        miss[i] = ks.each(x, i, y, [&](int64_t j) {
-          const double v = static_cast<double>(x[j]);
-          if (top_j < 0 || v > top || std::isnan(v)) top = v, top_j = j;
-          ++n;
-        });
-        sz[i] = n;
         // the top entry's exp(0) = 1 is kept apart: log_sum = log1p(rest) (row_kernels.h)
         double rest = 0.0, sd = 0.0;
-        bool skipped = false;
-        ks.each(x, i, y, [&](int64_t j) {
-          const double dj = (static_cast<double>(x[j]) - top) * inv;
-          const double e = std::exp(dj);
-          if (j == top_j && !skipped) {
-            skipped = true;
-          } else {
-            rest += e;
+        if (!ks.csr) {
+          // a threshold row (often thousands of entries): the kept values gathered, the top
+          // one set to -inf (mass 0), then their masses by Sleef's vectorized float64 exp,
+          // summed lane by lane and across the lanes (a fixed order for a given row)
+          kv.clear();
+          int64_t top_at = 0;
+          miss[i] = ks.each(x, i, y, [&](int64_t j) {
+            const double v = static_cast<double>(x[j]);
+            if (top_j < 0 || v > top || std::isnan(v)) top = v, top_j = j, top_at = n;
+            kv.push_back(v);
+            ++n;
+          });
+          kv[top_at] = -kInf;
+          using VD = Vectorized<double>;
+          constexpr int64_t D = VD::size();
+          kv.resize(((n + D - 1) / D) * D, -kInf);  // the tail's lanes at -inf (mass 0)
+          const VD vtop(top), vinv(inv), zero(0.0);
+          VD vr(0.0), vs(0.0);
+          for (int64_t q = 0; q < static_cast<int64_t>(kv.size()); q += D) {
+            const VD dq = (VD::loadu(kv.data() + q) - vtop) * vinv;
+            const VD eq = dq.exp();
+            vr = vr + eq;
+            vs = vs + VD::blendv(zero, eq * dq, eq > zero);
           }
-          if (e > 0) sd += e * dj;
-        });
+          rest = hsum(vr);
+          sd = hsum(vs);
+        } else {
+          miss[i] = ks.each(x, i, y, [&](int64_t j) {
+            const double v = static_cast<double>(x[j]);
+            if (top_j < 0 || v > top || std::isnan(v)) top = v, top_j = j;
+            ++n;
+          });
+          bool skipped = false;
+          ks.each(x, i, y, [&](int64_t j) {
+            const double dj = (static_cast<double>(x[j]) - top) * inv;
+            const double e = std::exp(dj);
+            if (j == top_j && !skipped) {
+              skipped = true;
+            } else {
+              rest += e;
+            }
+            if (e > 0) sd += e * dj;
+          });
+        }
+        sz[i] = n;
         const double log_sum = std::log1p(rest);
         const double dy = (static_cast<double>(x[y]) - top) * inv;
         lp[i] = static_cast<T>(dy - log_sum);
