@@ -20,7 +20,8 @@
 #     bench        benchmarks/gpu_bench.py (copy floor, cuda / triton / torch / eager /
 #                  compile / Liger, fwd and fwd+bwd, peak memory)
 #     from_hidden  benchmarks/gpu_from_hidden.py (fused vs materialised vs Liger)
-#     timings      benchmarks/gpu_timings.py; replay  benchmarks/replay_bench.py
+#     timings      benchmarks/gpu_timings.py; replay, replay_cuda  benchmarks/replay_bench.py
+#                  (the triton and the cuda backend)
 # Every stage runs under its own timeout, capped by what is left of the budget (while the
 # correctness stages run, TIMINGS_RESERVE_S (default 90, at most a third of what is left) is
 # kept for the timings; a stage

@@ -10,7 +10,8 @@
 // the entropy of the kept-set softmax, with the statistics the backward needs (kept_max,
 // kept_log_sum: the convention of token_logprobs_fwd's row_max / log_sum, over K).
 // kept_logprobs_bwd_: dlogits += d/dx of sum(g * logp_kept + g_H * H_kept), only on K.
-// Scalar loops (one row per task); the sums are taken in double. Every op takes the optional
+// One row per task; the sums are taken in double (a threshold's masses and a threshold
+// row's kept masses by the vectorized float64 exp, the rest in scalar loops). Every op takes the optional
 // per-row `temperatures` [B, T] (csrc/ops.cpp): row i then uses z = x / temperatures[i].
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -208,8 +209,8 @@ inline uint32_t float_key(float v) {
 
 // The k-th largest value of a row of float-accumulated logits (1 <= k; ties counted, NaN
 // entries left out; -inf when the row has no more than k values): the bucket of the k-th
-// entry from a count histogram of the keys' top bits (the buckets computed in a loop the
-// compiler vectorizes), then std::nth_element over that bucket's entries only. The same
+// entry from a count histogram of the keys' top bits (computed in a branch-free loop),
+// then std::nth_element over that bucket's entries only. The same
 // value as a sort of the row.
 template <typename scalar_t>
 double kth_largest(const scalar_t* x, int64_t V, int64_t k, std::vector<uint32_t>& hist,
@@ -351,7 +352,7 @@ double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double
     // below the max, the rest in the last), four interleaved histograms added in a fixed
     // order (consecutive entries in one bucket would wait on each other's add)
     bi.resize(n);
-    for (int64_t j = 0; j < n; ++j)  // (a loop the compiler vectorizes)
+    for (int64_t j = 0; j < n; ++j)  // (a branch-free loop)
       bi[j] = static_cast<uint16_t>(
           std::min((mx - w[j]) * inv * (kTopPBuckets / kTopPSpan), kTopPBuckets - 1.0));
     std::array<std::array<double, kTopPBuckets>, 4> part{};

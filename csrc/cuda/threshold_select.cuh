@@ -97,7 +97,7 @@ struct Smem {
   uint32_t hist[kBins + kLanes];   // the resident window's counts, then a spare bin a lane
   uint32_t gcount[2][kThreads];    // per window, per group of kGroup bins (>= the cut)
   double gmass[2][kThreads];       // their masses (top-p only)
-  uint32_t ru[kThreads], ru2[kThreads], ru3[kThreads];  // reductions
+  uint32_t ru[kThreads], ru2[kThreads];  // reductions
   uint32_t rc[2][kLanes];          // per window, chunk counts
   double rd[2][kLanes];            // and masses
   // written once per row (see the header comment)
@@ -176,15 +176,14 @@ PPO_SEL_HD uint32_t min_p_key(uint32_t maxkey, double mx, double inv, double min
 
 // ---------------------------------------------------------------- block steps
 
-// Sum of the three arrays' first kThreads entries (max for ru when max_first), in a tree.
+// ru's first kThreads entries summed (their max with max_first) and ru2's summed, in a tree.
 template <class Blk>
-PPO_SEL_HD void reduce3(Blk& blk, Smem& s, bool max_first) {
+PPO_SEL_HD void reduce2(Blk& blk, Smem& s, bool max_first) {
   for (int h = kThreads / 2; h > 0; h >>= 1) {
     blk.each([&](int t) {
       if (t < h) {
         s.ru[t] = max_first ? (s.ru[t] > s.ru[t + h] ? s.ru[t] : s.ru[t + h]) : s.ru[t] + s.ru[t + h];
         s.ru2[t] += s.ru2[t + h];
-        s.ru3[t] += s.ru3[t + h];
       }
     });
   }
@@ -241,9 +240,8 @@ PPO_SEL_HD void count_at_least(Blk& blk, Smem& s, int w, uint32_t lo, uint32_t* 
     }
     s.ru[t] = c;
     s.ru2[t] = 0;
-    s.ru3[t] = 0;
   });
-  reduce3(blk, s, false);
+  reduce2(blk, s, false);
   blk.one([&] { *out = s.ru[0]; });
 }
 
@@ -321,7 +319,6 @@ PPO_SEL_HD void sweep(Blk& blk, Smem& s, const uint16_t* x, int64_t V) {
     if (First) {
       s.ru[t] = pmax ? key_of(uint16_t(pmax - 1)) + 1 : (nmin != 0xFFFFu ? key_of(uint16_t(nmin)) + 1 : 0u);
       s.ru2[t] = n1;
-      s.ru3[t] = 0;
     }
   });
 }
@@ -343,7 +340,7 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
 
   // sweep 1: the negatives' bins, the max, the counts
   sweep<Fmt, 0, true>(blk, s, x, V);
-  reduce3(blk, s, true);
+  reduce2(blk, s, true);
   blk.one([&] {
     s.maxkey1 = s.ru[0];
     s.n1 = s.ru2[0];
