@@ -52,8 +52,13 @@ def flags(ids, offs, vocab):
 @pytest.mark.parametrize("name", ["good", *BAD_CSR])
 def test_each_rule_broken_once(name):
     ids, offs = ([0, 1, 4], [0, 2, 2, 3, 3]) if name == "good" else BAD_CSR[name]
-    want = brute_force(ids, offs, 5)
-    assert flags(ids, offs, 5) == want
+    want, got = brute_force(ids, offs, 5), flags(ids, offs, 5)
+    assert got[:3] == want[:3]
+    # the keys are undefined where the offsets are broken (an id no row names keeps
+    # torch.empty's bits, which may repeat another key): the fourth rule only where they
+    # hold, as check_replay reads the flags
+    if want[0] and want[1]:
+        assert got[3] == want[3]
     assert all(want) == (name == "good")
 
 
