@@ -19,6 +19,8 @@
 
 #include <cmath>
 #include <limits>
+#include <mutex>
+#include <set>
 
 #include "launch.h"
 #include "threshold_select.cuh"
@@ -380,11 +382,18 @@ void launch_threshold_select(const at::Tensor& logits, const RowArgs& r, double 
                              const at::Tensor& K, const at::Tensor& P, const at::Tensor& MP,
                              at::Tensor& out) {
   auto kernel = threshold_select_kernel<Fmt>;
-  static std::once_flag attr_once;  // per instantiation (the attribute belongs to the kernel)
-  std::call_once(attr_once, [&] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(sizeof(select::Smem))));
-  });
+  {
+    // the kernel's shared-memory opt-in, once per device (per instantiation: the attribute
+    // belongs to the kernel, on the current device)
+    static std::mutex mu;
+    static std::set<int> done;
+    std::lock_guard<std::mutex> lock(mu);
+    if (!done.count(logits.get_device())) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(sizeof(select::Smem))));
+      done.insert(logits.get_device());
+    }
+  }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   kernel<<<r.N(), select::kThreads, sizeof(select::Smem), stream>>>(
       reinterpret_cast<const uint16_t*>(logits.data_ptr()), r.sB, r.sT, r.T, r.V, r.mask.data_ptr<bool>(), 1.0 / temperature,
