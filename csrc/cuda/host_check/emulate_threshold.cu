@@ -206,6 +206,7 @@ static void suite(const char* name, To to16, std::mt19937_64& rng) {
     row[7] = nan;
     row[9] = nan;
     for (double p : {1.0, 0.5}) for (int64_t k : {0, 5, 97, 98}) check<Fmt>(name, row, 1.0, k, p, 0.1);
+    for (int64_t k : {5, 97, 98, 99}) check<Fmt>(name, row, 1.0, k, 1.0, 0.0);  // k vs the non-NaN count
     row[11] = pinf;
     check<Fmt>(name, row, 1.0, 5, 0.5, 0.1);
     std::vector<uint16_t> all(50, ninf);
