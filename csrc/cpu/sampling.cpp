@@ -43,6 +43,22 @@ inline double row_inv_d(const T* temps, int64_t i, double temperature) {
   return 1.0 / (temps ? static_cast<double>(temps[i]) : temperature);
 }
 
+using VD = Vectorized<double>;
+
+// f(q, d, e) for the vectors d = (v_q.. - ref) * inv and e = exp(d) (Sleef's float64 exp,
+// 1 ulp) over v[0, n), q the index of a vector's first entry; v is padded with -inf (e = 0)
+// to whole vectors.
+template <typename F>
+void exp_vectors(std::vector<double>& v, int64_t n, double ref, double inv, F&& f) {
+  constexpr int64_t D = VD::size();
+  v.resize(((n + D - 1) / D) * D, -kInf);
+  const VD vref(ref), vinv(inv);
+  for (int64_t q = 0; q < n; q += D) {
+    const VD d = (VD::loadu(v.data() + q) - vref) * vinv;
+    f(q, d, d.exp());
+  }
+}
+
 // The smallest value of the accumulation type A >= t (t a double): x >= t in double is
 // x >= this in A, for every x of the logits' type.
 template <typename A>
@@ -309,8 +325,8 @@ double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double
     }
   }
   if (p < 1.0) {
-    // the survivors and their masses e = exp(d) (vectorized: Sleef's exp, 1 ulp), summed
-    // lane by lane then across the lanes: a fixed order for a given row
+    // the survivors and their masses e = exp(d) (exp_vectors), summed lane by lane then
+    // across the lanes: a fixed order for a given row
     w.clear();
     if (t == -kInf) {  // every non-NaN entry survives
       w.resize(V);
@@ -325,29 +341,13 @@ double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double
       for_each_at_least(x, V, t, [&](int64_t j) { w.push_back(static_cast<double>(x[j])); });
     }
     const int64_t n = static_cast<int64_t>(w.size());
-    using VD = Vectorized<double>;
-    constexpr int64_t D = VD::size();
-    e.resize(n + D);
-    const VD vmx(mx), vinv(inv);
+    e.resize(n + VD::size());
     VD vz(0.0);
-    int64_t i = 0;
-    for (; i + D <= n; i += D) {
-      const VD ei = ((VD::loadu(w.data() + i) - vmx) * vinv).exp();
-      ei.store(e.data() + i);
-      vz = vz + ei;
-    }
-    if (i < n) {  // the tail as a full vector, the lanes past the end at -inf (mass 0)
-      double buf[D];
-      for (int64_t h = 0; h < D; ++h) buf[h] = i + h < n ? w[i + h] : -kInf;
-      const VD ei = ((VD::loadu(buf) - vmx) * vinv).exp();
-      ei.store(e.data() + i);
-      vz = vz + ei;
-    }
-    double lanes[D];
-    vz.store(lanes);
-    double z = 0.0;
-    for (int64_t h = 0; h < D; ++h) z += lanes[h];
-    const double target = p * z;
+    exp_vectors(w, n, mx, inv, [&](int64_t q, const VD&, const VD& eq) {
+      eq.store(e.data() + q);
+      vz = vz + eq;
+    });
+    const double target = p * hsum(vz);
     // the survivors' masses in kTopPBuckets buckets of d = (v - max) / T (kTopPSpan nats
     // below the max, the rest in the last), four interleaved histograms added in a fixed
     // order (consecutive entries in one bucket would wait on each other's add)
@@ -370,7 +370,7 @@ double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double
       above += m;
     }
     if (b == kTopPBuckets) {  // not reached (rounding): every survivor is kept
-      t = std::max(t, *std::min_element(w.begin(), w.end()));
+      t = std::max(t, *std::min_element(w.begin(), w.begin() + n));
       return t;
     }
     std::vector<std::pair<double, double>> grp;  // (value, mass) of one bucket's entries
@@ -500,8 +500,8 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::
         double rest = 0.0, sd = 0.0;
         if (!ks.csr) {
           // a threshold row (often thousands of entries): the kept values gathered, the top
-          // one set to -inf (mass 0), then their masses by Sleef's vectorized float64 exp,
-          // summed lane by lane and across the lanes (a fixed order for a given row)
+          // one set to -inf (mass 0), then their masses (exp_vectors), summed lane by lane
+          // and across the lanes (a fixed order for a given row)
           kv.clear();
           int64_t top_at = 0;
           miss[i] = ks.each(x, i, y, [&](int64_t j) {
@@ -511,17 +511,12 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::
             ++n;
           });
           kv[top_at] = -kInf;
-          using VD = Vectorized<double>;
-          constexpr int64_t D = VD::size();
-          kv.resize(((n + D - 1) / D) * D, -kInf);  // the tail's lanes at -inf (mass 0)
-          const VD vtop(top), vinv(inv), zero(0.0);
+          const VD zero(0.0);
           VD vr(0.0), vs(0.0);
-          for (int64_t q = 0; q < static_cast<int64_t>(kv.size()); q += D) {
-            const VD dq = (VD::loadu(kv.data() + q) - vtop) * vinv;
-            const VD eq = dq.exp();
+          exp_vectors(kv, n, top, inv, [&](int64_t, const VD& dq, const VD& eq) {
             vr = vr + eq;
             vs = vs + VD::blendv(zero, eq * dq, eq > zero);
-          }
+          });
           rest = hsum(vr);
           sd = hsum(vs);
         } else {

@@ -8,7 +8,7 @@
 // one sweep in the backward adding the kept part into dlogits (ids unique per row, so no
 // atomics). sampling_threshold: for bfloat16 / float16 logits one block per row, an exact
 // count histogram of the row's 16-bit values in shared memory (threshold_select.cuh); for
-// float32 / float64 logits, or a device with less than its 148 KiB of shared memory a
+// float32 / float64 logits, or a device with less than its 145 KiB of shared memory a
 // block, ATen ops on chunks of rows (a sort per chunk); both the rules of the CPU kernel
 // (vLLM v1's sampler as value thresholds). The optional per-row
 // `temperatures` [B, T] (csrc/ops.cpp): row r uses 1 / temperatures[r], taken in double and
@@ -396,7 +396,8 @@ void launch_threshold_select(const at::Tensor& logits, const RowArgs& r, double 
   }
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   kernel<<<r.N(), select::kThreads, sizeof(select::Smem), stream>>>(
-      reinterpret_cast<const uint16_t*>(logits.data_ptr()), r.sB, r.sT, r.T, r.V, r.mask.data_ptr<bool>(), 1.0 / temperature,
+      reinterpret_cast<const uint16_t*>(logits.data_ptr()), r.sB, r.sT, r.T, r.V,
+      r.mask.data_ptr<bool>(), 1.0 / temperature,
       r.temperatures.has_value() ? r.temperatures->data_ptr<float>() : nullptr,
       K.defined() ? K.data_ptr<int64_t>() : nullptr, P.defined() ? P.data_ptr<double>() : nullptr,
       MP.defined() ? MP.data_ptr<double>() : nullptr, out.data_ptr<double>());
