@@ -38,9 +38,11 @@
 //   min-p, top-k, top-p set of each row as that threshold (top_k int64 [B, T], V or more
 //   = off; top_p float64 [B, T], 1 = off; min_p float64 [B, T], 0 = off). kept_max /
 //   kept_log_sum: row_max / log_sum over the kept set; kept_logprobs_bwd_ adds its
-//   gradient into dlogits (contiguous, the logits' shape and dtype). temperatures: as above
-//   (the threshold of a row is taken on that row's temperature-scaled logits; 1 /
-//   temperatures[i] in double, as the scalar's 1 / temperature).
+//   gradient into dlogits (contiguous, the logits' shape and dtype), kept_logprobs_bwd
+//   returns it as a new tensor (0 off the kept sets, on masked rows and rows T..Tl-1).
+//   temperatures: as above (the threshold of a row is taken on that row's
+//   temperature-scaled logits; 1 / temperatures[i] in double, as the scalar's 1 /
+//   temperature).
 #include <torch/library.h>
 
 TORCH_LIBRARY(ppo_kernels, m) {
@@ -82,6 +84,11 @@ TORCH_LIBRARY(ppo_kernels, m) {
       "Tensor tokens, Tensor mask, Tensor kept_max, Tensor kept_log_sum, Tensor entropy, "
       "float temperature, Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, "
       "Tensor(a!) dlogits, Tensor? temperatures=None) -> ()");
+  m.def(
+      "kept_logprobs_bwd(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
+      "Tensor tokens, Tensor mask, Tensor kept_max, Tensor kept_log_sum, Tensor entropy, "
+      "float temperature, Tensor? kept_ids, Tensor? kept_offsets, Tensor? threshold, "
+      "Tensor? temperatures=None) -> Tensor");
   m.def(
       "gae(Tensor rewards, Tensor values, Tensor mask, Tensor? bootstrap_values, "
       "float gamma, float lam, Tensor? lam_per_seq=None, float? value_lam=None) "

@@ -89,6 +89,10 @@ def _fake_kept_logprobs_fwd(logits, tokens, *_, **__):
             *_per_token(tokens, logits, 1, torch.bool))
 
 
+def _fake_kept_logprobs_bwd(grad_logprobs, grad_entropy, logits, *_, **__):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
 def _fake_gae(rewards, *_, **__):
     return torch.empty_like(rewards), torch.empty_like(rewards)
 
@@ -283,6 +287,7 @@ def register(prefix):
                      ("sampling_threshold", lambda: _fake_sampling_threshold),
                      ("kept_logprobs_fwd", lambda: _fake_kept_logprobs_fwd),
                      ("kept_logprobs_bwd_", lambda: _fake_none),
+                     ("kept_logprobs_bwd", lambda: _fake_kept_logprobs_bwd),
                      ("zeros_grad", lambda: _fake_zeros_grad)):
         if hasattr(torch.ops.ppo_kernels, prefix + name):
             fakes[name] = fn()

@@ -87,12 +87,18 @@ def kernel_stats(be, logits3, tokens, mask, temperature, rp):
     return KeptStats(*out, thr)
 
 
-def kernel_grad_(be, dlogits, g_kept, g_ent, logits3, tokens, mask, ks, temperature, rp):
-    """dlogits += d/dlogits of sum(g_kept * logp_kept + g_ent * H_kept), in place."""
+def kernel_grad(be, dlogits, g_kept, g_ent, logits3, tokens, mask, ks, temperature, rp):
+    """d/dlogits of sum(g_kept * logp_kept + g_ent * H_kept): added into dlogits in place
+    (kept_logprobs_bwd_), or where dlogits is None (no dense part) written whole into a new
+    tensor (kept_logprobs_bwd: 0 off the kept sets, with no zero fill first). Returns the
+    gradient."""
     t, temps = ck.split_temperature(temperature)
-    be.op("kept_logprobs_bwd_")(g_kept, g_ent, logits3, tokens, mask, ks.kept_max,
-                                ks.kept_log_sum, ks.entropy, t, rp.ids, rp.offsets,
-                                ks.threshold, dlogits, temps)
+    args = (g_kept, g_ent, logits3, tokens, mask, ks.kept_max, ks.kept_log_sum, ks.entropy, t,
+            rp.ids, rp.offsets, ks.threshold)
+    if dlogits is None:
+        return be.op("kept_logprobs_bwd")(*args, temps)
+    be.op("kept_logprobs_bwd_")(*args, dlogits, temps)
+    return dlogits
 
 
 def shard_partials(logits3, tokens, mask, temperature, rp, shard):

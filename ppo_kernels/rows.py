@@ -10,7 +10,7 @@ logits never stored). Both give
   grad(inputs, st, g_lp, g_ent, g_kept, g_ent_kept)
                      the gradient of sum(g_lp logp + g_ent H + g_kept logp_kept + g_ent_kept
                      H_kept) in the source's inputs: token_logprobs_bwd, plus the kept part
-                     added in place.
+                     added in place (or written alone where the dense part is 0).
 
 The vocabulary is whole (WholeVocab) or this rank's shard of it (SplitVocab): the same two
 methods on either source, with the shards' statistics and kept partials merged by one
@@ -30,7 +30,7 @@ from ._backends import call_op
 from ._checks import acc_dtype, split_temperature
 from ._extension import HAS_CPU
 from .kept import replay_logprobs_torch
-from .kept_rows import (KeptStats, kernel_grad_, kernel_stats, kept_mass_op, merge_kept,
+from .kept_rows import (KeptStats, kernel_grad, kernel_stats, kept_mass_op, merge_kept,
                         require_ops, shard_grad_, shard_partials)
 from .vocab_parallel import all_reduce_sum_
 
@@ -75,12 +75,12 @@ class WholeVocab:
     def fix_(self, *_):
         pass
 
-    def kept_grad_(self, be, dz, g_kept, g_ent, z3, tokens, local, mask, st, blk, temperature,
-                   rp):
+    def kept_grad(self, be, dz, g_kept, g_ent, z3, tokens, local, mask, st, blk, temperature,
+                  rp):
         rows = blk.rows
         ks = KeptStats(None, rows(st.kept.entropy), rows(st.kept.kept_max),
                        rows(st.kept.kept_log_sum), None, None, rows(st.kept.threshold))
-        kernel_grad_(be, dz, g_kept, g_ent, z3, local, mask, ks, temperature, rp)
+        return kernel_grad(be, dz, g_kept, g_ent, z3, local, mask, ks, temperature, rp)
 
     def reduce_(self, dh2):
         pass
@@ -125,13 +125,13 @@ class SplitVocab:
         self.shard.fix_placeholder_(dz, z3, own, mask, g_lp, g_ent, row_max, log_sum, ent,
                                     temperature)
 
-    def kept_grad_(self, be, dz, g_kept, g_ent, z3, tokens, local, mask, st, blk, temperature,
-                   rp):
+    def kept_grad(self, be, dz, g_kept, g_ent, z3, tokens, local, mask, st, blk, temperature,
+                  rp):
         rows = blk.rows
         kept = KeptStats(None, rows(st.kept.entropy), rows(st.kept.kept_max),
                          rows(st.kept.kept_log_sum), None, None)
-        shard_grad_(dz, g_kept, g_ent, tokens, mask, kept, st.entries[blk.index], temperature,
-                    self.shard)
+        return shard_grad_(zero_grad(z3) if dz is None else dz, g_kept, g_ent, tokens, mask,
+                           kept, st.entries[blk.index], temperature, self.shard)
 
     def reduce_(self, dh2):
         # d hidden is the sum of every shard's dz @ W_r: the one collective of the backward
@@ -190,9 +190,9 @@ class RowSource:
         logp + g_ent H + g_kept logp_kept + g_ent_kept H_kept), g_* [B, T] or None (none
         at all: no gradient, every input's None). Where the full row's logp and H take no
         gradient (g_lp and g_ent None: sampling replay without a KL on the full logp or an
-        entropy bonus over the full row) the dense part is 0: each block's dz starts as
-        zeros, a write with no read of the logits, and only the kept part is added (a
-        given kept set's entries alone)."""
+        entropy bonus over the full row) the dense part is 0: each block's dz is the kept
+        part alone, written once (kept_logprobs_bwd: 0 off the kept sets; over a split
+        vocabulary zeros with the shard's kept entries added)."""
         kept = g_kept is not None or g_ent_kept is not None
         dense = g_lp is not None or g_ent is not None
         bwd = self.be.op("token_logprobs_bwd")
@@ -215,17 +215,16 @@ class RowSource:
             t, temps = split_temperature(temp)
             ent = rows(st.ent) if st.ent.numel() else st.ent
             lp_b, ent_b, mx, ls = g(g_lp), g(g_ent), rows(st.row_max), rows(st.log_sum)
+            dz = None
             if dense:
                 dz = call_op(bwd, z3, lp_b, ent_b, z3, rows(st.tokens), msk, mx, ls, ent, t,
                              temperatures=temps)
                 # (a shard's placeholder entries, before the soft cap's factor reuses z)
                 self.vocab.fix_(dz, z3, rows(st.own), msk, lp_b, ent_b, mx, ls, ent, temp)
-            else:
-                dz = zero_grad(z3)
             if kept:
-                self.vocab.kept_grad_(self.be, dz, g(g_kept), g(g_ent_kept), z3,
-                                      rows(self.global_tokens), rows(st.tokens), msk, st, blk,
-                                      temp, blk.replay(rp))
+                dz = self.vocab.kept_grad(self.be, dz, g(g_kept), g(g_ent_kept), z3,
+                                          rows(self.global_tokens), rows(st.tokens), msk, st,
+                                          blk, temp, blk.replay(rp))
             self.take_grad(acc, blk, h, z3, dz)
 
         self.each_block(inputs, block)

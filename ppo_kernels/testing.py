@@ -726,7 +726,8 @@ def opcheck_arguments(op, options=None, *, shape=(3, 5, 37), seed=0, requires_gr
     if op == "score_rollout":
         return (logits, tok, mask, b["ref_logprobs"], rnd(B, T), rnd(B), 0.05,
                 spec.kl_estimator_id, 0.99, 0.95, temp), kw
-    if op in ("sampling_threshold", "kept_logprobs_fwd", "kept_logprobs_bwd_"):
+    if op in ("sampling_threshold", "kept_logprobs_fwd", "kept_logprobs_bwd_",
+              "kept_logprobs_bwd"):
         top_k = torch.full((B, T), max(1, V // 3), dtype=torch.int64, device=device)
         top_p = torch.full((B, T), 0.9, dtype=torch.float64, device=device)
         thr = ops.sampling_threshold(logits, mask, temp, top_k, top_p, None, **kw)
@@ -736,8 +737,8 @@ def opcheck_arguments(op, options=None, *, shape=(3, 5, 37), seed=0, requires_gr
             return (lg, tok, mask, temp, None, None, thr), kw
         _, ent, kmax, kls, _, _ = ops.kept_logprobs_fwd(logits, tok, mask, temp, None, None,
                                                         thr, **kw)
-        return (rnd(B, T), rnd(B, T), logits, tok, mask, kmax, kls, ent, temp, None, None,
-                thr, torch.zeros_like(logits)), kw
+        args = (rnd(B, T), rnd(B, T), logits, tok, mask, kmax, kls, ent, temp, None, None, thr)
+        return (args if op == "kept_logprobs_bwd" else args + (torch.zeros_like(logits),)), kw
     if op == "ppo_loss_metrics":  # (the loss's per-token outputs stand in as a batch's)
         from .loss import METRIC_SLOTS
         lp, ent, _, _ = ops.token_logprobs_fwd(logits, tok, mask, temp, True, **kw)

@@ -16,7 +16,7 @@ import ppo_kernels as pk
 from ppo_kernels import reference as ref
 
 from helpers import device_path
-from helpers.asserts import assert_close_np, assert_grad_close
+from helpers.asserts import TOL, assert_close_np, assert_grad_close
 from helpers.backends import BACKENDS_CPU, TRITON_DEVICE
 from helpers.inputs import random_csr
 
@@ -420,8 +420,9 @@ class _KernelCalls(TorchDispatchMode):
 @pytest.mark.parametrize("route", ["logits", "none-mode", "hidden"])
 def test_gradient_pass_skips_the_dense_part(given_mask, case, dense, route):
     """The gradient pass reads the whole row (token_logprobs_bwd) only where the full
-    vocabulary's logp or entropy takes a gradient; otherwise its dlogits start as zeros
-    and only the kept part is added (the values: test_ppo_loss_against_reference and
+    vocabulary's logp or entropy takes a gradient, the kept part then added in place;
+    otherwise its dlogits are the kept part alone, written once (kept_logprobs_bwd, no zero
+    fill; the values: test_ppo_loss_against_reference and
     test_from_hidden_matches_the_logits_path): on the two-phase path (logits) and through
     the log-probs' autograd Function (loss_agg_mode="none", and from hidden states)."""
     gen = torch.Generator().manual_seed(12)
@@ -444,8 +445,9 @@ def test_gradient_pass_skips_the_dense_part(given_mask, case, dense, route):
                                   **case, **kw)
         loss.sum().backward()
     assert ("token_logprobs_bwd" in calls.names) == dense, calls.names
-    assert ("zeros_grad" in calls.names) != dense, calls.names
-    assert "kept_logprobs_bwd_" in calls.names
+    assert "zeros_grad" not in calls.names, calls.names
+    assert ("kept_logprobs_bwd_" in calls.names) == dense, calls.names
+    assert ("kept_logprobs_bwd" in calls.names) != dense, calls.names
 
 
 @pytest.mark.parametrize("device_fill", [False, True], ids=["zeros_grad", "torch.zeros"])
@@ -1064,3 +1066,90 @@ def test_cpu_threshold_radix_select_and_mass_buckets(dtype):
                                             None, None)
             assert not wide.isnan().any() and (wide <= narrow).all(), (V, kind)
     assert seen > 150  # most rows are cut
+
+
+@pytest.mark.parametrize("prefix", ["", "triton_"], ids=["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_kept_ops_against_the_reference(prefix, dtype):
+    """The kept-set ops on their own, against the float64 reference, where their row sweeps
+    run in vectors (V past several vectors, never a multiple of one; the CPU's threshold
+    rows: csrc/cpu/sampling.cpp kept_max_count, kept_mass_sums, kept_grad_sweep): CSR and
+    threshold sets (every entry kept, top-k / top-p sets, sets that lack the token), ties at
+    the top, -inf entries, per-row temperatures, masked rows, zero gradients, and logits of
+    T + 1 positions. kept_logprobs_bwd (the gradient written whole) equals
+    kept_logprobs_bwd_ added into zeros bit for bit, and into a random start that start
+    plus it."""
+    from ppo_kernels._backends import get_backend
+    dev = torch.device(TRITON_DEVICE if prefix else "cpu")
+    get_backend("cpu" if not prefix else "triton", dev)
+    ops = torch.ops.ppo_kernels
+    op = {n: getattr(ops, prefix + n) for n in ("sampling_threshold", "kept_logprobs_fwd",
+                                                "kept_logprobs_bwd", "kept_logprobs_bwd_")}
+    rtol, atol, rel = TOL[dtype]
+    rtol, atol = max(rtol, 1e-5), max(atol, 1e-5)  # (the float sweeps' exp_u20: 1.2e-6)
+    if dtype == torch.float64:
+        rtol, atol = 1e-10, 1e-11
+    gen = torch.Generator().manual_seed(47)
+    B, T = 3, 4
+    for V in ((45, 301) if prefix else (45, 301, 4099)):
+        for kind in ("normal", "ties", "neginf", "large"):
+            x = torch.randn(B, T + 1, V, generator=gen, dtype=torch.float64) * 2
+            if kind == "ties":  # several entries at the top value
+                x = torch.randint(-3, 3, (B, T + 1, V), generator=gen).double()
+            elif kind == "neginf":
+                x[torch.rand(B, T + 1, V, generator=gen) < 0.3] = -math.inf
+            elif kind == "large":
+                x = x * 10 + 40
+            x = x.to(dtype)
+            tokens = torch.randint(0, V, (B, T), generator=gen)
+            if kind == "neginf":  # (a token on a -inf entry has logp -inf)
+                xt = x[:, :T].gather(2, tokens[..., None])[..., 0]
+                tokens = torch.where(xt == -math.inf, x[:, :T].argmax(-1), tokens)
+            mask = torch.ones(B, T, dtype=torch.bool)
+            mask[0, 1] = mask[2, 3] = False
+            temps = (0.5 + torch.rand(B, T, generator=gen)).to(ck_acc(dtype))
+            top_k = torch.randint(1, V + 1, (B, T), generator=gen)
+            top_p = torch.rand(B, T, generator=gen, dtype=torch.float64) * 0.9 + 0.05
+            thr = op["sampling_threshold"](x.to(dev), mask.to(dev), 1.0, top_k.to(dev),
+                                           top_p.to(dev), None, temps.to(dev)).cpu()
+            thr[1, 0] = -math.inf  # every entry kept
+            thr[1, 1] = float(x[1, 1].double().max())  # the top values alone: ties at the top
+            sm, _ = random_csr(B, T, V, gen, kmax=min(V, 40), tokens=tokens,
+                               drop_token_frac=0.3)
+            g = torch.randn(B, T, generator=gen, dtype=torch.float64).to(ck_acc(dtype))
+            ge = torch.randn(B, T, generator=gen, dtype=torch.float64).to(ck_acc(dtype))
+            g[0, 2] = ge[0, 2] = 0.0
+            for kept_args, dense in (((sm.token_ids, sm.offsets, None),
+                                      ref.kept_from_csr(sm.token_ids.numpy(),
+                                                        sm.offsets.numpy(), (B, T, V))),
+                                     ((None, None, thr),
+                                      x[:, :T].double().numpy() >= thr[..., None].numpy())):
+                kept, _ = ref.with_token(dense, tokens, mask)
+                a = [t if t is None else t.to(dev) for t in kept_args]
+                dv = [t.to(dev) for t in (x, tokens, mask, temps)]
+                fwd = op["kept_logprobs_fwd"](dv[0], dv[1], dv[2], 1.0, *a, dv[3])
+                lp, ent, kmax, kls, size, _ = (t.cpu() for t in fwd)
+                r_lp, r_ent = ref.kept_logprobs(x.double().numpy(), tokens, mask,
+                                                temps.double().numpy(), kept)
+                what = (V, kind, "csr" if kept_args[0] is not None else "threshold")
+                assert_close_np(lp, r_lp, rtol, atol, f"logp_kept {what}")
+                assert_close_np(ent, r_ent, rtol, atol, f"H_kept {what}")
+                assert (size.numpy() == np.where(mask, kept.sum(-1), 0)).all(), what
+                bwd_args = (g.to(dev), ge.to(dev), *dv[:3], fwd[2], fwd[3], fwd[1], 1.0, *a)
+                got = op["kept_logprobs_bwd"](*bwd_args, dv[3])
+                r_g = ref.kept_logprobs_grad(x.double().numpy(), tokens, mask,
+                                             temps.double().numpy(), kept, g.double().numpy(),
+                                             ge.double().numpy())
+                assert_grad_close(got.cpu(), r_g, rel, f"dlogits {what}")
+                zero = torch.zeros_like(dv[0])
+                op["kept_logprobs_bwd_"](*bwd_args, zero, dv[3])
+                assert torch.equal(got, zero), what
+                start = torch.randn(x.shape, generator=gen).to(dtype).to(dev)
+                into = start.clone()
+                op["kept_logprobs_bwd_"](*bwd_args, into, dv[3])
+                torch.testing.assert_close(into.double(), (start.double() + got.double()),
+                                           rtol=rel, atol=rel * float(got.abs().max()))
+
+
+def ck_acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -476,6 +476,8 @@ runs = {
     "kept_logprobs_bwd_": lambda: sampling.kept_logprobs_bwd_(
         pt(), pt(), logits, tokens, mask, pt(), pt(), pt(), 0.7, None, None, thr,
         torch.empty_like(logits)),
+    "kept_logprobs_bwd": lambda: sampling.kept_logprobs_bwd(
+        pt(), pt(), logits, tokens, mask, pt(), pt(), pt(), 0.7, None, None, thr),
     "distill_fwd": lambda: distill.distill_fwd(logits, mask, offs, ids,
                                                torch.rand(B * T, dtype=f64), pt(), 0.7,
                                                1.0 / 3.0, True, True),
@@ -513,7 +515,7 @@ print("@@JSON@@" + json.dumps(out))
 
 LAUNCHERS = ("ppo_loss_fwd", "ppo_loss_fwd_inplace", "scale_grad_", "token_logprobs_fwd",
              "token_logprobs_bwd", "gae", "score_rollout", "kept_logprobs_fwd",
-             "kept_logprobs_bwd_", "distill_fwd")
+             "kept_logprobs_bwd_", "kept_logprobs_bwd", "distill_fwd")
 
 
 @pytest.fixture(scope="module")

@@ -101,14 +101,15 @@ def _kept_fwd_kernel(
             at_top = live & (d == 0.0)
             rest += tl.sum(tl.where(at_top, 0.0, e), 0)
             ties += tl.sum(at_top.to(ACC), 0)
-            sd += tl.sum(e * d, 0)
+            sd += tl.sum(tl.where(e > 0.0, e * d, 0.0), 0)  # (a -inf entry: 0, not NaN)
         if missing:
             d_y = (x_y - top) * inv
             if d_y == 0.0:
                 ties += 1.0
             else:
                 rest += tl.exp(d_y)
-            sd += tl.exp(d_y) * d_y
+            if tl.exp(d_y) > 0.0:
+                sd += tl.exp(d_y) * d_y
         rest += tl.maximum(ties - 1.0, 0.0)
         log_sum = log1p(rest)
         tl.store(logp_ptr + row, (x_y - top) * inv - log_sum)
@@ -128,64 +129,91 @@ def _kept_fwd_kernel(
 
 
 @triton.jit
+def _zero_row(out_row, V, BLOCK: tl.constexpr):
+    lane = tl.arange(0, BLOCK)
+    for k0 in range(0, V, BLOCK):
+        col = k0 + lane
+        tl.store(out_row + col, tl.zeros([BLOCK], out_row.dtype.element_ty), mask=col < V)
+
+
+@triton.jit
 def _kept_bwd_kernel(
     logits_ptr, stride_lb, stride_lt, tokens_ptr, mask_ptr, ids_ptr, offs_ptr, thr_ptr,
     kmax_ptr, kls_ptr, ent_ptr, glogp_ptr, gent_ptr, grad_ptr, invt_ptr,
     T, TL, V, inv_temp: tl.float64,
     ACC: tl.constexpr, CSR: tl.constexpr, HAS_GENT: tl.constexpr, ROW_TEMP: tl.constexpr,
-    BLOCK: tl.constexpr,
+    WRITE: tl.constexpr, BLOCK: tl.constexpr,
 ):
+    # WRITE: the row is written whole (0 off the kept set; kept_logprobs_bwd), else the kept
+    # part is added into it (kept_logprobs_bwd_)
     row = tl.program_id(0).to(tl.int64)
     b = row // T
     t = row % T
+    out_row = grad_ptr + (b * TL + t) * V
     valid = tl.load(mask_ptr + row)
-    if valid:
-        g = tl.load(glogp_ptr + row).to(ACC)
-        if HAS_GENT:
-            gh = tl.load(gent_ptr + row).to(ACC)
-            h = tl.load(ent_ptr + row).to(ACC)
+    g = tl.load(glogp_ptr + row).to(ACC)
+    if HAS_GENT:
+        gh = tl.load(gent_ptr + row).to(ACC)
+        h = tl.load(ent_ptr + row).to(ACC)
+    else:
+        gh = tl.zeros([], ACC)
+        h = tl.zeros([], ACC)
+    if valid & ((g != 0.0) | (gh != 0.0)):
+        if ROW_TEMP:
+            inv = tl.load(invt_ptr + row).to(ACC)
         else:
-            gh = tl.zeros([], ACC)
-            h = tl.zeros([], ACC)
-        if (g != 0.0) | (gh != 0.0):
-            if ROW_TEMP:
-                inv = tl.load(invt_ptr + row).to(ACC)
+            inv = as_acc(inv_temp, ACC)
+        in_row = logits_ptr + b * stride_lb + t * stride_lt
+        y = tl.load(tokens_ptr + row)
+        top = tl.load(kmax_ptr + row).to(ACC)
+        log_sum = tl.load(kls_ptr + row).to(ACC)
+        if CSR:
+            start = tl.load(offs_ptr + row)
+            end = tl.load(offs_ptr + row + 1)
+            n = end - start
+            thr = 0.0
+            if WRITE:  # (the kept ids are then written over the zeros)
+                _zero_row(out_row, V, BLOCK)
+                tl.debug_barrier()
+        else:
+            start = 0
+            end = 0
+            n = V
+            thr = tl.load(thr_ptr + row)
+        found = tl.zeros([], tl.int32)
+        for k0 in range(0, n, BLOCK):
+            col, x, live = _kept_block(in_row, ids_ptr, start, end, k0, thr, V, CSR,
+                                       ACC, BLOCK)
+            lp = tl.where(live, (x - top) * inv - log_sum, 0.0)
+            p = tl.where(live, tl.exp(lp), 0.0)
+            dz = tl.where(col == y, 0.0 - g * expm1(lp), 0.0 - g * p)
+            dz = dz - tl.where(p > 0.0, gh * p * (lp + h), 0.0)
+            if WRITE:
+                if CSR:
+                    tl.store(out_row + col, (dz * inv).to(grad_ptr.dtype.element_ty),
+                             mask=live)
+                else:  # (every entry of the sweep: 0 off the set)
+                    tl.store(out_row + col,
+                             tl.where(live, dz * inv, 0.0).to(grad_ptr.dtype.element_ty),
+                             mask=col < V)
             else:
-                inv = as_acc(inv_temp, ACC)
-            in_row = logits_ptr + b * stride_lb + t * stride_lt
-            out_row = grad_ptr + (b * TL + t) * V
-            y = tl.load(tokens_ptr + row)
-            top = tl.load(kmax_ptr + row).to(ACC)
-            log_sum = tl.load(kls_ptr + row).to(ACC)
-            if CSR:
-                start = tl.load(offs_ptr + row)
-                end = tl.load(offs_ptr + row + 1)
-                n = end - start
-                thr = 0.0
-            else:
-                start = 0
-                end = 0
-                n = V
-                thr = tl.load(thr_ptr + row)
-            found = tl.zeros([], tl.int32)
-            for k0 in range(0, n, BLOCK):
-                col, x, live = _kept_block(in_row, ids_ptr, start, end, k0, thr, V, CSR,
-                                           ACC, BLOCK)
-                lp = tl.where(live, (x - top) * inv - log_sum, 0.0)
-                p = tl.where(live, tl.exp(lp), 0.0)
-                dz = tl.where(col == y, 0.0 - g * expm1(lp), 0.0 - g * p)
-                dz = dz - tl.where(p > 0.0, gh * p * (lp + h), 0.0)
                 old = tl.load(out_row + col, mask=live, other=0.0).to(ACC)
                 tl.store(out_row + col, (old + dz * inv).to(grad_ptr.dtype.element_ty),
                          mask=live)
-                found += tl.sum((live & (col == y)).to(tl.int32), 0)
-            if found == 0:  # the token, added to a set that lacked it
-                x_y = tl.load(in_row + y).to(ACC)
-                lp = (x_y - top) * inv - log_sum
-                p = tl.exp(lp)
-                dz = 0.0 - g * expm1(lp) - gh * p * (lp + h)
+            found += tl.sum((live & (col == y)).to(tl.int32), 0)
+        if found == 0:  # the token, added to a set that lacked it
+            x_y = tl.load(in_row + y).to(ACC)
+            lp = (x_y - top) * inv - log_sum
+            p = tl.exp(lp)
+            dz = 0.0 - g * expm1(lp) - gh * p * (lp + h)
+            if WRITE:  # (after the sweep's 0 there)
+                tl.debug_barrier()
+                tl.store(out_row + y, (dz * inv).to(grad_ptr.dtype.element_ty))
+            else:
                 old = tl.load(out_row + y).to(ACC)
                 tl.store(out_row + y, (old + dz * inv).to(grad_ptr.dtype.element_ty))
+    elif WRITE:
+        _zero_row(out_row, V, BLOCK)
 
 
 def _kept_args(logits, kept_ids, kept_offsets, threshold):
@@ -229,9 +257,9 @@ def kept_logprobs_fwd(logits, tokens, mask, temperature, kept_ids, kept_offsets,
     return (*outs, size, miss)
 
 
-def kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max,
-                       kept_log_sum, entropy, temperature, kept_ids, kept_offsets, threshold,
-                       dlogits, temperatures=None):
+def _kept_grad(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max, kept_log_sum,
+               entropy, temperature, kept_ids, kept_offsets, threshold, dlogits, temperatures,
+               write):
     B, T = tokens.shape
     acc = acc_dtype(logits)
     inv, invt, row_temp = _row_inv(temperatures, (B, T), acc, logits, temperature)
@@ -240,6 +268,8 @@ def kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_m
         raise ValueError("dlogits: expected a contiguous tensor of the logits' shape")
     has_gent = grad_entropy is not None
     gent = grad_entropy.contiguous() if has_gent else grad_logprobs
+    if write and logits.shape[1] > T:  # the rows past the tokens' T
+        dlogits[:, T:].zero_()
     if B * T:
         with device_guard(logits):
             _config.wrap(_kept_bwd_kernel)[(B * T,)](
@@ -247,4 +277,24 @@ def kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_m
                 mask.contiguous(), ids, offs, thr, kept_max, kept_log_sum, entropy,
                 grad_logprobs.contiguous(), gent, dlogits, invt, T, logits.shape[1],
                 logits.shape[2], inv, ACC=tl_acc(acc), CSR=csr, HAS_GENT=has_gent,
-                ROW_TEMP=row_temp, BLOCK=BLOCK)
+                ROW_TEMP=row_temp, WRITE=write, BLOCK=BLOCK)
+
+
+def kept_logprobs_bwd_(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max,
+                       kept_log_sum, entropy, temperature, kept_ids, kept_offsets, threshold,
+                       dlogits, temperatures=None):
+    _kept_grad(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max, kept_log_sum,
+               entropy, temperature, kept_ids, kept_offsets, threshold, dlogits, temperatures,
+               False)
+
+
+def kept_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max,
+                      kept_log_sum, entropy, temperature, kept_ids, kept_offsets, threshold,
+                      temperatures=None):
+    """kept_logprobs_bwd_'s gradient written whole into a new tensor (0 off the kept sets,
+    on masked rows and on the rows past T): no zero fill first."""
+    out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _kept_grad(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max, kept_log_sum,
+               entropy, temperature, kept_ids, kept_offsets, threshold, out, temperatures,
+               True)
+    return out

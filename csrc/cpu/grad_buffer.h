@@ -10,6 +10,7 @@
 // buffers it gets (zeros included), so recycled contents are never seen.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
@@ -104,6 +105,20 @@ inline at::Tensor new_grad_buffer(at::IntArrayRef sizes, const at::TensorOptions
   size_t got = 0;
   void* p = GradCache::get().take(bytes, &got);
   return at::from_blob(p, sizes, [got](void* q) { GradCache::get().give(q, got); }, opts);
+}
+
+// A new gradient buffer of zeros, zeroed by the pool's threads a MiB a task (one memset of
+// a whole share a thread: glibc writes a large memset with non-temporal stores, no read of
+// the lines first, which many small ones of a row each would not).
+inline at::Tensor new_zero_grad(at::IntArrayRef sizes, const at::TensorOptions& opts) {
+  at::Tensor out = new_grad_buffer(sizes, opts);
+  char* p = static_cast<char*>(out.data_ptr());
+  const int64_t bytes = out.numel() * static_cast<int64_t>(out.element_size());
+  constexpr int64_t kGrain = int64_t(1) << 20;  // a MiB a task: the pool's wake-up pays off
+  at::parallel_for(0, bytes, kGrain, [&](int64_t begin, int64_t end) {
+    std::memset(p + begin, 0, static_cast<size_t>(end - begin));
+  });
+  return out;
 }
 
 }  // namespace CPU_CAPABILITY

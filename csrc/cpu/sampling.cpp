@@ -9,10 +9,13 @@
 // kept_logprobs_fwd: logp_kept = z_y - log sum_{j in K} exp(z_j), z = x / temperature, and
 // the entropy of the kept-set softmax, with the statistics the backward needs (kept_max,
 // kept_log_sum: the convention of token_logprobs_fwd's row_max / log_sum, over K).
-// kept_logprobs_bwd_: dlogits += d/dx of sum(g * logp_kept + g_H * H_kept), only on K.
-// One row per task; the sums are taken in double (a threshold's masses and a threshold
-// row's kept masses by the vectorized float64 exp, the rest in scalar loops). Every op takes the optional
-// per-row `temperatures` [B, T] (csrc/ops.cpp): row i then uses z = x / temperatures[i].
+// kept_logprobs_bwd_: dlogits += d/dx of sum(g * logp_kept + g_H * H_kept), only on K;
+// kept_logprobs_bwd: the same written whole into a new tensor (0 off K).
+// One row per task. A threshold row's kept sums and gradient are vector sweeps of the
+// accumulation type over the row (the row kernels' vexp, row_kernels.h; the sums in its
+// lanes), a threshold's masses the vectorized float64 exp; a CSR row's sums are taken in
+// double in scalar loops. Every op takes the optional per-row `temperatures` [B, T]
+// (csrc/ops.cpp): row i then uses z = x / temperatures[i].
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
@@ -104,6 +107,36 @@ void for_each_at_least(const scalar_t* x, int64_t V, double t, F&& f) {
                    [&](double v) { return v >= t; }, f);
 }
 
+// A threshold row's kept entries K = {j : x_j >= t} in vectors of the accumulation type, two
+// at a time, as the rows' sweeps do (row_kernels.h): f(j, g, keep) for each pair g of
+// 2 W entries from j with the comparison vectors keep (all ones where x >= t); none(j) for
+// a pair with no kept entry; then the scalar tail with tail(j) for its kept entries and
+// tail_none(j) for the others.
+template <typename scalar_t, typename F, typename None, typename Tail, typename TailNone>
+void sweep_at_least(const scalar_t* x, int64_t V, double t, F&& f, None&& none, Tail&& tail,
+                    TailNone&& tail_none) {
+  using L = Lanes<scalar_t>;
+  using Vec = typename L::Vec;
+  constexpr int64_t W = L::W;
+  constexpr uint64_t kLanes = W >= 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;
+  const Vec vt(at_least<typename L::T>(t));
+  int64_t j = 0;
+  for (; j + 2 * W <= V; j += 2 * W) {
+    Vec g[2];
+    L::load(x + j, g, 2);
+    const Vec keep[2] = {g[0] >= vt, g[1] >= vt};
+    if ((static_cast<uint64_t>(keep[0].zero_mask()) & static_cast<uint64_t>(keep[1].zero_mask()) &
+         kLanes) == kLanes) {
+      none(j);
+    } else {
+      f(j, g, keep);
+    }
+  }
+  for (; j < V; ++j) {
+    if (static_cast<double>(x[j]) >= t) tail(j); else tail_none(j);
+  }
+}
+
 // The row's largest value in double, NaN entries ignored (as std::max(mx, v) in order
 // does; of +0 and -0 either may come back).
 template <typename scalar_t>
@@ -189,6 +222,132 @@ KeptSet kept_set(const std::optional<at::Tensor>& ids, const std::optional<at::T
     s.thr = thr_c.data_ptr<double>();
   }
   return s;
+}
+
+// A threshold row's kept statistics over K = {j : x_j >= t} (sweep_at_least: vectors of
+// the accumulation type, the rows' vexp): the kept max and count, then with the top value
+// `top` (the caller's: the kept max, or the token where the set lacks it) the non-top mass
+// apart from the entries at the top (ties: row_kernels.h's log1p(rest)) and sum e d.
+struct KeptSums {
+  double max = -kInf;  // the kept max (-inf: K is empty)
+  int64_t n = 0;       // |K|
+  double rest = 0.0, ties = 0.0, sd = 0.0;
+};
+
+template <typename scalar_t>
+KeptSums kept_max_count(const scalar_t* x, int64_t V, double t) {
+  using L = Lanes<scalar_t>;
+  using A = typename L::T;
+  using Vec = typename L::Vec;
+  constexpr int64_t W = L::W;
+  constexpr uint64_t kLanes = W >= 64 ? ~uint64_t(0) : (uint64_t(1) << W) - 1;
+  const Vec ninf(-std::numeric_limits<A>::infinity());
+  Vec m = ninf;
+  KeptSums k;
+  sweep_at_least(
+      x, V, t,
+      [&](int64_t, const Vec* g, const Vec* keep) {
+        for (int h = 0; h < 2; ++h) {
+          m = at::vec::maximum(m, Vec::blendv(ninf, g[h], keep[h]));
+          k.n += __builtin_popcountll(~static_cast<uint64_t>(keep[h].zero_mask()) & kLanes);
+        }
+      },
+      [](int64_t) {},
+      [&](int64_t j) {
+        k.max = std::max(k.max, static_cast<double>(x[j]));
+        ++k.n;
+      },
+      [](int64_t) {});
+  k.max = std::max(k.max, static_cast<double>(hmax(m)));
+  return k;
+}
+
+template <typename scalar_t>
+void kept_mass_sums(const scalar_t* x, int64_t V, double t, double top, double inv,
+                    KeptSums& k) {
+  using L = Lanes<scalar_t>;
+  using A = typename L::T;
+  using Vec = typename L::Vec;
+  const Vec zero(A(0)), one(A(1)), vtop(static_cast<A>(top)), vinv(static_cast<A>(inv));
+  Vec rest = zero, ties = zero, sd = zero;
+  auto add = [&](const Vec& g, const Vec& keep) {
+    const Vec at_top = keep & (g == vtop);
+    const Vec d = Vec::blendv((g - vtop) * vinv, zero, at_top);
+    const Vec e = Vec::blendv(zero, vexp(d), keep & ~at_top);
+    rest = rest + e;
+    ties = ties + (at_top & one);
+    sd = sd + Vec::blendv(zero, e * d, e > zero);
+  };
+  sweep_at_least(
+      x, V, t,
+      [&](int64_t, const Vec* g, const Vec* keep) {
+        add(g[0], keep[0]);
+        add(g[1], keep[1]);
+      },
+      [](int64_t) {},
+      [&](int64_t j) {
+        const double v = static_cast<double>(x[j]);
+        if (v == top) {
+          k.ties += 1.0;
+          return;
+        }
+        const double d = (v - top) * inv, e = std::exp(d);
+        k.rest += e;
+        if (e > 0) k.sd += e * d;
+      },
+      [](int64_t) {});
+  k.rest += hsum(rest);
+  k.ties += hsum(ties);
+  k.sd += hsum(sd);
+}
+
+// The kept part of a threshold row's gradient, o_j (+)= dz_j / T on K = {j : x_j >= t}
+// (sweep_at_least), with dz_j = -g p_j - g_H p_j (log p_j + H) (the token's own formula is
+// the caller's: its entry is rewritten after): ACCUMULATE adds it into o (the entries off K
+// left as they are), else writes it and 0 off K.
+template <bool ACCUMULATE, typename scalar_t>
+void kept_grad_sweep(const scalar_t* x, scalar_t* o, int64_t V, double t, double top,
+                     double inv, double log_sum, double g, double gh, double h) {
+  using L = Lanes<scalar_t>;
+  using A = typename L::T;
+  using Vec = typename L::Vec;
+  constexpr int64_t W = L::W;
+  const Vec zero(A(0)), vtop(static_cast<A>(top)), vinv(static_cast<A>(inv)),
+      vls(static_cast<A>(log_sum)), vg(static_cast<A>(g)), vgh(static_cast<A>(gh)),
+      vh(static_cast<A>(h));
+  auto val = [&](const Vec& xv, const Vec& keep) {
+    const Vec lp = (xv - vtop) * vinv - vls;
+    const Vec p = vexp(lp);
+    Vec dz = zero - vg * p;
+    if (gh != 0.0) dz = dz - Vec::blendv(zero, vgh * p * (lp + vh), p > zero);
+    return Vec::blendv(zero, dz * vinv, keep);
+  };
+  auto scalar = [&](int64_t j) {
+    const double lpj = (static_cast<double>(x[j]) - top) * inv - log_sum;
+    const double pj = std::exp(lpj);
+    double dz = -g * pj;
+    if (gh != 0.0 && pj > 0) dz -= gh * pj * (lpj + h);
+    o[j] = static_cast<scalar_t>((ACCUMULATE ? static_cast<double>(o[j]) : 0.0) + dz * inv);
+  };
+  sweep_at_least(
+      x, V, t,
+      [&](int64_t j, const Vec* gx, const Vec* keep) {
+        Vec v[2] = {val(gx[0], keep[0]), val(gx[1], keep[1])};
+        if constexpr (ACCUMULATE) {
+          Vec old[2];
+          L::load(o + j, old, 2);
+          v[0] = v[0] + old[0];
+          v[1] = v[1] + old[1];
+        }
+        L::store(v, o + j, 2);
+      },
+      [&](int64_t j) {
+        if constexpr (!ACCUMULATE) zero_row(o + j, 2 * W);
+      },
+      scalar,
+      [&](int64_t j) {
+        if constexpr (!ACCUMULATE) o[j] = scalar_t(0);
+      });
 }
 
 // Rows per task: a CSR row is k entries (tiny: one thread takes many rows, no wake-up of
@@ -483,7 +642,6 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::
     bool* miss = missing.data_ptr<bool>();
     const T* tt = row_temperatures<T>(r);
     at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
-      std::vector<double> kv;
       for (int64_t i = begin; i < end; ++i) {
         if (!m[i]) {
           lp[i] = en[i] = mx[i] = ls[i] = T(0);
@@ -499,26 +657,24 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::
         // the top entry's exp(0) = 1 is kept apart: log_sum = log1p(rest) (row_kernels.h)
         double rest = 0.0, sd = 0.0;
         if (!ks.csr) {
-          // a threshold row (often thousands of entries): the kept values gathered, the top
-          // one set to -inf (mass 0), then their masses (exp_vectors), summed lane by lane
-          // and across the lanes (a fixed order for a given row)
-          kv.clear();
-          int64_t top_at = 0;
-          miss[i] = ks.each(x, i, y, [&](int64_t j) {
-            const double v = static_cast<double>(x[j]);
-            if (top_j < 0 || v > top || std::isnan(v)) top = v, top_j = j, top_at = n;
-            kv.push_back(v);
+          // a threshold row (often thousands of entries): two vector sweeps over the row
+          // (kept_max_count, kept_mass_sums); the token where the set lacks it (x_y < t, or
+          // NaN) joins as each() adds it
+          const double t = ks.thr[i], v = static_cast<double>(x[y]);
+          KeptSums k = kept_max_count(x, r.V, t);
+          miss[i] = !(v >= t);
+          top = k.max;
+          n = k.n;
+          if (miss[i] && (n == 0 || v > top || std::isnan(v))) top = v;
+          if (k.n > 0) kept_mass_sums(x, r.V, t, top, inv, k);
+          if (miss[i]) {
             ++n;
-          });
-          kv[top_at] = -kInf;
-          const VD zero(0.0);
-          VD vr(0.0), vs(0.0);
-          exp_vectors(kv, n, top, inv, [&](int64_t, const VD& dq, const VD& eq) {
-            vr = vr + eq;
-            vs = vs + VD::blendv(zero, eq * dq, eq > zero);
-          });
-          rest = hsum(vr);
-          sd = hsum(vs);
+            const double dy = (v - top) * inv, e = std::exp(dy);
+            if (v == top) k.ties += 1.0; else k.rest += e;
+            if (e > 0 && v != top) k.sd += e * dy;
+          }
+          rest = k.rest + std::max(k.ties - 1.0, 0.0);
+          sd = k.sd;
         } else {
           miss[i] = ks.each(x, i, y, [&](int64_t j) {
             const double v = static_cast<double>(x[j]);
@@ -550,17 +706,20 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::
   return {logp, ent, kmax, kls, size, missing};
 }
 
-// dlogits += d/dlogits of sum(grad_logprobs * logp_kept + grad_entropy * H_kept), on the
-// kept entries of each valid row (dlogits: logits' shape and dtype, contiguous).
-void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
-                        const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
-                        const at::Tensor& tokens, const at::Tensor& mask,
-                        const at::Tensor& kept_max_in, const at::Tensor& kept_log_sum_in,
-                        const at::Tensor& entropy_in, double temperature,
-                        const std::optional<at::Tensor>& kept_ids,
-                        const std::optional<at::Tensor>& kept_offsets,
-                        const std::optional<at::Tensor>& threshold, at::Tensor& dlogits,
-                        const std::optional<at::Tensor>& temperatures) {
+// The kept part of the gradient, d/dlogits of sum(grad_logprobs * logp_kept + grad_entropy
+// * H_kept) on the kept entries of each valid row: added into dlogits (ACCUMULATE), or for
+// threshold sets written whole with 0 off the kept sets, on masked rows and on the rows
+// T..Tl-1 (no zero fill and no read of the destination first). dlogits: logits' shape and
+// dtype, contiguous.
+template <bool ACCUMULATE>
+void kept_grad(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
+               const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
+               const at::Tensor& kept_max_in, const at::Tensor& kept_log_sum_in,
+               const at::Tensor& entropy_in, double temperature,
+               const std::optional<at::Tensor>& kept_ids,
+               const std::optional<at::Tensor>& kept_offsets,
+               const std::optional<at::Tensor>& threshold, at::Tensor& dlogits,
+               const std::optional<at::Tensor>& temperatures) {
   const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
   const at::Tensor grad_lp = r.per_token(grad_logprobs, "grad_logprobs");
   const at::Tensor kept_max = r.per_token(kept_max_in, "kept_max");
@@ -576,8 +735,9 @@ void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
   at::Tensor ids_c, offs_c, thr_c;
   const KeptSet ks = kept_set(kept_ids, kept_offsets, threshold, r.B * r.T, r.V, ids_c, offs_c,
                               thr_c);
+  TORCH_INTERNAL_ASSERT(ACCUMULATE || !ks.csr, "kept_grad: CSR sets are added into zeros");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
-                                  "kept_logprobs_bwd_", [&] {
+                                  "kept_logprobs_bwd", [&] {
     using T = acc_of<scalar_t>;
     const scalar_t* L = logits.data_ptr<scalar_t>();
     scalar_t* O = dlogits.data_ptr<scalar_t>();
@@ -586,27 +746,86 @@ void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
     const T* H = has_ge ? entropy.data_ptr<T>() : nullptr;
     const T *mx = kept_max.data_ptr<T>(), *ls = kept_log_sum.data_ptr<T>();
     const T* tt = row_temperatures<T>(r);
-    at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
+    if (!ACCUMULATE)  // the rows past the tokens' T
+      for (int64_t b = 0; b < r.B; ++b)
+        zero_row(O + (b * r.Tl + r.T) * r.V, (r.Tl - r.T) * r.V);
+    // (threshold rows written whole: every row a sweep of V, about 2^18 entries a task)
+    const int64_t grain = ACCUMULATE ? kept_grain(ks, r.B * r.T)
+                                     : std::max<int64_t>(1, (int64_t(1) << 18) / r.V);
+    at::parallel_for(0, r.B * r.T, grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const double g = gl[i], gh = ge ? static_cast<double>(ge[i]) : 0.0;
-        if (!m[i] || (g == 0.0 && gh == 0.0)) continue;
-        const scalar_t* x = L + r.offset(i);
         scalar_t* o = O + ((i / r.T) * r.Tl + (i % r.T)) * r.V;
+        const double g = gl[i], gh = ge ? static_cast<double>(ge[i]) : 0.0;
+        if (!m[i] || (g == 0.0 && gh == 0.0)) {
+          if (!ACCUMULATE) zero_row(o, r.V);
+          continue;
+        }
+        const scalar_t* x = L + r.offset(i);
         const int64_t y = tok[i];
         const double top = mx[i], log_sum = ls[i], h = H ? static_cast<double>(H[i]) : 0.0;
         const double inv = row_inv_d(tt, i, temperature);
-        ks.each(x, i, y, [&](int64_t j) {
+        // d logp_y / d z_j = 1[j = y] - p_j (1 - p_y as -expm1(log p_y)); d H / d z_j =
+        // -p_j (log p_j + H)
+        auto dz_of = [&](int64_t j) {
           const double lpj = (static_cast<double>(x[j]) - top) * inv - log_sum;
           const double pj = std::exp(lpj);
-          // d logp_y / d z_j = 1[j = y] - p_j (1 - p_y as -expm1(log p_y)); d H / d z_j =
-          // -p_j (log p_j + H)
           double dz = (j == y ? -g * std::expm1(lpj) : -g * pj);
           if (gh != 0.0 && pj > 0) dz -= gh * pj * (lpj + h);
-          o[j] = static_cast<scalar_t>(static_cast<double>(o[j]) + dz * inv);
-        });
+          return dz * inv;
+        };
+        if (ks.csr) {
+          ks.each(x, i, y, [&](int64_t j) {
+            o[j] = static_cast<scalar_t>(static_cast<double>(o[j]) + dz_of(j));
+          });
+        } else {
+          // the sweep gives the token's entry the others' formula where it is kept: its
+          // own value is written after, from the entry as it was before the sweep
+          const double old_y = ACCUMULATE ? static_cast<double>(o[y]) : 0.0;
+          kept_grad_sweep<ACCUMULATE>(x, o, r.V, ks.thr[i], top, inv, log_sum, g, gh, h);
+          o[y] = static_cast<scalar_t>(old_y + dz_of(y));
+        }
       }
     });
   });
+}
+
+void kept_logprobs_bwd_(const at::Tensor& grad_logprobs,
+                        const std::optional<at::Tensor>& grad_entropy, const at::Tensor& logits,
+                        const at::Tensor& tokens, const at::Tensor& mask,
+                        const at::Tensor& kept_max, const at::Tensor& kept_log_sum,
+                        const at::Tensor& entropy, double temperature,
+                        const std::optional<at::Tensor>& kept_ids,
+                        const std::optional<at::Tensor>& kept_offsets,
+                        const std::optional<at::Tensor>& threshold, at::Tensor& dlogits,
+                        const std::optional<at::Tensor>& temperatures) {
+  kept_grad<true>(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max, kept_log_sum,
+                  entropy, temperature, kept_ids, kept_offsets, threshold, dlogits,
+                  temperatures);
+}
+
+// The same gradient in a new tensor (the CPU kernels' recycled gradient memory,
+// grad_buffer.h), every entry written once.
+at::Tensor kept_logprobs_bwd(const at::Tensor& grad_logprobs,
+                             const std::optional<at::Tensor>& grad_entropy,
+                             const at::Tensor& logits, const at::Tensor& tokens,
+                             const at::Tensor& mask, const at::Tensor& kept_max,
+                             const at::Tensor& kept_log_sum, const at::Tensor& entropy,
+                             double temperature, const std::optional<at::Tensor>& kept_ids,
+                             const std::optional<at::Tensor>& kept_offsets,
+                             const std::optional<at::Tensor>& threshold,
+                             const std::optional<at::Tensor>& temperatures) {
+  // a CSR row's few ids are added into zeros (new_zero_grad: a MiB a task, as one row's
+  // memset each would not), a threshold row is written whole by its sweep
+  if (kept_ids.has_value()) {
+    at::Tensor out = new_zero_grad(logits.sizes(), logits.options());
+    kept_grad<true>(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max, kept_log_sum,
+                    entropy, temperature, kept_ids, kept_offsets, threshold, out, temperatures);
+    return out;
+  }
+  at::Tensor out = new_grad_buffer(logits.sizes(), logits.options());
+  kept_grad<false>(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max, kept_log_sum,
+                   entropy, temperature, kept_ids, kept_offsets, threshold, out, temperatures);
+  return out;
 }
 
 // ------------------------------------------------------------------ check_kept_ids
@@ -648,6 +867,7 @@ TORCH_LIBRARY_IMPL(ppo_kernels, CPU, m) {
   m.impl("sampling_threshold", &sampling_threshold);
   m.impl("kept_logprobs_fwd", &kept_logprobs_fwd);
   m.impl("kept_logprobs_bwd_", &kept_logprobs_bwd_);
+  m.impl("kept_logprobs_bwd", &kept_logprobs_bwd);
 }
 
 }  // namespace CPU_CAPABILITY

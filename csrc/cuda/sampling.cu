@@ -5,14 +5,15 @@
 // ids (kept_ids[kept_offsets[r] .. kept_offsets[r + 1])) or the entries x_j >= threshold[r];
 // the sampled token is always in it. Two block reductions per row in the forward (the kept
 // max; then the non-top mass, the ties, sum e d, the count and whether the token was seen),
-// one sweep in the backward adding the kept part into dlogits (ids unique per row, so no
-// atomics). sampling_threshold: for bfloat16 / float16 logits one block per row, an exact
-// count histogram of the row's 16-bit values in shared memory (threshold_select.cuh); for
-// float32 / float64 logits, or a device with less than its 145 KiB of shared memory a
-// block, ATen ops on chunks of rows (a sort per chunk); both the rules of the CPU kernel
-// (vLLM v1's sampler as value thresholds). The optional per-row
-// `temperatures` [B, T] (csrc/ops.cpp): row r uses 1 / temperatures[r], taken in double and
-// rounded once to the accumulation dtype (invt below; the scalar's 1 / temperature too).
+// one sweep in the backward adding the kept part into dlogits, or writing the row whole
+// (kept_logprobs_bwd; ids unique per row, so no atomics). sampling_threshold: for bfloat16
+// / float16 logits one block per row, an exact count histogram of the row's 16-bit values
+// in shared memory (threshold_select.cuh); for float32 / float64 logits, or a device with
+// less than its 145 KiB of shared memory a block, ATen ops on chunks of rows (a sort per
+// chunk); both the rules of the CPU kernel (vLLM v1's sampler as value thresholds). The
+// optional per-row `temperatures` [B, T] (csrc/ops.cpp): row r uses 1 / temperatures[r],
+// taken in double and rounded once to the accumulation dtype (invt below; the scalar's 1 /
+// temperature too).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -132,7 +133,7 @@ __global__ void kept_fwd_kernel(const scalar_t* __restrict__ logits, int64_t sB,
     const A d = (static_cast<A>(x[j]) - top) * inv;
     const A e = exp(d);
     if (d == A(0)) ties += A(1); else rest += e;
-    sd += e * d;
+    if (e > A(0)) sd += e * d;  // (a -inf entry: 0, not NaN)
   }
   rest = block_sum(rest, sh);
   ties = block_sum(ties, sh);
@@ -141,7 +142,7 @@ __global__ void kept_fwd_kernel(const scalar_t* __restrict__ logits, int64_t sB,
     if (miss) {
       const A d = (x_y - top) * inv;
       if (d == A(0)) ties += A(1); else rest += exp(d);
-      sd += exp(d) * d;
+      if (exp(d) > A(0)) sd += exp(d) * d;
       cnt += A(1);
     }
     rest += ties > A(1) ? ties - A(1) : A(0);
@@ -155,7 +156,9 @@ __global__ void kept_fwd_kernel(const scalar_t* __restrict__ logits, int64_t sB,
   }
 }
 
-template <typename scalar_t, typename A>
+// WRITE: the row is written whole, 0 off the kept set (kept_logprobs_bwd: no zero fill
+// and no read of dlogits first); else the kept part is added into it (kept_logprobs_bwd_).
+template <typename scalar_t, typename A, bool WRITE>
 __global__ void kept_bwd_kernel(const scalar_t* __restrict__ logits, int64_t sB, int64_t sT,
                                 const int64_t* __restrict__ tokens,
                                 const bool* __restrict__ mask, const int64_t* ids,
@@ -165,33 +168,43 @@ __global__ void kept_bwd_kernel(const scalar_t* __restrict__ logits, int64_t sB,
                                 const A* gent, scalar_t* __restrict__ out) {
   __shared__ A sh[kThreads];
   const int64_t row = blockIdx.x;
-  const A inv = invt ? invt[row] : inv_s;
-  if (!mask[row]) return;
-  const A g = glogp[row], gh = gent ? gent[row] : A(0), h = gent ? ent[row] : A(0);
-  if (g == A(0) && gh == A(0)) return;
-  const scalar_t* x = logits + (row / T) * sB + (row % T) * sT;
   scalar_t* o = out + ((row / T) * Tl + (row % T)) * V;
+  const A inv = invt ? invt[row] : inv_s;
+  const A g = glogp[row], gh = gent ? gent[row] : A(0), h = gent ? ent[row] : A(0);
+  if (!mask[row] || (g == A(0) && gh == A(0))) {
+    if (WRITE)
+      for (int64_t k = threadIdx.x; k < V; k += blockDim.x) o[k] = scalar_t(0);
+    return;
+  }
+  const scalar_t* x = logits + (row / T) * sB + (row % T) * sT;
   const int64_t y = tokens[row];
   const A top = kmax[row], ls = kls[row];
   const KeptRow kr = kept_row(ids, offs, thr, csr, row, V);
   const int64_t n = kr.count();
+  if (WRITE && csr) {  // the kept ids are written over the zeros
+    for (int64_t k = threadIdx.x; k < V; k += blockDim.x) o[k] = scalar_t(0);
+    __syncthreads();
+  }
   A seen = A(0);
   for (int64_t k = threadIdx.x; k < n; k += blockDim.x) {
     int64_t j;
-    if (!kr.at(x, k, &j)) continue;
+    if (!kr.at(x, k, &j)) {
+      if (WRITE) o[j] = scalar_t(0);  // (a threshold row's entry off the set)
+      continue;
+    }
     const A lp = (static_cast<A>(x[j]) - top) * inv - ls;
     const A p = exp(lp);
     A dz = j == y ? -g * expm1(lp) : -g * p;
     if (p > A(0)) dz -= gh * p * (lp + h);
-    o[j] = static_cast<scalar_t>(static_cast<A>(o[j]) + dz * inv);
+    o[j] = static_cast<scalar_t>((WRITE ? A(0) : static_cast<A>(o[j])) + dz * inv);
     if (j == y) seen += A(1);
   }
-  seen = block_sum(seen, sh);
+  seen = block_sum(seen, sh);  // (its barriers order the sweep's writes before the token's)
   if (threadIdx.x == 0 && seen == A(0)) {  // the token, added to a set that lacked it
     const A lp = (static_cast<A>(x[y]) - top) * inv - ls;
     const A p = exp(lp);
     const A dz = -g * expm1(lp) - gh * p * (lp + h);
-    o[y] = static_cast<scalar_t>(static_cast<A>(o[y]) + dz * inv);
+    o[y] = static_cast<scalar_t>((WRITE ? A(0) : static_cast<A>(o[y])) + dz * inv);
   }
 }
 
@@ -268,15 +281,17 @@ kept_logprobs_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens,
   return {lp, en, mx, ls, size, miss};
 }
 
-void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
-                             const std::optional<at::Tensor>& grad_entropy,
-                             const at::Tensor& logits, const at::Tensor& tokens,
-                             const at::Tensor& mask, const at::Tensor& kept_max,
-                             const at::Tensor& kept_log_sum, const at::Tensor& entropy,
-                             double temperature, const std::optional<at::Tensor>& kept_ids,
-                             const std::optional<at::Tensor>& kept_offsets,
-                             const std::optional<at::Tensor>& threshold, at::Tensor& dlogits,
-                             const std::optional<at::Tensor>& temperatures) {
+// The kept part of the gradient into dlogits: added (kept_logprobs_bwd_) or, with WRITE,
+// written whole (kept_logprobs_bwd; the rows T..Tl-1 zeroed here).
+template <bool WRITE>
+void kept_grad_cuda(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy,
+                    const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
+                    const at::Tensor& kept_max, const at::Tensor& kept_log_sum,
+                    const at::Tensor& entropy, double temperature,
+                    const std::optional<at::Tensor>& kept_ids,
+                    const std::optional<at::Tensor>& kept_offsets,
+                    const std::optional<at::Tensor>& threshold, at::Tensor& dlogits,
+                    const std::optional<at::Tensor>& temperatures) {
   check_cuda(logits);
   c10::cuda::CUDAGuard guard(logits.device());
   const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
@@ -284,6 +299,7 @@ void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
                   dlogits.scalar_type() == logits.scalar_type(),
               "dlogits: expected a contiguous tensor of the logits' shape and dtype");
   const int64_t B = r.B, T = r.T, Tl = r.Tl, V = r.V;
+  if (WRITE && Tl > T) dlogits.narrow(1, T, Tl - T).zero_();
   if (B * T == 0) return;
   const at::Tensor gl = r.per_token(grad_logprobs, "grad_logprobs");
   const at::Tensor mx = r.per_token(kept_max, "kept_max");
@@ -295,9 +311,9 @@ void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
   const at::Tensor invt = inv_temperatures(r);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
-                                  "kept_logprobs_bwd_cuda_", [&] {
+                                  "kept_logprobs_bwd_cuda", [&] {
     using A = acc_of<scalar_t>;
-    kept_bwd_kernel<scalar_t, A><<<B * T, kThreads, 0, stream>>>(
+    kept_bwd_kernel<scalar_t, A, WRITE><<<B * T, kThreads, 0, stream>>>(
         logits.data_ptr<scalar_t>(), logits.stride(0), logits.stride(1),
         r.tokens.data_ptr<int64_t>(), r.mask.data_ptr<bool>(), a.ids.data_ptr<int64_t>(),
         a.offs.data_ptr<int64_t>(), a.thr.data_ptr<double>(), a.csr, T, Tl, V,
@@ -307,6 +323,37 @@ void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
         dlogits.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+void kept_logprobs_bwd_cuda_(const at::Tensor& grad_logprobs,
+                             const std::optional<at::Tensor>& grad_entropy,
+                             const at::Tensor& logits, const at::Tensor& tokens,
+                             const at::Tensor& mask, const at::Tensor& kept_max,
+                             const at::Tensor& kept_log_sum, const at::Tensor& entropy,
+                             double temperature, const std::optional<at::Tensor>& kept_ids,
+                             const std::optional<at::Tensor>& kept_offsets,
+                             const std::optional<at::Tensor>& threshold, at::Tensor& dlogits,
+                             const std::optional<at::Tensor>& temperatures) {
+  kept_grad_cuda<false>(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max,
+                        kept_log_sum, entropy, temperature, kept_ids, kept_offsets, threshold,
+                        dlogits, temperatures);
+}
+
+at::Tensor kept_logprobs_bwd_cuda(const at::Tensor& grad_logprobs,
+                                  const std::optional<at::Tensor>& grad_entropy,
+                                  const at::Tensor& logits, const at::Tensor& tokens,
+                                  const at::Tensor& mask, const at::Tensor& kept_max,
+                                  const at::Tensor& kept_log_sum, const at::Tensor& entropy,
+                                  double temperature, const std::optional<at::Tensor>& kept_ids,
+                                  const std::optional<at::Tensor>& kept_offsets,
+                                  const std::optional<at::Tensor>& threshold,
+                                  const std::optional<at::Tensor>& temperatures) {
+  at::Tensor out = at::empty(logits.sizes(), logits.options().memory_format(
+                                                 at::MemoryFormat::Contiguous));
+  kept_grad_cuda<true>(grad_logprobs, grad_entropy, logits, tokens, mask, kept_max,
+                       kept_log_sum, entropy, temperature, kept_ids, kept_offsets, threshold,
+                       out, temperatures);
+  return out;
 }
 
 // The per-row threshold with ATen ops on chunks of rows (docs/SAMPLING.md's rules; the
@@ -460,6 +507,7 @@ TORCH_LIBRARY_IMPL(ppo_kernels, CUDA, m) {
   m.impl("sampling_threshold", &sampling_threshold_cuda);
   m.impl("kept_logprobs_fwd", &kept_logprobs_fwd_cuda);
   m.impl("kept_logprobs_bwd_", &kept_logprobs_bwd_cuda_);
+  m.impl("kept_logprobs_bwd", &kept_logprobs_bwd_cuda);
 }
 
 }  // namespace ppo_cuda
