@@ -10,7 +10,9 @@ kernel's loops with the most MUFU.EX2 (one exp2 per logit: the vocabulary sweeps
 printed with their instruction count over that exp2 count. The re-derived threshold's
 kernel (threshold_select_kernel, csrc/cuda/threshold_select.cuh) has no exp per element: its
 sweeps are the loops with shared-memory atomics (ATOMS, one per entry counted), printed over
-that count. Static counts: what the sweep issues per element, not a time.
+that count; threshold_kept_kernel's (the same select, then the kept statistics' sweep)
+are its loops with an exp a kept entry. Static counts: what the sweep issues per element,
+not a time.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNELS = ("partial_stats_kernel", "grad_chunks_kernel", "fused_rows_kernel",
-           "cluster_rows_kernel", "threshold_select_kernel")
+           "cluster_rows_kernel", "threshold_select_kernel", "threshold_kept_kernel")
 # the per-element instruction of each kernel's sweeps (threshold: the bin counts)
 PER = {"threshold_select_kernel": "ATOMS"}
 DTYPES = {"N3c108BFloat16E": "bf16", "fE": "float32", "NS_6select8Bf16BitsE": "bf16",

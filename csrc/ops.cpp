@@ -79,6 +79,13 @@ TORCH_LIBRARY(ppo_kernels, m) {
       "-> (Tensor logprobs, "
       "Tensor entropy, Tensor kept_max, Tensor kept_log_sum, Tensor kept_size, "
       "Tensor missing)");
+  // sampling_threshold, then kept_logprobs_fwd on that threshold: one op (a row read while
+  // it is in cache or on chip), its threshold the last output
+  m.def(
+      "threshold_kept_fwd(Tensor logits, Tensor tokens, Tensor mask, float temperature, "
+      "Tensor? top_k, Tensor? top_p, Tensor? min_p, Tensor? temperatures=None) "
+      "-> (Tensor logprobs, Tensor entropy, Tensor kept_max, Tensor kept_log_sum, "
+      "Tensor kept_size, Tensor missing, Tensor threshold)");
   m.def(
       "kept_logprobs_bwd_(Tensor grad_logprobs, Tensor? grad_entropy, Tensor logits, "
       "Tensor tokens, Tensor mask, Tensor kept_max, Tensor kept_log_sum, Tensor entropy, "

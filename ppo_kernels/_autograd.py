@@ -89,6 +89,11 @@ def _fake_kept_logprobs_fwd(logits, tokens, *_, **__):
             *_per_token(tokens, logits, 1, torch.bool))
 
 
+def _fake_threshold_kept_fwd(logits, tokens, *_, **__):
+    return (*_fake_kept_logprobs_fwd(logits, tokens),
+            tokens.new_empty(tokens.shape, dtype=torch.float64))
+
+
 def _fake_kept_logprobs_bwd(grad_logprobs, grad_entropy, logits, *_, **__):
     return torch.empty_like(logits, memory_format=torch.contiguous_format)
 
@@ -288,6 +293,7 @@ def register(prefix):
                      ("kept_logprobs_fwd", lambda: _fake_kept_logprobs_fwd),
                      ("kept_logprobs_bwd_", lambda: _fake_none),
                      ("kept_logprobs_bwd", lambda: _fake_kept_logprobs_bwd),
+                     ("threshold_kept_fwd", lambda: _fake_threshold_kept_fwd),
                      ("zeros_grad", lambda: _fake_zeros_grad)):
         if hasattr(torch.ops.ppo_kernels, prefix + name):
             fakes[name] = fn()

@@ -65,6 +65,19 @@ def threshold_op(be, logits3):
     return be.op("sampling_threshold")
 
 
+def threshold_kept_op(be, logits3):
+    """The op that re-derives the sets and takes their statistics in one call
+    (threshold_kept_fwd: the row read again while in cache; on the cuda backend with
+    bfloat16 / float16 logits one kernel, csrc/cuda/sampling.cu threshold_kept_kernel), or
+    None where threshold_op's choice runs beside the backend's kept_logprobs_fwd (the device
+    path's Triton threshold)."""
+    if be.name == "cuda" and logits3.dtype in (torch.bfloat16, torch.float16):
+        return be.op("threshold_kept_fwd")
+    if _backends.device_eager(be, logits3) or not be.has_op("threshold_kept_fwd"):
+        return None
+    return be.op("threshold_kept_fwd")
+
+
 def kept_mass_op(be, like):
     """kept.kept_mass, or on the device path (_backends.device_eager) its one-launch Triton
     twin (triton_kernels/kept_mass.py) in place of seven eager ops."""
@@ -75,12 +88,17 @@ def kept_mass_op(be, like):
 
 
 def kernel_stats(be, logits3, tokens, mask, temperature, rp):
-    """One pass (two for re-derived sets: the threshold pre-pass) of the kept-set kernels.
+    """One pass (for re-derived sets the threshold's and the kept statistics', one op where
+    threshold_kept_op has one) of the kept-set kernels.
     temperature: a number or the per-row [B, T] tensor (the ops' `temperatures`)."""
     require_ops(be)  # (the CUDA kernels, csrc/cuda/sampling.cu, are unrun)
     t, temps = ck.split_temperature(temperature)
     thr = None
     if not rp.given:
+        fused = threshold_kept_op(be, logits3)
+        if fused is not None:
+            return KeptStats(*fused(logits3, tokens, mask, t, rp.top_k, rp.top_p, rp.min_p,
+                                    temps))
         thr = threshold_op(be, logits3)(logits3, mask, t, rp.top_k, rp.top_p, rp.min_p,
                                         temps)
     out = be.op("kept_logprobs_fwd")(logits3, tokens, mask, t, rp.ids, rp.offsets, thr, temps)

@@ -727,12 +727,14 @@ def opcheck_arguments(op, options=None, *, shape=(3, 5, 37), seed=0, requires_gr
         return (logits, tok, mask, b["ref_logprobs"], rnd(B, T), rnd(B), 0.05,
                 spec.kl_estimator_id, 0.99, 0.95, temp), kw
     if op in ("sampling_threshold", "kept_logprobs_fwd", "kept_logprobs_bwd_",
-              "kept_logprobs_bwd"):
+              "kept_logprobs_bwd", "threshold_kept_fwd"):
         top_k = torch.full((B, T), max(1, V // 3), dtype=torch.int64, device=device)
         top_p = torch.full((B, T), 0.9, dtype=torch.float64, device=device)
         thr = ops.sampling_threshold(logits, mask, temp, top_k, top_p, None, **kw)
         if op == "sampling_threshold":
             return (lg, mask, temp, top_k, top_p, None), kw
+        if op == "threshold_kept_fwd":
+            return (lg, tok, mask, temp, top_k, top_p, None), kw
         if op == "kept_logprobs_fwd":
             return (lg, tok, mask, temp, None, None, thr), kw
         _, ent, kmax, kls, _, _ = ops.kept_logprobs_fwd(logits, tok, mask, temp, None, None,

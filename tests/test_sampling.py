@@ -1153,3 +1153,44 @@ def test_kept_ops_against_the_reference(prefix, dtype):
 
 def ck_acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@pytest.mark.parametrize("prefix", ["", "triton_"], ids=["cpu", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threshold_kept_fwd_is_the_two_ops(prefix, dtype):
+    """threshold_kept_fwd (the re-derived sets' threshold and kept statistics in one op, as
+    kept_rows.kernel_stats takes them) equals sampling_threshold and then kept_logprobs_fwd
+    on its threshold, bit for bit: every rule on, rules off on some rows (top_k = V, top_p =
+    1, min_p = 0), per-row temperatures, masked rows, tokens below the threshold (missing);
+    and its schema and fake function pass opcheck."""
+    from ppo_kernels._backends import get_backend
+    dev = torch.device(TRITON_DEVICE if prefix else "cpu")
+    get_backend("cpu" if not prefix else "triton", dev)
+    ops = torch.ops.ppo_kernels
+    thr_op, fwd, fused = (getattr(ops, prefix + n) for n in (
+        "sampling_threshold", "kept_logprobs_fwd", "threshold_kept_fwd"))
+    gen = torch.Generator().manual_seed(53)
+    B, T, V = 3, 5, 301 if prefix else 1031
+    x = (torch.randn(B, T, V, generator=gen) * 3).to(dtype)
+    tokens = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[1, 2] = False
+    top_k = torch.randint(1, V // 4, (B, T), generator=gen)
+    top_k[0, 0] = V
+    top_p = torch.rand(B, T, generator=gen, dtype=torch.float64) * 0.9 + 0.05
+    top_p[0, 0] = top_p[2, 1] = 1.0
+    min_p = torch.rand(B, T, generator=gen, dtype=torch.float64) * 0.1
+    min_p[0, 0] = 0.0
+    temps = (0.5 + torch.rand(B, T, generator=gen)).to(ck_acc(dtype))
+    args = [t.to(dev) for t in (x, tokens, mask, top_k, top_p, min_p, temps)]
+    x_, tok_, m_, k_, p_, mp_, tt_ = args
+    for rules in ((k_, p_, mp_), (k_, None, None), (None, p_, None), (None, None, mp_)):
+        for temp_kw in ({}, {"temperatures": tt_}):
+            got = fused(x_, tok_, m_, 0.9, *rules, **temp_kw)
+            thr = thr_op(x_, m_, 0.9, *rules, **temp_kw)
+            want = (*fwd(x_, tok_, m_, 0.9, None, None, thr, **temp_kw), thr)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), (rules, temp_kw)
+            assert bool(got[5][m_].any()) or rules[1] is None  # some tokens missing
+    torch.library.opcheck(fused, (x_, tok_, m_, 0.9, k_, p_, mp_),
+                          test_utils=("test_schema", "test_faketensor"))

@@ -87,7 +87,7 @@ def test_schemas_match_ops_cpp():
                         "distill_fwd",
                         # sampling replay (docs/SAMPLING.md)
                         "sampling_threshold", "kept_logprobs_fwd", "kept_logprobs_bwd_",
-                        "kept_logprobs_bwd"}
+                        "kept_logprobs_bwd", "threshold_kept_fwd"}
     for name, schema in cpp.items():
         got = str(getattr(OPS, "triton_" + name).default._schema)
         assert _norm_schema(got) == _norm_schema(f"ppo_kernels::triton_{name}{schema}"), name

@@ -32,7 +32,8 @@ from .distill import distill_fwd
 from .gae import gae, score_rollout
 from .logprobs import token_logprobs_bwd, token_logprobs_fwd
 from .ppo_loss import ppo_loss_fwd, ppo_loss_fwd_inplace, scale_grad_
-from .sampling import kept_logprobs_bwd, kept_logprobs_bwd_, kept_logprobs_fwd
+from .sampling import (kept_logprobs_bwd, kept_logprobs_bwd_, kept_logprobs_fwd,
+                       threshold_kept_fwd)
 from .threshold import sampling_threshold
 
 NAMESPACE = "ppo_kernels"
@@ -50,6 +51,7 @@ LAUNCHERS = {
     "triton_kept_logprobs_fwd": kept_logprobs_fwd,
     "triton_kept_logprobs_bwd_": kept_logprobs_bwd_,
     "triton_kept_logprobs_bwd": kept_logprobs_bwd,
+    "triton_threshold_kept_fwd": threshold_kept_fwd,
     "triton_distill_fwd": distill_fwd,
 }
 

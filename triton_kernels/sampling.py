@@ -298,3 +298,14 @@ def kept_logprobs_bwd(grad_logprobs, grad_entropy, logits, tokens, mask, kept_ma
                entropy, temperature, kept_ids, kept_offsets, threshold, out, temperatures,
                True)
     return out
+
+
+def threshold_kept_fwd(logits, tokens, mask, temperature, top_k, top_p, min_p,
+                       temperatures=None):
+    """sampling_threshold (threshold.py's radix select), then kept_logprobs_fwd on its
+    threshold: (logp_kept, H_kept, kept_max, kept_log_sum, kept_size, missing, threshold),
+    the C++ op's schema (two launches here; the CUDA op fuses them)."""
+    from .threshold import sampling_threshold
+    thr = sampling_threshold(logits, mask, temperature, top_k, top_p, min_p, temperatures)
+    return (*kept_logprobs_fwd(logits, tokens, mask, temperature, None, None, thr,
+                               temperatures), thr)

@@ -560,59 +560,165 @@ double row_threshold(const scalar_t* x, int64_t V, double inv, int64_t k, double
   return t;
 }
 
+// The per-row rules of the re-derived sets (csrc/ops.cpp): top_k int64, top_p and min_p
+// float64, each [B, T] or absent (nullptr).
+struct Rules {
+  at::Tensor k_c, p_c, mp_c;
+  const int64_t* K = nullptr;
+  const double *P = nullptr, *MP = nullptr;
+
+  Rules(const std::optional<at::Tensor>& top_k, const std::optional<at::Tensor>& top_p,
+        const std::optional<at::Tensor>& min_p, int64_t N) {
+    if (top_k.has_value()) {
+      k_c = top_k->contiguous();
+      TORCH_CHECK(k_c.scalar_type() == at::kLong && k_c.numel() == N,
+                  "top_k: expected int64 [B, T]");
+      K = k_c.data_ptr<int64_t>();
+    }
+    if (top_p.has_value()) {
+      p_c = top_p->contiguous();
+      TORCH_CHECK(p_c.scalar_type() == at::kDouble && p_c.numel() == N,
+                  "top_p: expected float64 [B, T]");
+      P = p_c.data_ptr<double>();
+    }
+    if (min_p.has_value()) {
+      mp_c = min_p->contiguous();
+      TORCH_CHECK(mp_c.scalar_type() == at::kDouble && mp_c.numel() == N,
+                  "min_p: expected float64 [B, T]");
+      MP = mp_c.data_ptr<double>();
+    }
+  }
+};
+
+// The scratch of row_threshold, one per task.
+struct ThresholdScratch {
+  std::vector<double> w, e;
+  std::vector<uint32_t> hist;
+  std::vector<uint16_t> bi;
+};
+
+// Row i's threshold (-inf on a masked row).
+template <typename scalar_t>
+double rule_threshold(const scalar_t* x, int64_t V, bool valid, double inv, const Rules& ru,
+                      int64_t i, ThresholdScratch& sc) {
+  if (!valid) return -kInf;
+  return row_threshold(x, V, inv, ru.K ? ru.K[i] : 0, ru.P ? ru.P[i] : 1.0,
+                       ru.MP ? ru.MP[i] : 0.0, sc.w, sc.e, sc.hist, sc.bi);
+}
+
 at::Tensor sampling_threshold(const at::Tensor& logits, const at::Tensor& mask_in,
                               double temperature, const std::optional<at::Tensor>& top_k,
                               const std::optional<at::Tensor>& top_p,
                               const std::optional<at::Tensor>& min_p,
                               const std::optional<at::Tensor>& temperatures) {
   const RowArgs r = row_args(logits, std::nullopt, mask_in, temperature, temperatures);
-  const int64_t B = r.B, T = r.T, V = r.V, N = r.N();
-  at::Tensor k_c, p_c, mp_c;
-  const int64_t* K = nullptr;
-  const double *P = nullptr, *MP = nullptr;
-  if (top_k.has_value()) {
-    k_c = top_k->contiguous();
-    TORCH_CHECK(k_c.scalar_type() == at::kLong && k_c.numel() == N, "top_k: expected int64 [B, T]");
-    K = k_c.data_ptr<int64_t>();
-  }
-  if (top_p.has_value()) {
-    p_c = top_p->contiguous();
-    TORCH_CHECK(p_c.scalar_type() == at::kDouble && p_c.numel() == N,
-                "top_p: expected float64 [B, T]");
-    P = p_c.data_ptr<double>();
-  }
-  if (min_p.has_value()) {
-    mp_c = min_p->contiguous();
-    TORCH_CHECK(mp_c.scalar_type() == at::kDouble && mp_c.numel() == N,
-                "min_p: expected float64 [B, T]");
-    MP = mp_c.data_ptr<double>();
-  }
+  const int64_t N = r.N();
+  const Rules ru(top_k, top_p, min_p, N);
   const bool* m = r.mask.data_ptr<bool>();
-  at::Tensor out = at::empty({B, T}, logits.options().dtype(at::kDouble));
+  at::Tensor out = at::empty({r.B, r.T}, logits.options().dtype(at::kDouble));
   double* o = out.data_ptr<double>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "sampling_threshold", [&] {
     const scalar_t* L = logits.data_ptr<scalar_t>();
     const acc_of<scalar_t>* tt = row_temperatures<acc_of<scalar_t>>(r);
     at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-      std::vector<double> w, e;
-      std::vector<uint32_t> hist;
-      std::vector<uint16_t> bi;
-      for (int64_t i = begin; i < end; ++i) {
-        if (!m[i]) {
-          o[i] = -kInf;
-          continue;
-        }
-        const scalar_t* x = L + r.offset(i);
-        o[i] = row_threshold(x, V, row_inv_d(tt, i, temperature), K ? K[i] : 0, P ? P[i] : 1.0,
-                             MP ? MP[i] : 0.0, w, e, hist, bi);
-      }
+      ThresholdScratch sc;
+      for (int64_t i = begin; i < end; ++i)
+        o[i] = rule_threshold(L + r.offset(i), r.V, m[i], row_inv_d(tt, i, temperature), ru, i,
+                              sc);
     });
   });
   return out;
 }
 
 // ------------------------------------------------------------------ kept log-probs
+
+// The outputs of the kept-set forward ([B, T] each; T the accumulation type).
+template <typename T>
+struct KeptOut {
+  at::Tensor logp, ent, kmax, kls, size, missing;
+  T *lp, *en, *mx, *ls;
+  int64_t* sz;
+  bool* miss;
+
+  KeptOut(const RowArgs& r) {
+    const auto opts = r.acc_opts;
+    logp = at::empty({r.B, r.T}, opts), ent = at::empty({r.B, r.T}, opts);
+    kmax = at::empty({r.B, r.T}, opts), kls = at::empty({r.B, r.T}, opts);
+    size = at::empty({r.B, r.T}, opts.dtype(at::kLong));
+    missing = at::empty({r.B, r.T}, opts.dtype(at::kBool));
+    lp = logp.data_ptr<T>(), en = ent.data_ptr<T>(), mx = kmax.data_ptr<T>(),
+    ls = kls.data_ptr<T>();
+    sz = size.data_ptr<int64_t>();
+    miss = missing.data_ptr<bool>();
+  }
+
+  // row i's statistics of its kept set (ks) on the row x, token y, 1 / temperature inv; a
+  // masked row's are 0
+  template <typename scalar_t>
+  void row(const KeptSet& ks, const scalar_t* x, int64_t V, int64_t i, bool valid, int64_t y,
+           double inv) {
+    if (!valid) {
+      lp[i] = en[i] = mx[i] = ls[i] = T(0);
+      sz[i] = 0;
+      miss[i] = false;
+      return;
+    }
+    double top = -kInf;
+    int64_t top_j = -1, n = 0;
+    // the top entry's exp(0) = 1 is kept apart: log_sum = log1p(rest) (row_kernels.h)
+    double rest = 0.0, sd = 0.0;
+    if (!ks.csr) {
+      // a threshold row (often thousands of entries): two vector sweeps over the row
+      // (kept_max_count, kept_mass_sums); the token where the set lacks it (x_y < t, or
+      // NaN) joins as each() adds it
+      const double t = ks.thr[i], v = static_cast<double>(x[y]);
+      KeptSums k = kept_max_count(x, V, t);
+      miss[i] = !(v >= t);
+      top = k.max;
+      n = k.n;
+      if (miss[i] && (n == 0 || v > top || std::isnan(v))) top = v;
+      if (k.n > 0) kept_mass_sums(x, V, t, top, inv, k);
+      if (miss[i]) {
+        ++n;
+        const double dy = (v - top) * inv, e = std::exp(dy);
+        if (v == top) k.ties += 1.0; else k.rest += e;
+        if (e > 0 && v != top) k.sd += e * dy;
+      }
+      rest = k.rest + std::max(k.ties - 1.0, 0.0);
+      sd = k.sd;
+    } else {
+      miss[i] = ks.each(x, i, y, [&](int64_t j) {
+        const double v = static_cast<double>(x[j]);
+        if (top_j < 0 || v > top || std::isnan(v)) top = v, top_j = j;
+        ++n;
+      });
+      bool skipped = false;
+      ks.each(x, i, y, [&](int64_t j) {
+        const double dj = (static_cast<double>(x[j]) - top) * inv;
+        const double e = std::exp(dj);
+        if (j == top_j && !skipped) {
+          skipped = true;
+        } else {
+          rest += e;
+        }
+        if (e > 0) sd += e * dj;
+      });
+    }
+    sz[i] = n;
+    const double log_sum = std::log1p(rest);
+    const double dy = (static_cast<double>(x[y]) - top) * inv;
+    lp[i] = static_cast<T>(dy - log_sum);
+    en[i] = static_cast<T>(log_sum - sd / (1.0 + rest));
+    mx[i] = static_cast<T>(top);
+    ls[i] = static_cast<T>(log_sum);
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> tensors()
+      const {
+    return {logp, ent, kmax, kls, size, missing};
+  }
+};
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
@@ -627,83 +733,62 @@ kept_logprobs_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::
   at::Tensor ids_c, offs_c, thr_c;
   const KeptSet ks = kept_set(kept_ids, kept_offsets, threshold, r.B * r.T, r.V, ids_c, offs_c,
                               thr_c);
-  const auto opts = r.acc_opts;
-  at::Tensor logp = at::empty({r.B, r.T}, opts), ent = at::empty({r.B, r.T}, opts);
-  at::Tensor kmax = at::empty({r.B, r.T}, opts), kls = at::empty({r.B, r.T}, opts);
-  at::Tensor size = at::empty({r.B, r.T}, opts.dtype(at::kLong));
-  at::Tensor missing = at::empty({r.B, r.T}, opts.dtype(at::kBool));
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
                                   "kept_logprobs_fwd", [&] {
     using T = acc_of<scalar_t>;
+    KeptOut<T> o(r);
     const scalar_t* L = logits.data_ptr<scalar_t>();
-    T *lp = logp.data_ptr<T>(), *en = ent.data_ptr<T>(), *mx = kmax.data_ptr<T>(),
-      *ls = kls.data_ptr<T>();
-    int64_t* sz = size.data_ptr<int64_t>();
-    bool* miss = missing.data_ptr<bool>();
     const T* tt = row_temperatures<T>(r);
     at::parallel_for(0, r.B * r.T, kept_grain(ks, r.B * r.T), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        o.row(ks, L + r.offset(i), r.V, i, m[i], tok[i], row_inv_d(tt, i, temperature));
+    });
+    out = o.tensors();
+  });
+  return out;
+}
+
+// sampling_threshold and then kept_logprobs_fwd on its threshold, row by row in one task
+// (the row's second read from the cache): (logp_kept, H_kept, kept_max, kept_log_sum,
+// kept_size, missing, threshold).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+threshold_kept_fwd(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& mask,
+                   double temperature, const std::optional<at::Tensor>& top_k,
+                   const std::optional<at::Tensor>& top_p,
+                   const std::optional<at::Tensor>& min_p,
+                   const std::optional<at::Tensor>& temperatures) {
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  check_tokens(r);
+  const int64_t N = r.N();
+  const Rules ru(top_k, top_p, min_p, N);
+  const int64_t* tok = r.tokens.data_ptr<int64_t>();
+  const bool* m = r.mask.data_ptr<bool>();
+  at::Tensor thr = at::empty({r.B, r.T}, logits.options().dtype(at::kDouble));
+  double* th = thr.data_ptr<double>();
+  KeptSet ks;
+  ks.thr = th;
+  ks.V = r.V;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(),
+                                  "threshold_kept_fwd", [&] {
+    using T = acc_of<scalar_t>;
+    KeptOut<T> o(r);
+    const scalar_t* L = logits.data_ptr<scalar_t>();
+    const T* tt = row_temperatures<T>(r);
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      ThresholdScratch sc;
       for (int64_t i = begin; i < end; ++i) {
-        if (!m[i]) {
-          lp[i] = en[i] = mx[i] = ls[i] = T(0);
-          sz[i] = 0;
-          miss[i] = false;
-          continue;
-        }
         const scalar_t* x = L + r.offset(i);
-        const int64_t y = tok[i];
         const double inv = row_inv_d(tt, i, temperature);
-        double top = -kInf;
-        int64_t top_j = -1, n = 0;
-        // the top entry's exp(0) = 1 is kept apart: log_sum = log1p(rest) (row_kernels.h)
-        double rest = 0.0, sd = 0.0;
-        if (!ks.csr) {
-          // a threshold row (often thousands of entries): two vector sweeps over the row
-          // (kept_max_count, kept_mass_sums); the token where the set lacks it (x_y < t, or
-          // NaN) joins as each() adds it
-          const double t = ks.thr[i], v = static_cast<double>(x[y]);
-          KeptSums k = kept_max_count(x, r.V, t);
-          miss[i] = !(v >= t);
-          top = k.max;
-          n = k.n;
-          if (miss[i] && (n == 0 || v > top || std::isnan(v))) top = v;
-          if (k.n > 0) kept_mass_sums(x, r.V, t, top, inv, k);
-          if (miss[i]) {
-            ++n;
-            const double dy = (v - top) * inv, e = std::exp(dy);
-            if (v == top) k.ties += 1.0; else k.rest += e;
-            if (e > 0 && v != top) k.sd += e * dy;
-          }
-          rest = k.rest + std::max(k.ties - 1.0, 0.0);
-          sd = k.sd;
-        } else {
-          miss[i] = ks.each(x, i, y, [&](int64_t j) {
-            const double v = static_cast<double>(x[j]);
-            if (top_j < 0 || v > top || std::isnan(v)) top = v, top_j = j;
-            ++n;
-          });
-          bool skipped = false;
-          ks.each(x, i, y, [&](int64_t j) {
-            const double dj = (static_cast<double>(x[j]) - top) * inv;
-            const double e = std::exp(dj);
-            if (j == top_j && !skipped) {
-              skipped = true;
-            } else {
-              rest += e;
-            }
-            if (e > 0) sd += e * dj;
-          });
-        }
-        sz[i] = n;
-        const double log_sum = std::log1p(rest);
-        const double dy = (static_cast<double>(x[y]) - top) * inv;
-        lp[i] = static_cast<T>(dy - log_sum);
-        en[i] = static_cast<T>(log_sum - sd / (1.0 + rest));
-        mx[i] = static_cast<T>(top);
-        ls[i] = static_cast<T>(log_sum);
+        th[i] = rule_threshold(x, r.V, m[i], inv, ru, i, sc);
+        o.row(ks, x, r.V, i, m[i], tok[i], inv);
       }
     });
+    out = o.tensors();
   });
-  return {logp, ent, kmax, kls, size, missing};
+  auto [a, b, c, d, e, f] = out;
+  return {a, b, c, d, e, f, thr};
 }
 
 // The kept part of the gradient, d/dlogits of sum(grad_logprobs * logp_kept + grad_entropy
@@ -866,6 +951,7 @@ TORCH_LIBRARY_IMPL(ppo_kernels, CPU, m) {
   m.impl("check_kept_ids", &check_kept_ids);
   m.impl("sampling_threshold", &sampling_threshold);
   m.impl("kept_logprobs_fwd", &kept_logprobs_fwd);
+  m.impl("threshold_kept_fwd", &threshold_kept_fwd);
   m.impl("kept_logprobs_bwd_", &kept_logprobs_bwd_);
   m.impl("kept_logprobs_bwd", &kept_logprobs_bwd);
 }

@@ -26,6 +26,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "ex2.cuh"
 #include "ppo_math.h"
 
 // Per-thread pieces are __host__ __device__ so that host_check/emulate_rows.cu can run
@@ -55,15 +56,7 @@ constexpr int kMaxThreads = 1024;
 // nothing a float32 result can hold (its largest term is 1). The host emulation runs
 // glibc's exp2f (< 1 ulp). Once-per-row calls stay accurate: log1pf (1 ulp), expm1f
 // (1 ulp), expf (2 ulp) for the token's own entry.
-PPO_CUDA_HD float vexp2(float x) {
-#if defined(__CUDA_ARCH__)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-#else
-  return exp2f(x);
-#endif
-}
+PPO_CUDA_HD float vexp2(float x) { return ex2_approx(x); }  // (ex2.cuh)
 PPO_CUDA_HD double vexp2(double x) { return exp2(x); }
 PPO_CUDA_HD float vlog1p(float x) { return log1pf(x); }
 PPO_CUDA_HD double vlog1p(double x) { return log1p(x); }

@@ -22,6 +22,7 @@
 #include <limits>
 #include <mutex>
 #include <set>
+#include <utility>
 
 #include "launch.h"
 #include "threshold_select.cuh"
@@ -414,6 +415,52 @@ threshold_select_kernel(const uint16_t* __restrict__ logits, int64_t sB, int64_t
   if (threadIdx.x == 0) out[row] = t;
 }
 
+// threshold_select_kernel, then the row's kept statistics on that threshold in the same
+// block (select::kept_stats: the row read again while much of it is still in L2, with the
+// max from the histogram's sweep), written as kept_fwd_kernel writes them.
+template <class Fmt>
+__global__ void __launch_bounds__(select::kThreads)
+threshold_kept_kernel(const uint16_t* __restrict__ logits, int64_t sB, int64_t sT, int64_t T,
+                      int64_t V, const int64_t* __restrict__ tokens,
+                      const bool* __restrict__ mask, double inv_s,
+                      const float* __restrict__ temps, const int64_t* __restrict__ K,
+                      const double* __restrict__ P, const double* __restrict__ MP,
+                      double* __restrict__ thr, float* logp, float* ent, float* kmax,
+                      float* kls, int64_t* size, bool* missing) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  select::Smem& s = *reinterpret_cast<select::Smem*>(smem_raw);
+  const int64_t row = blockIdx.x;
+  if (!mask[row]) {
+    if (threadIdx.x == 0) {
+      thr[row] = -std::numeric_limits<double>::infinity();
+      logp[row] = ent[row] = kmax[row] = kls[row] = 0.0f;
+      size[row] = 0;
+      missing[row] = false;
+    }
+    return;
+  }
+  const double inv = temps ? 1.0 / static_cast<double>(temps[row]) : inv_s;
+  const uint16_t* x = logits + (row / T) * sB + (row % T) * sT;
+  select::DeviceBlock blk;
+  double mx = std::numeric_limits<double>::quiet_NaN();
+  const double t = select::row_threshold<Fmt>(blk, s, x, V, inv, K ? K[row] : 0,
+                                              P ? P[row] : 1.0, MP ? MP[row] : 0.0, &mx);
+  const uint16_t yb = x[tokens[row]];
+  const select::KeptRowStats k = select::kept_stats<Fmt>(blk, s, x, V, t, mx, inv, yb);
+  if (threadIdx.x == 0) {
+    const double ls = log1p(k.rest);
+    const double xy =
+        Fmt::is_nan(yb) ? std::numeric_limits<double>::quiet_NaN() : Fmt::value(yb);
+    thr[row] = t;
+    logp[row] = static_cast<float>((xy - k.top) * inv - ls);
+    ent[row] = static_cast<float>(ls - k.sd / (1.0 + k.rest));
+    kmax[row] = static_cast<float>(k.top);
+    kls[row] = static_cast<float>(ls);
+    size[row] = k.size;
+    missing[row] = k.missing;
+  }
+}
+
 // Whether the device gives a block select::Smem (opt-in shared memory: 227 KiB on Hopper,
 // 163 KiB on the A100, 99 KiB on Ada), for bfloat16 / float16 logits.
 bool threshold_select_fits(const at::Tensor& logits) {
@@ -424,30 +471,48 @@ bool threshold_select_fits(const at::Tensor& logits) {
                                          logits.get_device())) >= sizeof(select::Smem);
 }
 
+// A kernel's shared-memory opt-in for select::Smem, once per kernel and device (the
+// attribute belongs to the kernel, on the current device).
+void opt_in_smem(const void* kernel, int device) {
+  static std::mutex mu;
+  static std::set<std::pair<const void*, int>> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.insert({kernel, device}).second)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(sizeof(select::Smem))));
+}
+
+// The per-row rules as flat [N] tensors on the logits' device (undefined: off).
+struct RuleArgs {
+  at::Tensor K, P, MP;
+  RuleArgs(const at::Tensor& logits, int64_t N, const std::optional<at::Tensor>& top_k,
+           const std::optional<at::Tensor>& top_p, const std::optional<at::Tensor>& min_p) {
+    auto flat = [&](const std::optional<at::Tensor>& p, at::ScalarType dt, const char* name) {
+      if (!p.has_value()) return at::Tensor();
+      TORCH_CHECK(p->scalar_type() == dt && p->numel() == N && p->device() == logits.device(),
+                  name, ": expected ", dt, " [B, T] on ", logits.device());
+      return p->reshape({N}).contiguous();
+    };
+    K = flat(top_k, at::kLong, "top_k");
+    P = flat(top_p, at::kDouble, "top_p");
+    MP = flat(min_p, at::kDouble, "min_p");
+  }
+  const int64_t* k() const { return K.defined() ? K.data_ptr<int64_t>() : nullptr; }
+  const double* p() const { return P.defined() ? P.data_ptr<double>() : nullptr; }
+  const double* mp() const { return MP.defined() ? MP.data_ptr<double>() : nullptr; }
+};
+
 template <class Fmt>
 void launch_threshold_select(const at::Tensor& logits, const RowArgs& r, double temperature,
-                             const at::Tensor& K, const at::Tensor& P, const at::Tensor& MP,
-                             at::Tensor& out) {
+                             const RuleArgs& ru, at::Tensor& out) {
   auto kernel = threshold_select_kernel<Fmt>;
-  {
-    // the kernel's shared-memory opt-in, once per device (per instantiation: the attribute
-    // belongs to the kernel, on the current device)
-    static std::mutex mu;
-    static std::set<int> done;
-    std::lock_guard<std::mutex> lock(mu);
-    if (!done.count(logits.get_device())) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(sizeof(select::Smem))));
-      done.insert(logits.get_device());
-    }
-  }
+  opt_in_smem(reinterpret_cast<const void*>(kernel), logits.get_device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   kernel<<<r.N(), select::kThreads, sizeof(select::Smem), stream>>>(
       reinterpret_cast<const uint16_t*>(logits.data_ptr()), r.sB, r.sT, r.T, r.V,
       r.mask.data_ptr<bool>(), 1.0 / temperature,
-      r.temperatures.has_value() ? r.temperatures->data_ptr<float>() : nullptr,
-      K.defined() ? K.data_ptr<int64_t>() : nullptr, P.defined() ? P.data_ptr<double>() : nullptr,
-      MP.defined() ? MP.data_ptr<double>() : nullptr, out.data_ptr<double>());
+      r.temperatures.has_value() ? r.temperatures->data_ptr<float>() : nullptr, ru.k(), ru.p(),
+      ru.mp(), out.data_ptr<double>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -464,19 +529,11 @@ at::Tensor sampling_threshold_cuda(const at::Tensor& logits, const at::Tensor& m
   at::Tensor out = at::empty({N}, logits.options().dtype(at::kDouble));
   if (N == 0) return out.view({B, T});
   if (threshold_select_fits(logits)) {
-    auto flat = [&](const std::optional<at::Tensor>& p, at::ScalarType dt, const char* name) {
-      if (!p.has_value()) return at::Tensor();
-      TORCH_CHECK(p->scalar_type() == dt && p->numel() == N && p->device() == logits.device(),
-                  name, ": expected ", dt, " [B, T] on ", logits.device());
-      return p->reshape({N}).contiguous();
-    };
-    const at::Tensor K = flat(top_k, at::kLong, "top_k");
-    const at::Tensor P = flat(top_p, at::kDouble, "top_p");
-    const at::Tensor MP = flat(min_p, at::kDouble, "min_p");
+    const RuleArgs ru(logits, N, top_k, top_p, min_p);
     if (logits.scalar_type() == at::kBFloat16) {
-      launch_threshold_select<select::Bf16Bits>(logits, r, temperature, K, P, MP, out);
+      launch_threshold_select<select::Bf16Bits>(logits, r, temperature, ru, out);
     } else {
-      launch_threshold_select<select::HalfBits>(logits, r, temperature, K, P, MP, out);
+      launch_threshold_select<select::HalfBits>(logits, r, temperature, ru, out);
     }
     return out.view({B, T});
   }
@@ -501,11 +558,61 @@ at::Tensor sampling_threshold_cuda(const at::Tensor& logits, const at::Tensor& m
   return out.view({B, T});
 }
 
+// sampling_threshold_cuda, then kept_logprobs_fwd_cuda on its threshold: for bfloat16 /
+// float16 logits on a device that fits select::Smem one kernel (threshold_kept_kernel), else
+// the two ops.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+threshold_kept_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens,
+                        const at::Tensor& mask, double temperature,
+                        const std::optional<at::Tensor>& top_k,
+                        const std::optional<at::Tensor>& top_p,
+                        const std::optional<at::Tensor>& min_p,
+                        const std::optional<at::Tensor>& temperatures) {
+  check_cuda(logits);
+  c10::cuda::CUDAGuard guard(logits.device());
+  if (!threshold_select_fits(logits)) {
+    const at::Tensor thr =
+        sampling_threshold_cuda(logits, mask, temperature, top_k, top_p, min_p, temperatures);
+    auto [a, b, c, d, e, f] = kept_logprobs_fwd_cuda(logits, tokens, mask, temperature,
+                                                     std::nullopt, std::nullopt, thr,
+                                                     temperatures);
+    return {a, b, c, d, e, f, thr};
+  }
+  const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
+  const int64_t B = r.B, T = r.T, N = r.N();
+  const auto opts = r.acc_opts;  // float for 16-bit logits
+  at::Tensor lp = at::empty({B, T}, opts), en = at::empty({B, T}, opts);
+  at::Tensor mx = at::empty({B, T}, opts), ls = at::empty({B, T}, opts);
+  at::Tensor size = at::empty({B, T}, opts.dtype(at::kLong));
+  at::Tensor miss = at::empty({B, T}, opts.dtype(at::kBool));
+  at::Tensor thr = at::empty({B, T}, logits.options().dtype(at::kDouble));
+  if (N == 0) return {lp, en, mx, ls, size, miss, thr};
+  const RuleArgs ru(logits, N, top_k, top_p, min_p);
+  auto launch = [&](auto kernel) {
+    opt_in_smem(reinterpret_cast<const void*>(kernel), logits.get_device());
+    kernel<<<N, select::kThreads, sizeof(select::Smem), c10::cuda::getCurrentCUDAStream()>>>(
+        reinterpret_cast<const uint16_t*>(logits.data_ptr()), r.sB, r.sT, T, r.V,
+        r.tokens.data_ptr<int64_t>(), r.mask.data_ptr<bool>(), 1.0 / temperature,
+        r.temperatures.has_value() ? r.temperatures->data_ptr<float>() : nullptr, ru.k(),
+        ru.p(), ru.mp(), thr.data_ptr<double>(), lp.data_ptr<float>(), en.data_ptr<float>(),
+        mx.data_ptr<float>(), ls.data_ptr<float>(), size.data_ptr<int64_t>(),
+        miss.data_ptr<bool>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (logits.scalar_type() == at::kBFloat16) {
+    launch(threshold_kept_kernel<select::Bf16Bits>);
+  } else {
+    launch(threshold_kept_kernel<select::HalfBits>);
+  }
+  return {lp, en, mx, ls, size, miss, thr};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(ppo_kernels, CUDA, m) {
   m.impl("sampling_threshold", &sampling_threshold_cuda);
   m.impl("kept_logprobs_fwd", &kept_logprobs_fwd_cuda);
+  m.impl("threshold_kept_fwd", &threshold_kept_fwd_cuda);
   m.impl("kept_logprobs_bwd_", &kept_logprobs_bwd_cuda_);
   m.impl("kept_logprobs_bwd", &kept_logprobs_bwd_cuda);
 }

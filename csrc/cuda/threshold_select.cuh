@@ -37,6 +37,8 @@
 
 #include <cuda_runtime.h>
 
+#include "ex2.cuh"
+
 #define PPO_SEL_HD __host__ __device__ __forceinline__
 
 namespace ppo_cuda {
@@ -66,12 +68,13 @@ PPO_SEL_HD uint16_t bits_of(uint32_t key) {
 struct Bf16Bits {
   static constexpr uint32_t kInf = 0x7F80u;  // the bits of +inf
   PPO_SEL_HD static bool is_nan(uint16_t b) { return (b & 0x7FFFu) > kInf; }
-  PPO_SEL_HD static double value(uint16_t b) {
+  PPO_SEL_HD static float to_float(uint16_t b) {
     const uint32_t u = uint32_t(b) << 16;
     float f;
     memcpy(&f, &u, sizeof(f));
-    return static_cast<double>(f);
+    return f;
   }
+  PPO_SEL_HD static double value(uint16_t b) { return static_cast<double>(to_float(b)); }
 };
 
 struct HalfBits {
@@ -83,6 +86,16 @@ struct HalfBits {
     if (e == 0x1F) return s * std::numeric_limits<double>::infinity();  // NaN never asked
     if (e == 0) return s * ldexp(static_cast<double>(m), -24);
     return s * ldexp(static_cast<double>(m | 0x400), e - 25);
+  }
+  // the same value (exact in float), by the conversion instruction on the device
+  PPO_SEL_HD static float to_float(uint16_t b) {
+#if defined(__CUDA_ARCH__)
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
+    return f;
+#else
+    return is_nan(b) ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(value(b));
+#endif
   }
 };
 
@@ -104,6 +117,9 @@ struct Smem {
   uint32_t maxkey1, n1, n_all;     // max key + 1 (0: no value), non-negatives, non-NaN
   uint32_t kp, cnt_kp0, cnt_kp1, ck0, ck1, cm0, cm1, g1, g0, found1, found0;
   double total, above1, above0;
+  // the kept statistics (kept_stats)
+  double kmax, krest, ksd;
+  uint32_t ksize, kties;
 };
 
 // ---------------------------------------------------------------- per-thread pieces
@@ -330,9 +346,11 @@ PPO_SEL_HD void sweep(Blk& blk, Smem& s, const uint16_t* x, int64_t V) {
 // x >= the k-th largest x (ties kept), top-p keeps, of the survivors S of both, the entries
 // whose mass of S strictly above them is < top_p * mass(S). k <= 0 or k >= V, top_p >= 1 and
 // min_p <= 0 are off. The result is in every thread.
+// row_max: where given, the row's max (NaN left out) once sweep 1 has found it, else left
+// as it was.
 template <class Fmt, class Blk>
 PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V, double inv,
-                                int64_t k, double p, double min_p) {
+                                int64_t k, double p, double min_p, double* row_max = nullptr) {
   const double inf = std::numeric_limits<double>::infinity();
   const bool use_p = p < 1.0, use_m = min_p > 0.0;
   bool use_k = k > 0 && k < V;
@@ -348,6 +366,7 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
   if (s.maxkey1 == 0) return -inf;  // every entry NaN
   const uint32_t maxkey = s.maxkey1 - 1, n1 = s.n1;
   const double mx = key_value<Fmt>(maxkey);
+  if (row_max) *row_max = mx;
   if (!(mx > -inf && mx < inf)) return -inf;
   blk.each([&](int t) { group_sums<Fmt>(s, 0, t, 0, false, mx, inv); });  // counts for ranks
   chunk_sums(blk, s, 0);
@@ -431,6 +450,114 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
   }
   mass_select<Fmt>(blk, s, 0, above, target, cut, mx, inv, &s.found0, &s.g0, &s.above0);
   return s.found0 ? key_value<Fmt>(s.g0) : -inf;  // found: the walk ends by the last survivor
+}
+
+// ---------------------------------------------------------------- the kept statistics
+
+// The statistics of a row's kept set K = {j : x_j >= t} plus the token y where K lacks it,
+// as csrc/cpu/sampling.cpp's kept_logprobs_fwd computes them (docs/SAMPLING.md): top, the
+// kept max (the token's value where K is empty, NaN for a NaN token it lacks); rest, the
+// mass below the top with the ties at the top beyond one (log_sum = log1p(rest)); sd, sum
+// e d; the size; missing. In every thread.
+struct KeptRowStats {
+  double top, rest, sd;
+  uint32_t size;
+  bool missing;
+};
+
+// ru / ru2 summed, gmass[1] summed and gmass[0] summed (its max with max_first), in a tree
+// (a fixed order: the same bits for a row at any address and in any batch).
+template <class Blk>
+PPO_SEL_HD void reduce4(Blk& blk, Smem& s, bool max_first) {
+  for (int h = kThreads / 2; h > 0; h >>= 1) {
+    blk.each([&](int t) {
+      if (t < h) {
+        s.ru[t] += s.ru[t + h];
+        s.ru2[t] += s.ru2[t + h];
+        const double a = s.gmass[0][t], b = s.gmass[0][t + h];
+        s.gmass[0][t] = max_first ? (b > a ? b : a) : a + b;
+        s.gmass[1][t] += s.gmass[1][t + h];
+      }
+    });
+  }
+}
+
+// kept_logprobs_fwd's statistics of row x on threshold t (the bins are free again after
+// row_threshold), y_bits the token's entry: with the row's max known (row_threshold's
+// row_max; NaN: not known) one sweep for the sums, else a sweep for the kept max first.
+// The sweep tests an entry as a float compare and takes its mass as a float exp2
+// (ex2.cuh), summed in float a thread (the accumulation type of 16-bit rows, as the kept
+// kernels take it), then in double over the threads.
+template <class Fmt, class Blk>
+PPO_SEL_HD KeptRowStats kept_stats(Blk& blk, Smem& s, const uint16_t* x, int64_t V, double t,
+                                   double known_max, double inv, uint16_t y_bits) {
+  const double inf = std::numeric_limits<double>::infinity();
+  double top0 = known_max;
+  if (!(known_max == known_max)) {  // the kept max: a sweep
+    blk.each([&](int th) {
+      double m = -inf;
+      for_each_bits(x, V, th, [&](uint16_t b) {
+        const double v = Fmt::value(b);
+        if (!Fmt::is_nan(b) && v >= t && v > m) m = v;
+      });
+      s.gmass[0][th] = m;
+      s.gmass[1][th] = 0.0;
+      s.ru[th] = s.ru2[th] = 0;
+    });
+    reduce4(blk, s, true);
+    blk.one([&] { s.kmax = s.gmass[0][0]; });
+    top0 = s.kmax;
+  }
+  // the token where K lacks it (x_y < t, or NaN) joins K: the top where K is empty
+  const bool y_nan = Fmt::is_nan(y_bits);
+  const double xy = y_nan ? std::numeric_limits<double>::quiet_NaN() : Fmt::value(y_bits);
+  const bool missing = !(xy >= t);
+  double top = top0;
+  if (missing && (top0 == -inf || xy > top0 || y_nan)) top = xy;
+  // K as a float compare: x >= t in double is x >= t_f for every 16-bit x (exact in
+  // float), t_f the smallest float at or above t; NaN fails it
+  float t_f = static_cast<float>(t);
+  if (static_cast<double>(t_f) < t) t_f = nextafterf(t_f, inf);
+  // base 2: e = 2^d2 with d2 = (v - top) * inv * log2(e) (one ex2 an entry, ex2.cuh), sum
+  // e d = ln(2) sum e d2
+  const float topf = static_cast<float>(top);
+  const float inv2 = static_cast<float>(inv * 1.4426950408889634);
+  blk.each([&](int th) {
+    float rest = 0.0f, sd = 0.0f;
+    uint32_t n = 0, ties = 0;
+    for_each_bits(x, V, th, [&](uint16_t b) {  // (branch-free: selects, no jumps)
+      const float v = Fmt::to_float(b);
+      const bool in = v >= t_f;
+      const bool tie = in && v == topf;
+      const float d2 = (v - topf) * inv2;
+      const float e = in && !tie ? ex2_approx(d2) : 0.0f;
+      n += in ? 1u : 0u;
+      ties += tie ? 1u : 0u;
+      rest += e;
+      sd += e > 0.0f ? e * d2 : 0.0f;
+    });
+    s.gmass[0][th] = rest;
+    s.gmass[1][th] = sd;
+    s.ru[th] = n;
+    s.ru2[th] = ties;
+  });
+  reduce4(blk, s, false);
+  blk.one([&] {
+    s.krest = s.gmass[0][0];
+    s.ksd = s.gmass[1][0] * 0.6931471805599453;
+    s.ksize = s.ru[0];
+    s.kties = s.ru2[0];
+  });
+  KeptRowStats k{top, s.krest, s.ksd, s.ksize, missing};
+  double ties = s.kties;
+  if (missing) {
+    ++k.size;
+    const double dy = (xy - top) * inv, e = exp(dy);
+    if (xy == top) ties += 1.0; else k.rest += e;
+    if (e > 0 && xy != top) k.sd += e * dy;
+  }
+  k.rest += ties > 1.0 ? ties - 1.0 : 0.0;
+  return k;
 }
 
 // ---------------------------------------------------------------- the device policy

@@ -7,7 +7,8 @@ flat rows whose top-p boundary lies among the negative values (the kernel's thir
 -inf entries, and strided rows (Tl = T + 1, odd V: every address phase of a 16-byte pack).
 A top-p threshold may differ only where the target mass lies within 1e-9 of a group's
 cumulative mass (the float64 sums run in another order and through another exp). And a
-row's threshold is the same alone and in its batch.
+row's threshold is the same alone and in its batch; and threshold_kept_fwd's kept
+statistics on it are the CPU op's.
 
     python tests/gpu/threshold_select.py [--device cpu --small] [--budget-s S]
 
@@ -135,7 +136,46 @@ def threshold_alone_and_in_batch(ctx):
            f"{n} rows" + ("" if not bad else f": rows {bad}"))
 
 
-CHECKS = [threshold_vs_cpu, threshold_alone_and_in_batch]
+@check
+def threshold_kept_vs_cpu(ctx):
+    """threshold_kept_fwd (on the cuda backend's 16-bit logits one kernel: the select, then
+    the kept statistics on its threshold, csrc/cuda/threshold_select.cuh kept_stats) against
+    the CPU op on the same rows: the same threshold (rows where the two differ, the top-p
+    rounding case above, are left out), the same kept size and missing flags, the float
+    statistics within 1e-5 (float sums in another order)."""
+    be = ctx.kern[0]
+    g = torch.Generator().manual_seed(29)
+    Vs = (1003,) if ctx.small else (1003, 151936)
+    for dtype in (torch.bfloat16, torch.float16):
+        for V in Vs:
+            for kind in ("mixed", "ties", "flat", "neginf"):
+                B, T = (2, 3) if ctx.small else (4, 8)
+                x = rows(kind, B, T, V, dtype, g)
+                mask = torch.rand(B, T, generator=g) > 0.1
+                tokens = torch.randint(0, V, (B, T), generator=g)
+                k, p, mp = params(B, T, V, g)
+                temps = (0.5 + torch.rand(B, T, generator=g)).float()
+                dev = [r.to(ctx.dev) for r in (x[:, :T], tokens, mask, k, p, mp, temps)]
+                got = [o.cpu() for o in getattr(ops, ctx.prefix[be] + "threshold_kept_fwd")(
+                    dev[0], dev[1], dev[2], 0.8, *dev[3:6], dev[6])]
+                want = ops.threshold_kept_fwd(x[:, :T], tokens, mask, 0.8, k, p, mp, temps)
+                same = got[6] == want[6]
+                bad = []
+                for i, (a, b) in enumerate(zip(got[:6], want[:6])):
+                    a, b = a[same], b[same]
+                    ok = (torch.equal(a, b) if i >= 4 else
+                          torch.allclose(a.double(), b.double(), rtol=1e-5, atol=1e-5,
+                                         equal_nan=True))
+                    if not ok:
+                        bad.append(("logp", "entropy", "kept_max", "kept_log_sum", "size",
+                                    "missing")[i])
+                report(f"threshold_kept[{be} {str(dtype)[6:]} V={V} {kind}]",
+                       "ok" if not bad else "FAIL",
+                       f"{int(same.sum())} of {B * T} rows on one threshold"
+                       + ("" if not bad else f": {bad}"))
+
+
+CHECKS = [threshold_vs_cpu, threshold_alone_and_in_batch, threshold_kept_vs_cpu]
 
 if __name__ == "__main__":
     sys.exit(main(CHECKS, __doc__))

@@ -1,5 +1,6 @@
-// Host emulation of the device threshold select (threshold_select.cuh): the block program
-// itself, run with a host block policy (each step's threads one after another, a barrier
+// Host emulation of the device threshold select (threshold_select.cuh) and of the kept
+// statistics on its threshold (kept_stats, each row with a token drawn from it): the block
+// program itself, run with a host block policy (each step's threads one after another, a barrier
 // between steps), on bfloat16 and float16 rows, against the CPU op's rules written plainly
 // here (csrc/cpu/sampling.cpp row_threshold: a sort, the survivors' masses summed group by
 // group in double). Rows: random logits at several scales, integer logits (ties, ties at the
@@ -35,7 +36,7 @@ struct HostBlock {
   PPO_SEL_HD static void add(uint32_t* p, uint32_t v) { *p += v; }
 };
 
-static int g_fail = 0, g_rows = 0, g_boundary = 0;
+static int g_fail = 0, g_rows = 0, g_boundary = 0, g_kept = 0;
 
 // bits of the 16-bit float nearest to v (round to nearest even), for both formats
 static uint16_t to_bf16(float v) {
@@ -118,13 +119,57 @@ static Ref reference(const std::vector<uint16_t>& row, double inv, int64_t k, do
   return r;
 }
 
+// The kept statistics of a row on threshold t and token y, plainly (csrc/cpu/sampling.cpp
+// kept_logprobs_fwd: the kept max, the mass below it with the ties beyond one, sum e d, in
+// long double).
 template <class Fmt>
-static double run(const uint16_t* x, int64_t V, double inv, int64_t k, double p, double min_p) {
+static KeptRowStats kept_reference(const std::vector<uint16_t>& row, double t, double inv,
+                                   size_t y) {
+  const double inf = std::numeric_limits<double>::infinity();
+  const double xy = Fmt::is_nan(row[y]) ? NAN : Fmt::value(row[y]);
+  std::vector<double> k;
+  for (uint16_t b : row)
+    if (!Fmt::is_nan(b) && Fmt::value(b) >= t) k.push_back(Fmt::value(b));
+  KeptRowStats r{-inf, 0.0, 0.0, static_cast<uint32_t>(k.size()), !(xy >= t)};
+  for (double v : k) r.top = std::max(r.top, v);
+  if (r.missing) {
+    if (k.empty() || xy > r.top || std::isnan(xy)) r.top = xy;
+    k.push_back(xy);
+    ++r.size;
+  }
+  long double rest = 0, sd = 0, ties = 0;
+  for (double v : k) {
+    if (v == r.top) {
+      ties += 1;
+      continue;
+    }
+    const long double d = (static_cast<long double>(v) - r.top) * inv, e = std::exp(d);
+    rest += e;
+    if (e > 0) sd += e * d;
+  }
+  r.rest = static_cast<double>(rest + (ties > 1 ? ties - 1 : 0));
+  r.sd = static_cast<double>(sd);
+  return r;
+}
+
+static bool close(double a, double b, double tol) {
+  if (std::isnan(a) || std::isnan(b)) return std::isnan(a) && std::isnan(b);
+  if (a == b) return true;
+  return std::fabs(a - b) <= tol * std::max(1.0, std::fabs(b));
+}
+
+// The block program on a row: its threshold, then (y < V) its kept statistics on it.
+template <class Fmt>
+static double run(const uint16_t* x, int64_t V, double inv, int64_t k, double p, double min_p,
+                  int64_t y = -1, KeptRowStats* kept = nullptr) {
   static std::unique_ptr<Smem> s(new Smem);
   // poison the shared memory: the program must not read what it did not write this row
   std::memset(s.get(), 0xA5, sizeof(Smem));
   HostBlock blk;
-  return row_threshold<Fmt>(blk, *s, x, V, inv, k, p, min_p);
+  double mx = NAN;
+  const double t = row_threshold<Fmt>(blk, *s, x, V, inv, k, p, min_p, &mx);
+  if (kept) *kept = kept_stats<Fmt>(blk, *s, x, V, t, mx, inv, x[y]);
+  return t;
 }
 
 template <class Fmt>
@@ -136,7 +181,25 @@ static void check(const char* what, const std::vector<uint16_t>& row, double inv
   uint16_t* base = buf.data();
   while (reinterpret_cast<uintptr_t>(base) % 16) ++base;
   std::copy(row.begin(), row.end(), base + phase);
-  const double got = run<Fmt>(base + phase, static_cast<int64_t>(row.size()), inv, k, p, min_p);
+  // the kept statistics on the threshold the program found, for a token drawn from the row
+  // (the top entry, one below the threshold or any: kept, missing, ties at the top)
+  static std::mt19937_64 pick(99);
+  const size_t y = pick() % row.size();
+  KeptRowStats ks;
+  const double got = run<Fmt>(base + phase, static_cast<int64_t>(row.size()), inv, k, p, min_p,
+                              static_cast<int64_t>(y), &ks);
+  const KeptRowStats kr = kept_reference<Fmt>(row, got, inv, y);
+  // (float exps summed in float a thread, over up to 137 entries here, then in double:
+  // 1.1e-6 relative at most on these rows)
+  if (!(close(ks.top, kr.top, 0) && ks.size == kr.size && ks.missing == kr.missing &&
+        close(ks.rest, kr.rest, 1e-5) && close(ks.sd, kr.sd, 1e-5))) {
+    if (++g_fail <= 20)
+      std::printf("FAIL kept %s: V %zu inv %.4g k %lld p %.6g min_p %.4g y %zu: top %.9g/%.9g "
+                  "size %u/%u missing %d/%d rest %.9g/%.9g sd %.9g/%.9g\n",
+                  what, row.size(), inv, static_cast<long long>(k), p, min_p, y, ks.top, kr.top,
+                  ks.size, kr.size, ks.missing, kr.missing, ks.rest, kr.rest, ks.sd, kr.sd);
+  }
+  ++g_kept;
   const Ref ref = reference<Fmt>(row, inv, k, p, min_p);
   const bool same = got == ref.thr || (std::isnan(got) && std::isnan(ref.thr));
   if (same) return;
@@ -205,6 +268,8 @@ static void suite(const char* name, To to16, std::mt19937_64& rng) {
     for (double p : {1.0, 0.5, 0.99}) for (int64_t k : {0, 5, 80, 99}) check<Fmt>(name, row, 1.0, k, p, 0.0);
     row[7] = nan;
     row[9] = nan;
+    row[13] = static_cast<uint16_t>(nan | 0x8000u);  // a negative NaN: keys below -inf's
+    for (int64_t k : {0, 99}) check<Fmt>(name, row, 1.0, k, 1.0, 0.0);  // t = -inf
     for (double p : {1.0, 0.5}) for (int64_t k : {0, 5, 97, 98}) check<Fmt>(name, row, 1.0, k, p, 0.1);
     for (int64_t k : {5, 97, 98, 99}) check<Fmt>(name, row, 1.0, k, 1.0, 0.0);  // k vs the non-NaN count
     row[11] = pinf;
@@ -248,8 +313,8 @@ int main() {
       }
     }
   }
-  std::printf("%d rows, %d within 1e-12 of a top-p boundary where the sums' order decides\n",
-              g_rows, g_boundary);
+  std::printf("%d rows, %d within 1e-12 of a top-p boundary where the sums' order decides; "
+              "%d rows' kept statistics\n", g_rows, g_boundary, g_kept);
   if (g_fail) {
     std::printf("%d failed\n", g_fail);
     return 1;
