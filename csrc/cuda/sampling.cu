@@ -247,6 +247,16 @@ at::Tensor inv_temperatures(const RowArgs& r) {
   return r.temperatures->to(at::kDouble).reciprocal().to(r.acc).contiguous();
 }
 
+// The kept statistics' outputs: logp, H, kept max, kept log-sum ([B, T], the accumulation
+// dtype), kept size (int64), missing (bool).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+kept_outputs(const RowArgs& r) {
+  const auto opts = r.acc_opts;
+  auto acc = [&] { return at::empty({r.B, r.T}, opts); };
+  return {acc(), acc(), acc(), acc(), at::empty({r.B, r.T}, opts.dtype(at::kLong)),
+          at::empty({r.B, r.T}, opts.dtype(at::kBool))};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 kept_logprobs_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens,
                        const at::Tensor& mask, double temperature,
@@ -258,11 +268,7 @@ kept_logprobs_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens,
   c10::cuda::CUDAGuard guard(logits.device());
   const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
   const int64_t B = r.B, T = r.T, V = r.V;
-  const auto opts = r.acc_opts;
-  at::Tensor lp = at::empty({B, T}, opts), en = at::empty({B, T}, opts);
-  at::Tensor mx = at::empty({B, T}, opts), ls = at::empty({B, T}, opts);
-  at::Tensor size = at::empty({B, T}, opts.dtype(at::kLong));
-  at::Tensor miss = at::empty({B, T}, opts.dtype(at::kBool));
+  auto [lp, en, mx, ls, size, miss] = kept_outputs(r);
   if (B * T == 0) return {lp, en, mx, ls, size, miss};
   const KeptArgs a = kept_args(logits, kept_ids, kept_offsets, threshold, B * T);
   const at::Tensor invt = inv_temperatures(r);
@@ -580,11 +586,7 @@ threshold_kept_fwd_cuda(const at::Tensor& logits, const at::Tensor& tokens,
   }
   const RowArgs r = row_args(logits, tokens, mask, temperature, temperatures);
   const int64_t B = r.B, T = r.T, N = r.N();
-  const auto opts = r.acc_opts;  // float for 16-bit logits
-  at::Tensor lp = at::empty({B, T}, opts), en = at::empty({B, T}, opts);
-  at::Tensor mx = at::empty({B, T}, opts), ls = at::empty({B, T}, opts);
-  at::Tensor size = at::empty({B, T}, opts.dtype(at::kLong));
-  at::Tensor miss = at::empty({B, T}, opts.dtype(at::kBool));
+  auto [lp, en, mx, ls, size, miss] = kept_outputs(r);  // (float for 16-bit logits)
   at::Tensor thr = at::empty({B, T}, logits.options().dtype(at::kDouble));
   if (N == 0) return {lp, en, mx, ls, size, miss, thr};
   const RuleArgs ru(logits, N, top_k, top_p, min_p);
