@@ -36,6 +36,11 @@ def inputs(B, T, V, gen, dtype=torch.float64, scale=2.0):
     return logits, tokens, mask
 
 
+def ck_acc(dtype):
+    """The kernels' accumulation dtype of logits of dtype (float64 or float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def vllm_kept(logits, temperature, top_k=None, top_p=None, min_p=None):
     """An independent transcription of vLLM v1's sampler (vllm/v1/sample/sampler.py:
     temperature, then the min-p logits processor, then ops/topk_topp_sampler.py
@@ -1149,10 +1154,6 @@ def test_kept_ops_against_the_reference(prefix, dtype):
                 op["kept_logprobs_bwd_"](*bwd_args, into, dv[3])
                 torch.testing.assert_close(into.double(), (start.double() + got.double()),
                                            rtol=rel, atol=rel * float(got.abs().max()))
-
-
-def ck_acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @pytest.mark.parametrize("prefix", ["", "triton_"], ids=["cpu", "triton"])

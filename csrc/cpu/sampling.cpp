@@ -302,12 +302,13 @@ void kept_mass_sums(const scalar_t* x, int64_t V, double t, double top, double i
 }
 
 // The kept part of a threshold row's gradient, o_j (+)= dz_j / T on K = {j : x_j >= t}
-// (sweep_at_least), with dz_j = -g p_j - g_H p_j (log p_j + H) (the token's own formula is
-// the caller's: its entry is rewritten after): ACCUMULATE adds it into o (the entries off K
-// left as they are), else writes it and 0 off K.
-template <bool ACCUMULATE, typename scalar_t>
+// (sweep_at_least), with dz_j = -g p_j - g_H p_j (log p_j + H) in vectors (the token's own
+// formula is the caller's: its entry is rewritten after), the scalar tail's entries by the
+// caller's dz_of(j) (dz_j / T in double): ACCUMULATE adds it into o (the entries off K left
+// as they are), else writes it and 0 off K.
+template <bool ACCUMULATE, typename scalar_t, typename DzOf>
 void kept_grad_sweep(const scalar_t* x, scalar_t* o, int64_t V, double t, double top,
-                     double inv, double log_sum, double g, double gh, double h) {
+                     double inv, double log_sum, double g, double gh, double h, DzOf&& dz_of) {
   using L = Lanes<scalar_t>;
   using A = typename L::T;
   using Vec = typename L::Vec;
@@ -323,11 +324,7 @@ void kept_grad_sweep(const scalar_t* x, scalar_t* o, int64_t V, double t, double
     return Vec::blendv(zero, dz * vinv, keep);
   };
   auto scalar = [&](int64_t j) {
-    const double lpj = (static_cast<double>(x[j]) - top) * inv - log_sum;
-    const double pj = std::exp(lpj);
-    double dz = -g * pj;
-    if (gh != 0.0 && pj > 0) dz -= gh * pj * (lpj + h);
-    o[j] = static_cast<scalar_t>((ACCUMULATE ? static_cast<double>(o[j]) : 0.0) + dz * inv);
+    o[j] = static_cast<scalar_t>((ACCUMULATE ? static_cast<double>(o[j]) : 0.0) + dz_of(j));
   };
   sweep_at_least(
       x, V, t,
@@ -866,7 +863,8 @@ void kept_grad(const at::Tensor& grad_logprobs, const std::optional<at::Tensor>&
           // the sweep gives the token's entry the others' formula where it is kept: its
           // own value is written after, from the entry as it was before the sweep
           const double old_y = ACCUMULATE ? static_cast<double>(o[y]) : 0.0;
-          kept_grad_sweep<ACCUMULATE>(x, o, r.V, ks.thr[i], top, inv, log_sum, g, gh, h);
+          kept_grad_sweep<ACCUMULATE>(x, o, r.V, ks.thr[i], top, inv, log_sum, g, gh, h,
+                                      dz_of);
           o[y] = static_cast<scalar_t>(old_y + dz_of(y));
         }
       }

@@ -455,10 +455,8 @@ threshold_kept_kernel(const uint16_t* __restrict__ logits, int64_t sB, int64_t s
   const select::KeptRowStats k = select::kept_stats<Fmt>(blk, s, x, V, t, mx, inv, yb);
   if (threadIdx.x == 0) {
     const double ls = log1p(k.rest);
-    const double xy =
-        Fmt::is_nan(yb) ? std::numeric_limits<double>::quiet_NaN() : Fmt::value(yb);
     thr[row] = t;
-    logp[row] = static_cast<float>((xy - k.top) * inv - ls);
+    logp[row] = static_cast<float>((k.xy - k.top) * inv - ls);
     ent[row] = static_cast<float>(ls - k.sd / (1.0 + k.rest));
     kmax[row] = static_cast<float>(k.top);
     kls[row] = static_cast<float>(ls);

@@ -458,11 +458,12 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
 // as csrc/cpu/sampling.cpp's kept_logprobs_fwd computes them (docs/SAMPLING.md): top, the
 // kept max (the token's value where K is empty, NaN for a NaN token it lacks); rest, the
 // mass below the top with the ties at the top beyond one (log_sum = log1p(rest)); sd, sum
-// e d; the size; missing. In every thread.
+// e d; the size; missing; xy, the token's value (NaN for a NaN entry). In every thread.
 struct KeptRowStats {
   double top, rest, sd;
   uint32_t size;
   bool missing;
+  double xy;
 };
 
 // ru / ru2 summed, gmass[1] summed and gmass[0] summed (its max with max_first), in a tree
@@ -548,7 +549,7 @@ PPO_SEL_HD KeptRowStats kept_stats(Blk& blk, Smem& s, const uint16_t* x, int64_t
     s.ksize = s.ru[0];
     s.kties = s.ru2[0];
   });
-  KeptRowStats k{top, s.krest, s.ksd, s.ksize, missing};
+  KeptRowStats k{top, s.krest, s.ksd, s.ksize, missing, xy};
   double ties = s.kties;
   if (missing) {
     ++k.size;

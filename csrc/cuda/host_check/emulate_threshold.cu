@@ -130,7 +130,7 @@ static KeptRowStats kept_reference(const std::vector<uint16_t>& row, double t, d
   std::vector<double> k;
   for (uint16_t b : row)
     if (!Fmt::is_nan(b) && Fmt::value(b) >= t) k.push_back(Fmt::value(b));
-  KeptRowStats r{-inf, 0.0, 0.0, static_cast<uint32_t>(k.size()), !(xy >= t)};
+  KeptRowStats r{-inf, 0.0, 0.0, static_cast<uint32_t>(k.size()), !(xy >= t), xy};
   for (double v : k) r.top = std::max(r.top, v);
   if (r.missing) {
     if (k.empty() || xy > r.top || std::isnan(xy)) r.top = xy;
@@ -191,8 +191,9 @@ static void check(const char* what, const std::vector<uint16_t>& row, double inv
   const KeptRowStats kr = kept_reference<Fmt>(row, got, inv, y);
   // (float exps summed in float a thread, over up to 137 entries here, then in double:
   // 1.1e-6 relative at most on these rows)
-  if (!(close(ks.top, kr.top, 0) && ks.size == kr.size && ks.missing == kr.missing &&
-        close(ks.rest, kr.rest, 1e-5) && close(ks.sd, kr.sd, 1e-5))) {
+  if (!(close(ks.top, kr.top, 0) && close(ks.xy, kr.xy, 0) && ks.size == kr.size &&
+        ks.missing == kr.missing && close(ks.rest, kr.rest, 1e-5) &&
+        close(ks.sd, kr.sd, 1e-5))) {
     if (++g_fail <= 20)
       std::printf("FAIL kept %s: V %zu inv %.4g k %lld p %.6g min_p %.4g y %zu: top %.9g/%.9g "
                   "size %u/%u missing %d/%d rest %.9g/%.9g sd %.9g/%.9g\n",
