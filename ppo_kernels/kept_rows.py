@@ -52,7 +52,7 @@ def require_ops(be):
 def threshold_op(be, logits3):
     """The re-derived sets' threshold op. The cuda backend with bfloat16 / float16 logits:
     its own op, one block per row counting the row's 16-bit values in shared memory
-    (csrc/cuda/threshold_select.cuh; on a device with less than 145 KiB of shared memory a
+    (csrc/cuda/threshold_select.cuh; on a device with less than 153 KiB of shared memory a
     block, the same op sorts chunks of rows with ATen ops). Else on the device path
     (_backends.device_eager: a CUDA device, eager mode, triton importable) the Triton radix
     select (triton_kernels/threshold.py, one launch), for the cuda backend's float32 /

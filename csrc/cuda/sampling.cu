@@ -9,7 +9,7 @@
 // (kept_logprobs_bwd; ids unique per row, so no atomics). sampling_threshold: for bfloat16
 // / float16 logits one block per row, an exact count histogram of the row's 16-bit values
 // in shared memory (threshold_select.cuh); for float32 / float64 logits, or a device with
-// less than its 145 KiB of shared memory a block, ATen ops on chunks of rows (a sort per
+// less than its 153 KiB of shared memory a block, ATen ops on chunks of rows (a sort per
 // chunk); both the rules of the CPU kernel (vLLM v1's sampler as value thresholds). The
 // optional per-row `temperatures` [B, T] (csrc/ops.cpp): row r uses 1 / temperatures[r],
 // taken in double and rounded once to the accumulation dtype (invt below; the scalar's 1 /
@@ -422,8 +422,10 @@ threshold_select_kernel(const uint16_t* __restrict__ logits, int64_t sB, int64_t
 }
 
 // threshold_select_kernel, then the row's kept statistics on that threshold in the same
-// block (select::kept_stats: the row read again while much of it is still in L2, with the
-// max from the histogram's sweep), written as kept_fwd_kernel writes them.
+// block, written as kept_fwd_kernel writes them (select::kept_stats: from the histogram's
+// bins where they hold the kept set, the top-p rows and cuts among the non-negatives, with
+// no further read of the row; else the row read again while much of it is still in L2,
+// with the max from the histogram's sweep).
 template <class Fmt>
 __global__ void __launch_bounds__(select::kThreads)
 threshold_kept_kernel(const uint16_t* __restrict__ logits, int64_t sB, int64_t sT, int64_t T,
@@ -449,10 +451,11 @@ threshold_kept_kernel(const uint16_t* __restrict__ logits, int64_t sB, int64_t s
   const uint16_t* x = logits + (row / T) * sB + (row % T) * sT;
   select::DeviceBlock blk;
   double mx = std::numeric_limits<double>::quiet_NaN();
+  select::Resident res;
   const double t = select::row_threshold<Fmt>(blk, s, x, V, inv, K ? K[row] : 0,
-                                              P ? P[row] : 1.0, MP ? MP[row] : 0.0, &mx);
+                                              P ? P[row] : 1.0, MP ? MP[row] : 0.0, &mx, &res);
   const uint16_t yb = x[tokens[row]];
-  const select::KeptRowStats k = select::kept_stats<Fmt>(blk, s, x, V, t, mx, inv, yb);
+  const select::KeptRowStats k = select::kept_stats<Fmt>(blk, s, x, V, t, mx, inv, yb, res);
   if (threadIdx.x == 0) {
     const double ls = log1p(k.rest);
     thr[row] = t;

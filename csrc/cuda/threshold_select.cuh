@@ -80,10 +80,11 @@ struct Bf16Bits {
 struct HalfBits {
   static constexpr uint32_t kInf = 0x7C00u;
   PPO_SEL_HD static bool is_nan(uint16_t b) { return (b & 0x7FFFu) > kInf; }
-  PPO_SEL_HD static double value(uint16_t b) {
+  // the value from the bits (the host's conversion; +-inf for NaN bits, never asked)
+  PPO_SEL_HD static double decode(uint16_t b) {
     const int e = (b >> 10) & 0x1F, m = b & 0x3FF;
     const double s = (b & 0x8000u) ? -1.0 : 1.0;
-    if (e == 0x1F) return s * std::numeric_limits<double>::infinity();  // NaN never asked
+    if (e == 0x1F) return s * std::numeric_limits<double>::infinity();
     if (e == 0) return s * ldexp(static_cast<double>(m), -24);
     return s * ldexp(static_cast<double>(m | 0x400), e - 25);
   }
@@ -94,9 +95,10 @@ struct HalfBits {
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(b));
     return f;
 #else
-    return is_nan(b) ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(value(b));
+    return is_nan(b) ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(decode(b));
 #endif
   }
+  PPO_SEL_HD static double value(uint16_t b) { return static_cast<double>(to_float(b)); }
 };
 
 template <class Fmt>
@@ -106,20 +108,40 @@ PPO_SEL_HD double key_value(uint32_t key) {
 
 // ---------------------------------------------------------------- shared memory
 
+// The sums of a window's bins at or above a key (bin_sums), relative to the row's max: the
+// entries, those at the max key, the mass count x e of the others and their count x e d.
+struct BinSums {
+  uint32_t count, ties;
+  double mass, sd;
+};
+
 struct Smem {
   uint32_t hist[kBins + kLanes];   // the resident window's counts, then a spare bin a lane
   uint32_t gcount[2][kThreads];    // per window, per group of kGroup bins (>= the cut)
   double gmass[2][kThreads];       // their masses (top-p only)
   uint32_t ru[kThreads], ru2[kThreads];  // reductions
+  double ra[kThreads], rb[kThreads];
   uint32_t rc[2][kLanes];          // per window, chunk counts
   double rd[2][kLanes];            // and masses
   // written once per row (see the header comment)
   uint32_t maxkey1, n1, n_all;     // max key + 1 (0: no value), non-negatives, non-NaN
   uint32_t kp, cnt_kp0, cnt_kp1, ck0, ck1, cm0, cm1, g1, g0, found1, found0;
   double total, above1, above0;
+  BinSums w1all;                   // window 1's, before sweep 3 overwrites it
   // the kept statistics (kept_stats)
+  BinSums kbins;
   double kmax, krest, ksd;
   uint32_t ksize, kties;
+};
+
+// What row_threshold leaves in the bins, in every thread (its control flow is the block's):
+// the resident window (-1: none that holds the kept set's lowest key) and that key, whether
+// Smem::w1all holds window 1 (the kept set then takes all of it), and the row's max key.
+struct Resident {
+  int window = -1;
+  uint32_t key = 0;
+  bool w1all = false;
+  uint32_t maxkey = 0;
 };
 
 // ---------------------------------------------------------------- per-thread pieces
@@ -203,6 +225,54 @@ PPO_SEL_HD void reduce2(Blk& blk, Smem& s, bool max_first) {
       }
     });
   }
+}
+
+// ru / ru2 summed, rb summed and ra summed (its max with max_first), in a tree (a fixed
+// order: the same bits for a row at any address and in any batch).
+template <class Blk>
+PPO_SEL_HD void reduce4(Blk& blk, Smem& s, bool max_first) {
+  for (int h = kThreads / 2; h > 0; h >>= 1) {
+    blk.each([&](int t) {
+      if (t < h) {
+        s.ru[t] += s.ru[t + h];
+        s.ru2[t] += s.ru2[t + h];
+        const double a = s.ra[t], b = s.ra[t + h];
+        s.ra[t] = max_first ? (b > a ? b : a) : a + b;
+        s.rb[t] += s.rb[t + h];
+      }
+    });
+  }
+}
+
+// The BinSums of window w (resident) over the keys >= lo into *out (a field of Smem), the
+// row's max at maxkey (mx): each bin's count x exp((v - mx) * inv) in float64, one exp a
+// non-empty bin; per group from its top bin down, then reduce4's tree.
+template <class Fmt, class Blk>
+PPO_SEL_HD void bin_sums(Blk& blk, Smem& s, int w, uint32_t lo, uint32_t maxkey, double mx,
+                         double inv, BinSums* out) {
+  blk.each([&](int t) {
+    uint32_t c = 0, ties = 0;
+    double m = 0.0, sd = 0.0;
+    for (int b = kGroup - 1; b >= 0; --b) {
+      const uint32_t key = (uint32_t(w) << 15) | uint32_t(t * kGroup + b);
+      const uint32_t n = key >= lo ? s.hist[t * kGroup + b] : 0u;
+      if (n == 0) continue;
+      c += n;
+      if (key == maxkey) {
+        ties += n;
+        continue;
+      }
+      const double d = (key_value<Fmt>(key) - mx) * inv, e = exp(d);
+      m += static_cast<double>(n) * e;
+      if (e > 0.0) sd += static_cast<double>(n) * e * d;  // (-inf: no term)
+    }
+    s.ru[t] = c;
+    s.ru2[t] = ties;
+    s.ra[t] = m;
+    s.rb[t] = sd;
+  });
+  reduce4(blk, s, false);
+  blk.one([&] { *out = BinSums{s.ru[0], s.ru2[0], s.ra[0], s.rb[0]}; });
 }
 
 // Chunk totals of window w's groups into rc[w] / rd[w] (lane t of warp 0: the groups of
@@ -347,10 +417,12 @@ PPO_SEL_HD void sweep(Blk& blk, Smem& s, const uint16_t* x, int64_t V) {
 // whose mass of S strictly above them is < top_p * mass(S). k <= 0 or k >= V, top_p >= 1 and
 // min_p <= 0 are off. The result is in every thread.
 // row_max: where given, the row's max (NaN left out) once sweep 1 has found it, else left
-// as it was.
+// as it was. res: where given, what the bins hold at the end (Resident; kept_stats sums the
+// kept set from them where they hold all of it).
 template <class Fmt, class Blk>
 PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V, double inv,
-                                int64_t k, double p, double min_p, double* row_max = nullptr) {
+                                int64_t k, double p, double min_p, double* row_max = nullptr,
+                                Resident* res = nullptr) {
   const double inf = std::numeric_limits<double>::infinity();
   const bool use_p = p < 1.0, use_m = min_p > 0.0;
   bool use_k = k > 0 && k < V;
@@ -420,7 +492,10 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
         ck = s.ck1;
       }
       cut = ck > cm ? ck : cm;
-      if (!use_p) return key_value<Fmt>(cut);
+      if (!use_p) {
+        if (res) *res = Resident{1, cut, false, maxkey};
+        return key_value<Fmt>(cut);
+      }
       blk.each([&](int t) { group_sums<Fmt>(s, 1, t, cut, true, mx, inv); });
     }
   } else {
@@ -444,12 +519,20 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
   double above = 0.0;
   if (n1 > 0) {
     mass_select<Fmt>(blk, s, 1, 0.0, target, cut, mx, inv, &s.found1, &s.g1, &s.above1);
-    if (s.found1) return key_value<Fmt>(s.g1);
+    if (s.found1) {
+      if (res) *res = Resident{1, s.g1, false, maxkey};
+      return key_value<Fmt>(s.g1);
+    }
     above = s.above1;  // then negatives survive (the total is more than this window's)
+    // (every non-negative is kept then: cut lies among the negatives, or the walk would
+    // have ended in window 1)
+    if (res) bin_sums<Fmt>(blk, s, 1, 0, maxkey, mx, inv, &s.w1all);
     sweep<Fmt, 0, false>(blk, s, x, V);  // sweep 3: the negatives again
   }
   mass_select<Fmt>(blk, s, 0, above, target, cut, mx, inv, &s.found0, &s.g0, &s.above0);
-  return s.found0 ? key_value<Fmt>(s.g0) : -inf;  // found: the walk ends by the last survivor
+  if (!s.found0) return -inf;  // (not reached: the walk ends by the last survivor)
+  if (res) *res = Resident{0, s.g0, n1 > 0, maxkey};
+  return key_value<Fmt>(s.g0);
 }
 
 // ---------------------------------------------------------------- the kept statistics
@@ -466,33 +549,46 @@ struct KeptRowStats {
   double xy;
 };
 
-// ru / ru2 summed, gmass[1] summed and gmass[0] summed (its max with max_first), in a tree
-// (a fixed order: the same bits for a row at any address and in any batch).
-template <class Blk>
-PPO_SEL_HD void reduce4(Blk& blk, Smem& s, bool max_first) {
-  for (int h = kThreads / 2; h > 0; h >>= 1) {
-    blk.each([&](int t) {
-      if (t < h) {
-        s.ru[t] += s.ru[t + h];
-        s.ru2[t] += s.ru2[t + h];
-        const double a = s.gmass[0][t], b = s.gmass[0][t + h];
-        s.gmass[0][t] = max_first ? (b > a ? b : a) : a + b;
-        s.gmass[1][t] += s.gmass[1][t + h];
-      }
-    });
-  }
-}
-
-// kept_logprobs_fwd's statistics of row x on threshold t (the bins are free again after
-// row_threshold), y_bits the token's entry: with the row's max known (row_threshold's
-// row_max; NaN: not known) one sweep for the sums, else a sweep for the kept max first.
-// The sweep tests an entry as a float compare and takes its mass as a float exp2
-// (ex2.cuh), summed in float a thread (the accumulation type of 16-bit rows, as the kept
-// kernels take it), then in double over the threads.
+// kept_logprobs_fwd's statistics of row x on threshold t, y_bits the token's entry.
+// Where row_threshold's bins hold the kept set K = {x >= t} (res: its lowest key in the
+// resident window, window 1 all kept or summed in w1all) the sums come from the bins
+// (bin_sums: float64, one exp a distinct value, no further read of the row): top-p, and
+// top-k / min-p cuts among the non-negatives. Else (no cut, a cut among the negatives
+// without top-p, a cut at +0 with -0 entries outside the window, a NaN token K lacks) a
+// sweep: with the row's max known (row_threshold's row_max; NaN: not known) one, else one
+// for the kept max first; it tests an entry as a float compare and takes its mass as a
+// float exp2 (ex2.cuh), summed in float a thread (the accumulation type of 16-bit rows, as
+// the kept kernels take it), then in double over the threads.
 template <class Fmt, class Blk>
 PPO_SEL_HD KeptRowStats kept_stats(Blk& blk, Smem& s, const uint16_t* x, int64_t V, double t,
-                                   double known_max, double inv, uint16_t y_bits) {
+                                   double known_max, double inv, uint16_t y_bits,
+                                   const Resident& res = Resident{}) {
   const double inf = std::numeric_limits<double>::infinity();
+  // the token where K lacks it (x_y < t, or NaN) joins K: the top where K is empty
+  const bool y_nan = Fmt::is_nan(y_bits);
+  const double xy = y_nan ? std::numeric_limits<double>::quiet_NaN() : Fmt::value(y_bits);
+  const bool missing = !(xy >= t);
+  // (K holds the max: t is at most it; a cut at +0 also keeps -0, in window 0)
+  if (res.window >= 0 && !(missing && y_nan) && !(res.window == 1 && res.key == kHalf)) {
+    bin_sums<Fmt>(blk, s, res.window, res.key, res.maxkey, known_max, inv, &s.kbins);
+    BinSums b = s.kbins;
+    if (res.w1all) {
+      b.count += s.w1all.count;
+      b.ties += s.w1all.ties;
+      b.mass += s.w1all.mass;
+      b.sd += s.w1all.sd;
+    }
+    KeptRowStats k{known_max, b.mass, b.sd, b.count, missing, xy};
+    double ties = b.ties;
+    if (missing) {  // (x_y < t <= the max)
+      ++k.size;
+      const double dy = (xy - known_max) * inv, e = exp(dy);
+      k.rest += e;
+      if (e > 0) k.sd += e * dy;
+    }
+    k.rest += ties > 1.0 ? ties - 1.0 : 0.0;
+    return k;
+  }
   double top0 = known_max;
   if (!(known_max == known_max)) {  // the kept max: a sweep
     blk.each([&](int th) {
@@ -501,18 +597,14 @@ PPO_SEL_HD KeptRowStats kept_stats(Blk& blk, Smem& s, const uint16_t* x, int64_t
         const double v = Fmt::value(b);
         if (!Fmt::is_nan(b) && v >= t && v > m) m = v;
       });
-      s.gmass[0][th] = m;
-      s.gmass[1][th] = 0.0;
+      s.ra[th] = m;
+      s.rb[th] = 0.0;
       s.ru[th] = s.ru2[th] = 0;
     });
     reduce4(blk, s, true);
-    blk.one([&] { s.kmax = s.gmass[0][0]; });
+    blk.one([&] { s.kmax = s.ra[0]; });
     top0 = s.kmax;
   }
-  // the token where K lacks it (x_y < t, or NaN) joins K: the top where K is empty
-  const bool y_nan = Fmt::is_nan(y_bits);
-  const double xy = y_nan ? std::numeric_limits<double>::quiet_NaN() : Fmt::value(y_bits);
-  const bool missing = !(xy >= t);
   double top = top0;
   if (missing && (top0 == -inf || xy > top0 || y_nan)) top = xy;
   // K as a float compare: x >= t in double is x >= t_f for every 16-bit x (exact in
@@ -537,15 +629,15 @@ PPO_SEL_HD KeptRowStats kept_stats(Blk& blk, Smem& s, const uint16_t* x, int64_t
       rest += e;
       sd += e > 0.0f ? e * d2 : 0.0f;
     });
-    s.gmass[0][th] = rest;
-    s.gmass[1][th] = sd;
+    s.ra[th] = rest;
+    s.rb[th] = sd;
     s.ru[th] = n;
     s.ru2[th] = ties;
   });
   reduce4(blk, s, false);
   blk.one([&] {
-    s.krest = s.gmass[0][0];
-    s.ksd = s.gmass[1][0] * 0.6931471805599453;
+    s.krest = s.ra[0];
+    s.ksd = s.rb[0] * 0.6931471805599453;
     s.ksize = s.ru[0];
     s.kties = s.ru2[0];
   });

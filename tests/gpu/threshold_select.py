@@ -142,7 +142,8 @@ def threshold_kept_vs_cpu(ctx):
     the kept statistics on its threshold, csrc/cuda/threshold_select.cuh kept_stats) against
     the CPU op on the same rows: the same threshold (rows where the two differ, the top-p
     rounding case above, are left out), the same kept size and missing flags, the float
-    statistics within 1e-5 (float sums in another order)."""
+    statistics within 1e-5 (the CPU op's float sums; the device's in float64 from the
+    select's bins on top-p rows, else float sums of a sweep)."""
     be = ctx.kern[0]
     g = torch.Generator().manual_seed(29)
     Vs = (1003,) if ctx.small else (1003, 151936)

@@ -36,7 +36,7 @@ struct HostBlock {
   PPO_SEL_HD static void add(uint32_t* p, uint32_t v) { *p += v; }
 };
 
-static int g_fail = 0, g_rows = 0, g_boundary = 0, g_kept = 0;
+static int g_fail = 0, g_rows = 0, g_boundary = 0, g_kept = 0, g_kept_bins = 0;
 
 // bits of the 16-bit float nearest to v (round to nearest even), for both formats
 static uint16_t to_bf16(float v) {
@@ -158,17 +158,26 @@ static bool close(double a, double b, double tol) {
   return std::fabs(a - b) <= tol * std::max(1.0, std::fabs(b));
 }
 
-// The block program on a row: its threshold, then (y < V) its kept statistics on it.
+// The block program on a row: its threshold, then (y < V) its kept statistics on it;
+// *from_bins: whether they came from the histogram's bins (else a sweep of the row).
 template <class Fmt>
 static double run(const uint16_t* x, int64_t V, double inv, int64_t k, double p, double min_p,
-                  int64_t y = -1, KeptRowStats* kept = nullptr) {
+                  int64_t y = -1, KeptRowStats* kept = nullptr, bool* from_bins = nullptr) {
   static std::unique_ptr<Smem> s(new Smem);
   // poison the shared memory: the program must not read what it did not write this row
   std::memset(s.get(), 0xA5, sizeof(Smem));
   HostBlock blk;
   double mx = NAN;
-  const double t = row_threshold<Fmt>(blk, *s, x, V, inv, k, p, min_p, &mx);
-  if (kept) *kept = kept_stats<Fmt>(blk, *s, x, V, t, mx, inv, x[y]);
+  Resident res;
+  const double t = row_threshold<Fmt>(blk, *s, x, V, inv, k, p, min_p, &mx, &res);
+  if (kept) {
+    // (a poisoned kbins: the sweep's path must not have written it)
+    std::memset(&s->kbins, 0xA5, sizeof(s->kbins));
+    *kept = kept_stats<Fmt>(blk, *s, x, V, t, mx, inv, x[y], res);
+    uint32_t poison;
+    std::memset(&poison, 0xA5, sizeof(poison));
+    *from_bins = s->kbins.count != poison;
+  }
   return t;
 }
 
@@ -186,21 +195,25 @@ static void check(const char* what, const std::vector<uint16_t>& row, double inv
   static std::mt19937_64 pick(99);
   const size_t y = pick() % row.size();
   KeptRowStats ks;
+  bool bins = false;
   const double got = run<Fmt>(base + phase, static_cast<int64_t>(row.size()), inv, k, p, min_p,
-                              static_cast<int64_t>(y), &ks);
+                              static_cast<int64_t>(y), &ks, &bins);
   const KeptRowStats kr = kept_reference<Fmt>(row, got, inv, y);
-  // (float exps summed in float a thread, over up to 137 entries here, then in double:
-  // 1.1e-6 relative at most on these rows)
+  // the sweep: float exps summed in float a thread, over up to 137 entries here, then in
+  // double (1.1e-6 relative at most on these rows); the bins: float64 throughout, another
+  // order than the reference's long double
+  const double tol = bins ? 1e-12 : 1e-5;
   if (!(close(ks.top, kr.top, 0) && close(ks.xy, kr.xy, 0) && ks.size == kr.size &&
-        ks.missing == kr.missing && close(ks.rest, kr.rest, 1e-5) &&
-        close(ks.sd, kr.sd, 1e-5))) {
+        ks.missing == kr.missing && close(ks.rest, kr.rest, tol) && close(ks.sd, kr.sd, tol))) {
     if (++g_fail <= 20)
-      std::printf("FAIL kept %s: V %zu inv %.4g k %lld p %.6g min_p %.4g y %zu: top %.9g/%.9g "
-                  "size %u/%u missing %d/%d rest %.9g/%.9g sd %.9g/%.9g\n",
-                  what, row.size(), inv, static_cast<long long>(k), p, min_p, y, ks.top, kr.top,
-                  ks.size, kr.size, ks.missing, kr.missing, ks.rest, kr.rest, ks.sd, kr.sd);
+      std::printf("FAIL kept (%s) %s: V %zu inv %.4g k %lld p %.6g min_p %.4g y %zu: top "
+                  "%.9g/%.9g size %u/%u missing %d/%d rest %.17g/%.17g sd %.17g/%.17g\n",
+                  bins ? "bins" : "sweep", what, row.size(), inv, static_cast<long long>(k), p,
+                  min_p, y, ks.top, kr.top, ks.size, kr.size, ks.missing, kr.missing, ks.rest,
+                  kr.rest, ks.sd, kr.sd);
   }
   ++g_kept;
+  g_kept_bins += bins;
   const Ref ref = reference<Fmt>(row, inv, k, p, min_p);
   const bool same = got == ref.thr || (std::isnan(got) && std::isnan(ref.thr));
   if (same) return;
@@ -315,7 +328,8 @@ int main() {
     }
   }
   std::printf("%d rows, %d within 1e-12 of a top-p boundary where the sums' order decides; "
-              "%d rows' kept statistics\n", g_rows, g_boundary, g_kept);
+              "%d rows' kept statistics (%d from the bins, the others by a sweep)\n", g_rows,
+              g_boundary, g_kept, g_kept_bins);
   if (g_fail) {
     std::printf("%d failed\n", g_fail);
     return 1;
