@@ -125,6 +125,7 @@ struct Smem {
   double rd[2][kLanes];            // and masses
   // written once per row (see the header comment)
   uint32_t maxkey1, n1, n_all;     // max key + 1 (0: no value), non-negatives, non-NaN
+  uint32_t nz0;                    // the -0 entries (window 0's top bin)
   uint32_t kp, cnt_kp0, cnt_kp1, ck0, ck1, cm0, cm1, g1, g0, found1, found0;
   double total, above1, above0;
   BinSums w1all;                   // window 1's, before sweep 3 overwrites it
@@ -434,6 +435,7 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
   blk.one([&] {
     s.maxkey1 = s.ru[0];
     s.n1 = s.ru2[0];
+    s.nz0 = s.hist[kBins - 1];
   });
   if (s.maxkey1 == 0) return -inf;  // every entry NaN
   const uint32_t maxkey = s.maxkey1 - 1, n1 = s.n1;
@@ -492,11 +494,22 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
         ck = s.ck1;
       }
       cut = ck > cm ? ck : cm;
+      // a cut at +0 keeps the -0 entries too (one value, two keys): the lowest surviving
+      // key is then -0's, in window 0 (only top-k's rank lands on +0: min-p's lowest passing
+      // key is -0's wherever 0 passes)
+      if (cut == kHalf) cut = kHalf - 1;
       if (!use_p) {
-        if (res) *res = Resident{1, cut, false, maxkey};
+        if (res && cut >= kHalf) *res = Resident{1, cut, false, maxkey};
         return key_value<Fmt>(cut);
       }
       blk.each([&](int t) { group_sums<Fmt>(s, 1, t, cut, true, mx, inv); });
+      if (cut < kHalf) {  // window 0's surviving bin: -0's, its top (counted in sweep 1)
+        blk.one([&] {
+          s.gcount[0][kThreads - 1] = s.nz0;
+          s.gmass[0][kThreads - 1] = bin_mass<Fmt>(s.nz0, cut, mx, inv);
+        });
+        chunk_sums(blk, s, 0);
+      }
     }
   } else {
     blk.each([&](int t) {

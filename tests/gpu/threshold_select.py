@@ -3,7 +3,7 @@
 count histogram of the row's 16-bit values in shared memory): its threshold equals the CPU
 op's (csrc/cpu/sampling.cpp) on the same rows, bit for bit, for top_k / top_p / min_p alone
 and together, a temperature per row, masked rows, rows of one sign, integer logits (ties),
-flat rows whose top-p boundary lies among the negative values (the kernel's third sweep),
++0 and -0 entries (a top-k cut at 0 keeps both), flat rows whose top-p boundary lies among the negative values (the kernel's third sweep),
 -inf entries, and strided rows (Tl = T + 1, odd V: every address phase of a 16-byte pack).
 A top-p threshold may differ only where the target mass lies within 1e-9 of a group's
 cumulative mass (the float64 sums run in another order and through another exp). And a
@@ -37,6 +37,9 @@ def rows(kind, B, T, V, dtype, g):
         x = x * 2.0 - 20.0
     elif kind == "ties":
         x = torch.randint(-3, 4, (B, T + 1, V), generator=g).float()
+    elif kind == "zeros":  # +0 and -0 (two keys of one value), a top-k cut often at 0
+        x = torch.randint(-1, 2, (B, T + 1, V), generator=g).float()
+        x[(x == 0) & (torch.rand(B, T + 1, V, generator=g) < 0.5)] = -0.0
     elif kind == "flat":  # top-p's boundary among the negatives
         x = x * 0.05 - 0.01
     elif kind == "neginf":
@@ -76,7 +79,7 @@ def threshold_vs_cpu(ctx):
     Vs = (7, 1003) if ctx.small else (7, 1003, 32771, 151936)
     for dtype in (torch.bfloat16, torch.float16):
         for V in Vs:
-            for kind in ("mixed", "positive", "negative", "ties", "flat", "neginf"):
+            for kind in ("mixed", "positive", "negative", "ties", "zeros", "flat", "neginf"):
                 B, T = (2, 3) if ctx.small else (4, 16 if V < 100000 else 4)
                 x = rows(kind, B, T, V, dtype, g)
                 mask = torch.rand(B, T, generator=g) > 0.1
@@ -149,7 +152,7 @@ def threshold_kept_vs_cpu(ctx):
     Vs = (1003,) if ctx.small else (1003, 151936)
     for dtype in (torch.bfloat16, torch.float16):
         for V in Vs:
-            for kind in ("mixed", "ties", "flat", "neginf"):
+            for kind in ("mixed", "ties", "zeros", "flat", "neginf"):
                 B, T = (2, 3) if ctx.small else (4, 8)
                 x = rows(kind, B, T, V, dtype, g)
                 mask = torch.rand(B, T, generator=g) > 0.1

@@ -7,8 +7,9 @@
 // boundary), one sign only, flat rows whose top-p boundary lies among the negatives (the
 // third sweep), -inf / +inf / NaN / +-0 entries, a value repeated more than 65,535 times,
 // every combination of top_k / top_p / min_p, several temperatures, every address phase of
-// a 16-byte pack. A top-p threshold may differ from the reference only where the target mass
-// lies within 1e-12 of a group's cumulative mass (the sums' order differs).
+// a 16-byte pack, and short rows thick with special entries at temperatures far from 1.
+// A top-p threshold may differ from the reference only where the target mass lies within
+// 1e-12 of a group's cumulative mass (the sums' order differs).
 //
 //   nvcc -std=c++20 -O1 --expt-relaxed-constexpr -I csrc \
 //     csrc/cuda/host_check/emulate_threshold.cu -o /tmp/emu_thr && /tmp/emu_thr
@@ -303,6 +304,37 @@ static void suite(const char* name, To to16, std::mt19937_64& rng) {
     for (auto& b : big) b = b == to16(1.0f) ? ninf : b;
     check<Fmt>(name, big, 1.0, 900, 0.9, 0.0);
     check<Fmt>(name, big, 1.0, 60000, 0.999, 0.0);
+  }
+  // short rows thick with +0 / -0, -inf, NaN of both signs and +inf, of one sign or both or
+  // integer ties, random rules and temperatures far from 1, four tokens a row: every path
+  // of the kept statistics (bins with and without window 1's sums, a cut at +0 or -0, a max
+  // at +0 beside -0 entries, a NaN or -inf token, a missing one)
+  {
+    const uint16_t ninf = to16(-INFINITY), pinf = to16(INFINITY);
+    const uint16_t nan = Fmt::is_nan(0x7FC0) ? 0x7FC0 : 0x7E00;
+    const double invs[] = {1e-8, 1e-3, 1.0, 40.0, 1e3, 1e8};
+    const double ps[] = {1.0, 0.1, 0.5, 0.9, 0.999, 1.0 - 0x1p-53};
+    const double mps[] = {0.0, 0.0, 0.01, 0.5, 0.99};
+    for (int rep = 0; rep < 300; ++rep) {
+      const int64_t V = 1 + static_cast<int64_t>(rng() % (rep % 10 == 0 ? 3000 : 40));
+      const int kind = static_cast<int>(rng() % 5);  // near 0, positive, negative, ties, +inf
+      std::vector<uint16_t> row(V);
+      for (auto& b : row) {
+        const float v = kind == 3 ? static_cast<float>(static_cast<int>(rng() % 5) - 2)
+                                  : nd(rng) * (kind == 0 ? 0.01f : 3.0f) +
+                                        (kind == 1 ? 5.0f : kind == 2 ? -5.0f : 0.0f);
+        const int r = static_cast<int>(rng() % 100);
+        b = r < 8 ? 0x0000 : r < 16 ? 0x8000 : r < 20 ? ninf : r < 22 ? nan
+            : r < 24 ? static_cast<uint16_t>(nan | 0x8000u | (rng() & 0x3F))
+            : (r < 25 && kind == 4) ? pinf : to16(v);
+      }
+      if (rep % 7 == 0)  // every value negative (-0 included)
+        for (auto& b : row)
+          if (!Fmt::is_nan(b)) b |= 0x8000u;
+      const int64_t k = rng() % 3 == 0 ? 0 : 1 + static_cast<int64_t>(rng() % (V + 1));
+      const double p = ps[rng() % 6], mp = mps[rng() % 5], inv = invs[rng() % 6];
+      for (int y = 0; y < 4; ++y) check<Fmt>(name, row, inv, k, p, mp, static_cast<int>(rng() % 8));
+    }
   }
   // the same row at every address phase gives the same bits
   std::vector<uint16_t> row(777);
