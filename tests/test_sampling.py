@@ -1032,19 +1032,22 @@ def test_cpu_threshold_radix_select_and_mass_buckets(dtype):
     select over the float keys (k > 128: the bucket of the k-th entry, then a partial sort
     of that bucket), and top-p's walk from the bucket of its mass histogram that reaches the
     target (the next buckets where the sums' rounding falls short, every survivor where
-    top_p is one ulp below 1), on rows with ties, -inf entries, flat rows and large
-    values."""
+    top_p is one ulp below 1), on rows with ties, +0 and -0 entries (two float keys of one
+    value: a cut at 0 keeps both), -inf entries, flat rows and large values."""
     from ppo_kernels import kept, sampling
 
     g = torch.Generator().manual_seed(41)
     ops = torch.ops.ppo_kernels
     seen = 0
     for V in (300, 5003):
-        for kind in ("normal", "ties", "neginf", "flat", "large"):
+        for kind in ("normal", "ties", "zeros", "neginf", "flat", "large"):
             B, T = 2, 5
             x = torch.randn(B, T, V, generator=g) * 2
             if kind == "ties":
                 x = torch.randint(-4, 5, (B, T, V), generator=g).float()
+            elif kind == "zeros":
+                x = torch.randint(-1, 2, (B, T, V), generator=g).float()
+                x[(x == 0) & (torch.rand(B, T, V, generator=g) < 0.5)] = -0.0
             elif kind == "neginf":
                 x[torch.rand(B, T, V, generator=g) < 0.3] = float("-inf")
             elif kind == "flat":
