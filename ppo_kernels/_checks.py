@@ -78,11 +78,11 @@ def number(name, value, *, lo=None, hi=None, lo_open=False, hi_open=False):
 
 
 def temperature(value, logits, tokens=None, flat=False, mask=None):
-    """A temperature > 0 whose reciprocal is finite in the logits' accumulation dtype
-    (temperature_in), or a tensor of them: 0-d (one value, kept on its device), per
-    sequence [B] / [B, 1] or per token [B, T] ([N] with flat tokens), of the tokens' shape
-    once broadcast (per_token), returned as
-    the [B, T] tensor of the accumulation dtype the kernels take (temperature_values).
+    """A temperature > 0 whose reciprocal is a finite normal number in the logits'
+    accumulation dtype (temperature_in), or a tensor of them: 0-d (one value, kept on its
+    device), per sequence [B] / [B, 1] or per token [B, T] ([N] with flat tokens), of the
+    tokens' shape once broadcast (per_token), returned as the [B, T] tensor of the
+    accumulation dtype the kernels take (temperature_values).
     Ops that take no tensor pass no tokens: a tensor is then a TypeError."""
     if not isinstance(value, torch.Tensor):
         return temperature_in(value, acc_dtype(logits))
@@ -97,23 +97,25 @@ def temperature(value, logits, tokens=None, flat=False, mask=None):
 
 def temperature_values(t, mask):
     """A per-row temperature t [B, T] (the accumulation dtype) against mask [B, T]: every
-    valid position's value finite, > 0 and with a reciprocal finite in t's dtype, as
-    temperature_in asks of a number; masked positions hold anything and become 1 (no
-    backend reads them, the composite divides by them). On CPU tensors a ValueError names
+    valid position's value finite, > 0 and with a reciprocal that is a finite normal number
+    in t's dtype, as temperature_in asks of a number; masked positions hold anything and
+    become 1 (no backend reads them, the composite divides by them). On CPU tensors a ValueError names
     the first bad position; on a device (and under torch.compile) the check is an
     asynchronous device assertion (a RuntimeError naming `temperature`), with the bad
     values replaced by 1 so that nothing computes with them before it fires."""
-    ok = torch.isfinite(t) & (t > 0) & torch.isfinite(t.double().reciprocal().to(t.dtype))
+    r = t.double().reciprocal().to(t.dtype)
+    ok = torch.isfinite(t) & (t > 0) & torch.isfinite(r) & (r >= torch.finfo(t.dtype).tiny)
     bad = mask & ~ok
     if not host_readable(t):
         torch._assert_async(~bad.any(), "temperature: expected finite numbers > 0 (whose "
-                                        "reciprocals are finite) on valid positions")
+                                        "reciprocals are finite normal numbers) on valid "
+                                        "positions")
     else:
         pb, pt = plain(bad), plain(t)
         if bool(pb.any()):
             idx = [int(i) for i in pb.nonzero()[0]]
             raise ValueError(f"temperature: expected a finite number > 0 whose reciprocal is "
-                             f"finite in {t.dtype} on every valid position; got "
+                             f"a finite normal number in {t.dtype} on every valid position; got "
                              f"{float(pt[tuple(idx)])!r} at position {idx}")
     return torch.where(mask & ok, t, 1.0).contiguous()
 
@@ -127,15 +129,19 @@ def split_temperature(temperature):
 
 
 def temperature_in(value, acc):
-    """A temperature > 0 whose reciprocal is finite in the accumulation dtype acc: every
-    kernel multiplies by 1 / temperature, which would overflow to inf (and turn the shifted
-    logits into 0 * inf = NaN) below ~2.9e-39 in float32."""
+    """A temperature > 0 whose reciprocal is a finite normal number in the accumulation
+    dtype acc: every kernel multiplies by 1 / temperature, which would overflow to inf (and
+    turn the shifted logits into 0 * inf = NaN) below ~2.9e-39 in float32, and underflow to
+    a subnormal or 0 (flushed to 0 on a GPU; a -inf entry then shifts to -inf * 0 = NaN)
+    above ~8.5e37."""
     t = number("temperature", value, lo=0.0, lo_open=True)
     # (1 / t rounded to acc is inf exactly when 1 / t exceeds acc's max, up to rounding;
-    # comparing in float64 against finfo.max decides it without building a tensor)
-    if 1.0 / t > torch.finfo(acc).max:
-        raise ValueError(f"temperature: expected a number whose reciprocal is finite in "
-                         f"{acc} (at least {1.0 / torch.finfo(acc).max:.3g}), got {value!r}")
+    # comparing in float64 against finfo.max / tiny decides it without building a tensor)
+    fi = torch.finfo(acc)
+    if not fi.tiny <= 1.0 / t <= fi.max:
+        raise ValueError(f"temperature: expected a number whose reciprocal is a finite normal "
+                         f"number in {acc} (from {1.0 / fi.max:.3g} to {1.0 / fi.tiny:.3g}), "
+                         f"got {value!r}")
     return t
 
 

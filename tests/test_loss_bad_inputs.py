@@ -67,6 +67,9 @@ ROWS = [
     # 1 / temperature overflows float32 (the accumulation type of float32 logits)
     ("ppo_loss", "temperature", 1e-39, ValueError, "temperature"),
     ("ppo_loss", "temperature", 5e-324, ValueError, "temperature"),
+    # and underflows below float32's smallest normal number (-inf entries would shift to NaN)
+    ("ppo_loss", "temperature", 1e38, ValueError, "temperature"),
+    ("ppo_loss", "temperature", 1e46, ValueError, "temperature"),
     # a per-row temperature tensor: wrong shape, dtype, device, or a bad value on a valid
     # position (the same value on a masked position is ignored: test_loss_temperature.py)
     ("ppo_loss", "temperature", torch.ones(B + 1), ValueError, "temperature"),
@@ -79,6 +82,7 @@ ROWS = [
     ("ppo_loss", "temperature", torch.tensor([[1.0, math.nan, 1.0], [1.0] * 3]), ValueError,
      "temperature"),
     ("ppo_loss", "temperature", torch.tensor([math.inf, 1.0]), ValueError, "temperature"),
+    ("ppo_loss", "temperature", torch.tensor([1.0, 3e38]), ValueError, "temperature"),
     ("ppo_loss", "temperature", torch.tensor([1e-45, 1.0]), ValueError, "temperature"),
     ("ppo_loss", "temperature", lambda d: torch.ones(B, T, device=META), ValueError,
      "temperature"),
