@@ -129,10 +129,9 @@ struct Smem {
   uint32_t kp, cnt_kp0, cnt_kp1, ck0, ck1, cm0, cm1, g1, g0, found1, found0;
   double total, above1, above0;
   BinSums w1all;                   // window 1's, before sweep 3 overwrites it
-  // the kept statistics (kept_stats)
-  BinSums kbins;
-  double kmax, krest, ksd;
-  uint32_t ksize, kties;
+  // the kept statistics (kept_stats): the sums from the bins, or by the sweep
+  BinSums kbins, ksweep;
+  double kmax;
 };
 
 // What row_threshold leaves in the bins, in every thread (its control flow is the block's):
@@ -562,6 +561,23 @@ struct KeptRowStats {
   double xy;
 };
 
+// The statistics of K from its sums (BinSums relative to top) and the token y, which joins
+// K where K lacks it (missing; its value xy): the ties at the top beyond one counted in
+// rest, as log_sum = log1p(rest) takes them.
+PPO_SEL_HD KeptRowStats with_token(double top, const BinSums& b, bool missing, double xy,
+                                   double inv) {
+  KeptRowStats k{top, b.mass, b.sd, b.count, missing, xy};
+  double ties = b.ties;
+  if (missing) {
+    ++k.size;
+    const double dy = (xy - top) * inv, e = exp(dy);
+    if (xy == top) ties += 1.0; else k.rest += e;
+    if (e > 0 && xy != top) k.sd += e * dy;
+  }
+  k.rest += ties > 1.0 ? ties - 1.0 : 0.0;
+  return k;
+}
+
 // kept_logprobs_fwd's statistics of row x on threshold t, y_bits the token's entry.
 // Where row_threshold's bins hold the kept set K = {x >= t} (res: its lowest key in the
 // resident window, window 1 all kept or summed in w1all) the sums come from the bins
@@ -591,16 +607,7 @@ PPO_SEL_HD KeptRowStats kept_stats(Blk& blk, Smem& s, const uint16_t* x, int64_t
       b.mass += s.w1all.mass;
       b.sd += s.w1all.sd;
     }
-    KeptRowStats k{known_max, b.mass, b.sd, b.count, missing, xy};
-    double ties = b.ties;
-    if (missing) {  // (x_y < t <= the max)
-      ++k.size;
-      const double dy = (xy - known_max) * inv, e = exp(dy);
-      k.rest += e;
-      if (e > 0) k.sd += e * dy;
-    }
-    k.rest += ties > 1.0 ? ties - 1.0 : 0.0;
-    return k;
+    return with_token(known_max, b, missing, xy, inv);  // (x_y < t <= the max if missing)
   }
   double top0 = known_max;
   if (!(known_max == known_max)) {  // the kept max: a sweep
@@ -648,22 +655,8 @@ PPO_SEL_HD KeptRowStats kept_stats(Blk& blk, Smem& s, const uint16_t* x, int64_t
     s.ru2[th] = ties;
   });
   reduce4(blk, s, false);
-  blk.one([&] {
-    s.krest = s.ra[0];
-    s.ksd = s.rb[0] * 0.6931471805599453;
-    s.ksize = s.ru[0];
-    s.kties = s.ru2[0];
-  });
-  KeptRowStats k{top, s.krest, s.ksd, s.ksize, missing, xy};
-  double ties = s.kties;
-  if (missing) {
-    ++k.size;
-    const double dy = (xy - top) * inv, e = exp(dy);
-    if (xy == top) ties += 1.0; else k.rest += e;
-    if (e > 0 && xy != top) k.sd += e * dy;
-  }
-  k.rest += ties > 1.0 ? ties - 1.0 : 0.0;
-  return k;
+  blk.one([&] { s.ksweep = BinSums{s.ru[0], s.ru2[0], s.ra[0], s.rb[0] * 0.6931471805599453}; });
+  return with_token(top, s.ksweep, missing, xy, inv);
 }
 
 // ---------------------------------------------------------------- the device policy
