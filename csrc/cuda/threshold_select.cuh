@@ -135,13 +135,12 @@ struct Smem {
 };
 
 // What row_threshold leaves in the bins, in every thread (its control flow is the block's):
-// the resident window (-1: none that holds the kept set's lowest key) and that key, whether
-// Smem::w1all holds window 1 (the kept set then takes all of it), and the row's max key.
+// the resident window (-1: none that holds the kept set's lowest key) and that key, and
+// whether Smem::w1all holds window 1 (the kept set then takes all of it).
 struct Resident {
   int window = -1;
   uint32_t key = 0;
   bool w1all = false;
-  uint32_t maxkey = 0;
 };
 
 // ---------------------------------------------------------------- per-thread pieces
@@ -498,7 +497,7 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
       // key is -0's wherever 0 passes)
       if (cut == kHalf) cut = kHalf - 1;
       if (!use_p) {
-        if (res && cut >= kHalf) *res = Resident{1, cut, false, maxkey};
+        if (res && cut >= kHalf) *res = Resident{1, cut, false};
         return key_value<Fmt>(cut);
       }
       blk.each([&](int t) { group_sums<Fmt>(s, 1, t, cut, true, mx, inv); });
@@ -532,7 +531,7 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
   if (n1 > 0) {
     mass_select<Fmt>(blk, s, 1, 0.0, target, cut, mx, inv, &s.found1, &s.g1, &s.above1);
     if (s.found1) {
-      if (res) *res = Resident{1, s.g1, false, maxkey};
+      if (res) *res = Resident{1, s.g1, false};
       return key_value<Fmt>(s.g1);
     }
     above = s.above1;  // then negatives survive (the total is more than this window's)
@@ -543,7 +542,7 @@ PPO_SEL_HD double row_threshold(Blk& blk, Smem& s, const uint16_t* x, int64_t V,
   }
   mass_select<Fmt>(blk, s, 0, above, target, cut, mx, inv, &s.found0, &s.g0, &s.above0);
   if (!s.found0) return -inf;  // (not reached: the walk ends by the last survivor)
-  if (res) *res = Resident{0, s.g0, n1 > 0, maxkey};
+  if (res) *res = Resident{0, s.g0, n1 > 0};
   return key_value<Fmt>(s.g0);
 }
 
@@ -599,7 +598,7 @@ PPO_SEL_HD KeptRowStats kept_stats(Blk& blk, Smem& s, const uint16_t* x, int64_t
   const bool missing = !(xy >= t);
   // (K holds the max: t is at most it; a cut at +0 also keeps -0, in window 0)
   if (res.window >= 0 && !(missing && y_nan) && !(res.window == 1 && res.key == kHalf)) {
-    bin_sums<Fmt>(blk, s, res.window, res.key, res.maxkey, known_max, inv, &s.kbins);
+    bin_sums<Fmt>(blk, s, res.window, res.key, s.maxkey1 - 1, known_max, inv, &s.kbins);
     BinSums b = s.kbins;
     if (res.w1all) {
       b.count += s.w1all.count;
