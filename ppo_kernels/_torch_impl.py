@@ -17,16 +17,25 @@ from .context_parallel import group_sum, length, seq_any, seq_sum
 LOG_RATIO_CLAMP = 20.0
 
 
+def shifted_z(logits, t, mask, temperature):
+    """z = (x - max x) / temperature [B, t, V] in the accumulation dtype, of logits [B, Tl, V]
+    (0 on masked rows, whatever they hold: NaN stays out of value and grad). temperature: a
+    number or the per-row [B, t] tensor. The row max comes off before the division, as in
+    the kernels: at a temperature the checks accept (down to ~2.9e-39 in float32) x / T
+    overflows to inf where the differences x - max x stay finite. Every use is invariant to
+    the shift (log-softmax, ratios of sums); the max is detached, so the gradient is that of
+    x / T at every order."""
+    x = torch.where(mask.unsqueeze(-1), logits[:, :t].to(acc_dtype(logits)), 0.0)
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.unsqueeze(-1)
+    return (x - x.detach().amax(-1, keepdim=True)) / temperature
+
+
 def token_logprobs(logits, tokens, mask, temperature, return_entropy):
     """logprobs [B, T] (and entropy [B, T] or None) of logits [B, Tl, V]; 0 where masked.
     temperature: a number, or the per-row [B, T] tensor of the accumulation dtype (checked:
     1 on masked positions)."""
-    t = tokens.shape[1]
-    acc = acc_dtype(logits)
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.unsqueeze(-1)
-    # masked rows are zeroed first: whatever they hold (NaN) stays out of value and grad
-    z = torch.where(mask.unsqueeze(-1), logits[:, :t].to(acc), 0.0) / temperature
+    z = shifted_z(logits, tokens.shape[1], mask, temperature)
     logp_all = torch.log_softmax(z, dim=-1)
     safe = torch.where(mask, tokens, 0)
     logp = logp_all.gather(-1, safe.unsqueeze(-1)).squeeze(-1)

@@ -9,8 +9,7 @@ import math
 
 import torch
 
-from . import _checks as ck
-from ._torch_impl import token_logprobs
+from ._torch_impl import shifted_z, token_logprobs
 
 
 def col(temperature):
@@ -91,12 +90,11 @@ def kept_mask_torch(logits3, tokens, mask, temperature, rp):
 
 def kept_logprobs_torch(logits3, tokens, mask, temperature, rp):
     """(logp_kept, entropy_kept, lse_kept, kept_size, missing) [B, T] of the eager
-    composite, differentiable in logits3; lse_kept (detached) is in units of z.
-    temperature: a number or the per-row [B, T] tensor of the accumulation dtype."""
-    t = tokens.shape[1]
-    acc = ck.acc_dtype(logits3)
+    composite, differentiable in logits3; lse_kept (detached) is in units of
+    _torch_impl.shifted_z (z less the row's max z). temperature: a number or the per-row
+    [B, T] tensor of the accumulation dtype."""
     kept, missing = kept_mask_torch(logits3, tokens, mask, temperature, rp)
-    z = torch.where(mask.unsqueeze(-1), logits3[:, :t].to(acc), 0.0) / col(temperature)
+    z = shifted_z(logits3, tokens.shape[1], mask, temperature)
     zk = torch.where(kept, z, -math.inf)
     zk = torch.where(mask.unsqueeze(-1), zk, 0.0)
     logp_all = torch.log_softmax(zk, dim=-1)
@@ -125,9 +123,7 @@ def replay_logprobs_torch(logits3, tokens, mask, temperature, rp):
     logp, ent = token_logprobs(logits3, tokens, mask, temperature, True)
     lp_k, ent_k, lse_k, size, missing = kept_logprobs_torch(logits3, tokens, mask, temperature,
                                                             rp)
-    t = tokens.shape[1]
-    with torch.no_grad():
-        z = torch.where(mask.unsqueeze(-1), logits3[:, :t].to(lse_k.dtype), 0.0) / col(
-            temperature)
+    with torch.no_grad():  # (lse_k's units: the same shift)
+        z = shifted_z(logits3, tokens.shape[1], mask, temperature)
         mass = torch.where(mask, torch.exp(lse_k - torch.logsumexp(z, -1)), 0.0)
     return lp_k, ent_k, logp, ent, mass, size, missing

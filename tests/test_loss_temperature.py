@@ -415,3 +415,34 @@ def _check_per_row_temperatures(problem, be=CPU):
         assert err <= 3e-6 * max(1.0, float(np.abs(want).max())), (err, per, lo, hi)
     assert abs(float(loss.detach()) - e_loss) <= 3e-5 * max(1.0, abs(e_loss))
     assert_grad_close(logits.grad, e_grad, 3e-5)
+
+
+@pytest.mark.parametrize("be", BACKENDS_CPU)
+@pytest.mark.parametrize("temperature", ["3e-38", "per-row"])
+def test_tiny_temperatures_stay_exact(be, temperature):
+    """Temperatures near the smallest the checks accept in float32 (1 / T must be finite:
+    from ~2.9e-39): x / T alone overflows to inf there, the differences x - max x scaled by
+    1 / T do not. Each backend's log-probs and entropy, plain and over a top-k kept set,
+    equal the float64 reference's relative to their size (about 1e38 here)."""
+    B, T, V = 2, 3, 7
+    g = torch.Generator().manual_seed(71)
+    # x in [6, 14]: x / 3e-38 overflows float32 for x above 10.2, the differences over
+    # 3e-38 do not (2.7e38 < 3.4e38)
+    logits = (torch.randn(B, T, V, generator=g) * 2).clamp(-4, 4) + 10
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    mask = torch.tensor([[True, True, False], [True, False, True]])
+    t = torch.tensor([3e-38, 1e30]) if temperature == "per-row" else 3e-38
+    t_np = t.numpy() if torch.is_tensor(t) else t
+    x, tok, m = logits.double().numpy(), tokens.numpy(), mask.numpy()
+    lp, ent = pk.token_logprobs(logits, tokens, mask, temperature=t, return_entropy=True,
+                                backend=be.name)
+    e_lp, e_ent = ref.token_logprobs(x, tok, m, t_np)
+    kept, _ = ref.with_token(ref.sampling_kept(x, tok, m, t_np, top_k=3), tok, m)
+    lp_k, ent_k = pk.token_logprobs(logits, tokens, mask, temperature=t, top_k=3,
+                                    return_entropy=True, entropy_over="kept",
+                                    backend=be.name)
+    e_lp_k, e_ent_k = ref.kept_logprobs(x, tok, m, t_np, kept)
+    for got, want in ((lp, e_lp), (ent, e_ent), (lp_k, e_lp_k), (ent_k, e_ent_k)):
+        assert torch.isfinite(got).all(), got
+        np.testing.assert_allclose(got.double().numpy(), want, rtol=1e-5, atol=1e-6)
+    assert float(e_lp.min()) < -1e37  # (the case is the one it claims: huge finite values)
