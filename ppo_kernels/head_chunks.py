@@ -150,6 +150,9 @@ def head_options(hidden3, weight, logit_softcap, chunk_size, logits_dtype=None,
         chunk = operator.index(chunk_size)
         if chunk < 1:
             raise ValueError(f"chunk_size: expected at least 1 row, got {chunk_size}")
+    # no more than the rows there are (a larger chunk is one chunk of all of them; the
+    # chunks' bookkeeping is sized by it: live_rows pads the mask to a multiple)
+    chunk = min(chunk, max(1, hidden3.shape[0] * hidden3.shape[1]))
     return HeadOptions(cap, chunk, ldt, accum)
 
 

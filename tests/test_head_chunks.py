@@ -41,6 +41,24 @@ def test_live_rows_rule():
     assert len(head_chunks.live_rows(keep, 100, 64)) == 1  # one chunk larger than N
 
 
+def test_chunk_size_above_the_rows_is_one_chunk():
+    """A chunk_size above the rows there are (up to one that no tensor could hold) is one
+    chunk of them: the same loss and gradient as chunk_size=N, nothing sized by it."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 3, 4, generator=g)
+    w = torch.randn(5, 4, generator=g)
+    assert head_chunks.head_options(hidden, w, None, 10**30).chunk == 6
+    tok, old, adv = torch.randint(0, 5, (2, 3), generator=g), -torch.rand(2, 3, generator=g) - 1, \
+        torch.randn(2, 3, generator=g)
+    out = []
+    for chunk in (6, 10**30):
+        h = hidden.clone().requires_grad_()
+        loss, _ = pk.ppo_loss_from_hidden(h, w, tok, old, adv, chunk_size=chunk, backend="cpu")
+        loss.backward()
+        out.append((loss.detach(), h.grad))
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+
+
 def _skip_and_compute(monkeypatch, run):
     """run() with every masked row skipped, then with every row computed."""
     monkeypatch.setattr(head_chunks, "LIVE_ROWS_BALANCE", SKIP)
