@@ -443,13 +443,14 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
              entropy_agg_mode=None, rollout_logprobs=None, rollout_correction=None,
              rollout_is_threshold=2.0, off_policy_mask_threshold=None, vespo_k_pos=2.0,
              vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, kept=None,
-             kl_logprobs="full", entropy_over="full"):
+             kl_logprobs="full", entropy_over="full", kept_missing=None):
     """Returns (loss, metrics, dlogits).
 
     kept (sampling replay, docs/SAMPLING.md): bool [B, T, V], the kept sets with the sampled
     tokens in them (with_token); the ratio (every policy loss, GSPO's sequence ratio, the
     off-policy mask) then uses logp_kept, the KL logp_kept for kl_logprobs="kept" (else the
-    full logp), the entropy H_kept for entropy_over="kept" (else the full H).
+    full logp), the entropy H_kept for entropy_over="kept" (else the full H). kept_missing:
+    with_token's missing flags [B, T], for the metric mask_missing_token_frac (None: 0).
 
     loss = sum_t w_t (is_w_t pg_t + kl_coef kl_t [* r_t]) - entropy_coef sum_t w'_t H_t with
     w from loss_agg_mode and w' from entropy_agg_mode (default: loss_agg_mode), r the ratio
@@ -548,7 +549,7 @@ def ppo_loss(logits, tokens, old_logprobs, advantages, response_mask=None, ref_l
     if policy_loss == "cispo":
         metrics["cispo_clip_frac"] = _masked_mean(g["cispo_clip"], m)
     if kept is not None:
-        metrics.update(kept_metrics(logits, tokens, m, temperature, kept))
+        metrics.update(kept_metrics(logits, tokens, m, temperature, kept, kept_missing))
     if rollout_logprobs is not None and old_logprobs is not None:
         ell = np.clip(old - as_f64(rollout_logprobs), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) * m
         w_all = m if rc_w is None else rc_w

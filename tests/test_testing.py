@@ -116,8 +116,32 @@ def test_assert_matches_reference_catches_a_wrong_result(monkeypatch):
 def test_tolerance_table():
     assert testing.tolerance(torch.bfloat16, "cpu").grad == 1e-2
     assert testing.tolerance(torch.float64, "torch").loss == 1e-10
+    # metrics are float32 whatever the logits' dtype: float64's are that rounding
+    assert testing.tolerance(torch.float64, "cpu").metrics == 1e-7
     with pytest.raises(ValueError, match="backend"):
         testing.tolerance(torch.float32, "auto")
+
+
+@pytest.mark.parametrize("be", ["cpu", "torch"])
+def test_float64_default_batch_matches(be):
+    """assert_matches_reference in float64 on its own default batch (its metrics, float32 as
+    every metric, within their rounding)."""
+    testing.assert_matches_reference({}, backend=be, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("kept", ["sampling_mask", "top_k"])
+def test_reference_counts_tokens_missing_from_the_kept_set(kept):
+    """reference_ppo_loss's mask_missing_token_frac: the valid tokens whose kept set lacked
+    them (before with_token added them), as the op's metric."""
+    logits = torch.tensor([[[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]]])
+    tokens, old, adv = torch.tensor([[0, 0]]), torch.tensor([[-2.0, -1.0]]), \
+        torch.tensor([[1.0, -1.0]])
+    kw = (dict(sampling_mask=pk.SamplingMask(torch.tensor([2, 0]), torch.tensor([0, 1, 2])))
+          if kept == "sampling_mask" else dict(top_k=1))
+    _, metrics = pk.ppo_loss(logits, tokens, old, adv, backend="cpu", **kw)
+    ref = testing.reference_ppo_loss(logits, tokens, old, adv, **kw)
+    assert float(metrics["mask_missing_token_frac"]) == 0.5  # the first row's token only
+    assert float(ref.metrics["mask_missing_token_frac"]) == 0.5
 
 
 def test_reference_bad_options():
