@@ -58,7 +58,11 @@ def number(name, value, *, lo=None, hi=None, lo_open=False, hi_open=False):
     """A finite real number inside [lo, hi] (open ends where asked)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a number, got {type(value).__name__}")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int past float64's range (10**400) is no finite number
+        raise ValueError(f"{name}: expected a finite number, got an int of "
+                         f"{value.bit_length()} bits") from None
     # (v - v is 0 exactly for a finite v, NaN for inf and NaN: plain arithmetic, which
     # torch.compile(dynamic=True) traces on a symbolic float, unlike math.isfinite.) No
     # augmented assignment: where dynamo has folded `bad` to a constant, torch 2.11's FX
@@ -299,6 +303,7 @@ def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens",
         raise TypeError(f"{name}: expected a tensor, got None")
     tensor(name, x, floating=True)
     same_device(name, x, like_name, like)
+    given = list(x.shape)  # (what the message shows: the caller's shape, not a reshape's)
     if x.shape != like.shape:  # (the usual case first: the shapes of the tokens)
         if flat and x.dim() == 1:
             x = x.unsqueeze(0)
@@ -306,9 +311,8 @@ def per_token(name, x, like, flat, dtype, *, optional=False, like_name="tokens",
             x = x.reshape(like.shape[0], 1).expand(like.shape)
     if x.shape != like.shape:
         shown = like.shape[1:] if flat else like.shape
-        raise ValueError(f"{name}: expected shape {list(shown)}, got "
-                         f"{list(x.shape[1:] if flat and x.dim() == 2 else x.shape)}"
-                         f"{_aligned_hint(x, like, like_name)}")
+        raise ValueError(f"{name}: expected shape {list(shown)}, got {given}"
+                         f"{'' if flat else _aligned_hint(x, like, like_name)}")
     # inputs from the rollout: they are data, not parameters, and get no gradient on any
     # backend (detached only where they would: a detach costs a new tensor per call)
     if x.requires_grad:

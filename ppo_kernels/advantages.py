@@ -210,7 +210,7 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_
             are those of the valid tokens of every rank's x (one all-reduce of 3 numbers).
 
     Returns:
-        float [B, T] of x's dtype (differentiable); statistics in float32 or wider.
+        float [B, T] of x's dtype (differentiable); statistics in float64.
 
     Raises:
         TypeError / ValueError naming the argument.
@@ -227,9 +227,10 @@ def whiten(x, response_mask, *, shift_mean=True, eps=1e-8, cu_seqlens=None, max_
     mask = ck.response_mask(response_mask, x, False, like_name="x")
     eps = ck.number("eps", eps, lo=0.0)
     ck.flag("shift_mean", shift_mean)
-    # statistics in float32 at least (a float16 sum of squares overflows); masked entries
-    # are set apart with where, so a NaN or inf there changes nothing
-    acc = torch.promote_types(x.dtype, torch.float32)
+    # statistics in float64: a float32 sum of squares overflows from |x| ~ 1.8e19 (and
+    # silently whitens to 0), a float16 one from 256; [B, T] is small. Masked entries are
+    # set apart with where, so a NaN or inf there changes nothing
+    acc = torch.float64
     xv = torch.where(mask, x.to(acc), 0.0)
     m = mask.to(acc)
     if group is None:

@@ -101,9 +101,15 @@ def _per_row(name, value, tokens2, dtype, check, per_seq=None):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}: expected a number or a [B] tensor, got "
                         f"{type(value).__name__}")
-    ok, what = check(torch.tensor([float(value)], dtype=torch.float64))
+    try:
+        f = float(value)
+    except OverflowError:  # an int past float64's range is checked as the infinity it is
+        f = float("inf")
+    ok, what = check(torch.tensor([f], dtype=torch.float64))
     if not bool(ok.all()):
         raise ValueError(f"{name}: expected {what}, got {value!r}")
+    if not dtype.is_floating_point:  # (top_k: any k >= V is V, off; 2**63 is no int64)
+        value = min(value, torch.iinfo(dtype).max)
     return torch.full((b, t), value, dtype=dtype, device=tokens2.device)
 
 

@@ -160,6 +160,19 @@ def test_inplace_backward_refuses_overlapping_rows():
                 inplace_backward=True, backend="cpu")[0].backward()
 
 
+def test_rows_disjoint_at_its_edges():
+    """The stride rule behind that refusal at its edges: a stride equal to what the smaller
+    dimensions span overlaps (a row's last entry is the next row's first); dimensions of
+    size 1 are left out, whatever their stride."""
+    from ppo_kernels._checks import rows_disjoint
+
+    base = torch.zeros(64)
+    assert not rows_disjoint(base.as_strided((2, 3), (2, 1)))  # [0, 2] is [1, 0]
+    assert rows_disjoint(base.as_strided((2, 3), (3, 1)))
+    assert rows_disjoint(base.as_strided((1, 3), (0, 1)))  # one row: its stride is not used
+    assert rows_disjoint(base.as_strided((2, 1, 3), (3, 0, 1)))
+
+
 @pytest.mark.parametrize("be", KERNELS)
 def test_inplace_backward_detects_logits_changed_before_backward(be):
     inp = _inputs(6)

@@ -70,6 +70,10 @@ ROWS = [
     # and underflows below float32's smallest normal number (-inf entries would shift to NaN)
     ("ppo_loss", "temperature", 1e38, ValueError, "temperature"),
     ("ppo_loss", "temperature", 1e46, ValueError, "temperature"),
+    # an int past float64's range: no OverflowError from float()
+    ("ppo_loss", "temperature", 10**400, ValueError, "temperature"),
+    ("ppo_loss", "kl_coef", 10**400, ValueError, "kl_coef"),
+    ("ppo_loss", "top_p", 10**400, ValueError, "top_p"),
     # a per-row temperature tensor: wrong shape, dtype, device, or a bad value on a valid
     # position (the same value on a masked position is ignored: test_loss_temperature.py)
     ("ppo_loss", "temperature", torch.ones(B + 1), ValueError, "temperature"),
@@ -84,11 +88,18 @@ ROWS = [
     ("ppo_loss", "temperature", torch.tensor([math.inf, 1.0]), ValueError, "temperature"),
     ("ppo_loss", "temperature", torch.tensor([1.0, 3e38]), ValueError, "temperature"),
     ("ppo_loss", "temperature", torch.tensor([1e-45, 1.0]), ValueError, "temperature"),
+    # just above 2**126, whose reciprocal is float32's smallest normal number (accepted)
+    ("ppo_loss", "temperature", torch.tensor([2.0**126 * (1 + 2**-23), 1.0]), ValueError,
+     "temperature"),
     ("ppo_loss", "temperature", lambda d: torch.ones(B, T, device=META), ValueError,
      "temperature"),
     ("ppo_loss", "grad_scale", 0.0, ValueError, "grad_scale"),
     ("ppo_loss", "grad_scale", -1.0, ValueError, "grad_scale"),
     ("ppo_loss", "grad_scale", math.inf, ValueError, "grad_scale"),
+    ("ppo_loss", "grad_scale", 1e-40, ValueError, "grad_scale"),  # float32 subnormal
+    ("ppo_loss", "grad_scale", 1e39, ValueError, "grad_scale"),  # inf in float32
+    ("ppo_loss", "clip_eps_low", 1.0, ValueError, "clip_eps_low"),  # [0, 1)
+    ("ppo_loss", "clip_eps_high", 1.0, ValueError, "clip_eps_high"),
     ("ppo_loss", "grad_scale", torch.tensor(0.5), TypeError, "grad_scale"),
     ("ppo_loss", "clip_eps_low", -0.1, ValueError, "clip_eps_low"),
     ("ppo_loss", "clip_eps_low", 1.0, ValueError, "clip_eps_low"),
@@ -355,12 +366,20 @@ def test_int32_tokens_and_mask_dtypes_accepted():
                                 dict(global_num_tokens=torch.tensor(7)),
                                 dict(global_num_seqs=torch.tensor(5.0)), dict(global_num_seqs=1),
                                 dict(temperature=1e-3), dict(temperature=3e-38),
+                                dict(temperature=2.0**126),
+                                dict(temperature=torch.tensor([2.0**126, 1.0])),
                                 dict(grad_scale=1e-30), dict(kl_coef=0.0),
-                                dict(global_num_tokens=1), dict(norm_length=0.5)])
+                                dict(grad_scale=float(torch.finfo(torch.float32).tiny)),
+                                dict(grad_scale=float(torch.finfo(torch.float32).max)),
+                                dict(global_num_tokens=1), dict(norm_length=0.5),
+                                # any top_k >= V is V (off), past int64 and float64 too
+                                dict(top_k=2**63), dict(top_k=10**400)])
 def test_range_boundaries_are_accepted(kw):
     """The boundary values of the ranges (clip_eps 0 and just below 1, dual_clip_c just
     above 1 + clip_eps_high, cispo's wide band, tensor and int global counts, temperatures
-    1e-3 and 3e-38, grad_scale 1e-30, kl_coef 0, norm_length 0.5) are accepted."""
+    1e-3, 3e-38 and 2**126 (whose reciprocal is float32's smallest normal number), as a
+    number and per row, grad_scale 1e-30 and float32's smallest normal and largest
+    values, kl_coef 0, norm_length 0.5, a top_k past int64) are accepted."""
     loss, _ = pk.ppo_loss(**base_ppo(), **kw)
     assert torch.isfinite(loss)
 
@@ -486,3 +505,15 @@ def test_global_count_number_underflowing_float32(be, name, agg):
         pk.ppo_loss(inp["full"][:, :3], inp["tokens"], inp["old"], inp["adv"], inp["mask"],
                     loss_agg_mode=agg, backend=be.name, **{name: 1e-50})
     assert "1e-50" in str(info.value)
+
+
+def test_shape_messages_show_the_given_shape():
+    """A per-token input of the wrong shape is named with the shape the caller passed (flat
+    [N] layout too: a [N, 1] temperature is not reported as [1]), and the hint about tokens
+    of one position more only where tokens are [B, T]."""
+    g = torch.Generator().manual_seed(3)
+    logits, tokens = torch.randn(5, 7, generator=g), torch.randint(0, 7, (5,), generator=g)
+    with pytest.raises(ValueError, match=r"temperature: expected shape \[5\], got \[5, 1\]$"):
+        pk.token_logprobs(logits, tokens, temperature=torch.ones(5, 1))
+    with pytest.raises(ValueError, match=r"old_logprobs: expected shape \[5\], got \[4\]$"):
+        pk.ppo_loss(logits, tokens, torch.zeros(4), torch.zeros(5))
