@@ -680,7 +680,7 @@ def test_default_chunk_size_counts_the_accumulator(monkeypatch):
     """head_options counts dW's accumulator (accum_dtype's bytes) only where the weight
     takes a gradient."""
     monkeypatch.setattr(head_chunks, "CHUNK_BYTES", 64)
-    h3 = torch.zeros(1, 2, 8, dtype=torch.bfloat16)
+    h3 = torch.zeros(2, 8, 8, dtype=torch.bfloat16)  # 16 rows: more than any chunk below
     w = torch.zeros(16, 8, dtype=torch.bfloat16)
     chunk = head_chunks.head_options
     assert chunk(h3, w, None, None).chunk == 2  # 64 B of bf16 logits: 2 rows of 16
