@@ -17,6 +17,9 @@
 #   middle  a venv with torch MIDDLE_TORCH (the first GPU image's), this processor's CPU
 #           kernels alone, the smoke check and TRACE_TESTS.
 #
+# With all, the oldest and middle venvs are filled in the background while the wheel check
+# builds and tests (their installs wait on the disk and the network more than the cores).
+#
 # Usage: scripts/check_install.sh [wheel|oldest|middle|all] (default all). KEEP_VENVS=1 keeps the
 # temporary venvs (5 GB each) and prints where they are.
 set -euo pipefail
@@ -39,7 +42,12 @@ TRACE_TESTS="tests/test_tracing.py tests/test_autograd_contract.py tests/test_au
 # TRACE_TESTS: CPU kernels of this processor only (the tests need no more)
 MIDDLE_TORCH=2.11
 TMP=$(mktemp -d /tmp/ppo-kernels-install.XXXXXX)
+declare -A PREPARING  # NAME -> the pid of prepare_NAME running in the background
 cleanup() {
+  # a venv still filling in the background (a check failed first) stops before its folder goes
+  local pid
+  for pid in "${PREPARING[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
   if [ "${KEEP_VENVS:-0}" = 1 ]; then echo "kept: $TMP"; else rm -rf "$TMP"; fi
 }
 trap cleanup EXIT
@@ -156,52 +164,81 @@ test_tools() {
 print(' '.join(ast.literal_eval(re.search(r'^test = (\[.+\])$', src, re.M).group(1))))"
 }
 
-check_oldest() {
+# installed VENV T0: what prepare_* says once its venv is filled
+installed() {
+  echo "torch $("$1/bin/python" -c 'import torch; print(torch.__version__)') and the test" \
+    "tools installed in $(minutes $((SECONDS - $2))) min"
+}
+
+# prepare_oldest / prepare_middle: each venv and its packages (downloads and unpacking: the
+# disk and the network more than the cores), which `all` runs in the background while the
+# wheel check builds and tests
+prepare_oldest() {
   local t0=$SECONDS venv="$TMP/venv-oldest" oldest
   oldest=$(oldest_torch)
-  echo "== oldest torch: a venv with torch==$oldest.*, pip install --no-build-isolation <checkout>"
   "$PY" -m venv "$venv"
   # setuptools >= 77 for pyproject.toml: torch 2.6 does not bring it on Python 3.11 (a
   # fresh venv has setuptools 65; torch 2.14 requires setuptools >= 77 itself)
   # ninja: setuptools compiles file after file without it (2.5 min here instead of 1)
-  install "$venv" "torch==$oldest.*" numpy "setuptools>=77" ninja
-  echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
-  local t1=$SECONDS
+  # shellcheck disable=SC2046
+  install "$venv" "torch==$oldest.*" numpy "setuptools>=77" ninja $(test_tools)
+  installed "$venv" "$t0"
+}
+
+check_oldest() {
+  local t0=$SECONDS venv="$TMP/venv-oldest"
+  echo "== oldest torch: a venv with torch==$(oldest_torch).*, pip install --no-build-isolation <checkout>"
+  [ -d "$venv" ] || prepare_oldest
   # (this processor's CPU kernels: the default build of every SIMD level is the wheel check's)
   (cd "$TMP" && PPO_KERNELS_CPU_CAPABILITIES=native nice -n 10 "$venv/bin/python" -m pip \
     install -v --no-build-isolation "$ROOT" > "$TMP/build-oldest.log" 2>&1) \
     || { tail -50 "$TMP/build-oldest.log"; return 1; }
   grep "ppo_kernels setup:" "$TMP/build-oldest.log" | sort -u
-  echo "built in $(minutes $((SECONDS - t1))) min"
-  # shellcheck disable=SC2046
-  install "$venv" $(test_tools)
+  echo "built in $(minutes $((SECONDS - t0))) min"
   smoke_and_tests "$venv" "$FAST_TESTS $TRACE_TESTS"
-  echo "== oldest torch check: $(minutes $((SECONDS - t0))) min"
+  echo "== oldest torch check: $(minutes $((SECONDS - t0))) min (after its venv)"
 }
 
-check_middle() {
+prepare_middle() {
   local t0=$SECONDS venv="$TMP/venv-middle"
-  echo "== torch $MIDDLE_TORCH: a venv with torch==$MIDDLE_TORCH.*, this processor's CPU kernels, $TRACE_TESTS"
   "$PY" -m venv "$venv"
   # numpy<2.4: torch 2.11 brings triton 3.6, whose interpreter (the Triton cases on CPU)
   # fails with NumPy 2.4 (https://github.com/triton-lang/triton/issues/9171); with it the
   # cases would only skip (tests/helpers/backends.py _interpreter_broken)
   # shellcheck disable=SC2046
   install "$venv" "torch==$MIDDLE_TORCH.*" "numpy<2.4" "setuptools>=77" ninja $(test_tools)
-  echo "torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)') installed in $(minutes $((SECONDS - t0))) min"
-  local t1=$SECONDS
+  installed "$venv" "$t0"
+}
+
+check_middle() {
+  local t0=$SECONDS venv="$TMP/venv-middle"
+  echo "== torch $MIDDLE_TORCH: a venv with torch==$MIDDLE_TORCH.*, this processor's CPU kernels, $TRACE_TESTS"
+  [ -d "$venv" ] || prepare_middle
   (cd "$TMP" && PPO_KERNELS_NO_CUDA=1 PPO_KERNELS_CPU_CAPABILITIES=native nice -n 10 \
     "$venv/bin/python" -m pip install -v --no-build-isolation "$ROOT" \
     > "$TMP/build-middle.log" 2>&1) || { tail -50 "$TMP/build-middle.log"; return 1; }
-  echo "built in $(minutes $((SECONDS - t1))) min"
+  echo "built in $(minutes $((SECONDS - t0))) min"
   smoke_and_tests "$venv" "$TRACE_TESTS"
-  echo "== torch $MIDDLE_TORCH check: $(minutes $((SECONDS - t0))) min"
+  echo "== torch $MIDDLE_TORCH check: $(minutes $((SECONDS - t0))) min (after its venv)"
 }
 
+# background NAME: runs prepare_NAME with its output in $TMP/prepare-NAME.log
+background() { "prepare_$1" > "$TMP/prepare-$1.log" 2>&1 & PREPARING[$1]=$!; }
+# joined NAME: waits for it, prints its output, fails as it failed
+joined() {
+  local rc=0
+  wait "${PREPARING[$1]}" || rc=$?
+  unset "PREPARING[$1]"
+  echo "== $1's venv (prepared in the background):"
+  cat "$TMP/prepare-$1.log"
+  return "$rc"
+}
 case "$WHAT" in
   wheel) check_wheel ;;
   oldest) check_oldest ;;
   middle) check_middle ;;
-  all) check_wheel; check_oldest; check_middle ;;
+  # the two other venvs fill while the wheel check runs (about a minute saved on 2 cores)
+  all) background oldest; background middle; check_wheel; joined oldest; check_oldest
+    joined middle; check_middle ;;
   *) echo "usage: $0 [wheel|oldest|middle|all]" >&2; exit 2 ;;
 esac
