@@ -401,6 +401,20 @@ def test_whiten_unbiased_variance_by_hand():
     np.testing.assert_allclose(out[0].numpy(), [-1.0, 0.0, 1.0, 0.0], atol=1e-6)  # var = 1
 
 
+@pytest.mark.parametrize("dtype,scale", [(torch.float32, 1e19), (torch.float32, 1e30),
+                                         (torch.float16, 300.0)])
+def test_whiten_large_values(dtype, scale):
+    """Values whose squares overflow the input's dtype (float32 from |x| ~ 1.8e19, float16
+    from 256) whiten as the reference does: the statistics are float64."""
+    x = (torch.tensor([[3.0, -1.0, 2.0, 0.5]]) * scale).to(dtype)
+    m = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    out = pk.whiten(x, m)
+    e = ref.whiten(x.double().numpy(), m.numpy())
+    assert out.dtype == dtype
+    np.testing.assert_allclose(out.double().numpy(), e, rtol=2e-3 if dtype == torch.float16
+                               else 1e-6, atol=1e-6)
+
+
 def test_whiten_degenerate():
     x = torch.tensor([[3.0, 5.0, 7.0]])
     one = pk.whiten(x, torch.tensor([[0, 1, 0]], dtype=torch.bool))
