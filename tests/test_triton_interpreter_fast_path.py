@@ -66,6 +66,13 @@ def test_installed_by_the_suite():
     # with its two memos (the releases CI runs: both in place)
     assert interpreter._get_np_dtype.__qualname__.startswith("_memo.")
     assert tl.tensor.__init__.__qualname__.startswith("_tensor_init.")
+    # and the operands shortcut, on the interpreter's semantic object alone
+    assert interpreter._ppo_kernels_fast_path[-1] is True
+    assert vars(interpreter.interpreter_semantic)[
+        "binary_op_type_checking_impl"].__qualname__.startswith("_binary_operands.")
+    # the class's (the compiler's semantic objects, the device lowering checks) is Triton's own
+    assert type(interpreter.interpreter_semantic).binary_op_type_checking_impl.__qualname__ == \
+        "TritonSemantic.binary_op_type_checking_impl"
 
 
 @needs_interpreter
@@ -80,3 +87,31 @@ def test_same_bits_as_tritons_own_interpreter(name):
     assert len(fast) == len(slow) > 0
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@needs_interpreter
+def test_operands_shortcut_only_where_the_release_agrees():
+    """The shortcut checks the release's rules on its probes before it is put in place: a
+    release that promoted one case differently (here: an integer division in float32) gets
+    none, and Triton's own answers every operand pair."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    # a semantic object of the interpreter's builder without the shortcut: Triton's own rules
+    semantic = type(interpreter.interpreter_semantic)(interpreter.interpreter_builder)
+    own = semantic.binary_op_type_checking_impl
+
+    class Other:
+        builder = semantic.builder
+
+        def __getattr__(self, name):
+            return getattr(semantic, name)
+
+        def binary_op_type_checking_impl(self, lhs, rhs, *flags):
+            a, b = own(lhs, rhs, *flags)
+            if flags[-1] and a.type.scalar.is_int():
+                return semantic.cast(a, tl.float32), semantic.cast(b, tl.float32)
+            return a, b
+
+    assert triton_interpreter._binary_operands(tl, semantic) is not None
+    assert triton_interpreter._binary_operands(tl, Other()) is None

@@ -49,7 +49,8 @@ if TRITON_OK and INTERPRET and not HAS_CUDA_DEVICE:
     from helpers import triton_interpreter  # noqa: E402
 
     triton_interpreter.install()  # the same bits in less time: about 0.6x, then 0.64x of that for
-    # the suite's Triton cases with its memos (its docstring)
+    # the suite's Triton cases with its memos, and 0.67x of that with its operands shortcut
+    # (its docstring)
 
     @triton.jit
     def _interpreter_probe_kernel(out_ptr, n):

@@ -25,9 +25,22 @@ took 798 s of test time where they took 1,241, 2026-12-07):
 Both key on the type's class and name (which spells the element type, the block shape and
 the pointee).
 
+One shortcut more: the interpreter's semantic.binary_op_type_checking_impl (the promotion
+and broadcast rules every +, -, *, /, comparison and where goes through) answers the common
+cases (operands of one element type, a pointer and an integer offset, a tensor and a Python
+number of a lower kind) without its promotion tables, and hands the rest to Triton's. It is
+set on the interpreter's own semantic object only (the compiler's is another), and only
+where the release's function gives the same operands on a grid of probes (every element
+type pair, pointers, block and scalar shapes, Python numbers at the edges of their kinds,
+division or not). A fused loss forward + backward then takes 0.72x the CPU time (B 2, T 7,
+V 257, process time) and the suite's Triton cases 532 s of test time where they took 798
+(2026-12-07).
+
 test_triton_interpreter_fast_path.py checks that kernels give the same bits either way."""
 
 import inspect
+
+import numpy as np
 
 _STATE = {"depth": 0, "patched": frozenset()}
 _LANGS = {}  # fn -> its _langs (a module's imports do not change once the kernels run)
@@ -83,6 +96,89 @@ def _tensor_init(tl):
     return init, fast_init
 
 
+def _binary_operands(tl, semantic):
+    """A shortcut for the interpreter's semantic.binary_op_type_checking_impl (each +, -, *, /,
+    comparison and where of a kernel goes through it, about half an interpreted kernel's time),
+    or None where the release's own does not give the same operands on the probes below.
+
+    The common cases get the same tensors the release's function returns, without its
+    promotion tables (every other case goes to it):
+    - two tensors of one element type, not pointers, and no float16 / bfloat16 division
+      (which Triton computes in float32): the usual arithmetic conversions change nothing,
+      so the operands are only broadcast to one shape;
+    - a pointer and a signed integer tensor, where the pointer is allowed on its side: no
+      conversion either, only the broadcast;
+    - a float32 / float64 / int32 / int64 tensor and a Python number of a lower or equal
+      kind (a float for the floats; an int of int32's range for all four, not a bool): the
+      number does not take part in the promotion, so it becomes a constant of the tensor's
+      element type, splat to the tensor's shape."""
+    theirs = semantic.binary_op_type_checking_impl
+    broadcast = semantic.broadcast_impl_value
+    half = (tl.float16, tl.bfloat16)
+    floats = (tl.float32, tl.float64)
+    ints = (tl.int32, tl.int64)
+
+    def constant(number, like):
+        c = semantic.scalar_constant(number, like.type.scalar)
+        if like.type.is_block():
+            return semantic.tensor(semantic.builder.create_splat(like.type.to_ir(semantic.builder),
+                                                                 c.handle), like.type)
+        return c
+
+    def takes(number, scalar):
+        """Whether a Python number keeps out of the promotion with a tensor of this type."""
+        if type(number) is float:
+            return scalar in floats
+        return type(number) is int and -2**31 <= number < 2**31 and scalar in floats + ints
+
+    def mine(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True,
+             div_or_mod=False):
+        if arithmetic_check:
+            lt, rt = type(lhs), type(rhs)
+            if lt is tl.tensor and rt is tl.tensor:
+                ls, rs = lhs.type.scalar, rhs.type.scalar
+                if ls == rs and not ls.is_ptr() and not (div_or_mod and ls in half):
+                    return broadcast(lhs, rhs)
+                if (allow_lhs_ptr and ls.is_ptr() and rs in ints
+                        or allow_rhs_ptr and rs.is_ptr() and ls in ints):
+                    return broadcast(lhs, rhs)
+            elif lt is tl.tensor and takes(rhs, lhs.type.scalar):
+                return lhs, constant(rhs, lhs)
+            elif rt is tl.tensor and takes(lhs, rhs.type.scalar):
+                return constant(lhs, rhs), rhs
+        return theirs(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+
+    def outcome(*args):
+        try:
+            return [(t.type, t.handle.data.tobytes()) for t in args[0](*args[1:])]
+        except Exception as e:  # noqa: BLE001 (the same refusal is part of the same outcome)
+            return type(e)
+
+    try:
+        from triton.runtime.interpreter import TensorHandle, _get_np_dtype
+
+        scalars = (tl.float32, tl.float64, tl.float16, tl.bfloat16, tl.int32, tl.int64, tl.int1,
+                   tl.uint32, tl.pointer_type(tl.float32), tl.pointer_type(tl.float64))
+        shapes = (([4], [0, 1, 2, 3]), (None, [2]), ([1, 4], [[0, 1, 2, 3]]))
+        probes = [tl.tensor(TensorHandle(np.array(v, _get_np_dtype(scalar)), scalar), ty)
+                  for scalar in scalars for shape, v in shapes[:3 if scalar in scalars[::8] else 2]
+                  for ty in (tl.block_type(scalar, shape) if shape else scalar,)]
+        numbers = (0.5, 0.0, 3, -7, 1e300, 2**31 - 1, 2**31, -2**31 - 1, 2**64, True)
+        pairs = [(x, y) for x in probes for y in probes]
+        pairs += [p for x in probes for n in numbers for p in ((x, n), (n, x))]
+        with np.errstate(over="ignore"):  # (1e300 into float32 is inf, as on a device)
+            for pair in pairs:
+                ptr = any(isinstance(v, tl.tensor) and v.type.scalar.is_ptr() for v in pair)
+                for flags in ((False, False), (True, True), (True, False))[:3 if ptr else 1]:
+                    for div in (False, True):
+                        if outcome(theirs, *pair, *flags, True, div) != \
+                                outcome(mine, *pair, *flags, True, div):
+                            return None
+    except Exception:  # noqa: BLE001 (another release's types or builder: keep Triton's)
+        return None
+    return theirs, mine
+
+
 def install():
     """Installs the fast path into triton.runtime.interpreter; True when it is in place."""
     try:
@@ -125,8 +221,12 @@ def install():
     tensor_init = _tensor_init(tl)
     if tensor_init is not None:
         tl.tensor.__init__ = tensor_init[1]
+    semantic = getattr(it, "interpreter_semantic", None)
+    operands = semantic is not None and _binary_operands(tl, semantic)
+    if operands:
+        semantic.binary_op_type_checking_impl = operands[1]  # this instance's only
     it._ppo_kernels_fast_path = (patch_lang, launch, np_dtype,
-                                 tensor_init and tensor_init[0])
+                                 tensor_init and tensor_init[0], bool(operands))
     return True
 
 
@@ -138,7 +238,9 @@ def uninstall():
     if saved:
         import triton.language as tl
 
-        it._patch_lang, it.GridExecutor.__call__, np_dtype, tensor_init = saved
+        it._patch_lang, it.GridExecutor.__call__, np_dtype, tensor_init, operands = saved
+        if operands:
+            del it.interpreter_semantic.binary_op_type_checking_impl  # the class's again
         if np_dtype is not None:
             it._get_np_dtype = np_dtype
         if tensor_init is not None:
