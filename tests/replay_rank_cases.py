@@ -27,6 +27,10 @@ def setup(r):
     g = torch.Generator().manual_seed(0)
     lg = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2
     tok = torch.randint(0, V, (B, T), generator=g)
+    # rows that lack their token (lacks_token below: rows 0, 3 and 6) at the shards' edges:
+    # the first id of rank 1's shard, the last of rank 0's and of the vocabulary (each must
+    # have exactly one owner)
+    tok[0, 0], tok[0, 3], tok[1, 2] = CUT, CUT - 1, V - 1
     mask = torch.ones(B, T, dtype=torch.bool)
     mask[1, 0] = False
     old = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3 - 1.0
