@@ -36,7 +36,18 @@ def setup(r):
     old = torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3 - 1.0
     adv = torch.randn(B, T, generator=g, dtype=torch.float64)
     ref = torch.randn(B, T, generator=g, dtype=torch.float64) - 2
-    sm, _ = random_csr(B, T, V, g, kmax=7, tokens=tok, lacks_token=lambda i: i % 3 == 0)
+    sm, dense = random_csr(B, T, V, g, kmax=7, tokens=tok, lacks_token=lambda i: i % 3 == 0)
+    # ties at the top of a kept set within one shard: in the first row with two kept ids on
+    # rank 0's side, and in the first with two on rank 1's, both get the row's max + 1
+    for lo, hi in ((0, CUT), (CUT, V)):
+        for i in range(B * T):
+            ids = dense.view(B * T, V)[i, lo:hi].nonzero()[:, 0] + lo
+            if len(ids) >= 2:
+                row = lg.view(B * T, V)[i]
+                row[ids[:2]] = row.max() + 1.0
+                break
+        else:
+            raise AssertionError(f"no row keeps two ids of [{lo}, {hi})")
     temp_tok = 0.5 + torch.rand(B, T, generator=g, dtype=torch.float64)
     sl = slice(0, CUT) if r.rank == 0 else slice(CUT, V)
     return types.SimpleNamespace(lg=lg, tok=tok, mask=mask, old=old, adv=adv, ref=ref, sm=sm,

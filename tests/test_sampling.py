@@ -674,7 +674,8 @@ def test_example_shows_the_bias_and_its_disappearance():
 def test_tensor_parallel_vocabulary_two_ranks(tmp_path):
     """tests/replay_rank_cases.py on 2 gloo processes: a given SamplingMask over a
     vocabulary split [0, 6) / [6, 13) (sets lacking their token included, at both sides of
-    the cut and at the vocabulary's end) gives the
+    the cut and at the vocabulary's end; sets whose top is two tied ids of one shard) gives
+    the
     unsharded op's loss, metrics and gradient (ppo_loss: vanilla, gspo with the KL and the
     entropy over the kept set, the full entropy; token_logprobs with return_full and the
     kept entropy); an id outside the whole vocabulary is a ValueError on every rank. And
