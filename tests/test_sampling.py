@@ -675,10 +675,9 @@ def test_tensor_parallel_vocabulary_two_ranks(tmp_path):
     """tests/replay_rank_cases.py on 2 gloo processes: a given SamplingMask over a
     vocabulary split [0, 6) / [6, 13) (sets lacking their token included, at both sides of
     the cut and at the vocabulary's end; sets whose top is two tied ids of one shard) gives
-    the
-    unsharded op's loss, metrics and gradient (ppo_loss: vanilla, gspo with the KL and the
-    entropy over the kept set, the full entropy; token_logprobs with return_full and the
-    kept entropy); an id outside the whole vocabulary is a ValueError on every rank. And
+    the unsharded op's loss, metrics and gradient (ppo_loss: vanilla, gspo with the KL and
+    the entropy over the kept set, the full entropy; token_logprobs with return_full and
+    the kept entropy); an id outside the whole vocabulary is a ValueError on every rank. And
     context parallel (cp_group, each rank half of every sequence with its CSR rows): the
     ranks' losses add up to the whole loss (gspo's sequence ratio over the kept log-probs
     of both halves), each rank's gradient is its slice of the whole gradient."""
