@@ -159,9 +159,14 @@ def _binary_operands(tl, semantic):
 
         scalars = (tl.float32, tl.float64, tl.float16, tl.bfloat16, tl.int32, tl.int64, tl.int1,
                    tl.uint32, tl.pointer_type(tl.float32), tl.pointer_type(tl.float64))
-        shapes = (([4], [0, 1, 2, 3]), (None, [2]), ([1, 4], [[0, 1, 2, 3]]))
+        # a block and a scalar of each, and for a float and a pointer a block of another
+        # rank too (a broadcast that adds a dimension)
+        shapes = (([4], [0, 1, 2, 3]), (None, [2]))
+        ranked = (tl.float32, tl.pointer_type(tl.float32))
         probes = [tl.tensor(TensorHandle(np.array(v, _get_np_dtype(scalar)), scalar), ty)
-                  for scalar in scalars for shape, v in shapes[:3 if scalar in scalars[::8] else 2]
+                  for scalar in scalars
+                  for shape, v in shapes + ((([1, 4], [[0, 1, 2, 3]]),) if scalar in ranked
+                                            else ())
                   for ty in (tl.block_type(scalar, shape) if shape else scalar,)]
         numbers = (0.5, 0.0, 3, -7, 1e300, 2**31 - 1, 2**31, -2**31 - 1, 2**64, True)
         pairs = [(x, y) for x in probes for y in probes]
