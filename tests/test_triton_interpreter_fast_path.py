@@ -91,9 +91,9 @@ def test_same_bits_as_tritons_own_interpreter(name):
 
 @needs_interpreter
 def test_operands_shortcut_only_where_the_release_agrees():
-    """The shortcut checks the release's rules on its probes before it is put in place: a
-    release that promoted one case differently (here: an integer division in float32) gets
-    none, and Triton's own answers every operand pair."""
+    """The shortcut checks the release's rules on its probes before it is put in place:
+    Triton's own rules get it, a release that promoted one case differently (here: an
+    integer division in float32) gets none."""
     import triton.language as tl
     from triton.runtime import interpreter
 
@@ -102,8 +102,6 @@ def test_operands_shortcut_only_where_the_release_agrees():
     own = semantic.binary_op_type_checking_impl
 
     class Other:
-        builder = semantic.builder
-
         def __getattr__(self, name):
             return getattr(semantic, name)
 

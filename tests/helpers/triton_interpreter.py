@@ -117,6 +117,7 @@ def _binary_operands(tl, semantic):
     half = (tl.float16, tl.bfloat16)
     floats = (tl.float32, tl.float64)
     ints = (tl.int32, tl.int64)
+    numeric = floats + ints
 
     def constant(number, like):
         c = semantic.scalar_constant(number, like.type.scalar)
@@ -129,7 +130,7 @@ def _binary_operands(tl, semantic):
         """Whether a Python number keeps out of the promotion with a tensor of this type."""
         if type(number) is float:
             return scalar in floats
-        return type(number) is int and -2**31 <= number < 2**31 and scalar in floats + ints
+        return type(number) is int and -2**31 <= number < 2**31 and scalar in numeric
 
     def mine(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True,
              div_or_mod=False):
